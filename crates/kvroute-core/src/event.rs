@@ -1,0 +1,147 @@
+//! Normalized KV-cache events: what every engine's wire format decodes into.
+//!
+//! One [`KvEvent`] describes a change to the prefix cache of one worker's
+//! data-parallel rank. Stored blocks carry both hash spaces: the engine's own
+//! [`ExternalHash`] (needed to resolve later parents and removals, which name
+//! blocks only by it) and the router's [`LocalBlockHash`] (which navigates the
+//! index and matches request prompts).
+
+use crate::hash::LocalBlockHash;
+
+/// An engine's own block hash, normalized to 64 bits.
+///
+/// vLLM publishes unsigned hashes, SGLang signed ones (kept as their two's
+/// complement bits), and vLLM with int hashes off publishes digests (the last 8
+/// bytes read big-endian, which equals vLLM's own int form). Opaque to kvroute.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExternalHash(pub u64);
+
+/// Where a cached block lives on its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Tier {
+    /// GPU memory: a hit costs no transfer (`GPU`, or `medium` absent).
+    Device,
+    /// Host memory (`CPU`, `CPU_PINNED`): a hit costs a PCIe transfer.
+    Host,
+    /// Local disk or storage (`DISK`, `STORAGE`).
+    Disk,
+    /// A shared external pool (`EXTERNAL`, e.g. Mooncake).
+    External,
+}
+
+impl Tier {
+    /// Maps an engine's `medium` string (ASCII case ignored); `None` when unknown.
+    pub fn from_medium(medium: &str) -> Option<Tier> {
+        const NAMES: [(&str, Tier); 12] = [
+            ("GPU", Tier::Device),
+            ("DEVICE", Tier::Device),
+            ("CPU", Tier::Host),
+            ("CPU_PINNED", Tier::Host),
+            ("CPU_TIER1", Tier::Host),
+            ("CPU_TIER2", Tier::Disk),
+            ("DISK", Tier::Disk),
+            ("NVME", Tier::Disk),
+            ("STORAGE", Tier::Disk),
+            ("EXTERNAL", Tier::External),
+            ("NETWORK", Tier::External),
+            ("SHARED", Tier::External),
+        ];
+        NAMES
+            .iter()
+            .find(|(name, _)| name.eq_ignore_ascii_case(medium))
+            .map(|&(_, tier)| tier)
+    }
+
+    /// Lower-case name, stable for JSON output and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+            Tier::External => "external",
+        }
+    }
+}
+
+/// One stored block in both hash spaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StoredBlock {
+    /// The engine's hash of the block (resolves parents and removals).
+    pub external: ExternalHash,
+    /// The router's hash of the block's tokens and namespace (navigates the index).
+    pub local: LocalBlockHash,
+}
+
+/// Blocks newly cached on a worker, in chain order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stored {
+    /// The engine hash of the block before `blocks[0]`; `None` when the chain starts here.
+    pub parent: Option<ExternalHash>,
+    /// The stored blocks, in order; each one's parent is the one before it.
+    pub blocks: Vec<StoredBlock>,
+    /// Where the blocks live.
+    pub tier: Tier,
+    /// The LoRA adapter the blocks belong to (part of the local hash seed).
+    pub lora_name: Option<String>,
+    /// The tenant cache salt (part of the local hash seed); explicit on the event,
+    /// found in vLLM `extra_keys`, or inherited from a salted parent block.
+    pub cache_salt: Option<String>,
+    /// Tokens after each block that its local hash also covers: 1 for SGLang
+    /// EAGLE (bigram) events, L for vLLM lookahead hashing, 0 otherwise. The
+    /// request side must hash prompts for this worker with the same window.
+    pub lookahead: u32,
+    /// Hashes of the event that were not kept, because the event's block size
+    /// differs from the worker's or its token list ran short.
+    pub dropped_blocks: u32,
+    /// The folded token ids of the kept blocks, only when the decoder was asked
+    /// to keep them (debugging; the hot path never builds this list).
+    pub token_ids: Option<Vec<u32>>,
+}
+
+/// Blocks evicted from one tier of a worker.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Removed {
+    /// Engine hashes of the evicted blocks.
+    pub blocks: Vec<ExternalHash>,
+    /// The tier they were evicted from.
+    pub tier: Tier,
+}
+
+/// A change to one (worker, data-parallel rank)'s prefix cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// Blocks were cached.
+    Stored(Stored),
+    /// Blocks were evicted.
+    Removed(Removed),
+    /// Every block of this rank was dropped (cache reset).
+    Cleared,
+}
+
+impl KvEvent {
+    /// `"stored"`, `"removed"` or `"cleared"`.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            KvEvent::Stored(_) => "stored",
+            KvEvent::Removed(_) => "removed",
+            KvEvent::Cleared => "cleared",
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mediums_map_to_tiers_ignoring_case() {
+        assert_eq!(Tier::from_medium("GPU"), Some(Tier::Device));
+        assert_eq!(Tier::from_medium("cpu"), Some(Tier::Host));
+        assert_eq!(Tier::from_medium("CPU_PINNED"), Some(Tier::Host));
+        assert_eq!(Tier::from_medium("DISK"), Some(Tier::Disk));
+        assert_eq!(Tier::from_medium("STORAGE"), Some(Tier::Disk));
+        assert_eq!(Tier::from_medium("EXTERNAL"), Some(Tier::External));
+        assert_eq!(Tier::from_medium("FS"), None);
+        assert_eq!(Tier::from_medium(""), None);
+    }
+}

@@ -1,0 +1,493 @@
+//! From an event's raw fields to a [`KvEvent`]: types checked, tier and
+//! placement filters applied, local block hashes computed.
+//!
+//! Token ids are read from the payload one at a time, folded, and written into
+//! the block hasher's reused buffer, so the common path builds no token list.
+
+use std::sync::Arc;
+
+use super::event::Fields;
+use super::msgpack::{Int, Kind, ReadError, Reader};
+use super::{Scratch, SkipReason, Skipped, StreamDecoder};
+use crate::event::{ExternalHash, KvEvent, Removed, Stored, StoredBlock, Tier};
+use crate::hash::{mm_hash_from_identifier, namespace_seed, LocalBlockHash};
+use crate::tokens::fold_token_id;
+
+/// KV-cache group kinds whose blocks describe the main attention cache.
+const ATTENTION_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+
+type Outcome<T> = Result<T, Skipped>;
+
+fn skip(reason: SkipReason, detail: impl Into<String>) -> Skipped {
+    Skipped {
+        reason,
+        detail: detail.into(),
+    }
+}
+
+fn missing(field: &str) -> Skipped {
+    skip(SkipReason::MissingField, format!("`{field}` is required"))
+}
+
+fn invalid(field: &str, e: ReadError) -> Skipped {
+    skip(SkipReason::InvalidField, format!("`{field}`: {e}"))
+}
+
+/// Reads an optional string field: absent, nil and "" are all `None`.
+fn opt_str<'a>(bytes: Option<&'a [u8]>, field: &str) -> Outcome<Option<&'a str>> {
+    let Some(bytes) = bytes else { return Ok(None) };
+    let mut r = Reader::new(bytes);
+    if r.eat_nil() {
+        return Ok(None);
+    }
+    let s = r.read_str().map_err(|e| invalid(field, e))?;
+    Ok(Some(s).filter(|s| !s.is_empty()))
+}
+
+/// Reads an optional non-negative integer below 2^32.
+fn opt_u32(bytes: Option<&[u8]>, field: &str) -> Outcome<Option<u32>> {
+    let Some(bytes) = bytes else { return Ok(None) };
+    let mut r = Reader::new(bytes);
+    if r.eat_nil() {
+        return Ok(None);
+    }
+    r.read_u32().map(Some).map_err(|e| invalid(field, e))
+}
+
+/// Reads one engine hash: unsigned, negative (two's complement) or a digest.
+fn read_hash(r: &mut Reader<'_>) -> Result<ExternalHash, ReadError> {
+    if r.peek_kind()? == Kind::Bin {
+        let offset = r.position();
+        let digest = r.read_bin()?;
+        // vLLM's int form of a digest is its last 8 bytes read big-endian.
+        let tail = digest.len().checked_sub(8).map(|start| &digest[start..]);
+        return match tail.and_then(|t| <[u8; 8]>::try_from(t).ok()) {
+            Some(tail) => Ok(ExternalHash(u64::from_be_bytes(tail))),
+            None => Err(ReadError::Range {
+                offset,
+                value: Int::Unsigned(digest.len() as u64),
+                expected: "a digest of at least 8 bytes",
+            }),
+        };
+    }
+    Ok(match r.read_int()? {
+        Int::Unsigned(v) => ExternalHash(v),
+        Int::Negative(v) => ExternalHash(v as u64),
+    })
+}
+
+/// An array field: its reader positioned after the header, and its length.
+fn array<'a>(bytes: &'a [u8], field: &str) -> Outcome<(Reader<'a>, usize)> {
+    let mut r = Reader::new(bytes);
+    let len = r.read_array_len().map_err(|e| invalid(field, e))?;
+    Ok((r, len))
+}
+
+impl StreamDecoder {
+    /// Interprets one gathered event.
+    pub(super) fn normalize(&mut self, fields: &Fields<'_>) -> Outcome<KvEvent> {
+        if let Some(kind) = fields.not_an_event {
+            return Err(skip(
+                SkipReason::NotAnEvent,
+                format!("event is a msgpack {}, not a map or array", kind.name()),
+            ));
+        }
+        let tag = fields.tag.ok_or_else(|| missing("type"))?;
+        let tag = Reader::new(tag)
+            .read_str()
+            .map_err(|e| invalid("type", e))?;
+        match tag {
+            "BlockStored" => self.stored(fields).map(KvEvent::Stored),
+            "BlockRemoved" => self.removed(fields).map(KvEvent::Removed),
+            "AllBlocksCleared" => {
+                check_ownership(fields)?;
+                self.memory.salts.clear();
+                Ok(KvEvent::Cleared)
+            }
+            other => Err(skip(
+                SkipReason::UnknownType,
+                format!("event type {other:?}"),
+            )),
+        }
+    }
+
+    fn removed(&mut self, f: &Fields<'_>) -> Outcome<Removed> {
+        let (mut r, len) = array(
+            f.block_hashes.ok_or_else(|| missing("block_hashes"))?,
+            "block_hashes",
+        )?;
+        let tier = tier(f.medium)?;
+        self.check_placement(f)?;
+        let mut blocks = Vec::with_capacity(len.min(r.remaining()));
+        for i in 0..len {
+            let hash = read_hash(&mut r).map_err(|e| invalid(&format!("block_hashes[{i}]"), e))?;
+            blocks.push(hash);
+        }
+        if !self.memory.salts.is_empty() {
+            for hash in &blocks {
+                self.memory.salts.remove(&hash.0);
+            }
+        }
+        Ok(Removed { blocks, tier })
+    }
+
+    fn stored(&mut self, f: &Fields<'_>) -> Outcome<Stored> {
+        let hashes = f.block_hashes.ok_or_else(|| missing("block_hashes"))?;
+        let tokens = f.token_ids.ok_or_else(|| missing("token_ids"))?;
+        let block_size = f.block_size.ok_or_else(|| missing("block_size"))?;
+        let block_size = Reader::new(block_size)
+            .read_u32()
+            .map_err(|e| invalid("block_size", e))?;
+        if block_size == 0 {
+            return Err(skip(SkipReason::InvalidField, "`block_size` is 0"));
+        }
+        let tier = tier(f.medium)?;
+        self.check_placement(f)?;
+        let lora_name = opt_str(f.lora_name, "lora_name")?;
+        let explicit_salt = opt_str(f.cache_salt, "cache_salt")?;
+        let parent = match f.parent_block_hash {
+            None => None,
+            Some(bytes) => {
+                let mut r = Reader::new(bytes);
+                if r.eat_nil() {
+                    None
+                } else {
+                    Some(read_hash(&mut r).map_err(|e| invalid("parent_block_hash", e))?)
+                }
+            }
+        };
+
+        let (mut r, count) = array(hashes, "block_hashes")?;
+        let mut blocks = Vec::with_capacity(count.min(r.remaining()));
+        for i in 0..count {
+            let external =
+                read_hash(&mut r).map_err(|e| invalid(&format!("block_hashes[{i}]"), e))?;
+            blocks.push(StoredBlock {
+                external,
+                local: LocalBlockHash(0),
+            });
+        }
+        self.check_no_repeats(&blocks, parent)?;
+
+        if let Some(expected) = self.config.block_size {
+            if expected != block_size {
+                return Err(skip(
+                    SkipReason::BlockSizeMismatch,
+                    format!("event block_size {block_size}, worker block size {expected}"),
+                ));
+            }
+        }
+
+        let extra_salt = self.read_extra_keys(f.extra_keys, lora_name, count)?;
+        let inherited_salt = match (explicit_salt.or(extra_salt), parent) {
+            (None, Some(parent)) => self.memory.salts.get(&parent.0).cloned(),
+            _ => None,
+        };
+        let cache_salt = explicit_salt.or(extra_salt).or(inherited_salt.as_deref());
+        let seed = namespace_seed(lora_name, cache_salt);
+
+        let (kept, lookahead, token_ids) =
+            self.hash_blocks(&mut blocks, tokens, f.lookahead_token_ids, block_size, seed)?;
+        let dropped_blocks = u32::try_from(blocks.len() - kept).unwrap_or(u32::MAX);
+        if kept == 0 && !blocks.is_empty() {
+            return Err(skip(
+                SkipReason::TooFewTokens,
+                format!(
+                    "{} block(s) of {block_size} need more token ids than the event carries",
+                    blocks.len()
+                ),
+            ));
+        }
+        blocks.truncate(kept);
+
+        let cache_salt = cache_salt.map(str::to_owned);
+        if let Some(salt) = &cache_salt {
+            self.remember_salt(&blocks, salt);
+        }
+        Ok(Stored {
+            parent,
+            blocks,
+            tier,
+            lora_name: lora_name.map(str::to_owned),
+            cache_salt,
+            lookahead,
+            dropped_blocks,
+            token_ids,
+        })
+    }
+
+    /// Rejects a store that names a block twice or names its own parent: applying
+    /// it would create a cycle in the worker's chain.
+    fn check_no_repeats(
+        &mut self,
+        blocks: &[StoredBlock],
+        parent: Option<ExternalHash>,
+    ) -> Outcome<()> {
+        let sorted = &mut self.scratch.sorted_hashes;
+        sorted.clear();
+        sorted.extend(blocks.iter().map(|b| b.external.0));
+        sorted.extend(parent.map(|p| p.0));
+        sorted.sort_unstable();
+        match sorted.windows(2).find(|w| w[0] == w[1]) {
+            Some(w) => Err(skip(
+                SkipReason::RepeatedHash,
+                format!("hash {} appears twice (or as its own parent)", w[0]),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Computes each block's local hash from the token ids in the payload.
+    ///
+    /// Returns how many leading blocks had all their tokens, the lookahead
+    /// width, and the folded tokens when the config asks to keep them.
+    fn hash_blocks(
+        &mut self,
+        blocks: &mut [StoredBlock],
+        tokens: &[u8],
+        lookahead_tokens: Option<&[u8]>,
+        block_size: u32,
+        seed: u64,
+    ) -> Outcome<(usize, u32, Option<Vec<u32>>)> {
+        let (mut r, len) = array(tokens, "token_ids")?;
+        let bigram = len > 0 && r.peek_kind() == Ok(Kind::Array);
+        let mut lookahead_reader = match lookahead_tokens {
+            Some(bytes) if bytes != [0xc0] => Some(array(bytes, "lookahead_token_ids")?),
+            _ => None,
+        };
+        let bs = block_size as usize;
+        let kept = blocks.len().min(len / bs);
+        let mut kept_tokens = self
+            .config
+            .keep_tokens
+            .then(|| Vec::with_capacity(kept * bs + 1));
+        let mut lookahead = u32::from(bigram);
+        let mut position = 0usize;
+        for (b, block) in blocks.iter_mut().take(kept).enumerate() {
+            for j in 0..bs {
+                let field = || format!("token_ids[{position}]");
+                if bigram {
+                    let pair_len = r.read_array_len().map_err(|e| invalid(&field(), e))?;
+                    if pair_len < 2 {
+                        return Err(skip(
+                            SkipReason::InvalidField,
+                            format!("`{}`: a bigram pair needs 2 ids", field()),
+                        ));
+                    }
+                    let first = fold_token_id(r.read_u64().map_err(|e| invalid(&field(), e))?);
+                    let second = fold_token_id(r.read_u64().map_err(|e| invalid(&field(), e))?);
+                    for _ in 2..pair_len {
+                        r.skip_value().map_err(|e| invalid(&field(), e))?;
+                    }
+                    self.hasher.push_token(first);
+                    if let Some(t) = kept_tokens.as_mut() {
+                        t.push(first);
+                    }
+                    if j + 1 == bs {
+                        // The window's last id is the pair's second: the next block's first id.
+                        self.hasher.push_token(second);
+                        if b + 1 == kept {
+                            if let Some(t) = kept_tokens.as_mut() {
+                                t.push(second);
+                            }
+                        }
+                    }
+                } else {
+                    let token = fold_token_id(r.read_u64().map_err(|e| invalid(&field(), e))?);
+                    self.hasher.push_token(token);
+                    if let Some(t) = kept_tokens.as_mut() {
+                        t.push(token);
+                    }
+                }
+                position += 1;
+            }
+            if let Some((lr, lookahead_len)) = lookahead_reader.as_mut() {
+                if b >= *lookahead_len {
+                    return Err(skip(
+                        SkipReason::InvalidField,
+                        format!("`lookahead_token_ids` has no entry for block {b}"),
+                    ));
+                }
+                let field = || format!("lookahead_token_ids[{b}]");
+                let n = lr.read_array_len().map_err(|e| invalid(&field(), e))?;
+                for _ in 0..n {
+                    let token = fold_token_id(lr.read_u64().map_err(|e| invalid(&field(), e))?);
+                    self.hasher.push_token(token);
+                }
+                lookahead = u32::try_from(n).unwrap_or(u32::MAX);
+            }
+            self.push_block_mm_hashes(b);
+            block.local = self.hasher.finish(seed);
+        }
+        Ok((kept, lookahead, kept_tokens))
+    }
+
+    /// Appends block `b`'s multimodal item hashes, sorted, to the hash input.
+    fn push_block_mm_hashes(&mut self, b: usize) {
+        let Scratch {
+            mm_hashes,
+            mm_ends,
+            mm_block,
+            ..
+        } = &mut self.scratch;
+        let start = if b == 0 {
+            0
+        } else {
+            mm_ends.get(b - 1).copied().unwrap_or(mm_hashes.len())
+        };
+        let end = mm_ends.get(b).copied().unwrap_or(mm_hashes.len());
+        if start >= end {
+            return;
+        }
+        mm_block.clear();
+        mm_block.extend_from_slice(&mm_hashes[start..end]);
+        mm_block.sort_unstable();
+        for &h in mm_block.iter() {
+            self.hasher.push_mm_hash(h);
+        }
+    }
+
+    /// Reads vLLM `extra_keys` (one entry per block) into the scratch item lists
+    /// and returns the cache salt found on the first block, if any.
+    ///
+    /// An entry's items are untagged: the LoRA name (skipped), `[identifier,
+    /// offset]` pairs for multimodal items, a bare 64-hex identifier (older
+    /// releases), the cache salt (a string on the first block only) and digests
+    /// of prompt embeddings (ignored).
+    fn read_extra_keys<'a>(
+        &mut self,
+        bytes: Option<&'a [u8]>,
+        lora_name: Option<&str>,
+        blocks: usize,
+    ) -> Outcome<Option<&'a str>> {
+        self.scratch.mm_hashes.clear();
+        self.scratch.mm_ends.clear();
+        let Some(bytes) = bytes else { return Ok(None) };
+        let mut r = Reader::new(bytes);
+        if r.eat_nil() {
+            return Ok(None);
+        }
+        let entries = r.read_array_len().map_err(|e| invalid("extra_keys", e))?;
+        let mut salt = None;
+        for b in 0..entries {
+            let field = || format!("extra_keys[{b}]");
+            if b >= blocks {
+                r.skip_value().map_err(|e| invalid(&field(), e))?;
+                continue;
+            }
+            if !r.eat_nil() {
+                let items = r.read_array_len().map_err(|e| invalid(&field(), e))?;
+                let mut lora_seen = false;
+                for _ in 0..items {
+                    match r.peek_kind().map_err(|e| invalid(&field(), e))? {
+                        Kind::Str => {
+                            let s = r.read_str().map_err(|e| invalid(&field(), e))?;
+                            if !lora_seen && Some(s) == lora_name {
+                                lora_seen = true;
+                            } else if s.len() == 64 && s.bytes().all(|c| c.is_ascii_hexdigit()) {
+                                self.scratch.mm_hashes.push(mm_hash_from_identifier(s));
+                            } else if b == 0 && salt.is_none() {
+                                salt = Some(s).filter(|s| !s.is_empty());
+                            }
+                        }
+                        Kind::Array => {
+                            let n = r.read_array_len().map_err(|e| invalid(&field(), e))?;
+                            let mut rest = n;
+                            if n > 0 && r.peek_kind() == Ok(Kind::Str) {
+                                let id = r.read_str().map_err(|e| invalid(&field(), e))?;
+                                self.scratch.mm_hashes.push(mm_hash_from_identifier(id));
+                                rest -= 1;
+                            }
+                            for _ in 0..rest {
+                                r.skip_value().map_err(|e| invalid(&field(), e))?;
+                            }
+                        }
+                        _ => r.skip_value().map_err(|e| invalid(&field(), e))?,
+                    }
+                }
+            }
+            self.scratch.mm_ends.push(self.scratch.mm_hashes.len());
+        }
+        Ok(salt)
+    }
+
+    /// Remembers the salt of salted blocks so that child stores inherit it.
+    fn remember_salt(&mut self, blocks: &[StoredBlock], salt: &str) {
+        let salts = &mut self.memory.salts;
+        if salts.len() + blocks.len() > self.config.max_salted_blocks {
+            return;
+        }
+        let salt: Arc<str> = match blocks.first().and_then(|b| salts.get(&b.external.0)) {
+            Some(existing) if &**existing == salt => existing.clone(),
+            _ => Arc::from(salt),
+        };
+        for block in blocks {
+            salts.insert(block.external.0, salt.clone());
+        }
+    }
+
+    /// Drops events about blocks that are not this engine's own main-attention
+    /// cache: other localities, secondary owners, non-attention KV-cache groups.
+    fn check_placement(&mut self, f: &Fields<'_>) -> Outcome<()> {
+        if let Some(locality) = opt_str(f.locality, "locality")? {
+            if !locality.eq_ignore_ascii_case("LOCAL") {
+                return Err(skip(SkipReason::NonLocal, format!("locality {locality:?}")));
+            }
+        }
+        check_ownership(f)?;
+        let group = opt_u32(f.group_idx, "group_idx")?;
+        match opt_str(f.kv_cache_spec_kind, "kv_cache_spec_kind")? {
+            Some(kind) => {
+                let is_attention = ATTENTION_KINDS.contains(&kind);
+                self.memory
+                    .group_is_attention
+                    .insert(group.unwrap_or(0), is_attention);
+                if !is_attention {
+                    return Err(skip(
+                        SkipReason::NonAttentionGroup,
+                        format!("kv_cache_spec_kind {kind:?}"),
+                    ));
+                }
+            }
+            None => match group {
+                Some(group) => match self.memory.group_is_attention.get(&group) {
+                    Some(true) => {}
+                    Some(false) => {
+                        return Err(skip(
+                            SkipReason::NonAttentionGroup,
+                            format!("group_idx {group} is not attention"),
+                        ))
+                    }
+                    None if group == 0 => {}
+                    None => {
+                        return Err(skip(
+                            SkipReason::UnlearnedGroup,
+                            format!("group_idx {group} has no known kind"),
+                        ))
+                    }
+                },
+                None => {}
+            },
+        }
+        Ok(())
+    }
+}
+
+fn check_ownership(f: &Fields<'_>) -> Outcome<()> {
+    match opt_str(f.ownership, "ownership")? {
+        Some(owner) => Err(skip(
+            SkipReason::ForeignOwnership,
+            format!("ownership {owner:?}"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// Maps `medium` to a tier: absent, nil or empty means the device.
+fn tier(medium: Option<&[u8]>) -> Outcome<Tier> {
+    match opt_str(medium, "medium")? {
+        None => Ok(Tier::Device),
+        Some(m) => Tier::from_medium(m)
+            .ok_or_else(|| skip(SkipReason::UnknownMedium, format!("medium {m:?}"))),
+    }
+}

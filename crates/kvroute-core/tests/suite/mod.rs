@@ -1,0 +1,4 @@
+//! Test modules: golden payloads, hand-built cases, properties, robustness.
+
+mod common;
+mod golden;
