@@ -2,3 +2,6 @@
 
 mod common;
 mod golden;
+mod hand_built;
+mod properties;
+mod robustness;
