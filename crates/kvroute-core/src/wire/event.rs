@@ -100,14 +100,7 @@ fn gather_map<'a>(r: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<(), Rea
     let entries = r.read_map_len()?;
     for _ in 0..entries {
         // msgspec never writes non-string keys; skip any such entry whole.
-        let key = if r.peek_kind()? == Kind::Str {
-            r.read_str().ok()
-        } else {
-            None
-        };
-        if key.is_none() {
-            r.skip_value()?;
-        }
+        let key = r.read_key()?;
         let value = r.value_bytes()?;
         let target = match key {
             Some("type") => &mut fields.tag,

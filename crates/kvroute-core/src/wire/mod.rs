@@ -304,8 +304,8 @@ impl StreamDecoder {
             return Err(EnvelopeError::TooShort { len });
         }
         let ts = read_ts(r)?;
-        let mut batch = self.decode_events(r, ts)?;
-        if len >= 3 && batch.lost_events == 0 {
+        let (mut batch, cut) = self.decode_events(r, ts)?;
+        if len >= 3 && !cut {
             if let Some(rank) = read_rank(r)? {
                 batch.dp_rank = rank;
             }
@@ -319,20 +319,13 @@ impl StreamDecoder {
         let mut rank = None;
         let mut batch = None;
         for _ in 0..entries {
-            let key = match r.peek_kind() {
-                Ok(Kind::Str) => r.read_str().ok(),
-                _ => None,
-            };
-            if key.is_none() {
-                r.skip_value().map_err(malformed)?;
-            }
+            let key = r.read_key().map_err(malformed)?;
             match key {
                 Some("ts") => ts = read_ts(r)?,
                 Some("events") => {
-                    let decoded = self.decode_events(r, None)?;
-                    let broken = decoded.lost_events > 0;
+                    let (decoded, cut) = self.decode_events(r, None)?;
                     batch = Some(decoded);
-                    if broken {
+                    if cut {
                         break;
                     }
                 }
@@ -350,14 +343,14 @@ impl StreamDecoder {
         Ok(batch)
     }
 
-    /// Decodes the `events` array at the reader, leaving the reader after it
-    /// unless an event's bytes are cut or corrupt (then `lost_events` says how
-    /// many declared events could not be reached).
+    /// Decodes the `events` array at the reader and leaves the reader after it.
+    /// Returns true as well when an event's bytes are cut or corrupt: the reader
+    /// is then lost, and `lost_events` says how many declared events it missed.
     fn decode_events(
         &mut self,
         r: &mut Reader<'_>,
         ts: Option<f64>,
-    ) -> Result<DecodedBatch, EnvelopeError> {
+    ) -> Result<(DecodedBatch, bool), EnvelopeError> {
         let count = match r.read_array_len() {
             Ok(count) => count,
             Err(ReadError::Type { found, .. }) => {
@@ -370,6 +363,7 @@ impl StreamDecoder {
         // Every event takes at least one byte: never reserve past the payload.
         let mut events = Vec::with_capacity(count.min(r.remaining()));
         let mut lost_events = 0;
+        let mut cut = false;
         for index in 0..count {
             let index = u32::try_from(index).unwrap_or(u32::MAX);
             match event::gather(r) {
@@ -389,16 +383,18 @@ impl StreamDecoder {
                     lost_events = u32::try_from(count)
                         .unwrap_or(u32::MAX)
                         .saturating_sub(index + 1);
+                    cut = true;
                     break;
                 }
             }
         }
-        Ok(DecodedBatch {
+        let batch = DecodedBatch {
             ts,
             dp_rank: self.config.registered_rank,
             events,
             lost_events,
-        })
+        };
+        Ok((batch, cut))
     }
 }
 
@@ -425,11 +421,19 @@ fn read_rank(r: &mut Reader<'_>) -> Result<Option<u32>, EnvelopeError> {
     if r.eat_nil() {
         return Ok(None);
     }
-    match r.read_u32() {
-        Ok(rank) => Ok(Some(rank)),
+    let mut probe = r.clone();
+    match probe.read_u32() {
+        Ok(rank) => {
+            *r = probe;
+            Ok(Some(rank))
+        }
         Err(e) if e.is_structural() => Err(malformed(e)),
-        Err(e) => Err(EnvelopeError::BadRank {
-            detail: e.to_string(),
-        }),
+        Err(e) => match r.skip_value() {
+            // A wrong type whose own bytes are cut is a cut payload, not a bad rank.
+            Err(cut) => Err(malformed(cut)),
+            Ok(()) => Err(EnvelopeError::BadRank {
+                detail: e.to_string(),
+            }),
+        },
     }
 }

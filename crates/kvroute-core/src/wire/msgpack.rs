@@ -309,6 +309,20 @@ impl<'a> Reader<'a> {
         std::str::from_utf8(bytes).map_err(|_| ReadError::Utf8 { offset })
     }
 
+    /// Reads a map key: `Some` for a UTF-8 string, `None` (with the key skipped)
+    /// for any other well-formed value, an error only when the payload is broken.
+    pub(crate) fn read_key(&mut self) -> Result<Option<&'a str>> {
+        let mut probe = self.clone();
+        match probe.read_str() {
+            Ok(key) => {
+                *self = probe;
+                Ok(Some(key))
+            }
+            Err(e) if e.is_structural() => Err(e),
+            Err(_) => self.skip_value().map(|()| None),
+        }
+    }
+
     /// Reads a bin borrowed from the payload.
     pub(crate) fn read_bin(&mut self) -> Result<&'a [u8]> {
         let offset = self.pos;
