@@ -1,0 +1,3 @@
+//! One module per subcommand: turn arguments into a call of the core or server.
+
+pub mod inspect;

@@ -1,0 +1,117 @@
+//! `kvroute inspect` as a user runs it: the real binary on golden payloads.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn fixture(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../kvroute-core/tests/fixtures")
+        .join(name)
+}
+
+fn inspect(args: &[&str]) -> (i32, Vec<Value>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .arg("inspect")
+        .args(args)
+        .output()
+        .expect("kvroute runs");
+    let stdout = String::from_utf8(out.stdout).expect("utf-8 stdout");
+    let lines = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("each line is JSON"))
+        .collect();
+    (
+        out.status.code().unwrap_or(-1),
+        lines,
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn inspect_prints_one_json_line_per_event_of_a_wide_pad_batch() {
+    let path = fixture("sglang_0.5.23_wide_mm_pad.hex");
+    let (code, lines, _) = inspect(&[
+        "--hex",
+        path.to_str().expect("utf-8 path"),
+        "--block-size",
+        "16",
+        "--tokens",
+    ]);
+    assert_eq!(code, 0);
+    assert_eq!(lines.len(), 1);
+    let event = &lines[0];
+    assert_eq!(event["kind"], "stored");
+    assert_eq!(event["dp_rank"], 0);
+    assert_eq!(event["tier"], "device");
+    assert_eq!(
+        event["block_hashes"][0].as_u64(),
+        Some(-2104976472952425150i64 as u64)
+    );
+    assert_eq!(event["local_hashes"][3].as_u64(), Some(3407184178956116715));
+    // The first wide pad id, folded into the image pad range.
+    assert_eq!(
+        event["token_ids"][16].as_u64(),
+        Some(1_000_000 + (4347295146520627095u64 & ((1 << 30) - 1)))
+    );
+}
+
+#[test]
+fn inspect_reports_every_event_kind_and_omits_tokens_by_default() {
+    let path = fixture("vllm_0.33.0_lookahead_cpu_removed_cleared.hex");
+    let (code, lines, _) = inspect(&[
+        "--hex",
+        path.to_str().expect("utf-8 path"),
+        "--block-size",
+        "16",
+    ]);
+    assert_eq!(code, 0);
+    let kinds: Vec<&str> = lines
+        .iter()
+        .map(|l| l["kind"].as_str().expect("kind"))
+        .collect();
+    assert_eq!(
+        kinds,
+        ["stored", "stored", "removed", "removed", "removed", "cleared"]
+    );
+    assert_eq!(lines[1]["tier"], "host");
+    assert!(lines.iter().all(|l| l.get("token_ids").is_none()));
+}
+
+#[test]
+fn inspect_reports_skipped_events_with_their_reason() {
+    let path = fixture("vllm_0.33.0_text_chain.hex");
+    let (code, lines, _) = inspect(&[
+        "--hex",
+        path.to_str().expect("utf-8 path"),
+        "--block-size",
+        "32",
+    ]);
+    assert_eq!(
+        code, 0,
+        "an envelope that decodes exits 0 even when events are skipped"
+    );
+    assert!(lines.iter().all(|l| l["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("block_size_mismatch"))));
+}
+
+#[test]
+fn inspect_fails_clearly_on_an_unreadable_envelope() {
+    let dir = std::env::temp_dir().join(format!("kvroute-inspect-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let raw = dir.join("int.raw");
+    std::fs::write(&raw, [0x05]).expect("write");
+    let (code, lines, stderr) = inspect(&["--raw", raw.to_str().expect("utf-8 path")]);
+    assert_ne!(code, 0);
+    assert!(lines.is_empty());
+    assert!(stderr.contains("not a batch"), "{stderr}");
+
+    let hex = dir.join("odd.hex");
+    std::fs::write(&hex, "# comment\nabc\n").expect("write");
+    let (code, _, stderr) = inspect(&["--hex", hex.to_str().expect("utf-8 path")]);
+    assert_ne!(code, 0);
+    assert!(stderr.contains("odd number"), "{stderr}");
+    std::fs::remove_dir_all(&dir).ok();
+}
