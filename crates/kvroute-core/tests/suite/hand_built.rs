@@ -6,14 +6,27 @@ use super::common::mp;
 use kvroute_core::event::{ExternalHash, KvEvent, Stored, Tier};
 use kvroute_core::hash::{local_block_hashes, namespace_seed, HASH_SEED};
 use kvroute_core::tokens::fold_token_id;
-use kvroute_core::wire::{decode_batch, DecodedBatch, DecoderConfig, EnvelopeError, SkipReason, StreamDecoder};
+use kvroute_core::wire::{
+    decode_batch, DecodedBatch, DecoderConfig, EnvelopeError, SkipReason, StreamDecoder,
+};
 
 fn config(block_size: u32) -> DecoderConfig {
-    DecoderConfig { block_size: Some(block_size), keep_tokens: true, ..Default::default() }
+    DecoderConfig {
+        block_size: Some(block_size),
+        keep_tokens: true,
+        ..Default::default()
+    }
 }
 
 /// A map `BlockStored` with the given extra entries after the required ones.
-fn stored_map(out: &mut Vec<u8>, hashes: &[u64], parent: Option<u64>, tokens: &[u64], block_size: u64, extra: &[(&str, &dyn Fn(&mut Vec<u8>))]) {
+fn stored_map(
+    out: &mut Vec<u8>,
+    hashes: &[u64],
+    parent: Option<u64>,
+    tokens: &[u64],
+    block_size: u64,
+    extra: &[(&str, &dyn Fn(&mut Vec<u8>))],
+) {
     mp::map(out, 5 + extra.len());
     mp::str(out, "type");
     mp::str(out, "BlockStored");
@@ -83,12 +96,20 @@ fn locals(s: &Stored) -> Vec<u64> {
 }
 
 fn reference(tokens: &[u32], bs: usize, lookahead: usize) -> Vec<u64> {
-    local_block_hashes(tokens, bs, HASH_SEED, lookahead).iter().map(|h| h.0).collect()
+    local_block_hashes(tokens, bs, HASH_SEED, lookahead)
+        .iter()
+        .map(|h| h.0)
+        .collect()
 }
 
 #[test]
 fn ids_on_both_sides_of_the_u32_boundary_fold_exactly() {
-    let wide = [u32::MAX as u64, u32::MAX as u64 + 1, (1 << 62) + 1_000_000, 7];
+    let wide = [
+        u32::MAX as u64,
+        u32::MAX as u64 + 1,
+        (1 << 62) + 1_000_000,
+        7,
+    ];
     let payload = batch(&[one_stored(&[1], &wide, 4)], Some(0));
     let b = decode_batch(&payload, &config(4)).expect("envelope");
     let s = stored(&b, 0);
@@ -99,7 +120,20 @@ fn ids_on_both_sides_of_the_u32_boundary_fold_exactly() {
 
 #[test]
 fn u32_ids_hash_byte_identically_to_the_unfolded_computation() {
-    let tokens: Vec<u64> = vec![0, 1, 127, 128, 255, 256, 65535, 65536, 151655, u32::MAX as u64, 3, 9];
+    let tokens: Vec<u64> = vec![
+        0,
+        1,
+        127,
+        128,
+        255,
+        256,
+        65535,
+        65536,
+        151655,
+        u32::MAX as u64,
+        3,
+        9,
+    ];
     let payload = batch(&[one_stored(&[10, 11, 12], &tokens, 4)], Some(0));
     let b = decode_batch(&payload, &config(4)).expect("envelope");
     let raw: Vec<u32> = tokens.iter().map(|&t| t as u32).collect();
@@ -158,21 +192,35 @@ fn one_bad_event_between_two_good_ones_costs_only_itself() {
     assert_eq!(skip_reason(&b, 1), SkipReason::InvalidField);
     let detail = &b.events[1].outcome.as_ref().expect_err("skipped").detail;
     assert!(detail.contains("token_ids[1]"), "{detail}");
-    assert_eq!(b.events[2].outcome, Ok(KvEvent::Removed(kvroute_core::event::Removed { blocks: vec![ExternalHash(1)], tier: Tier::Device })));
+    assert_eq!(
+        b.events[2].outcome,
+        Ok(KvEvent::Removed(kvroute_core::event::Removed {
+            blocks: vec![ExternalHash(1)],
+            tier: Tier::Device
+        }))
+    );
     assert_eq!(b.skipped().count(), 1);
 }
 
 #[test]
 fn map_and_two_element_envelopes_give_the_same_events() {
     let event = one_stored(&[5, 6], &[1, 2, 3, 4, 5, 6, 7, 8], 4);
-    let three = decode_batch(&batch(std::slice::from_ref(&event), Some(2)), &config(4)).expect("3-element");
+    let three =
+        decode_batch(&batch(std::slice::from_ref(&event), Some(2)), &config(4)).expect("3-element");
 
     let mut two = Vec::new();
     mp::array(&mut two, 2);
     mp::f64(&mut two, 1.5);
     mp::array(&mut two, 1);
     two.extend_from_slice(&event);
-    let two = decode_batch(&two, &DecoderConfig { registered_rank: 2, ..config(4) }).expect("2-element");
+    let two = decode_batch(
+        &two,
+        &DecoderConfig {
+            registered_rank: 2,
+            ..config(4)
+        },
+    )
+    .expect("2-element");
 
     let mut map = Vec::new();
     mp::map(&mut map, 3);
@@ -224,7 +272,17 @@ fn trailing_fields_are_ignored_everywhere() {
     assert_eq!(b.dp_rank, 1);
     // Unknown keys in a map event are skipped too.
     let mut m = Vec::new();
-    stored_map(&mut m, &[9], None, &[1, 2, 3, 4], 4, &[("session_id", &|o: &mut Vec<u8>| mp::str(o, "s")), ("future", &|o: &mut Vec<u8>| mp::uints(o, &[1, 2]))]);
+    stored_map(
+        &mut m,
+        &[9],
+        None,
+        &[1, 2, 3, 4],
+        4,
+        &[
+            ("session_id", &|o: &mut Vec<u8>| mp::str(o, "s")),
+            ("future", &|o: &mut Vec<u8>| mp::uints(o, &[1, 2])),
+        ],
+    );
     let b2 = decode_batch(&batch(&[m], Some(1)), &config(4)).expect("envelope");
     assert_eq!(locals(stored(&b2, 0)), locals(s));
 }
@@ -272,7 +330,11 @@ fn unknown_types_are_skipped_and_counted() {
     mp::str(&mut e, "BlockUpdated");
     let mut not_event = Vec::new();
     mp::uint(&mut not_event, 5);
-    let b = decode_batch(&batch(&[e, not_event, one_stored(&[1], &[1, 2, 3, 4], 4)], None), &config(4)).expect("envelope");
+    let b = decode_batch(
+        &batch(&[e, not_event, one_stored(&[1], &[1, 2, 3, 4], 4)], None),
+        &config(4),
+    )
+    .expect("envelope");
     assert_eq!(skip_reason(&b, 0), SkipReason::UnknownType);
     assert!(!SkipReason::UnknownType.is_error());
     assert_eq!(skip_reason(&b, 1), SkipReason::NotAnEvent);
@@ -285,13 +347,18 @@ fn empty_token_lists() {
     let b = decode_batch(&batch(&[one_stored(&[], &[], 4)], None), &config(4)).expect("envelope");
     assert!(stored(&b, 0).blocks.is_empty());
     // Blocks without tokens: skipped, not hashed from nothing.
-    let b = decode_batch(&batch(&[one_stored(&[1, 2], &[], 4)], None), &config(4)).expect("envelope");
+    let b =
+        decode_batch(&batch(&[one_stored(&[1, 2], &[], 4)], None), &config(4)).expect("envelope");
     assert_eq!(skip_reason(&b, 0), SkipReason::TooFewTokens);
 }
 
 #[test]
 fn short_token_lists_keep_the_complete_blocks() {
-    let b = decode_batch(&batch(&[one_stored(&[1, 2, 3], &[1, 2, 3, 4, 5, 6, 7], 4)], None), &config(4)).expect("envelope");
+    let b = decode_batch(
+        &batch(&[one_stored(&[1, 2, 3], &[1, 2, 3, 4, 5, 6, 7], 4)], None),
+        &config(4),
+    )
+    .expect("envelope");
     let s = stored(&b, 0);
     assert_eq!(s.blocks.len(), 1);
     assert_eq!(s.dropped_blocks, 2);
@@ -299,10 +366,18 @@ fn short_token_lists_keep_the_complete_blocks() {
 
 #[test]
 fn a_block_size_mismatch_stops_the_event() {
-    let b = decode_batch(&batch(&[one_stored(&[1], &[1, 2, 3, 4], 4)], None), &config(16)).expect("envelope");
+    let b = decode_batch(
+        &batch(&[one_stored(&[1], &[1, 2, 3, 4], 4)], None),
+        &config(16),
+    )
+    .expect("envelope");
     assert_eq!(skip_reason(&b, 0), SkipReason::BlockSizeMismatch);
     // Without a configured block size the event's own is trusted.
-    let b = decode_batch(&batch(&[one_stored(&[1], &[1, 2, 3, 4], 4)], None), &DecoderConfig::default()).expect("envelope");
+    let b = decode_batch(
+        &batch(&[one_stored(&[1], &[1, 2, 3, 4], 4)], None),
+        &DecoderConfig::default(),
+    )
+    .expect("envelope");
     assert_eq!(stored(&b, 0).blocks.len(), 1);
 }
 
@@ -311,8 +386,16 @@ fn placement_filters_drop_what_is_not_this_workers_attention_cache() {
     let cases: [(&str, &dyn Fn(&mut Vec<u8>), SkipReason); 5] = [
         ("medium", &|o| mp::str(o, "FS"), SkipReason::UnknownMedium),
         ("locality", &|o| mp::str(o, "REMOTE"), SkipReason::NonLocal),
-        ("ownership", &|o| mp::str(o, "kvcr"), SkipReason::ForeignOwnership),
-        ("kv_cache_spec_kind", &|o| mp::str(o, "sliding_window"), SkipReason::NonAttentionGroup),
+        (
+            "ownership",
+            &|o| mp::str(o, "kvcr"),
+            SkipReason::ForeignOwnership,
+        ),
+        (
+            "kv_cache_spec_kind",
+            &|o| mp::str(o, "sliding_window"),
+            SkipReason::NonAttentionGroup,
+        ),
         ("group_idx", &|o| mp::uint(o, 3), SkipReason::UnlearnedGroup),
     ];
     for (key, value, reason) in cases {
@@ -324,16 +407,39 @@ fn placement_filters_drop_what_is_not_this_workers_attention_cache() {
     // A group learned as attention passes later without its kind.
     let mut decoder = StreamDecoder::new(config(4));
     let mut learn = Vec::new();
-    stored_map(&mut learn, &[1], None, &[1, 2, 3, 4], 4, &[("group_idx", &|o| mp::uint(o, 2)), ("kv_cache_spec_kind", &|o| mp::str(o, "full_attention"))]);
+    stored_map(
+        &mut learn,
+        &[1],
+        None,
+        &[1, 2, 3, 4],
+        4,
+        &[
+            ("group_idx", &|o| mp::uint(o, 2)),
+            ("kv_cache_spec_kind", &|o| mp::str(o, "full_attention")),
+        ],
+    );
     let mut later = Vec::new();
-    stored_map(&mut later, &[2], Some(1), &[5, 6, 7, 8], 4, &[("group_idx", &|o| mp::uint(o, 2))]);
-    let b = decoder.decode(&batch(&[learn, later], None)).expect("envelope");
+    stored_map(
+        &mut later,
+        &[2],
+        Some(1),
+        &[5, 6, 7, 8],
+        4,
+        &[("group_idx", &|o| mp::uint(o, 2))],
+    );
+    let b = decoder
+        .decode(&batch(&[learn, later], None))
+        .expect("envelope");
     assert_eq!(b.decoded().count(), 2);
 }
 
 #[test]
 fn a_store_that_repeats_a_hash_or_names_its_parent_is_rejected() {
-    let b = decode_batch(&batch(&[one_stored(&[1, 1], &[1, 2, 3, 4, 5, 6, 7, 8], 4)], None), &config(4)).expect("envelope");
+    let b = decode_batch(
+        &batch(&[one_stored(&[1, 1], &[1, 2, 3, 4, 5, 6, 7, 8], 4)], None),
+        &config(4),
+    )
+    .expect("envelope");
     assert_eq!(skip_reason(&b, 0), SkipReason::RepeatedHash);
     let mut e = Vec::new();
     stored_map(&mut e, &[1], Some(1), &[1, 2, 3, 4], 4, &[]);
@@ -350,13 +456,35 @@ fn a_vllm_child_store_inherits_its_parents_salt() {
         mp::str(o, "tenant-a");
     };
     let mut first = Vec::new();
-    stored_map(&mut first, &[100], None, &[1, 2, 3, 4], 4, &[("lora_name", &lora), ("extra_keys", &salted_keys)]);
+    stored_map(
+        &mut first,
+        &[100],
+        None,
+        &[1, 2, 3, 4],
+        4,
+        &[("lora_name", &lora), ("extra_keys", &salted_keys)],
+    );
     let mut child = Vec::new();
-    stored_map(&mut child, &[101], Some(100), &[5, 6, 7, 8], 4, &[("extra_keys", &|o: &mut Vec<u8>| { mp::array(o, 1); mp::nil(o); })]);
+    stored_map(
+        &mut child,
+        &[101],
+        Some(100),
+        &[5, 6, 7, 8],
+        4,
+        &[("extra_keys", &|o: &mut Vec<u8>| {
+            mp::array(o, 1);
+            mp::nil(o);
+        })],
+    );
     let mut decoder = StreamDecoder::new(config(4));
-    let b = decoder.decode(&batch(&[first, child.clone()], None)).expect("envelope");
+    let b = decoder
+        .decode(&batch(&[first, child.clone()], None))
+        .expect("envelope");
     let seed = namespace_seed(None, Some("tenant-a"));
-    let expected: Vec<u64> = local_block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, seed, 0).iter().map(|h| h.0).collect();
+    let expected: Vec<u64> = local_block_hashes(&[1, 2, 3, 4, 5, 6, 7, 8], 4, seed, 0)
+        .iter()
+        .map(|h| h.0)
+        .collect();
     assert_eq!(locals(stored(&b, 0)), expected[..1]);
     assert_eq!(locals(stored(&b, 1)), expected[1..]);
     assert_eq!(stored(&b, 1).cache_salt.as_deref(), Some("tenant-a"));
@@ -372,12 +500,29 @@ fn a_vllm_child_store_inherits_its_parents_salt() {
 fn envelope_errors_are_clear() {
     let cfg = config(4);
     assert_eq!(decode_batch(&[], &cfg), Err(EnvelopeError::Empty));
-    assert!(matches!(decode_batch(&[0x05], &cfg), Err(EnvelopeError::NotABatch { found: "integer" })));
-    assert!(matches!(decode_batch(&[0x91, 0x01], &cfg), Err(EnvelopeError::TooShort { len: 1 })));
-    assert!(matches!(decode_batch(&[0x92, 0x01, 0x02], &cfg), Err(EnvelopeError::EventsNotArray { .. })));
-    assert!(matches!(decode_batch(&[0x93, 0x01, 0x90, 0xff], &cfg), Err(EnvelopeError::BadRank { .. })));
-    assert!(matches!(decode_batch(&[0x81, 0xa2, b't', b's', 0x01], &cfg), Err(EnvelopeError::MissingEvents)));
-    let message = decode_batch(&[0x93, 0x01, 0x90, 0xa5], &cfg).expect_err("cut").to_string();
+    assert!(matches!(
+        decode_batch(&[0x05], &cfg),
+        Err(EnvelopeError::NotABatch { found: "integer" })
+    ));
+    assert!(matches!(
+        decode_batch(&[0x91, 0x01], &cfg),
+        Err(EnvelopeError::TooShort { len: 1 })
+    ));
+    assert!(matches!(
+        decode_batch(&[0x92, 0x01, 0x02], &cfg),
+        Err(EnvelopeError::EventsNotArray { .. })
+    ));
+    assert!(matches!(
+        decode_batch(&[0x93, 0x01, 0x90, 0xff], &cfg),
+        Err(EnvelopeError::BadRank { .. })
+    ));
+    assert!(matches!(
+        decode_batch(&[0x81, 0xa2, b't', b's', 0x01], &cfg),
+        Err(EnvelopeError::MissingEvents)
+    ));
+    let message = decode_batch(&[0x93, 0x01, 0x90, 0xa5], &cfg)
+        .expect_err("cut")
+        .to_string();
     assert!(message.contains("malformed"), "{message}");
 }
 
