@@ -69,6 +69,12 @@ impl BlockHasher {
         self.bytes.extend_from_slice(&mm_hash.to_le_bytes());
     }
 
+    /// Drops anything pushed since the last [`BlockHasher::finish`] (after a
+    /// block was abandoned half-way, e.g. on a bad token id).
+    pub fn reset(&mut self) {
+        self.bytes.clear();
+    }
+
     /// Hashes what was pushed with `seed` and empties the buffer for the next block.
     #[inline]
     pub fn finish(&mut self, seed: u64) -> LocalBlockHash {

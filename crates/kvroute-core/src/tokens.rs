@@ -94,7 +94,7 @@ mod tests {
         #[test]
         fn wide_ids_land_in_the_pad_range(id in (u32::MAX as u64 + 1)..=u64::MAX) {
             let folded = fold_token_id(id);
-            prop_assert!(folded >= MM_PAD_BASE && folded < MM_PAD_BASE + (1 << 30));
+            prop_assert!((MM_PAD_BASE..MM_PAD_BASE + (1 << 30)).contains(&folded));
             prop_assert_eq!(folded, pad_value_for_mm_hash(id));
         }
     }

@@ -249,6 +249,8 @@ impl StreamDecoder {
         block_size: u32,
         seed: u64,
     ) -> Outcome<(usize, u32, Option<Vec<u32>>)> {
+        // A previous event may have stopped half-way through a block.
+        self.hasher.reset();
         let (mut r, len) = array(tokens, "token_ids")?;
         let bigram = len > 0 && r.peek_kind() == Ok(Kind::Array);
         let mut lookahead_reader = match lookahead_tokens {
@@ -436,38 +438,27 @@ impl StreamDecoder {
         }
         check_ownership(f)?;
         let group = opt_u32(f.group_idx, "group_idx")?;
-        match opt_str(f.kv_cache_spec_kind, "kv_cache_spec_kind")? {
-            Some(kind) => {
+        let kind = opt_str(f.kv_cache_spec_kind, "kv_cache_spec_kind")?;
+        let is_attention = match (kind, group) {
+            (Some(kind), group) => {
                 let is_attention = ATTENTION_KINDS.contains(&kind);
-                self.memory
-                    .group_is_attention
-                    .insert(group.unwrap_or(0), is_attention);
-                if !is_attention {
-                    return Err(skip(
-                        SkipReason::NonAttentionGroup,
-                        format!("kv_cache_spec_kind {kind:?}"),
-                    ));
-                }
+                let learned = &mut self.memory.group_is_attention;
+                learned.insert(group.unwrap_or(0), is_attention);
+                is_attention
             }
-            None => match group {
-                Some(group) => match self.memory.group_is_attention.get(&group) {
-                    Some(true) => {}
-                    Some(false) => {
-                        return Err(skip(
-                            SkipReason::NonAttentionGroup,
-                            format!("group_idx {group} is not attention"),
-                        ))
-                    }
-                    None if group == 0 => {}
-                    None => {
-                        return Err(skip(
-                            SkipReason::UnlearnedGroup,
-                            format!("group_idx {group} has no known kind"),
-                        ))
-                    }
-                },
-                None => {}
+            (None, Some(group)) => match self.memory.group_is_attention.get(&group) {
+                Some(&is_attention) => is_attention,
+                None if group == 0 => true,
+                None => {
+                    let detail = format!("group_idx {group} has no known kind");
+                    return Err(skip(SkipReason::UnlearnedGroup, detail));
+                }
             },
+            (None, None) => true,
+        };
+        if !is_attention {
+            let detail = format!("kv_cache_spec_kind {kind:?}, group_idx {group:?}");
+            return Err(skip(SkipReason::NonAttentionGroup, detail));
         }
         Ok(())
     }

@@ -10,6 +10,9 @@ use kvroute_core::wire::{
     decode_batch, DecodedBatch, DecoderConfig, EnvelopeError, SkipReason, StreamDecoder,
 };
 
+/// Writes one msgpack value.
+type Writer<'a> = &'a dyn Fn(&mut Vec<u8>);
+
 fn config(block_size: u32) -> DecoderConfig {
     DecoderConfig {
         block_size: Some(block_size),
@@ -25,7 +28,7 @@ fn stored_map(
     parent: Option<u64>,
     tokens: &[u64],
     block_size: u64,
-    extra: &[(&str, &dyn Fn(&mut Vec<u8>))],
+    extra: &[(&str, Writer<'_>)],
 ) {
     mp::map(out, 5 + extra.len());
     mp::str(out, "type");
@@ -383,7 +386,7 @@ fn a_block_size_mismatch_stops_the_event() {
 
 #[test]
 fn placement_filters_drop_what_is_not_this_workers_attention_cache() {
-    let cases: [(&str, &dyn Fn(&mut Vec<u8>), SkipReason); 5] = [
+    let cases: [(&str, Writer<'_>, SkipReason); 5] = [
         ("medium", &|o| mp::str(o, "FS"), SkipReason::UnknownMedium),
         ("locality", &|o| mp::str(o, "REMOTE"), SkipReason::NonLocal),
         (
@@ -543,4 +546,29 @@ fn a_payload_cut_mid_event_keeps_the_events_before_it() {
     assert_eq!(b.lost_events, 1);
     // The rank sits after the events: with the batch cut it falls back to the registered one.
     assert_eq!(b.dp_rank, 0);
+}
+
+#[test]
+fn a_bad_token_mid_block_does_not_leak_into_the_next_events_hashes() {
+    let mut bad = Vec::new();
+    mp::map(&mut bad, 4);
+    mp::str(&mut bad, "type");
+    mp::str(&mut bad, "BlockStored");
+    mp::str(&mut bad, "block_hashes");
+    mp::uints(&mut bad, &[1]);
+    mp::str(&mut bad, "token_ids");
+    mp::array(&mut bad, 4);
+    mp::uint(&mut bad, 1);
+    mp::uint(&mut bad, 2);
+    mp::str(&mut bad, "three");
+    mp::uint(&mut bad, 4);
+    mp::str(&mut bad, "block_size");
+    mp::uint(&mut bad, 4);
+    let good = one_stored(&[2], &[5, 6, 7, 8], 4);
+    let mut decoder = StreamDecoder::new(config(4));
+    let b = decoder
+        .decode(&batch(&[bad, good], None))
+        .expect("envelope");
+    assert_eq!(skip_reason(&b, 0), SkipReason::InvalidField);
+    assert_eq!(locals(stored(&b, 1)), reference(&[5, 6, 7, 8], 4, 0));
 }
