@@ -1,0 +1,36 @@
+#!/usr/bin/env sh
+# Writes every golden fixture's payload (the hex line of each
+# crates/kvroute-core/tests/fixtures/*.hex) as binary into
+# fuzz/corpus/decode_batch/, plus one two-payload seed (two fixtures joined by
+# 0xc1, the target's separator for payloads fed to one reused StreamDecoder).
+# Run from anywhere; needs xxd (vim-common) or perl.
+set -eu
+
+here=$(cd "$(dirname "$0")" && pwd)
+fixtures="$here/../crates/kvroute-core/tests/fixtures"
+corpus="$here/corpus/decode_batch"
+mkdir -p "$corpus"
+
+unhex() {
+    if command -v xxd >/dev/null 2>&1; then
+        xxd -r -p
+    else
+        perl -ne 'chomp; print pack("H*", $_)'
+    fi
+}
+
+count=0
+for fixture in "$fixtures"/*.hex; do
+    name=$(basename "$fixture" .hex)
+    grep -v '^#' "$fixture" | tr -d ' \n\r' | unhex > "$corpus/$name.bin"
+    count=$((count + 1))
+done
+
+a="$corpus/vllm_0.33.0_multimodal_lora_salt.bin"
+b="$corpus/vllm_0.33.0_lookahead_cpu_removed_cleared.bin"
+if [ -f "$a" ] && [ -f "$b" ]; then
+    { cat "$a"; printf '\301'; cat "$b"; } > "$corpus/two_payloads_one_stream.bin"
+    count=$((count + 1))
+fi
+
+echo "wrote $count seed(s) to $corpus"
