@@ -8,7 +8,10 @@
 //! The request path folds and hashes prompt tokens with the same [`tokens`]
 //! and [`hash`] functions, so both sides meet on equal local block hashes.
 
+#![forbid(unsafe_code)]
+
 pub mod event;
 pub mod hash;
+pub mod index;
 pub mod tokens;
 pub mod wire;

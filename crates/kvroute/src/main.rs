@@ -1,5 +1,7 @@
 //! The `kvroute` command: parse the command line and dispatch to a subcommand.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};

@@ -1,0 +1,653 @@
+//! The prefix index: which (worker, rank) holds which blocks, on which tier.
+//!
+//! Fed by decoded [`KvEvent`]s, it answers one question fast: for a request's
+//! local block hashes, how many *leading* blocks does each (worker, rank) hold
+//! on its device, and how many counting host and disk copies too?
+//!
+//! Design (see `docs/architecture.md` for the measurements behind it):
+//! * a block is identified by its **sequence hash**, the chain of local hashes
+//!   from the first block to it, so one hash-table probe finds the node for
+//!   "this block after exactly this prefix", and a lookup is a walk of probes;
+//! * each node holds one bit per (worker, rank) per tier, so a lookup step is a
+//!   few word-wide ANDs however many workers share the prefix;
+//! * engine hashes map to nodes so that parents and removals, which name blocks
+//!   only by engine hash, resolve. Engines hash deterministically (the same
+//!   prefix gets the same engine hash on every worker of a deployment), so the
+//!   map is shared by all workers; a worker whose engine hash disagrees gets a
+//!   private binding, counted as a conflict.
+//!
+//! Guarantees: a match never extends past a block the worker does not hold
+//! (prefix semantics: a worker's match stops at its first missing block); a
+//! store whose parent the worker does not hold is dropped whole, never
+//! attached elsewhere; duplicate stores and removals of unknown blocks change
+//! nothing. Memory is bounded per (worker, rank) by a residency cap.
+//!
+//! The index is single-writer: `&mut self` applies events, `&self` answers
+//! lookups. [`SharedIndex`] wraps it for many reader threads and one writer.
+
+mod nodes;
+mod shared;
+mod snapshot;
+
+use std::collections::VecDeque;
+
+use rustc_hash::FxHashMap;
+
+use crate::event::{KvEvent, Removed, Stored, Tier};
+use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+use nodes::{Bind, NodeId, NodeStore, SlotId};
+
+pub use shared::SharedIndex;
+pub use snapshot::SnapshotError;
+
+/// A worker, as numbered by the registry that owns worker names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u32);
+
+/// One data-parallel rank of a worker: the unit that caches blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerRank {
+    /// The worker.
+    pub worker: WorkerId,
+    /// Its data-parallel rank.
+    pub rank: u32,
+}
+
+impl WorkerRank {
+    /// Rank `rank` of worker `worker`.
+    pub fn new(worker: u32, rank: u32) -> Self {
+        WorkerRank {
+            worker: WorkerId(worker),
+            rank,
+        }
+    }
+}
+
+/// Index settings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexConfig {
+    /// Residencies kept per (worker, rank) unless [`Index::set_capacity`] says
+    /// otherwise; `None` for no bound. Exceeding it means removals were lost:
+    /// the index then drops arbitrary residencies of that rank down to 90 % of it.
+    pub default_capacity: Option<u64>,
+    /// How long an approximate (routing-decision) entry lives, in milliseconds.
+    pub approx_ttl_ms: u64,
+}
+
+impl Default for IndexConfig {
+    fn default() -> Self {
+        IndexConfig {
+            default_capacity: Some(4 << 20),
+            approx_ttl_ms: 120_000,
+        }
+    }
+}
+
+/// What one (worker, rank) holds of a query's leading blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankMatch {
+    /// The worker rank.
+    pub worker_rank: WorkerRank,
+    /// Leading blocks held on the device.
+    pub device: u32,
+    /// Leading blocks held on the device or in host memory.
+    pub host: u32,
+    /// Leading blocks held on any tier (device, host, disk or external).
+    pub any: u32,
+}
+
+/// Cumulative counts of what the index did, for metrics.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct IndexCounters {
+    /// Stored events applied.
+    pub stores: u64,
+    /// Residencies added by stores.
+    pub blocks_stored: u64,
+    /// Blocks stored again where the rank already held them (idempotent).
+    pub duplicate_blocks: u64,
+    /// Stored events dropped because the rank does not hold their parent.
+    pub parent_missing: u64,
+    /// Residencies removed by removal events.
+    pub blocks_removed: u64,
+    /// Removal hashes naming a block the rank does not hold.
+    pub unknown_removals: u64,
+    /// Ranks cleared (events, `clear_rank`, `remove_worker`).
+    pub clears: u64,
+    /// Residencies dropped to keep a rank under its cap.
+    pub evicted_over_capacity: u64,
+    /// Engine hashes that named different blocks on different workers.
+    pub hash_conflicts: u64,
+    /// Approximate residencies that expired.
+    pub approx_expired: u64,
+}
+
+/// The size of the index.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IndexStats {
+    /// Distinct block prefixes held by at least one rank.
+    pub nodes: u64,
+    /// (block, rank, tier) residencies.
+    pub residencies: u64,
+    /// Residencies per rank and tier (device, host, disk, external).
+    pub per_rank: Vec<(WorkerRank, [u64; 4])>,
+    /// Heap bytes held by the index's tables, from their capacities.
+    pub heap_bytes: u64,
+}
+
+/// One (worker, rank)'s bookkeeping.
+#[derive(Debug, Clone)]
+struct Slot {
+    key: WorkerRank,
+    capacity: Option<u64>,
+    per_tier: [u64; 4],
+    /// Engine hashes whose shared binding disagrees with this rank's.
+    private_ext: FxHashMap<u64, (NodeId, u64)>,
+    /// Approximate residencies: deadline per node, and deadlines in order.
+    approx_deadline: FxHashMap<NodeId, u64>,
+    approx_queue: VecDeque<(u64, NodeId)>,
+    /// Where the next over-capacity sweep starts.
+    sweep_cursor: NodeId,
+}
+
+impl Slot {
+    fn new(key: WorkerRank, capacity: Option<u64>) -> Self {
+        Slot {
+            key,
+            capacity,
+            per_tier: [0; 4],
+            private_ext: FxHashMap::default(),
+            approx_deadline: FxHashMap::default(),
+            approx_queue: VecDeque::new(),
+            sweep_cursor: 0,
+        }
+    }
+
+    fn residencies(&self) -> u64 {
+        self.per_tier.iter().sum()
+    }
+}
+
+fn tier_slot(tier: Tier) -> usize {
+    match tier {
+        Tier::Device => 0,
+        Tier::Host => 1,
+        Tier::Disk => 2,
+        Tier::External => 3,
+    }
+}
+
+const TIERS: [Tier; 4] = [Tier::Device, Tier::Host, Tier::Disk, Tier::External];
+
+/// The prefix index. See the module docs for its design and guarantees.
+#[derive(Debug, Clone)]
+pub struct Index {
+    config: IndexConfig,
+    nodes: NodeStore,
+    slot_of: FxHashMap<WorkerRank, SlotId>,
+    slots: Vec<Option<Slot>>,
+    free_slots: Vec<SlotId>,
+    counters: IndexCounters,
+}
+
+impl Default for Index {
+    fn default() -> Self {
+        Index::new(IndexConfig::default())
+    }
+}
+
+impl Index {
+    /// An empty index.
+    pub fn new(config: IndexConfig) -> Self {
+        Index {
+            config,
+            nodes: NodeStore::new(1),
+            slot_of: FxHashMap::default(),
+            slots: Vec::new(),
+            free_slots: Vec::new(),
+            counters: IndexCounters::default(),
+        }
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &IndexConfig {
+        &self.config
+    }
+
+    /// Cumulative counts since creation.
+    pub fn counters(&self) -> IndexCounters {
+        self.counters
+    }
+
+    /// The slot of a rank, registering it on first sight.
+    fn slot(&mut self, key: WorkerRank) -> SlotId {
+        if let Some(&slot) = self.slot_of.get(&key) {
+            return slot;
+        }
+        let capacity = self.config.default_capacity;
+        let slot = match self.free_slots.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(Slot::new(key, capacity));
+                slot
+            }
+            None => {
+                self.slots.push(Some(Slot::new(key, capacity)));
+                SlotId::try_from(self.slots.len() - 1).unwrap_or(SlotId::MAX)
+            }
+        };
+        let words_needed = (slot as usize / 64) + 1;
+        if words_needed > self.nodes.words() {
+            // Double, so registering many ranks re-lays the records O(log n) times.
+            self.nodes.widen(words_needed.max(self.nodes.words() * 2));
+        }
+        self.slot_of.insert(key, slot);
+        slot
+    }
+
+    fn slot_mut(&mut self, slot: SlotId) -> Option<&mut Slot> {
+        self.slots.get_mut(slot as usize).and_then(Option::as_mut)
+    }
+
+    /// Sets a rank's residency cap (e.g. its engine's block capacity once known).
+    pub fn set_capacity(&mut self, key: WorkerRank, capacity: Option<u64>) {
+        let slot = self.slot(key);
+        if let Some(s) = self.slot_mut(slot) {
+            s.capacity = capacity;
+        }
+        self.enforce_capacity(slot);
+    }
+
+    /// Applies one event of one rank. Events of one rank must come in order.
+    pub fn apply(&mut self, key: WorkerRank, event: &KvEvent) {
+        match event {
+            KvEvent::Stored(stored) => self.store(key, stored),
+            KvEvent::Removed(removed) => self.remove(key, removed),
+            KvEvent::Cleared => self.clear_rank(key),
+        }
+    }
+
+    /// The node an engine hash names for this rank.
+    fn resolve_ext(&self, slot: SlotId, ext: u64) -> Option<NodeId> {
+        if let Some(Some(s)) = self.slots.get(slot as usize) {
+            if let Some(&(node, seq)) = s.private_ext.get(&ext) {
+                // A private binding holds while its node still is the same block.
+                return (self.nodes.is_live(node) && self.nodes.seq(node) == seq).then_some(node);
+            }
+        }
+        self.nodes.find_ext(ext)
+    }
+
+    fn store(&mut self, key: WorkerRank, stored: &Stored) {
+        let slot = self.slot(key);
+        self.counters.stores += 1;
+        let mut prev: Option<u64> = None;
+        if let Some(parent) = stored.parent {
+            match self.resolve_ext(slot, parent.0) {
+                Some(node) if self.nodes.tiers_of(node, slot) != 0 => {
+                    prev = Some(self.nodes.seq(node))
+                }
+                _ => {
+                    self.counters.parent_missing += 1;
+                    return;
+                }
+            }
+        }
+        for block in &stored.blocks {
+            let seq = match prev {
+                None => block.local.0,
+                Some(p) => next_sequence_hash(SequenceHash(p), block.local).0,
+            };
+            let node = self.nodes.insert_seq(seq);
+            if self.nodes.bind_ext(node, block.external.0) == Bind::Conflict
+                && self.resolve_ext(slot, block.external.0) != Some(node)
+            {
+                self.counters.hash_conflicts += 1;
+                if let Some(s) = self.slot_mut(slot) {
+                    s.private_ext.insert(block.external.0, (node, seq));
+                }
+            }
+            self.add_residency(slot, node, stored.tier);
+            prev = Some(seq);
+        }
+        self.enforce_capacity(slot);
+    }
+
+    fn add_residency(&mut self, slot: SlotId, node: NodeId, tier: Tier) {
+        if self.nodes.set(node, slot, tier) {
+            self.counters.blocks_stored += 1;
+            if let Some(s) = self.slot_mut(slot) {
+                s.per_tier[tier_slot(tier)] += 1;
+            }
+        } else {
+            self.counters.duplicate_blocks += 1;
+        }
+    }
+
+    /// Drops a residency; frees the node when nobody holds it any more.
+    fn drop_residency(&mut self, slot: SlotId, node: NodeId, tier: Tier) -> bool {
+        if !self.nodes.clear(node, slot, tier) {
+            return false;
+        }
+        if let Some(s) = self.slot_mut(slot) {
+            let count = &mut s.per_tier[tier_slot(tier)];
+            *count = count.saturating_sub(1);
+        }
+        self.nodes.free_if_empty(node);
+        true
+    }
+
+    fn remove(&mut self, key: WorkerRank, removed: &Removed) {
+        let Some(&slot) = self.slot_of.get(&key) else {
+            self.counters.unknown_removals += removed.blocks.len() as u64;
+            return;
+        };
+        for ext in &removed.blocks {
+            let dropped = match self.resolve_ext(slot, ext.0) {
+                Some(node) => self.drop_residency(slot, node, removed.tier),
+                None => false,
+            };
+            if dropped {
+                self.counters.blocks_removed += 1;
+                if let Some(s) = self.slot_mut(slot) {
+                    s.private_ext.remove(&ext.0);
+                }
+            } else {
+                self.counters.unknown_removals += 1;
+            }
+        }
+    }
+
+    /// Drops everything one rank holds (its engine reset its cache, or its state
+    /// can no longer be trusted).
+    pub fn clear_rank(&mut self, key: WorkerRank) {
+        let Some(&slot) = self.slot_of.get(&key) else {
+            return;
+        };
+        self.counters.clears += 1;
+        let nodes: Vec<NodeId> = self
+            .nodes
+            .live_ids()
+            .filter(|&n| self.nodes.tiers_of(n, slot) != 0)
+            .collect();
+        for node in nodes {
+            for tier in TIERS {
+                self.drop_residency(slot, node, tier);
+            }
+        }
+        if let Some(s) = self.slot_mut(slot) {
+            let fresh = Slot::new(s.key, s.capacity);
+            *s = fresh;
+        }
+    }
+
+    /// Drops every rank of a worker and forgets them.
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        let keys: Vec<WorkerRank> = self
+            .slot_of
+            .keys()
+            .filter(|k| k.worker == worker)
+            .copied()
+            .collect();
+        for key in keys {
+            self.clear_rank(key);
+            if let Some(slot) = self.slot_of.remove(&key) {
+                self.slots[slot as usize] = None;
+                self.free_slots.push(slot);
+            }
+        }
+    }
+
+    /// The ranks the index knows.
+    pub fn ranks(&self) -> Vec<WorkerRank> {
+        let mut keys: Vec<WorkerRank> = self.slot_of.keys().copied().collect();
+        keys.sort();
+        keys
+    }
+
+    /// Drops arbitrary residencies of a rank over its cap, down to 90 % of it.
+    fn enforce_capacity(&mut self, slot: SlotId) {
+        let Some(s) = self.slots.get(slot as usize).and_then(Option::as_ref) else {
+            return;
+        };
+        let Some(cap) = s.capacity else { return };
+        if s.residencies() <= cap {
+            return;
+        }
+        let target = cap - cap / 10;
+        let capacity = self.nodes.capacity() as NodeId;
+        let mut cursor = s.sweep_cursor;
+        let mut visited: NodeId = 0;
+        while visited < capacity {
+            let resident = self.slots[slot as usize]
+                .as_ref()
+                .map_or(0, Slot::residencies);
+            if resident <= target {
+                break;
+            }
+            if cursor >= capacity {
+                cursor = 0;
+            }
+            if self.nodes.is_live(cursor) && self.nodes.tiers_of(cursor, slot) != 0 {
+                for tier in TIERS {
+                    if self.drop_residency(slot, cursor, tier) {
+                        self.counters.evicted_over_capacity += 1;
+                    }
+                }
+                if let Some(s) = self.slot_mut(slot) {
+                    s.approx_deadline.remove(&cursor);
+                }
+            }
+            cursor += 1;
+            visited += 1;
+        }
+        if let Some(s) = self.slot_mut(slot) {
+            s.sweep_cursor = cursor;
+        }
+    }
+
+    /// For each rank holding at least the first block on some tier: how many
+    /// leading blocks of `locals` it holds on the device, on device or host,
+    /// and on any tier. Ranks are returned in slot order.
+    pub fn find_matches(&self, locals: &[LocalBlockHash]) -> Vec<RankMatch> {
+        let Some(first) = locals.first() else {
+            return Vec::new();
+        };
+        let Some(node) = self.nodes.find_seq(first.0) else {
+            return Vec::new();
+        };
+        let words = self.nodes.words();
+        // Per word: still matching on device / device+host / any tier.
+        let mut active = vec![0u64; 3 * words];
+        let mut lengths = vec![[0u32; 3]; self.slots.len()];
+        init_sets(&mut active, &self.nodes, node);
+        let mut seq = first.0;
+        let mut depth: u32 = 1;
+        for local in &locals[1..] {
+            if active.iter().all(|&w| w == 0) {
+                break;
+            }
+            seq = next_sequence_hash(SequenceHash(seq), *local).0;
+            let next = self.nodes.find_seq(seq);
+            step_sets(
+                &mut active,
+                &mut lengths,
+                next.map(|n| (&self.nodes, n)),
+                depth,
+            );
+            if next.is_none() {
+                break;
+            }
+            depth += 1;
+        }
+        // Ranks still active matched to the last block walked.
+        finish_sets(&active, &mut lengths, depth);
+        lengths
+            .iter()
+            .enumerate()
+            .filter(|(_, l)| l[2] > 0)
+            .filter_map(|(slot, l)| {
+                let key = self.slots[slot].as_ref()?.key;
+                Some(RankMatch {
+                    worker_rank: key,
+                    device: l[0],
+                    host: l[1],
+                    any: l[2],
+                })
+            })
+            .collect()
+    }
+
+    /// Records that a request with these local hashes was routed to a rank of
+    /// an engine that publishes no events: its blocks are assumed cached on
+    /// the device for `approx_ttl_ms`, refreshed each time they are routed again.
+    pub fn record_routing_decision(
+        &mut self,
+        key: WorkerRank,
+        locals: &[LocalBlockHash],
+        now_ms: u64,
+    ) {
+        let slot = self.slot(key);
+        self.expire_slot(slot, now_ms);
+        let deadline = now_ms.saturating_add(self.config.approx_ttl_ms);
+        let mut prev: Option<u64> = None;
+        for local in locals {
+            let seq = match prev {
+                None => local.0,
+                Some(p) => next_sequence_hash(SequenceHash(p), *local).0,
+            };
+            let node = self.nodes.insert_seq(seq);
+            self.add_residency(slot, node, Tier::Device);
+            if let Some(s) = self.slot_mut(slot) {
+                s.approx_deadline.insert(node, deadline);
+                s.approx_queue.push_back((deadline, node));
+            }
+            prev = Some(seq);
+        }
+        self.enforce_capacity(slot);
+    }
+
+    /// Expires approximate residencies whose deadline has passed.
+    pub fn expire(&mut self, now_ms: u64) {
+        for slot in 0..self.slots.len() {
+            self.expire_slot(slot as SlotId, now_ms);
+        }
+    }
+
+    fn expire_slot(&mut self, slot: SlotId, now_ms: u64) {
+        loop {
+            let Some(s) = self.slot_mut(slot) else { return };
+            let Some(&(deadline, node)) = s.approx_queue.front() else {
+                return;
+            };
+            if deadline > now_ms {
+                return;
+            }
+            s.approx_queue.pop_front();
+            if s.approx_deadline.get(&node) != Some(&deadline) {
+                continue; // refreshed since, or already gone
+            }
+            s.approx_deadline.remove(&node);
+            if self.drop_residency(slot, node, Tier::Device) {
+                self.counters.approx_expired += 1;
+            }
+        }
+    }
+
+    /// Sizes, per rank and in total.
+    pub fn stats(&self) -> IndexStats {
+        let mut per_rank: Vec<(WorkerRank, [u64; 4])> = self
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| (s.key, s.per_tier))
+            .collect();
+        per_rank.sort_by_key(|(k, _)| *k);
+        let residencies = per_rank.iter().map(|(_, t)| t.iter().sum::<u64>()).sum();
+        let slot_bytes: usize = self
+            .slots
+            .iter()
+            .flatten()
+            .map(|s| {
+                s.private_ext.capacity() * 25
+                    + s.approx_deadline.capacity() * 13
+                    + s.approx_queue.capacity() * 16
+            })
+            .sum();
+        IndexStats {
+            nodes: self.nodes.live() as u64,
+            residencies,
+            per_rank,
+            heap_bytes: (self.nodes.heap_bytes() + slot_bytes) as u64,
+        }
+    }
+}
+
+/// Starts the three active sets from the first node's bitmaps.
+fn init_sets(active: &mut [u64], nodes: &NodeStore, node: NodeId) {
+    let words = nodes.words();
+    let device = nodes.device(node);
+    let lower = nodes.lower(node);
+    for w in 0..words {
+        let (host, rest) = match lower {
+            Some(l) => (l[w], l[words + w] | l[2 * words + w]),
+            None => (0, 0),
+        };
+        active[w] = device[w];
+        active[words + w] = device[w] | host;
+        active[2 * words + w] = device[w] | host | rest;
+    }
+}
+
+/// Advances the active sets by one block: ranks that do not hold it stop at `depth`.
+fn step_sets(
+    active: &mut [u64],
+    lengths: &mut [[u32; 3]],
+    next: Option<(&NodeStore, NodeId)>,
+    depth: u32,
+) {
+    let words = active.len() / 3;
+    for w in 0..words {
+        let (device, host, rest) = match next {
+            None => (0, 0, 0),
+            Some((nodes, node)) => {
+                let device = nodes.device(node)[w];
+                match nodes.lower(node) {
+                    Some(l) => (device, l[w], l[words + w] | l[2 * words + w]),
+                    None => (device, 0, 0),
+                }
+            }
+        };
+        let held = [device, device | host, device | host | rest];
+        for (set, held) in held.iter().enumerate() {
+            let word = &mut active[set * words + w];
+            let mut stopped = *word & !held;
+            *word &= held;
+            while stopped != 0 {
+                let bit = stopped.trailing_zeros() as usize;
+                stopped &= stopped - 1;
+                if let Some(l) = lengths.get_mut(w * 64 + bit) {
+                    l[set] = depth;
+                }
+            }
+        }
+    }
+}
+
+/// Ranks still active after the walk matched `depth` blocks.
+fn finish_sets(active: &[u64], lengths: &mut [[u32; 3]], depth: u32) {
+    let words = active.len() / 3;
+    for set in 0..3 {
+        for w in 0..words {
+            let mut still = active[set * words + w];
+            while still != 0 {
+                let bit = still.trailing_zeros() as usize;
+                still &= still - 1;
+                if let Some(l) = lengths.get_mut(w * 64 + bit) {
+                    l[set] = depth;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

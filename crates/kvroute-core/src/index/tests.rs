@@ -1,0 +1,672 @@
+//! The index against a naive model, plus the cases the model test might miss.
+
+use std::collections::{BTreeMap, HashMap};
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::event::{ExternalHash, StoredBlock};
+use crate::hash::{local_block_hashes, namespace_seed};
+
+fn wr(worker: u32, rank: u32) -> WorkerRank {
+    WorkerRank::new(worker, rank)
+}
+
+/// An engine hash that, like a real engine's, is a function of the whole prefix.
+fn ext_of(chain: &[u64]) -> u64 {
+    chain.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &l| {
+        (h ^ l).wrapping_mul(0x100_0000_01b3)
+    })
+}
+
+fn stored(parent: Option<u64>, blocks: &[(u64, u64)], tier: Tier) -> KvEvent {
+    KvEvent::Stored(Stored {
+        parent: parent.map(ExternalHash),
+        blocks: blocks
+            .iter()
+            .map(|&(e, l)| StoredBlock {
+                external: ExternalHash(e),
+                local: LocalBlockHash(l),
+            })
+            .collect(),
+        tier,
+        lora_name: None,
+        cache_salt: None,
+        lookahead: 0,
+        dropped_blocks: 0,
+        token_ids: None,
+    })
+}
+
+fn removed(exts: &[u64], tier: Tier) -> KvEvent {
+    KvEvent::Removed(Removed {
+        blocks: exts.iter().map(|&e| ExternalHash(e)).collect(),
+        tier,
+    })
+}
+
+/// Stores a chain of locals from the root with prefix-derived engine hashes.
+fn store_chain(index: &mut Index, key: WorkerRank, locals: &[u64], tier: Tier) {
+    let blocks: Vec<(u64, u64)> = (0..locals.len())
+        .map(|i| (ext_of(&locals[..=i]), locals[i]))
+        .collect();
+    index.apply(key, &stored(None, &blocks, tier));
+}
+
+fn locals(values: &[u64]) -> Vec<LocalBlockHash> {
+    values.iter().map(|&v| LocalBlockHash(v)).collect()
+}
+
+fn matches(index: &Index, query: &[u64]) -> BTreeMap<WorkerRank, (u32, u32, u32)> {
+    index
+        .find_matches(&locals(query))
+        .into_iter()
+        .map(|m| (m.worker_rank, (m.device, m.host, m.any)))
+        .collect()
+}
+
+fn no_cap() -> IndexConfig {
+    IndexConfig {
+        default_capacity: None,
+        ..IndexConfig::default()
+    }
+}
+
+#[test]
+fn shared_prefixes_across_workers_match_to_each_workers_depth() {
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &[1, 2, 3, 4], Tier::Device);
+    store_chain(&mut index, wr(1, 0), &[1, 2], Tier::Device);
+    store_chain(&mut index, wr(2, 1), &[1, 2, 3], Tier::Device);
+    let m = matches(&index, &[1, 2, 3, 4, 5]);
+    assert_eq!(m[&wr(0, 0)], (4, 4, 4));
+    assert_eq!(m[&wr(1, 0)], (2, 2, 2));
+    assert_eq!(m[&wr(2, 1)], (3, 3, 3));
+    assert!(
+        matches(&index, &[2, 3]).is_empty(),
+        "a block only counts after its exact prefix"
+    );
+}
+
+#[test]
+fn branches_share_their_common_prefix_only() {
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &[1, 2, 3], Tier::Device);
+    // Branch after block 2: parent = the engine hash of [1, 2].
+    index.apply(
+        wr(1, 0),
+        &stored(
+            None,
+            &[(ext_of(&[1]), 1), (ext_of(&[1, 2]), 2)],
+            Tier::Device,
+        ),
+    );
+    index.apply(
+        wr(1, 0),
+        &stored(
+            Some(ext_of(&[1, 2])),
+            &[(ext_of(&[1, 2, 9]), 9)],
+            Tier::Device,
+        ),
+    );
+    let m = matches(&index, &[1, 2, 9]);
+    assert_eq!(m[&wr(0, 0)].0, 2);
+    assert_eq!(m[&wr(1, 0)].0, 3);
+    assert_eq!(index.stats().nodes, 4);
+}
+
+#[test]
+fn a_store_under_a_parent_the_worker_lacks_is_dropped() {
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &[1, 2], Tier::Device);
+    // Worker 1 never stored [1, 2]; its child must not attach to worker 0's chain.
+    index.apply(
+        wr(1, 0),
+        &stored(
+            Some(ext_of(&[1, 2])),
+            &[(ext_of(&[1, 2, 3]), 3)],
+            Tier::Device,
+        ),
+    );
+    assert_eq!(index.counters().parent_missing, 1);
+    assert!(!matches(&index, &[1, 2, 3]).contains_key(&wr(1, 0)));
+    index.apply(wr(0, 0), &stored(Some(12345), &[(7, 7)], Tier::Device));
+    assert_eq!(index.counters().parent_missing, 2);
+}
+
+#[test]
+fn removal_mid_chain_stops_the_match_there() {
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &[1, 2, 3, 4], Tier::Device);
+    index.apply(wr(0, 0), &removed(&[ext_of(&[1, 2])], Tier::Device));
+    assert_eq!(matches(&index, &[1, 2, 3, 4])[&wr(0, 0)], (1, 1, 1));
+    index.apply(wr(0, 0), &removed(&[999], Tier::Device));
+    assert_eq!(index.counters().unknown_removals, 1);
+}
+
+#[test]
+fn duplicate_stores_are_idempotent() {
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &[1, 2], Tier::Device);
+    let before = index.stats();
+    store_chain(&mut index, wr(0, 0), &[1, 2], Tier::Device);
+    assert_eq!(index.stats(), before);
+    assert_eq!(index.counters().duplicate_blocks, 2);
+    index.apply(
+        wr(0, 0),
+        &removed(&[ext_of(&[1, 2]), ext_of(&[1])], Tier::Device),
+    );
+    assert_eq!(index.stats().nodes, 0);
+    assert_eq!(index.stats().residencies, 0);
+}
+
+#[test]
+fn tiers_count_cumulatively() {
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &[1, 2], Tier::Device);
+    index.apply(
+        wr(0, 0),
+        &stored(
+            Some(ext_of(&[1, 2])),
+            &[(ext_of(&[1, 2, 3]), 3)],
+            Tier::Host,
+        ),
+    );
+    index.apply(
+        wr(0, 0),
+        &stored(
+            Some(ext_of(&[1, 2, 3])),
+            &[(ext_of(&[1, 2, 3, 4]), 4)],
+            Tier::Disk,
+        ),
+    );
+    assert_eq!(matches(&index, &[1, 2, 3, 4])[&wr(0, 0)], (2, 3, 4));
+    // Host-only first block: no device credit but host credit.
+    store_chain(&mut index, wr(1, 0), &[1], Tier::Host);
+    assert_eq!(matches(&index, &[1, 2])[&wr(1, 0)], (0, 1, 1));
+    let stats = index.stats();
+    assert_eq!(stats.per_rank[0].1, [2, 1, 1, 0]);
+}
+
+#[test]
+fn clearing_one_rank_leaves_the_others() {
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &[1, 2], Tier::Device);
+    store_chain(&mut index, wr(0, 1), &[1, 2], Tier::Device);
+    store_chain(&mut index, wr(1, 0), &[1], Tier::Device);
+    index.apply(wr(0, 1), &KvEvent::Cleared);
+    let m = matches(&index, &[1, 2]);
+    assert!(!m.contains_key(&wr(0, 1)));
+    assert_eq!(m[&wr(0, 0)].0, 2);
+    index.remove_worker(WorkerId(0));
+    assert_eq!(
+        matches(&index, &[1, 2]).keys().copied().collect::<Vec<_>>(),
+        [wr(1, 0)]
+    );
+    assert_eq!(index.ranks(), [wr(1, 0)]);
+}
+
+#[test]
+fn lora_and_salt_namespaces_do_not_collide() {
+    let tokens: Vec<u32> = (0..32).collect();
+    let plain: Vec<u64> = local_block_hashes(&tokens, 16, namespace_seed(None, None), 0)
+        .iter()
+        .map(|h| h.0)
+        .collect();
+    let lora: Vec<u64> = local_block_hashes(&tokens, 16, namespace_seed(Some("sql"), None), 0)
+        .iter()
+        .map(|h| h.0)
+        .collect();
+    let salted: Vec<u64> =
+        local_block_hashes(&tokens, 16, namespace_seed(None, Some("tenant-a")), 0)
+            .iter()
+            .map(|h| h.0)
+            .collect();
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &lora, Tier::Device);
+    store_chain(&mut index, wr(1, 0), &salted, Tier::Device);
+    assert!(matches(&index, &plain).is_empty());
+    assert_eq!(
+        matches(&index, &lora).keys().copied().collect::<Vec<_>>(),
+        [wr(0, 0)]
+    );
+    assert_eq!(
+        matches(&index, &salted).keys().copied().collect::<Vec<_>>(),
+        [wr(1, 0)]
+    );
+}
+
+#[test]
+fn approximate_entries_expire_after_the_ttl_and_refresh_when_routed_again() {
+    let mut index = Index::new(IndexConfig {
+        default_capacity: None,
+        approx_ttl_ms: 1_000,
+    });
+    index.record_routing_decision(wr(3, 0), &locals(&[5, 6, 7]), 10_000);
+    assert_eq!(matches(&index, &[5, 6, 7])[&wr(3, 0)].0, 3);
+    index.record_routing_decision(wr(3, 0), &locals(&[5, 6]), 10_800);
+    index.expire(11_000);
+    assert_eq!(
+        matches(&index, &[5, 6, 7])[&wr(3, 0)].0,
+        2,
+        "block 7 expired, 5 and 6 were refreshed"
+    );
+    index.expire(11_799);
+    assert_eq!(matches(&index, &[5, 6, 7])[&wr(3, 0)].0, 2);
+    index.expire(11_800);
+    assert!(matches(&index, &[5, 6, 7]).is_empty());
+    assert_eq!(index.counters().approx_expired, 3);
+    assert_eq!(index.stats().nodes, 0);
+}
+
+#[test]
+fn the_residency_cap_bounds_a_rank_and_counts_what_it_drops() {
+    let mut index = Index::new(IndexConfig {
+        default_capacity: Some(100),
+        ..IndexConfig::default()
+    });
+    for i in 0..300u64 {
+        store_chain(&mut index, wr(0, 0), &[1_000 + i, 2_000 + i], Tier::Device);
+    }
+    let stats = index.stats();
+    assert!(stats.residencies <= 100, "{}", stats.residencies);
+    assert_eq!(
+        index.counters().evicted_over_capacity,
+        600 - stats.residencies
+    );
+    // Another rank is unaffected by the first one's cap.
+    store_chain(&mut index, wr(1, 0), &[1, 2, 3], Tier::Device);
+    assert_eq!(matches(&index, &[1, 2, 3])[&wr(1, 0)].0, 3);
+    index.set_capacity(wr(1, 0), Some(1));
+    assert!(
+        index
+            .stats()
+            .per_rank
+            .iter()
+            .find(|(k, _)| *k == wr(1, 0))
+            .map_or(0, |(_, t)| t[0])
+            <= 1
+    );
+}
+
+#[test]
+fn conflicting_engine_hashes_stay_private_to_their_worker() {
+    let mut index = Index::new(no_cap());
+    // Two workers publish the same engine hash 77 for different blocks.
+    index.apply(wr(0, 0), &stored(None, &[(77, 1)], Tier::Device));
+    index.apply(wr(1, 0), &stored(None, &[(77, 2)], Tier::Device));
+    assert_eq!(index.counters().hash_conflicts, 1);
+    index.apply(wr(1, 0), &stored(Some(77), &[(78, 3)], Tier::Device));
+    assert_eq!(matches(&index, &[2, 3])[&wr(1, 0)].0, 2);
+    index.apply(wr(1, 0), &removed(&[77], Tier::Device));
+    assert_eq!(
+        matches(&index, &[1])[&wr(0, 0)].0,
+        1,
+        "worker 0's block is untouched"
+    );
+    assert!(!matches(&index, &[2]).contains_key(&wr(1, 0)));
+}
+
+#[test]
+fn many_ranks_widen_the_bitmaps_without_losing_state() {
+    let mut index = Index::new(no_cap());
+    store_chain(&mut index, wr(0, 0), &[1, 2, 3], Tier::Device);
+    store_chain(&mut index, wr(0, 0), &[1, 2, 3, 4], Tier::Host);
+    for w in 1..200 {
+        store_chain(&mut index, wr(w, 0), &[1, 2], Tier::Device);
+    }
+    let m = matches(&index, &[1, 2, 3, 4]);
+    assert_eq!(m.len(), 200);
+    assert_eq!(m[&wr(0, 0)], (3, 4, 4));
+    assert_eq!(m[&wr(199, 0)], (2, 2, 2));
+}
+
+#[test]
+fn dump_then_restore_answers_identically() {
+    let mut index = Index::new(IndexConfig {
+        default_capacity: Some(1_000),
+        approx_ttl_ms: 500,
+    });
+    for w in 0..70 {
+        store_chain(
+            &mut index,
+            wr(w, w % 2),
+            &[1, 2, 3 + u64::from(w % 5)],
+            Tier::Device,
+        );
+    }
+    store_chain(&mut index, wr(3, 1), &[1, 2, 4, 8], Tier::Disk);
+    index.apply(wr(0, 0), &stored(None, &[(77, 1)], Tier::Device));
+    index.apply(wr(1, 1), &stored(None, &[(77, 2)], Tier::Device));
+    index.record_routing_decision(wr(90, 0), &locals(&[1, 2, 3]), 100);
+    let bytes = index.dump();
+    let restored = Index::restore(&bytes).expect("restores");
+    for query in [&[1u64, 2, 3][..], &[1, 2, 4, 8], &[1, 2, 5], &[2]] {
+        assert_eq!(matches(&index, query), matches(&restored, query));
+    }
+    assert_eq!(index.stats().per_rank, restored.stats().per_rank);
+    assert_eq!(
+        restored.dump(),
+        bytes,
+        "a restored index dumps to the same bytes"
+    );
+    let mut expiring = restored.clone();
+    expiring.expire(600);
+    assert!(!matches(&expiring, &[1, 2, 3]).contains_key(&wr(90, 0)));
+
+    assert_eq!(
+        Index::restore(b"garbage!").err(),
+        Some(SnapshotError::BadMagic)
+    );
+    assert!(matches!(
+        Index::restore(&bytes[..bytes.len() - 3]),
+        Err(SnapshotError::Corrupt(_))
+    ));
+    let mut newer = bytes.clone();
+    newer[8] = 9;
+    assert_eq!(
+        Index::restore(&newer).err(),
+        Some(SnapshotError::UnsupportedVersion { found: 9 })
+    );
+}
+
+/// The naive model: per rank, the set of prefixes held (per tier) and what
+/// each engine hash names.
+#[derive(Default, Debug)]
+struct Model {
+    ranks: HashMap<WorkerRank, RankModel>,
+}
+
+#[derive(Default, Debug)]
+struct RankModel {
+    held: HashMap<Vec<u64>, u8>,
+    by_ext: HashMap<u64, Vec<u64>>,
+}
+
+fn tier_bit(tier: Tier) -> u8 {
+    1 << tier_slot(tier)
+}
+
+impl Model {
+    fn apply(&mut self, key: WorkerRank, event: &KvEvent) {
+        match event {
+            KvEvent::Stored(s) => {
+                let rank = self.ranks.entry(key).or_default();
+                let mut chain = match s.parent {
+                    None => Vec::new(),
+                    Some(p) => match rank.by_ext.get(&p.0) {
+                        Some(chain) if rank.held.get(chain).copied().unwrap_or(0) != 0 => {
+                            chain.clone()
+                        }
+                        _ => return,
+                    },
+                };
+                for b in &s.blocks {
+                    chain.push(b.local.0);
+                    *rank.held.entry(chain.clone()).or_default() |= tier_bit(s.tier);
+                    rank.by_ext.insert(b.external.0, chain.clone());
+                }
+            }
+            KvEvent::Removed(r) => {
+                let Some(rank) = self.ranks.get_mut(&key) else {
+                    return;
+                };
+                for ext in &r.blocks {
+                    let Some(chain) = rank.by_ext.get(&ext.0).cloned() else {
+                        continue;
+                    };
+                    if let Some(tiers) = rank.held.get_mut(&chain) {
+                        *tiers &= !tier_bit(r.tier);
+                        if *tiers == 0 {
+                            rank.held.remove(&chain);
+                            rank.by_ext.remove(&ext.0);
+                        }
+                    }
+                }
+            }
+            KvEvent::Cleared => {
+                self.ranks.remove(&key);
+            }
+        }
+    }
+
+    fn find(&self, query: &[u64]) -> BTreeMap<WorkerRank, (u32, u32, u32)> {
+        let mut out = BTreeMap::new();
+        for (&key, rank) in &self.ranks {
+            let depth = |mask: u8| {
+                (0..query.len())
+                    .take_while(|&i| rank.held.get(&query[..=i]).is_some_and(|t| t & mask != 0))
+                    .count() as u32
+            };
+            let m = (depth(0b0001), depth(0b0011), depth(0b1111));
+            if m.2 > 0 {
+                out.insert(key, m);
+            }
+        }
+        out
+    }
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// Store `len` blocks on rank `rank` under the `parent`-th chain it holds (or the root).
+    Store {
+        rank: u8,
+        parent: Option<u8>,
+        locals: Vec<u8>,
+        tier: u8,
+    },
+    /// Store under an engine hash nobody published.
+    StoreOrphan {
+        rank: u8,
+    },
+    Remove {
+        rank: u8,
+        pick: u8,
+        tier: u8,
+    },
+    Clear {
+        rank: u8,
+    },
+    RemoveWorker {
+        worker: u8,
+    },
+    Lookup {
+        rank: u8,
+        pick: u8,
+        extra: Vec<u8>,
+    },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        5 => (0u8..6, proptest::option::of(any::<u8>()), proptest::collection::vec(0u8..4, 1..5), 0u8..4)
+            .prop_map(|(rank, parent, locals, tier)| Op::Store { rank, parent, locals, tier }),
+        1 => (0u8..6).prop_map(|rank| Op::StoreOrphan { rank }),
+        3 => (0u8..6, any::<u8>(), 0u8..4).prop_map(|(rank, pick, tier)| Op::Remove { rank, pick, tier }),
+        1 => (0u8..6).prop_map(|rank| Op::Clear { rank }),
+        1 => (0u8..3).prop_map(|worker| Op::RemoveWorker { worker }),
+        4 => (0u8..6, any::<u8>(), proptest::collection::vec(0u8..4, 0..3))
+            .prop_map(|(rank, pick, extra)| Op::Lookup { rank, pick, extra }),
+    ]
+}
+
+fn key_of(rank: u8) -> WorkerRank {
+    wr(u32::from(rank / 2), u32::from(rank % 2))
+}
+
+/// The `pick`-th chain a rank holds in the model, in a stable order.
+fn held_chain(model: &Model, rank: u8, pick: u8) -> Option<Vec<u64>> {
+    let r = model.ranks.get(&key_of(rank))?;
+    let mut chains: Vec<&Vec<u64>> = r.held.keys().collect();
+    chains.sort();
+    (!chains.is_empty()).then(|| chains[pick as usize % chains.len()].clone())
+}
+
+/// Turns an op into an event (or a lookup) using the model's current state.
+fn event_for(model: &Model, op: &Op) -> Option<(WorkerRank, KvEvent)> {
+    let tier = |t: u8| TIERS[t as usize % 4];
+    match op {
+        Op::Store {
+            rank,
+            parent,
+            locals,
+            tier: t,
+        } => {
+            let mut chain = match parent {
+                None => Vec::new(),
+                Some(p) => held_chain(model, *rank, *p).unwrap_or_default(),
+            };
+            let parent_ext = (!chain.is_empty()).then(|| ext_of(&chain));
+            let blocks: Vec<(u64, u64)> = locals
+                .iter()
+                .map(|&l| {
+                    chain.push(u64::from(l) + 1);
+                    (ext_of(&chain), u64::from(l) + 1)
+                })
+                .collect();
+            Some((key_of(*rank), stored(parent_ext, &blocks, tier(*t))))
+        }
+        Op::StoreOrphan { rank } => Some((
+            key_of(*rank),
+            stored(Some(0xdead), &[(ext_of(&[9, 9]), 9)], Tier::Device),
+        )),
+        Op::Remove {
+            rank,
+            pick,
+            tier: t,
+        } => {
+            let ext = held_chain(model, *rank, *pick).map_or(0xbeef, |c| ext_of(&c));
+            Some((key_of(*rank), removed(&[ext], tier(*t))))
+        }
+        Op::Clear { rank } => Some((key_of(*rank), KvEvent::Cleared)),
+        _ => None,
+    }
+}
+
+fn query_for(model: &Model, rank: u8, pick: u8, extra: &[u8]) -> Vec<u64> {
+    let mut q = held_chain(model, rank, pick).unwrap_or_default();
+    q.extend(extra.iter().map(|&l| u64::from(l) + 1));
+    q
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn every_lookup_agrees_with_the_naive_model(ops in proptest::collection::vec(op(), 1..120)) {
+        let mut index = Index::new(no_cap());
+        let mut model = Model::default();
+        for op in &ops {
+            match op {
+                Op::RemoveWorker { worker } => {
+                    index.remove_worker(WorkerId(u32::from(*worker)));
+                    model.ranks.retain(|k, _| k.worker != WorkerId(u32::from(*worker)));
+                }
+                Op::Lookup { rank, pick, extra } => {
+                    let q = query_for(&model, *rank, *pick, extra);
+                    prop_assert_eq!(matches(&index, &q), model.find(&q), "query {:?}", q);
+                }
+                _ => {
+                    if let Some((key, event)) = event_for(&model, op) {
+                        index.apply(key, &event);
+                        model.apply(key, &event);
+                    }
+                }
+            }
+        }
+        // Every chain any rank holds, and the totals, agree at the end.
+        let residencies: usize = model.ranks.values().map(|r| r.held.values().map(|t| t.count_ones() as usize).sum::<usize>()).sum();
+        prop_assert_eq!(index.stats().residencies as usize, residencies);
+        for rank in model.ranks.values() {
+            for chain in rank.held.keys() {
+                prop_assert_eq!(matches(&index, chain), model.find(chain));
+            }
+        }
+        let restored = Index::restore(&index.dump()).expect("restores");
+        for rank in model.ranks.values() {
+            for chain in rank.held.keys() {
+                prop_assert_eq!(matches(&restored, chain), model.find(chain));
+            }
+        }
+    }
+}
+
+#[test]
+fn concurrent_writers_and_readers_end_equal_to_the_model() {
+    let shared = SharedIndex::new(Index::new(no_cap()));
+    // Each writer owns its ranks, as ingestion does; readers look up all the time.
+    let scripts: Vec<Vec<(WorkerRank, KvEvent)>> = (0..2u32)
+        .map(|w| {
+            let mut events = Vec::new();
+            for i in 0..400u64 {
+                let chain: Vec<u64> = (0..(1 + i % 70))
+                    .map(|d| (d * 7 + i % 3) % 11 + 1)
+                    .collect();
+                let blocks: Vec<(u64, u64)> = (0..chain.len())
+                    .map(|d| (ext_of(&chain[..=d]), chain[d]))
+                    .collect();
+                let key = wr(w, (i % 2) as u32);
+                events.push((key, stored(None, &blocks, Tier::Device)));
+                if i % 5 == 0 {
+                    events.push((key, removed(&[blocks[blocks.len() / 2].0], Tier::Device)));
+                }
+                if i % 97 == 0 {
+                    events.push((key, KvEvent::Cleared));
+                }
+            }
+            events
+        })
+        .collect();
+    std::thread::scope(|scope| {
+        for script in &scripts {
+            let shared = &shared;
+            scope.spawn(move || {
+                for (key, event) in script {
+                    shared.apply(*key, event);
+                }
+            });
+        }
+        for _ in 0..2 {
+            let shared = &shared;
+            scope.spawn(move || {
+                for i in 0..3_000u64 {
+                    let q: Vec<u64> = (0..(1 + i % 70))
+                        .map(|d| (d * 7 + i % 3) % 11 + 1)
+                        .collect();
+                    for m in shared.find_matches(&locals(&q)) {
+                        assert!(
+                            m.device as usize <= q.len() && m.device <= m.host && m.host <= m.any
+                        );
+                    }
+                }
+            });
+        }
+    });
+    let mut model = Model::default();
+    for script in &scripts {
+        for (key, event) in script {
+            model.apply(*key, event);
+        }
+    }
+    let index = shared.read();
+    for rank in model.ranks.values() {
+        for chain in rank.held.keys() {
+            assert_eq!(matches(&index, chain), model.find(chain));
+        }
+    }
+}
+
+#[test]
+fn long_stores_are_applied_in_chunks_with_the_same_result() {
+    let chain: Vec<u64> = (1..=500).collect();
+    let blocks: Vec<(u64, u64)> = (0..chain.len())
+        .map(|d| (ext_of(&chain[..=d]), chain[d]))
+        .collect();
+    let shared = SharedIndex::new(Index::new(no_cap()));
+    shared.apply(wr(0, 0), &stored(None, &blocks, Tier::Device));
+    let mut plain = Index::new(no_cap());
+    plain.apply(wr(0, 0), &stored(None, &blocks, Tier::Device));
+    assert_eq!(matches(&shared.read(), &chain), matches(&plain, &chain));
+    assert_eq!(matches(&plain, &chain)[&wr(0, 0)].0, 500);
+}
