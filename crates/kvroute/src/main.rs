@@ -1,12 +1,15 @@
 //! The `kvroute` command: parse the command line and dispatch to a subcommand.
 
-#![forbid(unsafe_code)]
-
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod alloc_meter;
 mod cmd;
+
+/// Counts live heap bytes, so `kvroute bench` reports measured memory.
+#[global_allocator]
+static ALLOCATOR: alloc_meter::MeteredAlloc = alloc_meter::MeteredAlloc;
 
 /// kvroute: a KV-cache-aware router for LLM inference fleets.
 #[derive(Debug, Parser)]
@@ -21,12 +24,15 @@ struct Cli {
 enum Command {
     /// Decode one engine KV-event payload and print each event as a JSON line.
     Inspect(cmd::inspect::InspectArgs),
+    /// Measure kvroute's parts (`bench index`: the prefix index).
+    Bench(cmd::bench::BenchArgs),
 }
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => cmd::inspect::run(&args),
+        Command::Bench(args) => cmd::bench::run(&args),
     };
     match result {
         Ok(code) => code,

@@ -455,45 +455,34 @@ impl Index {
             return Vec::new();
         };
         let words = self.nodes.words();
-        // Per word: still matching on device / device+host / any tier.
-        let mut active = vec![0u64; 3 * words];
-        let mut lengths = vec![[0u32; 3]; self.slots.len()];
-        init_sets(&mut active, &self.nodes, node);
+        let mut sets = WalkSets::new(words);
+        sets.init(&self.nodes, node);
+        let mut out =
+            sets.results(|slot| self.slots.get(slot).and_then(Option::as_ref).map(|s| s.key));
         let mut seq = first.0;
         let mut depth: u32 = 1;
-        for local in &locals[1..] {
-            if active.iter().all(|&w| w == 0) {
+        // Probe a few blocks ahead before walking them: the probes are independent
+        // memory loads, so the processor overlaps their cache misses.
+        'walk: for chunk in locals[1..].chunks(PROBE_AHEAD) {
+            if sets.is_empty() {
                 break;
             }
-            seq = next_sequence_hash(SequenceHash(seq), *local).0;
-            let next = self.nodes.find_seq(seq);
-            step_sets(
-                &mut active,
-                &mut lengths,
-                next.map(|n| (&self.nodes, n)),
-                depth,
-            );
-            if next.is_none() {
-                break;
+            let mut ids = [None; PROBE_AHEAD];
+            for (id, local) in ids.iter_mut().zip(chunk) {
+                seq = next_sequence_hash(SequenceHash(seq), *local).0;
+                *id = self.nodes.find_seq(seq);
             }
-            depth += 1;
+            for id in &ids[..chunk.len()] {
+                sets.step(&self.nodes, *id, depth, &mut out);
+                if id.is_none() || sets.is_empty() {
+                    break 'walk;
+                }
+                depth += 1;
+            }
         }
-        // Ranks still active matched to the last block walked.
-        finish_sets(&active, &mut lengths, depth);
-        lengths
-            .iter()
-            .enumerate()
-            .filter(|(_, l)| l[2] > 0)
-            .filter_map(|(slot, l)| {
-                let key = self.slots[slot].as_ref()?.key;
-                Some(RankMatch {
-                    worker_rank: key,
-                    device: l[0],
-                    host: l[1],
-                    any: l[2],
-                })
-            })
-            .collect()
+        sets.finish(depth, &mut out);
+        out.retain(|m| m.any > 0);
+        out
     }
 
     /// Records that a request with these local hashes was routed to a rank of
@@ -581,68 +570,162 @@ impl Index {
     }
 }
 
-/// Starts the three active sets from the first node's bitmaps.
-fn init_sets(active: &mut [u64], nodes: &NodeStore, node: NodeId) {
-    let words = nodes.words();
-    let device = nodes.device(node);
-    let lower = nodes.lower(node);
-    for w in 0..words {
-        let (host, rest) = match lower {
-            Some(l) => (l[w], l[words + w] | l[2 * words + w]),
-            None => (0, 0),
-        };
-        active[w] = device[w];
-        active[words + w] = device[w] | host;
-        active[2 * words + w] = device[w] | host | rest;
-    }
+/// Blocks probed ahead of the walk in [`Index::find_matches`].
+const PROBE_AHEAD: usize = 8;
+
+/// Slots covered by [`WalkSets`] without a heap allocation.
+const INLINE_WORDS: usize = 4;
+
+/// The ranks still matching during a lookup walk, per tier group: device,
+/// device or host, any tier. One bit per slot, `words` words per group.
+struct WalkSets {
+    words: usize,
+    active: [u64; 3 * INLINE_WORDS],
+    heap: Vec<u64>,
+    /// Slots that matched the first block on any tier: the result rows, in slot order.
+    rows: [u64; INLINE_WORDS],
+    rows_heap: Vec<u64>,
+    /// Rows before each word of `rows`.
+    row_base: Vec<u32>,
 }
 
-/// Advances the active sets by one block: ranks that do not hold it stop at `depth`.
-fn step_sets(
-    active: &mut [u64],
-    lengths: &mut [[u32; 3]],
-    next: Option<(&NodeStore, NodeId)>,
-    depth: u32,
-) {
-    let words = active.len() / 3;
-    for w in 0..words {
-        let (device, host, rest) = match next {
-            None => (0, 0, 0),
-            Some((nodes, node)) => {
-                let device = nodes.device(node)[w];
-                match nodes.lower(node) {
-                    Some(l) => (device, l[w], l[words + w] | l[2 * words + w]),
-                    None => (device, 0, 0),
-                }
-            }
+impl WalkSets {
+    fn new(words: usize) -> Self {
+        let big = words > INLINE_WORDS;
+        WalkSets {
+            words,
+            active: [0; 3 * INLINE_WORDS],
+            heap: if big { vec![0; 3 * words] } else { Vec::new() },
+            rows: [0; INLINE_WORDS],
+            rows_heap: if big { vec![0; words] } else { Vec::new() },
+            row_base: Vec::new(),
+        }
+    }
+
+    fn active(&mut self) -> &mut [u64] {
+        if self.words > INLINE_WORDS {
+            &mut self.heap
+        } else {
+            &mut self.active[..3 * self.words]
+        }
+    }
+
+    fn rows(&self) -> &[u64] {
+        if self.words > INLINE_WORDS {
+            &self.rows_heap
+        } else {
+            &self.rows[..self.words]
+        }
+    }
+
+    fn is_empty(&self) -> bool {
+        if self.words > INLINE_WORDS {
+            self.heap.iter().all(|&w| w == 0)
+        } else {
+            self.active[..3 * self.words].iter().all(|&w| w == 0)
+        }
+    }
+
+    /// Starts from the first node's bitmaps.
+    fn init(&mut self, nodes: &NodeStore, node: NodeId) {
+        let words = self.words;
+        let device = nodes.device(node);
+        let lower = nodes.lower(node);
+        let active = self.active();
+        for w in 0..words {
+            let (host, rest) = lower.map_or((0, 0), |l| (l[w], l[words + w] | l[2 * words + w]));
+            active[w] = device[w];
+            active[words + w] = device[w] | host;
+            active[2 * words + w] = device[w] | host | rest;
+        }
+        let any: Vec<u64> = active[2 * words..3 * words].to_vec();
+        let rows = if words > INLINE_WORDS {
+            &mut self.rows_heap[..]
+        } else {
+            &mut self.rows[..words]
         };
-        let held = [device, device | host, device | host | rest];
-        for (set, held) in held.iter().enumerate() {
-            let word = &mut active[set * words + w];
-            let mut stopped = *word & !held;
-            *word &= held;
-            while stopped != 0 {
-                let bit = stopped.trailing_zeros() as usize;
-                stopped &= stopped - 1;
-                if let Some(l) = lengths.get_mut(w * 64 + bit) {
-                    l[set] = depth;
+        rows.copy_from_slice(&any);
+        let mut base = 0u32;
+        self.row_base = any
+            .iter()
+            .map(|w| {
+                let b = base;
+                base += w.count_ones();
+                b
+            })
+            .collect();
+    }
+
+    /// One zeroed result row per slot that matched the first block, in slot order.
+    fn results(&self, key_of: impl Fn(usize) -> Option<WorkerRank>) -> Vec<RankMatch> {
+        let mut out = Vec::with_capacity(self.row_base.last().copied().unwrap_or(0) as usize + 64);
+        for (w, &word) in self.rows().iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let slot = w * 64 + bits.trailing_zeros() as usize;
+                bits &= bits - 1;
+                let worker_rank = key_of(slot).unwrap_or(WorkerRank::new(u32::MAX, u32::MAX));
+                out.push(RankMatch {
+                    worker_rank,
+                    device: 0,
+                    host: 0,
+                    any: 0,
+                });
+            }
+        }
+        out
+    }
+
+    /// Records `depth` as the match length of `group` for every slot in `bits` of word `w`.
+    fn record(&self, w: usize, mut bits: u64, group: usize, depth: u32, out: &mut [RankMatch]) {
+        let row_word = self.rows()[w];
+        while bits != 0 {
+            let bit = bits.trailing_zeros();
+            bits &= bits - 1;
+            let row = self.row_base[w] + (row_word & ((1u64 << bit) - 1)).count_ones();
+            if let Some(m) = out.get_mut(row as usize) {
+                match group {
+                    0 => m.device = depth,
+                    1 => m.host = depth,
+                    _ => m.any = depth,
                 }
             }
         }
     }
-}
 
-/// Ranks still active after the walk matched `depth` blocks.
-fn finish_sets(active: &[u64], lengths: &mut [[u32; 3]], depth: u32) {
-    let words = active.len() / 3;
-    for set in 0..3 {
+    /// Advances by one block: ranks that do not hold it stop at `depth`.
+    fn step(&mut self, nodes: &NodeStore, node: Option<NodeId>, depth: u32, out: &mut [RankMatch]) {
+        let words = self.words;
         for w in 0..words {
-            let mut still = active[set * words + w];
-            while still != 0 {
-                let bit = still.trailing_zeros() as usize;
-                still &= still - 1;
-                if let Some(l) = lengths.get_mut(w * 64 + bit) {
-                    l[set] = depth;
+            let (device, host, rest) = match node {
+                None => (0, 0, 0),
+                Some(node) => {
+                    let device = nodes.device(node)[w];
+                    nodes.lower(node).map_or((device, 0, 0), |l| {
+                        (device, l[w], l[words + w] | l[2 * words + w])
+                    })
+                }
+            };
+            let held = [device, device | host, device | host | rest];
+            for (group, held) in held.into_iter().enumerate() {
+                let word = self.active()[group * words + w];
+                let stopped = word & !held;
+                if stopped != 0 {
+                    self.record(w, stopped, group, depth, out);
+                }
+                self.active()[group * words + w] = word & held;
+            }
+        }
+    }
+
+    /// Ranks still matching after the walk hold all `depth` blocks walked.
+    fn finish(&mut self, depth: u32, out: &mut [RankMatch]) {
+        let words = self.words;
+        for group in 0..3 {
+            for w in 0..words {
+                let bits = self.active()[group * words + w];
+                if bits != 0 {
+                    self.record(w, bits, group, depth, out);
                 }
             }
         }

@@ -1,3 +1,4 @@
 //! One module per subcommand: turn arguments into a call of the core or server.
 
+pub mod bench;
 pub mod inspect;

@@ -1,0 +1,30 @@
+//! `kvroute bench`: measurements that all come from one tool.
+
+use std::process::ExitCode;
+
+use anyhow::Result;
+use clap::{Args, Subcommand};
+
+pub mod index;
+pub mod trace;
+
+/// Arguments of `kvroute bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    #[command(subcommand)]
+    what: BenchCommand,
+}
+
+/// What to measure.
+#[derive(Debug, Subcommand)]
+enum BenchCommand {
+    /// The prefix index alone: apply throughput, lookup latency, memory, snapshots.
+    Index(index::IndexBenchArgs),
+}
+
+/// Runs the chosen benchmark.
+pub fn run(args: &BenchArgs) -> Result<ExitCode> {
+    match &args.what {
+        BenchCommand::Index(a) => index::run(a),
+    }
+}
