@@ -90,7 +90,28 @@ pub fn local_block_hash(tokens: &[u32], seed: u64) -> LocalBlockHash {
 }
 
 /// The local hash of one block of tokens carrying multimodal items (any order).
+///
+/// Blocks of up to 256 tokens (and 16 items) are hashed from a stack buffer,
+/// without allocating: the request path hashes every prompt block this way.
 pub fn local_block_hash_with_mm(tokens: &[u32], mm_hashes: &[u64], seed: u64) -> LocalBlockHash {
+    const STACK_BYTES: usize = 1024;
+    const STACK_ITEMS: usize = 16;
+    let len = tokens.len() * 4 + mm_hashes.len() * 8;
+    if len <= STACK_BYTES && mm_hashes.len() <= STACK_ITEMS {
+        let mut buf = [0u8; STACK_BYTES];
+        for (chunk, token) in buf.chunks_exact_mut(4).zip(tokens) {
+            chunk.copy_from_slice(&token.to_le_bytes());
+        }
+        let mut sorted = [0u64; STACK_ITEMS];
+        let sorted = &mut sorted[..mm_hashes.len()];
+        sorted.copy_from_slice(mm_hashes);
+        sorted.sort_unstable();
+        let items = &mut buf[tokens.len() * 4..len];
+        for (chunk, item) in items.chunks_exact_mut(8).zip(sorted.iter()) {
+            chunk.copy_from_slice(&item.to_le_bytes());
+        }
+        return LocalBlockHash(xxh3_64_with_seed(&buf[..len], seed));
+    }
     let mut hasher = BlockHasher::new();
     for &token in tokens {
         hasher.push_token(token);
@@ -234,6 +255,28 @@ mod tests {
     #[test]
     fn d10_pad_value() {
         assert_eq!(pad_value_for_mm_hash(9533257059414191570), 49115154);
+    }
+
+    #[test]
+    fn stack_and_heap_paths_hash_alike() {
+        let tokens: Vec<u32> = (0..300).collect();
+        let mut hasher = BlockHasher::new();
+        for &t in &tokens[..200] {
+            hasher.push_token(t);
+        }
+        hasher.push_mm_hash(3);
+        hasher.push_mm_hash(9);
+        assert_eq!(
+            local_block_hash_with_mm(&tokens[..200], &[9, 3], HASH_SEED),
+            hasher.finish(HASH_SEED)
+        );
+        for &t in &tokens {
+            hasher.push_token(t);
+        }
+        assert_eq!(
+            local_block_hash(&tokens, HASH_SEED),
+            hasher.finish(HASH_SEED)
+        );
     }
 
     #[test]

@@ -172,6 +172,7 @@ impl NodeStore {
             Some(id) => id,
             None => {
                 let id = NodeId::try_from(self.capacity()).unwrap_or(NodeId::MAX);
+                grow_gently(&mut self.records, self.stride);
                 self.records.resize(self.records.len() + self.stride, 0);
                 id
             }
@@ -315,6 +316,7 @@ impl NodeStore {
             Some(i) => i as usize,
             None => {
                 let i = self.lower.len() / span;
+                grow_gently(&mut self.lower, span);
                 self.lower.resize(self.lower.len() + span, 0);
                 i
             }
@@ -424,6 +426,15 @@ impl NodeStore {
             + self.aliases.capacity() * (8 + 4 + 1)
             + self.lower.capacity() * 8
             + self.lower_free.capacity() * 4
+    }
+}
+
+/// Makes room for `more` words, growing by an eighth rather than doubling: the
+/// arenas are the index's largest allocations, and doubling would leave up to
+/// half of them unused. (Large reallocations are remapped, not copied.)
+fn grow_gently(arena: &mut Vec<u64>, more: usize) {
+    if arena.len() + more > arena.capacity() {
+        arena.reserve_exact((arena.len() / 8).max(more * 1024));
     }
 }
 

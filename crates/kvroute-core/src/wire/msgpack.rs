@@ -139,6 +139,32 @@ impl fmt::Display for Int {
     }
 }
 
+/// Total bytes of a value that is complete after its marker and a fixed or
+/// marker-encoded length (ints, floats, nil, bools, fixstr, fixext); 0 for
+/// values whose size needs more reading (containers, str8+, bin, ext8+).
+const FIXED_WIDTH: [u8; 256] = {
+    let mut table = [0u8; 256];
+    let mut m = 0;
+    while m < 256 {
+        table[m] = match m as u8 {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => 1,
+            0xa0..=0xbf => 1 + (m as u8 & 0x1f),
+            0xcc | 0xd0 => 2,
+            0xcd | 0xd1 => 3,
+            0xd4 => 3,
+            0xd5 => 4,
+            0xca | 0xce | 0xd2 => 5,
+            0xd6 => 6,
+            0xcb | 0xcf | 0xd3 => 9,
+            0xd7 => 10,
+            0xd8 => 18,
+            _ => 0,
+        };
+        m += 1;
+    }
+    table
+};
+
 /// A cursor over a msgpack payload.
 #[derive(Debug, Clone)]
 pub(crate) struct Reader<'a> {
@@ -260,15 +286,32 @@ impl<'a> Reader<'a> {
     }
 
     /// Reads a non-negative integer (a token id, a size, an index).
-    #[inline]
+    #[inline(always)]
     pub(crate) fn read_u64(&mut self) -> Result<u64> {
-        // Fast path: positive fixint, the most common token encoding for small ids.
-        if let Some(&m) = self.buf.get(self.pos) {
+        let pos = self.pos;
+        if let Some(&m) = self.buf.get(pos) {
             if m < 0x80 {
-                self.pos += 1;
+                // Positive fixint: small ids.
+                self.pos = pos + 1;
                 return Ok(m as u64);
             }
+            if (0xcc..=0xcf).contains(&m) {
+                // uint8/16/32/64: load 8 bytes after the marker and shift the
+                // unused ones away, so mixed widths cost no unpredictable branch.
+                let width = 1usize << (m - 0xcc);
+                if let Some(bytes) = self.buf.get(pos + 1..pos + 9) {
+                    let mut word = [0u8; 8];
+                    word.copy_from_slice(bytes);
+                    self.pos = pos + 1 + width;
+                    return Ok(u64::from_be_bytes(word) >> (8 * (8 - width)));
+                }
+            }
         }
+        self.read_u64_slow()
+    }
+
+    #[cold]
+    fn read_u64_slow(&mut self) -> Result<u64> {
         let offset = self.pos;
         match self.read_int()? {
             Int::Unsigned(v) => Ok(v),
@@ -394,14 +437,25 @@ impl<'a> Reader<'a> {
         while pending > 0 {
             pending -= 1;
             let offset = self.pos;
-            let m = self.byte()?;
+            let m = *self
+                .buf
+                .get(offset)
+                .ok_or(ReadError::Truncated { offset })?;
+            let width = FIXED_WIDTH[m as usize] as usize;
+            if width != 0 {
+                // The common case (token ids, hashes, short strings): one table lookup.
+                self.pos += width;
+                if self.pos > self.buf.len() {
+                    return Err(ReadError::Truncated {
+                        offset: self.buf.len(),
+                    });
+                }
+                continue;
+            }
+            self.pos += 1;
             match m {
-                0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => {}
                 0x80..=0x8f => pending += 2 * (m & 0x0f) as u64,
                 0x90..=0x9f => pending += (m & 0x0f) as u64,
-                0xa0..=0xbf => {
-                    self.take((m & 0x1f) as usize)?;
-                }
                 0xc1 => return Err(ReadError::Reserved { offset }),
                 0xc4 | 0xd9 => {
                     let n = self.be_len(1)?;
@@ -427,34 +481,12 @@ impl<'a> Reader<'a> {
                     let n = self.be_len(4)?;
                     self.take(n.saturating_add(1))?;
                 }
-                0xcc | 0xd0 => {
-                    self.take(1)?;
-                }
-                0xcd | 0xd1 | 0xd4 => {
-                    self.take(2)?;
-                }
-                0xd5 => {
-                    self.take(3)?;
-                }
-                0xca | 0xce | 0xd2 => {
-                    self.take(4)?;
-                }
-                0xd6 => {
-                    self.take(5)?;
-                }
-                0xcb | 0xcf | 0xd3 => {
-                    self.take(8)?;
-                }
-                0xd7 => {
-                    self.take(9)?;
-                }
-                0xd8 => {
-                    self.take(17)?;
-                }
                 0xdc => pending += self.be_len(2)? as u64,
                 0xdd => pending += self.be_len(4)? as u64,
                 0xde => pending += 2 * self.be_len(2)? as u64,
                 0xdf => pending += 2 * self.be_len(4)? as u64,
+                // Every other marker has a fixed width, handled above.
+                _ => return Err(ReadError::Reserved { offset }),
             }
         }
         Ok(())
