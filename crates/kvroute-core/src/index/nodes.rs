@@ -165,51 +165,71 @@ impl NodeStore {
 
     /// The node of a sequence hash, created empty when new.
     pub(super) fn insert_seq(&mut self, seq: u64) -> NodeId {
-        if let Some(id) = self.find_seq(seq) {
-            return id;
-        }
-        let id = match self.free.pop() {
-            Some(id) => id,
-            None => {
-                let id = NodeId::try_from(self.capacity()).unwrap_or(NodeId::MAX);
-                grow_gently(&mut self.records, self.stride);
-                self.records.resize(self.records.len() + self.stride, 0);
-                id
-            }
+        // The id a new node would get; the table learns it before its record
+        // is written, which is safe because inserting into a vacant entry
+        // never rehashes (`entry` reserves room first).
+        let next = match self.free.last() {
+            Some(&id) => id,
+            None => NodeId::try_from(self.capacity()).unwrap_or(NodeId::MAX),
         };
-        let base = self.base(id);
+        let records = &self.records;
+        let stride = self.stride;
+        let entry = self.by_seq.entry(
+            mix(seq),
+            |&id| records[id as usize * stride + SEQ] == seq,
+            |&id| mix(records[id as usize * stride + SEQ]),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(e) => return *e.get(),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(next);
+            }
+        }
+        if self.free.last() == Some(&next) {
+            self.free.pop();
+        } else {
+            grow_gently(&mut self.records, self.stride);
+            self.records.resize(self.records.len() + self.stride, 0);
+        }
+        let base = self.base(next);
         self.records[base + SEQ] = seq;
         self.records[base + EXT] = 0;
         self.records[base + META] = LIVE | NO_LOWER;
         self.live += 1;
-        let records = &self.records;
-        let stride = self.stride;
-        self.by_seq.insert_unique(mix(seq), id, |&other| {
-            mix(records[other as usize * stride + SEQ])
-        });
-        id
+        next
     }
 
     /// Makes `ext` name `node`.
     pub(super) fn bind_ext(&mut self, node: NodeId, ext: u64) -> Bind {
-        match self.find_ext(ext) {
-            Some(existing) if existing == node => return Bind::Bound,
-            Some(_) => return Bind::Conflict,
-            None => {}
+        let has_primary = self.meta(node) & HAS_EXT != 0;
+        let records = &self.records;
+        let stride = self.stride;
+        let entry = self.by_ext.entry(
+            mix(ext),
+            |&id| records[id as usize * stride + EXT] == ext,
+            |&id| mix(records[id as usize * stride + EXT]),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(e) => {
+                return if *e.get() == node { Bind::Bound } else { Bind::Conflict };
+            }
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                if let Some(&existing) = self.aliases.get(&ext) {
+                    return if existing == node { Bind::Bound } else { Bind::Conflict };
+                }
+                if !has_primary {
+                    v.insert(node);
+                }
+            }
         }
         let meta = self.meta(node);
-        if meta & HAS_EXT == 0 {
+        if has_primary {
+            self.aliases.insert(ext, node);
+            self.set_meta(node, meta | HAS_ALIAS);
+        } else {
             let base = self.base(node);
             self.records[base + EXT] = ext;
             self.set_meta(node, meta | HAS_EXT);
-            let records = &self.records;
-            let stride = self.stride;
-            self.by_ext.insert_unique(mix(ext), node, |&other| {
-                mix(records[other as usize * stride + EXT])
-            });
-        } else {
-            self.aliases.insert(ext, node);
-            self.set_meta(node, meta | HAS_ALIAS);
         }
         Bind::Bound
     }
