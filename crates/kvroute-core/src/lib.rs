@@ -10,6 +10,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod cursor;
 pub mod event;
 pub mod hash;
 pub mod index;
