@@ -211,11 +211,19 @@ impl NodeStore {
         );
         match entry {
             hashbrown::hash_table::Entry::Occupied(e) => {
-                return if *e.get() == node { Bind::Bound } else { Bind::Conflict };
+                return if *e.get() == node {
+                    Bind::Bound
+                } else {
+                    Bind::Conflict
+                };
             }
             hashbrown::hash_table::Entry::Vacant(v) => {
                 if let Some(&existing) = self.aliases.get(&ext) {
-                    return if existing == node { Bind::Bound } else { Bind::Conflict };
+                    return if existing == node {
+                        Bind::Bound
+                    } else {
+                        Bind::Conflict
+                    };
                 }
                 if !has_primary {
                     v.insert(node);
