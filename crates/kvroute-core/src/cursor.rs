@@ -98,6 +98,10 @@ pub struct StreamCursor<T> {
     retrying: Option<u64>,
     buffer: VecDeque<(u64, T)>,
     max_buffered: usize,
+    /// The range the last replay covered: live copies of those batches may
+    /// still be in flight, and are duplicates, not a restart.
+    replayed_range: Option<(u64, u64)>,
+    replay_from: u64,
     stats: CursorStats,
 }
 
@@ -111,6 +115,8 @@ impl<T> StreamCursor<T> {
             retrying: None,
             buffer: VecDeque::new(),
             max_buffered: max_buffered.max(1),
+            replayed_range: None,
+            replay_from: 0,
             stats: CursorStats::default(),
         }
     }
@@ -149,6 +155,7 @@ impl<T> StreamCursor<T> {
     fn start_replay(&mut self, from: u64, out: &mut Vec<Action<T>>) {
         self.stats.gaps += 1;
         self.replaying = true;
+        self.replay_from = from;
         out.push(Action::Replay { from });
     }
 
@@ -168,10 +175,22 @@ impl<T> StreamCursor<T> {
                 self.buffer.push_back((seq, payload));
                 self.start_replay(0, out);
             }
-            Some(next) if seq == next => self.apply(seq, payload, out),
+            Some(next) if seq == next => {
+                // Live has caught up: no older live copy can follow (one connection is FIFO).
+                self.replayed_range = None;
+                self.apply(seq, payload, out);
+            }
             Some(next) if seq > next => {
                 self.buffer.push_back((seq, payload));
                 self.start_replay(next, out);
+            }
+            Some(_)
+                if self
+                    .replayed_range
+                    .is_some_and(|(from, to)| (from..to).contains(&seq)) =>
+            {
+                // The live copy of a batch a replay already delivered.
+                self.stats.stale += 1;
             }
             Some(_) => {
                 // Backwards: the publisher restarted, and so did its cache.
@@ -205,6 +224,7 @@ impl<T> StreamCursor<T> {
             return;
         }
         self.replaying = false;
+        let replay_from = self.replay_from;
         let mut filled = complete;
         while let Some((seq, payload)) = self.buffer.pop_front() {
             match self.next {
@@ -218,6 +238,7 @@ impl<T> StreamCursor<T> {
                 }
             }
         }
+        self.replayed_range = self.next.map(|next| (replay_from, next));
         if filled {
             self.stats.replays_ok += 1;
         } else {
@@ -389,6 +410,28 @@ mod tests {
         assert!(finished(&mut c, true).is_empty());
         assert_eq!(live(&mut c, 2), [apply(2)]);
         assert_eq!(c.stats().undecodable_skipped, 1);
+    }
+
+    #[test]
+    fn live_copies_of_replayed_batches_are_duplicates_not_a_restart() {
+        let mut c = StreamCursor::new(16);
+        live(&mut c, 0);
+        live(&mut c, 3);
+        for seq in 1..=6 {
+            replayed(&mut c, seq);
+        }
+        finished(&mut c, true);
+        // 4..6 were published while the replay ran; their live copies arrive now.
+        for seq in 4..=6 {
+            assert!(live(&mut c, seq).is_empty());
+        }
+        assert_eq!(c.stats().restarts, 0);
+        assert_eq!(live(&mut c, 7), [apply(7)]);
+        // After live caught up, going backwards is a restart again.
+        assert_eq!(
+            live(&mut c, 0),
+            [Action::Clear(ClearReason::EngineRestart), apply(0)]
+        );
     }
 
     #[test]
