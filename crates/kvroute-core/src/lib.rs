@@ -14,5 +14,6 @@ pub mod cursor;
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod scheduler;
 pub mod tokens;
 pub mod wire;

@@ -1,0 +1,164 @@
+//! The cost of sending a request to one (worker, rank), in blocks of work.
+//!
+//! ```text
+//! prefill = prefill_load_scale × max(0, (active_prefill_tokens + request_tokens) / block_size
+//!                                        − overlap_credit)
+//! overlap_credit = credit × device_blocks + host_weight × host_only_blocks + disk_weight × disk_only_blocks
+//! cost = prefill + decode_blocks + active_request_weight × active_requests
+//! ```
+//!
+//! `decode_blocks` is what the worker would hold active with this request:
+//! its current active blocks plus this request's blocks it does not already
+//! have active (blocks shared by requests count once). The defaults are
+//! Dynamo's current ones, so costs are comparable.
+//!
+//! ```
+//! use kvroute_core::scheduler::{Candidate, CostWeights};
+//! // 64-token request (4 blocks of 16), 3 blocks cached on device, idle worker.
+//! let c = Candidate { device_blocks: 3, host_blocks: 3, any_blocks: 3, new_active_blocks: 4, ..Candidate::default() };
+//! let cost = c.cost(64, 16, &CostWeights::default());
+//! assert_eq!(cost.prefill, 1.0); // 64/16 − 3
+//! assert_eq!(cost.decode_blocks, 4.0);
+//! assert_eq!(cost.total, 5.0);
+//! ```
+
+/// The weights of the cost function (all flags of `kvroute serve`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CostWeights {
+    /// Multiplies the prefill term.
+    pub prefill_load_scale: f64,
+    /// Credit per cached device block.
+    pub overlap_credit: f64,
+    /// Credit per block found only in host memory.
+    pub host_weight: f64,
+    /// Credit per block found only on disk or an external pool.
+    pub disk_weight: f64,
+    /// Cost per request already running on the worker.
+    pub active_request_weight: f64,
+}
+
+impl Default for CostWeights {
+    fn default() -> Self {
+        CostWeights {
+            prefill_load_scale: 1.0,
+            overlap_credit: 1.0,
+            host_weight: 0.75,
+            disk_weight: 0.25,
+            active_request_weight: 0.0,
+        }
+    }
+}
+
+/// What the scheduler knows about one candidate for one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Candidate {
+    /// Leading blocks of the request cached on the device.
+    pub device_blocks: u32,
+    /// Leading blocks cached on device or host (≥ `device_blocks`).
+    pub host_blocks: u32,
+    /// Leading blocks cached on any tier (≥ `host_blocks`).
+    pub any_blocks: u32,
+    /// Prompt tokens of requests still in prefill there.
+    pub active_prefill_tokens: u64,
+    /// Distinct blocks of the requests active there.
+    pub active_decode_blocks: u64,
+    /// Of this request's blocks, those not already active there.
+    pub new_active_blocks: u64,
+    /// Requests active there.
+    pub active_requests: u64,
+}
+
+/// A cost and its parts, for `/query` and logs.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct CostBreakdown {
+    /// `(active_prefill_tokens + request_tokens) / block_size`.
+    pub prefill_blocks: f64,
+    /// Blocks of prefill the caches save.
+    pub overlap_credit: f64,
+    /// `prefill_load_scale × max(0, prefill_blocks − overlap_credit)`.
+    pub prefill: f64,
+    /// Blocks active on the worker with this request.
+    pub decode_blocks: f64,
+    /// `active_request_weight × active_requests`.
+    pub requests: f64,
+    /// The sum.
+    pub total: f64,
+}
+
+impl Candidate {
+    /// The cost of a `request_tokens`-token request.
+    pub fn cost(&self, request_tokens: u64, block_size: u32, w: &CostWeights) -> CostBreakdown {
+        let bs = f64::from(block_size.max(1));
+        let prefill_blocks = (self.active_prefill_tokens + request_tokens) as f64 / bs;
+        let host_only = self.host_blocks.saturating_sub(self.device_blocks);
+        let lower_only = self.any_blocks.saturating_sub(self.host_blocks);
+        let overlap_credit = w.overlap_credit * f64::from(self.device_blocks)
+            + w.host_weight * f64::from(host_only)
+            + w.disk_weight * f64::from(lower_only);
+        let prefill = w.prefill_load_scale * (prefill_blocks - overlap_credit).max(0.0);
+        let decode_blocks = (self.active_decode_blocks + self.new_active_blocks) as f64;
+        let requests = w.active_request_weight * self.active_requests as f64;
+        CostBreakdown {
+            prefill_blocks,
+            overlap_credit,
+            prefill,
+            decode_blocks,
+            requests,
+            total: prefill + decode_blocks + requests,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cached_blocks_lower_the_prefill_cost_by_tier_weight() {
+        let w = CostWeights::default();
+        let cold = Candidate {
+            new_active_blocks: 8,
+            ..Candidate::default()
+        };
+        let device = Candidate {
+            device_blocks: 8,
+            host_blocks: 8,
+            any_blocks: 8,
+            new_active_blocks: 8,
+            ..cold
+        };
+        let host = Candidate {
+            host_blocks: 8,
+            any_blocks: 8,
+            ..cold
+        };
+        let disk = Candidate {
+            any_blocks: 8,
+            ..cold
+        };
+        let costs: Vec<f64> = [cold, device, host, disk]
+            .iter()
+            .map(|c| c.cost(128, 16, &w).total)
+            .collect();
+        assert_eq!(costs, [16.0, 8.0, 10.0, 14.0]);
+    }
+
+    #[test]
+    fn load_raises_the_cost() {
+        let w = CostWeights {
+            active_request_weight: 0.5,
+            ..CostWeights::default()
+        };
+        let busy = Candidate {
+            active_prefill_tokens: 320,
+            active_decode_blocks: 40,
+            active_requests: 4,
+            ..Candidate::default()
+        };
+        let c = busy.cost(64, 16, &w);
+        assert_eq!(
+            (c.prefill, c.decode_blocks, c.requests, c.total),
+            (24.0, 40.0, 2.0, 66.0)
+        );
+    }
+}
