@@ -1,0 +1,824 @@
+//! The simulated engine core of one data-parallel rank: pure, synchronous, no clock.
+//!
+//! [`Engine::step`] is one scheduler iteration: it picks the work (continuous
+//! batching under `max_num_seqs` and a token budget, chunked prefill,
+//! preemption when blocks run out), "computes" it, and returns how long that
+//! would take ([`timing`]), the KV events it caused, and the tokens it
+//! produced. The caller decides whether to sleep; tests call it in a loop.
+//!
+//! The scheduler follows vLLM v1 for both flavours:
+//! * running requests first, in admission order, each taking
+//!   `min(tokens left to compute, budget left)` (a decode takes 1);
+//! * when a running request cannot get its blocks, the most recently admitted
+//!   running request is preempted (its blocks released, its progress
+//!   recomputed later from whatever stayed cached); if that is the request
+//!   itself it waits;
+//! * waiting requests are admitted only when nothing was preempted in the step,
+//!   each with its prefix-cache hit: the longest run of cached full blocks,
+//!   never the whole prompt (the last token is always computed, as in both engines).
+//!
+//! Caching points and events differ per flavour:
+//! * vLLM: a block is cached (`BlockStored`, one event per newly cached run)
+//!   as soon as it is full, prompt and generated tokens alike; evictions
+//!   publish one `BlockRemoved` per hash;
+//! * SGLang: prompt blocks are cached after each prefill chunk and generated
+//!   blocks when the request finishes (`cache_unfinished_req` /
+//!   `cache_finished_req`); consecutive compatible events are coalesced, as its
+//!   event recorder does.
+//!
+//! A block whose digest is already cached by another block (two requests
+//! computing the same prefix at once) is swapped for the cached one and
+//! announced once: the cache never holds two blocks with one hash.
+
+mod cache;
+pub mod timing;
+
+#[cfg(test)]
+mod tests;
+
+use std::collections::VecDeque;
+use std::time::Duration;
+
+use rustc_hash::FxHashMap;
+
+use crate::config::EngineFlavor;
+use crate::event::{BlockRemoved, BlockStored, ExtraKey, KvCacheEvent, MEDIUM_GPU};
+use crate::hashing::{
+    sglang_page_digest, sglang_published, vllm_block_digest, vllm_none_hash, vllm_published,
+    Digest32, VllmHashKey,
+};
+use cache::{BlockId, BlockPool, CachedKey};
+use timing::TimingModel;
+
+/// The parameters of one rank's engine.
+#[derive(Debug, Clone)]
+pub struct EngineConfig {
+    /// Hashing, caching points and event shapes.
+    pub flavor: EngineFlavor,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Blocks in the KV cache.
+    pub num_gpu_blocks: usize,
+    /// Most running requests.
+    pub max_num_seqs: usize,
+    /// Token budget of one step.
+    pub max_num_batched_tokens: usize,
+    /// Step durations.
+    pub timing: TimingModel,
+}
+
+/// A request's id, unique within its engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RequestId(pub u64);
+
+/// A request as the engine receives it: tokens in, tokens to produce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NewRequest {
+    /// Prompt token ids.
+    pub prompt: Vec<u64>,
+    /// The tokens the request will generate, in order (`max_tokens` of them).
+    pub output: Vec<u64>,
+    /// Multimodal items in the prompt (vLLM hashes them into block keys).
+    pub mm_items: Vec<MmPlacement>,
+}
+
+/// Where a multimodal item sits in the prompt.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MmPlacement {
+    /// Index of the item's first placeholder token.
+    pub start: usize,
+    /// Number of placeholder tokens.
+    pub len: usize,
+    /// The item identifier vLLM publishes in `extra_keys` (a hex digest).
+    pub identifier: String,
+}
+
+/// Why a request was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SubmitError {
+    /// No prompt tokens.
+    #[error("the prompt is empty")]
+    EmptyPrompt,
+    /// Nothing to generate.
+    #[error("max_tokens must be at least 1")]
+    NoOutput,
+    /// Prompt plus output cannot fit in the KV cache even alone.
+    #[error(
+        "prompt ({prompt} tokens) + max_tokens ({output}) exceeds the KV cache of {capacity} tokens"
+    )]
+    TooLong {
+        /// Prompt tokens.
+        prompt: usize,
+        /// Requested output tokens.
+        output: usize,
+        /// Cache capacity in tokens.
+        capacity: usize,
+    },
+    /// A multimodal item lies outside the prompt.
+    #[error("multimodal item at {start}+{len} lies outside the {prompt}-token prompt")]
+    BadPlacement {
+        /// Item start.
+        start: usize,
+        /// Item length.
+        len: usize,
+        /// Prompt length.
+        prompt: usize,
+    },
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+    /// Prompt tokens served from the prefix cache at first scheduling.
+    pub cached_tokens: usize,
+}
+
+/// What happened to one request in a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Update {
+    /// Output token number `index` (0-based) was generated.
+    Token(usize),
+    /// The request finished (after its last `Token`).
+    Finished(Usage),
+    /// The request was dropped (restart, or it can never be scheduled).
+    Failed(String),
+}
+
+/// One request's update.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestOutput {
+    /// Which request.
+    pub id: RequestId,
+    /// What happened.
+    pub update: Update,
+}
+
+/// The result of one step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StepOutcome {
+    /// Simulated time the step takes (already divided by the speedup).
+    pub duration: Duration,
+    /// KV events of the step, in order (one published batch).
+    pub events: Vec<KvCacheEvent>,
+    /// Token and completion updates, in scheduling order.
+    pub outputs: Vec<RequestOutput>,
+    /// Uncached prompt tokens computed.
+    pub prefill_tokens: usize,
+    /// Requests that decoded one token.
+    pub decodes: usize,
+}
+
+/// Counters and gauges for `/metrics`.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct EngineStats {
+    /// Requests running.
+    pub running: usize,
+    /// Requests waiting (new or preempted).
+    pub waiting: usize,
+    /// Blocks pinned by running requests.
+    pub used_blocks: usize,
+    /// Blocks holding a cached hash.
+    pub cached_blocks: usize,
+    /// Blocks in the cache.
+    pub total_blocks: usize,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens_total: u64,
+    /// Tokens generated.
+    pub generation_tokens_total: u64,
+    /// Prompt tokens looked up in the prefix cache (first scheduling only).
+    pub prefix_cache_queries_total: u64,
+    /// Of those, tokens found cached.
+    pub prefix_cache_hits_total: u64,
+    /// Requests finished.
+    pub requests_finished_total: u64,
+    /// Preemptions.
+    pub preemptions_total: u64,
+    /// Blocks evicted from the prefix cache.
+    pub evicted_blocks_total: u64,
+    /// Simulated time so far.
+    pub elapsed: Duration,
+}
+
+/// Computes and publishes the flavour's block hashes.
+#[derive(Debug, Clone)]
+struct Hasher {
+    flavor: EngineFlavor,
+    block_size: usize,
+    none_hash: Digest32,
+}
+
+impl Hasher {
+    fn digest(&self, parent: Option<&Digest32>, block: usize, r: &Request) -> Digest32 {
+        let start = block * self.block_size;
+        let tokens = &r.tokens[start..start + self.block_size];
+        match self.flavor {
+            EngineFlavor::Vllm => {
+                let keys: Vec<VllmHashKey> = r
+                    .mm_in_block(block, self.block_size)
+                    .map(|(identifier, offset)| VllmHashKey::Mm {
+                        identifier: identifier.to_owned(),
+                        offset,
+                    })
+                    .collect();
+                vllm_block_digest(parent.unwrap_or(&self.none_hash), tokens, &keys)
+            }
+            EngineFlavor::Sglang => sglang_page_digest(parent, tokens),
+        }
+    }
+
+    fn published(&self, digest: &Digest32) -> u64 {
+        match self.flavor {
+            EngineFlavor::Vllm => vllm_published(digest),
+            // The published i64, kept as its bits.
+            EngineFlavor::Sglang => sglang_published(digest) as u64,
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+struct Request {
+    /// Prompt followed by the tokens generated so far.
+    tokens: Vec<u64>,
+    prompt_len: usize,
+    output: Vec<u64>,
+    generated: usize,
+    /// Tokens whose KV is computed (a prefix of `tokens`).
+    num_computed: usize,
+    blocks: Vec<BlockId>,
+    /// Digest of each full block of `tokens` computed so far.
+    digests: Vec<Digest32>,
+    /// Leading blocks that are cached (registered or hit).
+    num_registered: usize,
+    cached_tokens: Option<usize>,
+    mm_items: Vec<MmPlacement>,
+}
+
+impl Request {
+    /// The multimodal items overlapping block `b`, with offsets relative to its start.
+    fn mm_in_block(&self, b: usize, bs: usize) -> impl Iterator<Item = (&str, i64)> {
+        let (lo, hi) = (b * bs, (b + 1) * bs);
+        self.mm_items
+            .iter()
+            .filter(move |m| m.start < hi && m.start + m.len > lo)
+            .map(move |m| (m.identifier.as_str(), m.start as i64 - lo as i64))
+    }
+
+    fn ensure_digests(&mut self, hasher: &Hasher, blocks: usize) {
+        while self.digests.len() < blocks {
+            let b = self.digests.len();
+            let digest = hasher.digest(self.digests.last(), b, self);
+            self.digests.push(digest);
+        }
+    }
+
+    fn is_decode(&self) -> bool {
+        self.generated > 0 && self.tokens.len() - self.num_computed == 1
+    }
+}
+
+/// One rank's simulated engine.
+#[derive(Debug, Clone)]
+pub struct Engine {
+    config: EngineConfig,
+    hasher: Hasher,
+    pool: BlockPool,
+    requests: FxHashMap<RequestId, Request>,
+    waiting: VecDeque<RequestId>,
+    running: Vec<RequestId>,
+    events: Vec<KvCacheEvent>,
+    outputs: Vec<RequestOutput>,
+    evicted: Vec<u64>,
+    stats: EngineStats,
+}
+
+impl Engine {
+    /// An idle engine with an empty cache.
+    pub fn new(config: EngineConfig) -> Self {
+        let hasher = Hasher {
+            flavor: config.flavor,
+            block_size: config.block_size.max(1),
+            none_hash: vllm_none_hash(),
+        };
+        let pool = BlockPool::new(config.num_gpu_blocks);
+        Engine {
+            config,
+            hasher,
+            pool,
+            requests: FxHashMap::default(),
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            events: Vec::new(),
+            outputs: Vec::new(),
+            evicted: Vec::new(),
+            stats: EngineStats::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &EngineConfig {
+        &self.config
+    }
+
+    /// KV capacity in tokens.
+    pub fn capacity_tokens(&self) -> usize {
+        self.pool.capacity() * self.hasher.block_size
+    }
+
+    /// Checks a request without queueing it (the HTTP layer answers 400 on an error).
+    pub fn validate(&self, r: &NewRequest) -> Result<(), SubmitError> {
+        validate_request(r, self.capacity_tokens())
+    }
+
+    /// Queues a request; it is scheduled by a later [`Engine::step`].
+    pub fn submit(&mut self, id: RequestId, r: NewRequest) -> Result<(), SubmitError> {
+        self.validate(&r)?;
+        let prompt_len = r.prompt.len();
+        let mut tokens = r.prompt;
+        tokens.reserve(r.output.len());
+        self.requests.insert(
+            id,
+            Request {
+                tokens,
+                prompt_len,
+                output: r.output,
+                generated: 0,
+                num_computed: 0,
+                blocks: Vec::new(),
+                digests: Vec::new(),
+                num_registered: 0,
+                cached_tokens: None,
+                mm_items: r.mm_items,
+            },
+        );
+        self.waiting.push_back(id);
+        Ok(())
+    }
+
+    /// Drops a request (client gone); its blocks are released, cached ones stay cached.
+    pub fn abort(&mut self, id: RequestId) {
+        self.waiting.retain(|&w| w != id);
+        self.running.retain(|&r| r != id);
+        if let Some(r) = self.requests.remove(&id) {
+            for &b in r.blocks.iter().rev() {
+                self.pool.release(b);
+            }
+        }
+    }
+
+    /// True when nothing is queued, running or waiting to be published.
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty() && self.events.is_empty()
+    }
+
+    /// Requests running or waiting.
+    pub fn in_flight(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// `reset_prefix_cache`: forgets every cached block and queues `AllBlocksCleared`.
+    pub fn reset_prefix_cache(&mut self) {
+        self.pool.clear_cache();
+        self.events.push(KvCacheEvent::AllBlocksCleared);
+    }
+
+    /// An engine restart: every request fails, the cache empties, no event is queued.
+    pub fn restart(&mut self) -> Vec<RequestId> {
+        let mut ids: Vec<RequestId> = self.running.drain(..).collect();
+        ids.extend(self.waiting.drain(..));
+        self.requests.clear();
+        self.pool.reset();
+        self.events.clear();
+        self.outputs.clear();
+        ids
+    }
+
+    /// Counters and gauges.
+    pub fn stats(&self) -> EngineStats {
+        EngineStats {
+            running: self.running.len(),
+            waiting: self.waiting.len(),
+            used_blocks: self.pool.in_use(),
+            cached_blocks: self.pool.cached(),
+            total_blocks: self.pool.capacity(),
+            ..self.stats
+        }
+    }
+
+    /// One scheduler iteration; `None` when there is nothing to do or publish.
+    pub fn step(&mut self) -> Option<StepOutcome> {
+        if self.running.is_empty() && self.waiting.is_empty() {
+            if self.events.is_empty() {
+                return None;
+            }
+            return Some(StepOutcome {
+                duration: Duration::ZERO,
+                events: std::mem::take(&mut self.events),
+                outputs: Vec::new(),
+                prefill_tokens: 0,
+                decodes: 0,
+            });
+        }
+        let (scheduled, preempted) = self.schedule();
+        if scheduled.is_empty() && !preempted && self.running.is_empty() {
+            // Unreachable with validated requests (a lone request always fits);
+            // failing the head keeps a bug from spinning forever.
+            if let Some(id) = self.waiting.pop_front() {
+                self.requests.remove(&id);
+                self.outputs.push(RequestOutput {
+                    id,
+                    update: Update::Failed("the request cannot be scheduled".into()),
+                });
+            }
+        }
+        let (prefill_tokens, decodes, active_kv) = self.execute(&scheduled);
+        let usage = active_kv as f64 / self.capacity_tokens().max(1) as f64;
+        let duration = self
+            .config
+            .timing
+            .step_duration(prefill_tokens, decodes > 0, usage);
+        self.stats.elapsed += duration;
+        Some(StepOutcome {
+            duration,
+            events: std::mem::take(&mut self.events),
+            outputs: std::mem::take(&mut self.outputs),
+            prefill_tokens,
+            decodes,
+        })
+    }
+
+    /// Picks the step's work: `(request, tokens to compute)` and whether anything was preempted.
+    fn schedule(&mut self) -> (Vec<(RequestId, usize)>, bool) {
+        let mut budget = self.config.max_num_batched_tokens;
+        let mut scheduled = Vec::new();
+        let mut preempted = false;
+        let mut i = 0;
+        while i < self.running.len() && budget > 0 {
+            let id = self.running[i];
+            let Some(want) = self
+                .requests
+                .get(&id)
+                .map(|r| (r.tokens.len() - r.num_computed).min(budget))
+            else {
+                self.running.remove(i);
+                continue;
+            };
+            loop {
+                if self.try_grow(id, want) {
+                    scheduled.push((id, want));
+                    budget -= want;
+                    i += 1;
+                    break;
+                }
+                let Some(victim) = self.running.pop() else {
+                    break;
+                };
+                self.preempt(victim);
+                preempted = true;
+                if victim == id {
+                    break;
+                }
+            }
+        }
+        if !preempted {
+            while self.running.len() < self.config.max_num_seqs && budget > 0 {
+                let Some(&id) = self.waiting.front() else {
+                    break;
+                };
+                let Some(n) = self.try_admit(id, budget) else {
+                    break;
+                };
+                self.waiting.pop_front();
+                self.running.push(id);
+                scheduled.push((id, n));
+                budget -= n;
+            }
+        }
+        (scheduled, preempted)
+    }
+
+    /// Allocates the blocks a running request needs for `n` more tokens; all or nothing.
+    fn try_grow(&mut self, id: RequestId, n: usize) -> bool {
+        let bs = self.hasher.block_size;
+        let Some(r) = self.requests.get_mut(&id) else {
+            return false;
+        };
+        let needed = (r.num_computed + n)
+            .div_ceil(bs)
+            .saturating_sub(r.blocks.len());
+        if needed > self.pool.available() {
+            return false;
+        }
+        for _ in 0..needed {
+            if let Some(b) = self.pool.allocate(&mut self.evicted) {
+                r.blocks.push(b);
+            }
+        }
+        self.flush_evictions();
+        true
+    }
+
+    /// Admits a waiting request with its prefix hit if its first chunk fits;
+    /// returns the tokens it computes this step.
+    fn try_admit(&mut self, id: RequestId, budget: usize) -> Option<usize> {
+        let bs = self.hasher.block_size;
+        let r = self.requests.get_mut(&id)?;
+        let max_hit_blocks = (r.tokens.len() - 1) / bs;
+        r.ensure_digests(&self.hasher, max_hit_blocks);
+        let hits: Vec<BlockId> = r.digests[..max_hit_blocks]
+            .iter()
+            .map_while(|d| self.pool.lookup(d))
+            .collect();
+        let computed = hits.len() * bs;
+        let n = (r.tokens.len() - computed).min(budget);
+        let needed = (computed + n).div_ceil(bs) - hits.len();
+        let pinned_by_hit = hits.iter().filter(|&&b| self.pool.is_evictable(b)).count();
+        if needed > self.pool.available() - pinned_by_hit {
+            return None;
+        }
+        for &b in &hits {
+            self.pool.acquire(b);
+        }
+        r.blocks = hits;
+        for _ in 0..needed {
+            if let Some(b) = self.pool.allocate(&mut self.evicted) {
+                r.blocks.push(b);
+            }
+        }
+        r.num_computed = computed;
+        r.num_registered = r.blocks.len().min(computed / bs);
+        if r.cached_tokens.is_none() {
+            r.cached_tokens = Some(computed);
+            self.stats.prompt_tokens_total += r.prompt_len as u64;
+            self.stats.prefix_cache_queries_total += r.prompt_len as u64;
+            self.stats.prefix_cache_hits_total += computed as u64;
+        }
+        self.flush_evictions();
+        Some(n)
+    }
+
+    /// Releases a running request's blocks and queues it to be recomputed.
+    fn preempt(&mut self, id: RequestId) {
+        if let Some(r) = self.requests.get_mut(&id) {
+            for &b in r.blocks.iter().rev() {
+                self.pool.release(b);
+            }
+            r.blocks.clear();
+            r.num_computed = 0;
+            r.num_registered = 0;
+            self.waiting.push_front(id);
+            self.stats.preemptions_total += 1;
+        }
+    }
+
+    /// Advances every scheduled request; returns (prefill tokens, decodes,
+    /// KV tokens held by running requests at the end of the step).
+    fn execute(&mut self, scheduled: &[(RequestId, usize)]) -> (usize, usize, usize) {
+        let mut prefill_tokens = 0;
+        let mut decodes = 0;
+        let mut finished = Vec::new();
+        for &(id, n) in scheduled {
+            let Some(r) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            let decode = r.is_decode();
+            if decode {
+                decodes += 1;
+            } else {
+                prefill_tokens += n;
+            }
+            r.num_computed += n;
+            if r.num_computed == r.tokens.len() && r.generated < r.output.len() {
+                let index = r.generated;
+                r.tokens.push(r.output[index]);
+                r.generated += 1;
+                self.stats.generation_tokens_total += 1;
+                self.outputs.push(RequestOutput {
+                    id,
+                    update: Update::Token(index),
+                });
+            }
+            let done = r.generated == r.output.len();
+            if self.config.flavor == EngineFlavor::Vllm || !decode {
+                self.register(id);
+            }
+            if done {
+                finished.push(id);
+            }
+        }
+        let active_kv = self
+            .running
+            .iter()
+            .filter_map(|id| self.requests.get(id))
+            .map(|r| r.num_computed)
+            .sum();
+        for id in finished {
+            self.finish(id);
+        }
+        (prefill_tokens, decodes, active_kv)
+    }
+
+    fn finish(&mut self, id: RequestId) {
+        self.running.retain(|&r| r != id);
+        if self.config.flavor == EngineFlavor::Sglang {
+            self.register(id);
+        }
+        let Some(r) = self.requests.remove(&id) else {
+            return;
+        };
+        for &b in r.blocks.iter().rev() {
+            self.pool.release(b);
+        }
+        self.stats.requests_finished_total += 1;
+        self.outputs.push(RequestOutput {
+            id,
+            update: Update::Finished(Usage {
+                prompt_tokens: r.prompt_len,
+                completion_tokens: r.generated,
+                cached_tokens: r.cached_tokens.unwrap_or(0),
+            }),
+        });
+    }
+
+    /// Caches the request's newly full computed blocks and queues their `BlockStored`.
+    fn register(&mut self, id: RequestId) {
+        let bs = self.hasher.block_size;
+        let Some(r) = self.requests.get_mut(&id) else {
+            return;
+        };
+        let full = r.num_computed / bs;
+        if full <= r.num_registered {
+            return;
+        }
+        r.ensure_digests(&self.hasher, full);
+        let mut runs: Vec<(usize, usize)> = Vec::new();
+        let mut run_start: Option<usize> = None;
+        for b in r.num_registered..full {
+            let digest = r.digests[b];
+            let key = CachedKey {
+                digest,
+                published: self.hasher.published(&digest),
+            };
+            match self.pool.register(r.blocks[b], key) {
+                Ok(()) => {
+                    run_start.get_or_insert(b);
+                }
+                Err(existing) => {
+                    if let Some(start) = run_start.take() {
+                        runs.push((start, b));
+                    }
+                    self.pool.acquire(existing);
+                    self.pool.release(r.blocks[b]);
+                    r.blocks[b] = existing;
+                }
+            }
+        }
+        if let Some(start) = run_start {
+            runs.push((start, full));
+        }
+        r.num_registered = full;
+        let stored: Vec<BlockStored> = runs
+            .into_iter()
+            .map(|(start, end)| stored_event(&self.hasher, r, start, end))
+            .collect();
+        for e in stored {
+            self.push_event(KvCacheEvent::BlockStored(e));
+        }
+    }
+
+    /// Turns the evictions of the last allocations into `BlockRemoved` events.
+    fn flush_evictions(&mut self) {
+        if self.evicted.is_empty() {
+            return;
+        }
+        self.stats.evicted_blocks_total += self.evicted.len() as u64;
+        let evicted = std::mem::take(&mut self.evicted);
+        for &h in &evicted {
+            // vLLM: one event per hash; SGLang's recorder merges them (push_event).
+            self.push_event(KvCacheEvent::BlockRemoved(BlockRemoved {
+                block_hashes: vec![h],
+                medium: Some(MEDIUM_GPU.to_owned()),
+            }));
+        }
+        self.evicted = evicted;
+        self.evicted.clear();
+    }
+
+    /// Queues an event; the SGLang flavour coalesces it into the previous one
+    /// when its recorder would (a store continuing the previous store's chain
+    /// with the same attributes, or consecutive removals of one medium).
+    fn push_event(&mut self, event: KvCacheEvent) {
+        if self.config.flavor == EngineFlavor::Sglang {
+            match (self.events.last_mut(), &event) {
+                (Some(KvCacheEvent::BlockStored(tail)), KvCacheEvent::BlockStored(new))
+                    if new.parent_block_hash.is_some()
+                        && new.parent_block_hash == tail.block_hashes.last().copied()
+                        && new.block_size == tail.block_size
+                        && new.medium == tail.medium
+                        && new.lora_id == tail.lora_id
+                        && new.lora_name == tail.lora_name
+                        && new.cache_salt == tail.cache_salt
+                        && new.session_id == tail.session_id =>
+                {
+                    tail.block_hashes.extend_from_slice(&new.block_hashes);
+                    tail.token_ids.extend_from_slice(&new.token_ids);
+                    return;
+                }
+                (Some(KvCacheEvent::BlockRemoved(tail)), KvCacheEvent::BlockRemoved(new))
+                    if tail.medium == new.medium =>
+                {
+                    tail.block_hashes.extend_from_slice(&new.block_hashes);
+                    return;
+                }
+                _ => {}
+            }
+        }
+        self.events.push(event);
+    }
+
+    /// Panics when an invariant is broken (tests only).
+    #[cfg(test)]
+    fn check_invariants(&self) {
+        self.pool.check_invariants();
+        let pinned: usize = self.requests.values().map(|r| r.blocks.len()).sum();
+        assert!(self.pool.in_use() <= pinned);
+        for id in &self.running {
+            let r = &self.requests[id];
+            assert!(r.blocks.len() * self.hasher.block_size >= r.num_computed);
+        }
+        for id in &self.waiting {
+            assert!(self.requests[id].blocks.is_empty());
+        }
+        assert_eq!(self.running.len() + self.waiting.len(), self.requests.len());
+    }
+}
+
+/// The checks [`Engine::validate`] applies, for callers that hold no engine.
+pub fn validate_request(r: &NewRequest, capacity_tokens: usize) -> Result<(), SubmitError> {
+    if r.prompt.is_empty() {
+        return Err(SubmitError::EmptyPrompt);
+    }
+    if r.output.is_empty() {
+        return Err(SubmitError::NoOutput);
+    }
+    if r.prompt.len() + r.output.len() > capacity_tokens {
+        return Err(SubmitError::TooLong {
+            prompt: r.prompt.len(),
+            output: r.output.len(),
+            capacity: capacity_tokens,
+        });
+    }
+    for m in &r.mm_items {
+        if m.len == 0 || m.start + m.len > r.prompt.len() {
+            return Err(SubmitError::BadPlacement {
+                start: m.start,
+                len: m.len,
+                prompt: r.prompt.len(),
+            });
+        }
+    }
+    Ok(())
+}
+
+/// The `BlockStored` for blocks `start..end` of a request.
+fn stored_event(hasher: &Hasher, r: &Request, start: usize, end: usize) -> BlockStored {
+    let bs = hasher.block_size;
+    let extra_keys = match hasher.flavor {
+        EngineFlavor::Vllm => Some(
+            (start..end)
+                .map(|b| {
+                    let items: Vec<ExtraKey> = r
+                        .mm_in_block(b, bs)
+                        .map(|(identifier, offset)| ExtraKey::Mm {
+                            identifier: identifier.to_owned(),
+                            offset,
+                        })
+                        .collect();
+                    (!items.is_empty()).then_some(items)
+                })
+                .collect(),
+        ),
+        EngineFlavor::Sglang => None,
+    };
+    BlockStored {
+        block_hashes: r.digests[start..end]
+            .iter()
+            .map(|d| hasher.published(d))
+            .collect(),
+        parent_block_hash: start
+            .checked_sub(1)
+            .map(|p| hasher.published(&r.digests[p])),
+        token_ids: r.tokens[start * bs..end * bs].to_vec(),
+        block_size: u32::try_from(bs).unwrap_or(u32::MAX),
+        lora_id: None,
+        medium: Some(MEDIUM_GPU.to_owned()),
+        lora_name: None,
+        extra_keys,
+        cache_salt: None,
+        session_id: None,
+    }
+}

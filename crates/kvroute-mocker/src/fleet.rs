@@ -1,0 +1,386 @@
+//! A fleet: `--workers` engines, each with `--dp-size` ranks, started and stopped together.
+//!
+//! Ports: engine k serves HTTP on `port + k`; its rank r publishes on
+//! `kv_events_port + k·dp + r` and replays on `replay_port + k·dp + r`. A base
+//! port of 0 gives every socket of that kind an ephemeral port instead (tests);
+//! [`WorkerInfo`] reports the ports actually bound.
+
+use std::future::Future;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::atomic::AtomicU64;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::config::{ConfigError, MockerConfig};
+use crate::driver::{self, DriverOptions};
+use crate::encode::EncodeOptions;
+use crate::engine::{Engine, EngineConfig};
+use crate::faults::FailureDice;
+use crate::http::openai::PromptSettings;
+use crate::http::{self, EngineState, EventEndpoints};
+use crate::publisher::{PublisherError, PublisherHandle, PublisherSettings};
+use crate::tokenizer::{Tokenizer, TokenizerError};
+
+/// How long shutdown waits for in-flight HTTP responses.
+const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why the mocker could not start.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum MockerError {
+    /// A configuration value is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The tokenizer could not be loaded.
+    #[error(transparent)]
+    Tokenizer(#[from] TokenizerError),
+    /// A ZeroMQ socket could not be set up.
+    #[error(transparent)]
+    Publisher(#[from] PublisherError),
+    /// An HTTP port could not be bound.
+    #[error("cannot bind HTTP on {addr}")]
+    Http {
+        /// The address.
+        addr: SocketAddr,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// One engine as `kvroute serve` needs to know it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerInfo {
+    /// `w{k}`.
+    pub name: String,
+    /// The HTTP address bound.
+    pub http_addr: SocketAddr,
+    /// Host clients should connect to (the bind host, or loopback for a wildcard).
+    pub connect_host: String,
+    /// PUB endpoint of each rank, as bound.
+    pub events: Vec<String>,
+    /// Replay endpoint of each rank, as bound.
+    pub replay: Vec<String>,
+    /// Tokens per block.
+    pub block_size: usize,
+}
+
+impl WorkerInfo {
+    /// The engine's base URL.
+    pub fn url(&self) -> String {
+        format!("http://{}:{}", self.connect_host, self.http_addr.port())
+    }
+
+    /// The `--worker` value of `kvroute serve`:
+    /// `name=…,url=…,events=tcp://…,replay=tcp://…,dp=…,block_size=…`
+    /// (events and replay of rank 0; rank r uses the next ports).
+    pub fn worker_arg(&self) -> String {
+        let port = |endpoints: &[String]| {
+            endpoints
+                .first()
+                .and_then(|e| e.rsplit(':').next())
+                .unwrap_or("0")
+                .to_owned()
+        };
+        format!(
+            "name={},url={},events=tcp://{host}:{},replay=tcp://{host}:{},dp={},block_size={}",
+            self.name,
+            self.url(),
+            port(&self.events),
+            port(&self.replay),
+            self.events.len(),
+            self.block_size,
+            host = self.connect_host,
+        )
+    }
+}
+
+struct RunningEngine {
+    server: JoinHandle<()>,
+    drivers: Vec<JoinHandle<PublisherHandle>>,
+}
+
+/// A running fleet of mock engines.
+pub struct Fleet {
+    engines: Vec<RunningEngine>,
+    workers: Vec<WorkerInfo>,
+    shutdown: watch::Sender<bool>,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("workers", &self.workers)
+            .finish_non_exhaustive()
+    }
+}
+
+fn connect_host(host: IpAddr) -> String {
+    match host {
+        IpAddr::V4(ip) if ip.is_unspecified() => Ipv4Addr::LOCALHOST.to_string(),
+        IpAddr::V4(ip) => ip.to_string(),
+        IpAddr::V6(ip) if ip.is_unspecified() => format!("[{}]", Ipv6Addr::LOCALHOST),
+        IpAddr::V6(ip) => format!("[{ip}]"),
+    }
+}
+
+fn offset(base: u16, by: u32) -> u16 {
+    if base == 0 {
+        0
+    } else {
+        // validate() guarantees the range fits below 65536.
+        u16::try_from(u32::from(base) + by).unwrap_or(0)
+    }
+}
+
+impl Fleet {
+    /// Validates the configuration, binds every socket and starts every engine.
+    /// Must run inside a multi-threaded tokio runtime.
+    pub async fn start(config: MockerConfig) -> Result<Fleet, MockerError> {
+        config.validate()?;
+        let tokenizer = Arc::new(match &config.tokenizer {
+            Some(path) => Tokenizer::from_file(path)?,
+            None => Tokenizer::builtin(),
+        });
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let mut fleet = Fleet {
+            engines: Vec::new(),
+            workers: Vec::new(),
+            shutdown,
+        };
+        for k in 0..config.workers {
+            if let Err(e) = fleet
+                .start_engine(&config, k, &tokenizer, &shutdown_rx)
+                .await
+            {
+                fleet.shutdown().await;
+                return Err(e);
+            }
+        }
+        Ok(fleet)
+    }
+
+    async fn start_engine(
+        &mut self,
+        config: &MockerConfig,
+        k: u16,
+        tokenizer: &Arc<Tokenizer>,
+        shutdown_rx: &watch::Receiver<bool>,
+    ) -> Result<(), MockerError> {
+        let ctx = zmq::Context::new();
+        let dp = u32::from(config.dp_size);
+        let mut ranks = Vec::new();
+        let mut drivers = Vec::new();
+        let mut events = Vec::new();
+        let mut replay = Vec::new();
+        for r in 0..dp {
+            let index = u32::from(k) * dp + r;
+            let settings = PublisherSettings {
+                host: config.host,
+                events_port: offset(config.kv_events_port, index),
+                replay_port: offset(config.replay_port, index),
+                replay_frames: config.replay_frames,
+                encode: EncodeOptions {
+                    flavor: config.flavor,
+                    format: config.event_format,
+                },
+                dp_rank: r,
+                faults: config.faults.clone(),
+                buffer_steps: config.replay_buffer_steps,
+            };
+            let publisher = match PublisherHandle::spawn(&ctx, settings) {
+                Ok(p) => p,
+                Err(e) => {
+                    let _ = self.shutdown.send(true);
+                    for d in drivers {
+                        stop_driver(d).await;
+                    }
+                    return Err(e.into());
+                }
+            };
+            events.push(publisher.events_endpoint().to_owned());
+            replay.push(publisher.replay_endpoint().to_owned());
+            let engine = Engine::new(EngineConfig {
+                flavor: config.flavor,
+                block_size: config.block_size,
+                num_gpu_blocks: config.num_gpu_blocks,
+                max_num_seqs: config.max_num_seqs,
+                max_num_batched_tokens: config.max_num_batched_tokens,
+                timing: config.timing,
+            });
+            let options = DriverOptions {
+                ts_source: config.ts_source,
+                restart_every: config.faults.restart_every,
+            };
+            let (handle, task) = driver::spawn(r, engine, publisher, options, shutdown_rx.clone());
+            ranks.push(handle);
+            drivers.push(task);
+        }
+
+        let addr = SocketAddr::new(config.host, offset(config.port, u32::from(k)));
+        let listener = match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(source) => {
+                let _ = self.shutdown.send(true);
+                for d in drivers {
+                    stop_driver(d).await;
+                }
+                return Err(MockerError::Http { addr, source });
+            }
+        };
+        let http_addr = listener.local_addr().unwrap_or(addr);
+        let name = format!("w{k}");
+        let host = connect_host(config.host);
+        let port_of = |e: &str| {
+            e.rsplit(':')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0)
+        };
+        let state = Arc::new(EngineState {
+            name: name.clone(),
+            model: config.model.clone(),
+            flavor: config.flavor,
+            ranks,
+            tokenizer: tokenizer.clone(),
+            prompt: PromptSettings {
+                flavor: config.flavor,
+                mm_tokens_per_image: config.mm_tokens_per_image,
+                seed: config.seed,
+            },
+            block_size: config.block_size,
+            delay: config.faults.delay,
+            dice: Mutex::new(FailureDice::new(
+                config.faults.fail_rate,
+                config.seed.wrapping_add(u64::from(k)),
+            )),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            endpoints: EventEndpoints {
+                host: host.clone(),
+                events_port_base: events.first().map_or(0, |e| port_of(e)),
+                replay_port_base: replay.first().map_or(0, |e| port_of(e)),
+            },
+            counter: AtomicU64::new(0),
+        });
+        let app = http::app(state);
+        let mut stop = shutdown_rx.clone();
+        let server = tokio::spawn(async move {
+            let graceful = async move {
+                while !*stop.borrow() {
+                    if stop.changed().await.is_err() {
+                        break;
+                    }
+                }
+            };
+            if let Err(e) = axum::serve(listener, app)
+                .with_graceful_shutdown(graceful)
+                .await
+            {
+                tracing::error!("HTTP server failed: {e}");
+            }
+        });
+        tracing::info!(worker = %name, %http_addr, ?events, ?replay, "engine started");
+        self.engines.push(RunningEngine { server, drivers });
+        self.workers.push(WorkerInfo {
+            name,
+            http_addr,
+            connect_host: host,
+            events,
+            replay,
+            block_size: config.block_size,
+        });
+        Ok(())
+    }
+
+    /// The engines, in order.
+    pub fn workers(&self) -> &[WorkerInfo] {
+        &self.workers
+    }
+
+    /// Stops every engine: HTTP drains for up to 5 s, drivers stop, publisher
+    /// threads send what they have queued and exit.
+    pub async fn shutdown(self) {
+        let _ = self.shutdown.send(true);
+        for engine in self.engines {
+            let mut server = engine.server;
+            if tokio::time::timeout(DRAIN_TIMEOUT, &mut server)
+                .await
+                .is_err()
+            {
+                tracing::warn!("HTTP responses still open after {DRAIN_TIMEOUT:?}: aborted");
+                server.abort();
+            }
+            tracing::debug!("HTTP server stopped");
+            for d in engine.drivers {
+                stop_driver(d).await;
+            }
+            tracing::debug!("drivers and publishers stopped");
+        }
+    }
+}
+
+async fn stop_driver(task: JoinHandle<PublisherHandle>) {
+    match task.await {
+        Ok(publisher) => {
+            // Joining a thread blocks: do it where blocking is allowed.
+            let _ = tokio::task::spawn_blocking(move || publisher.shutdown()).await;
+        }
+        Err(e) => tracing::error!("engine driver failed: {e}"),
+    }
+}
+
+/// Runs a fleet until `shutdown` resolves: starts it, prints one `--worker`
+/// line per engine on stdout, waits, stops it.
+pub async fn run(
+    config: MockerConfig,
+    shutdown: impl Future<Output = ()>,
+) -> Result<(), MockerError> {
+    let fleet = Fleet::start(config).await?;
+    {
+        use std::io::Write as _;
+        let mut out = std::io::stdout().lock();
+        for worker in fleet.workers() {
+            let _ = writeln!(out, "{}", worker.worker_arg());
+        }
+        let _ = out.flush();
+    }
+    shutdown.await;
+    tracing::info!("shutting down");
+    fleet.shutdown().await;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_line_has_the_keys_in_order() {
+        let w = WorkerInfo {
+            name: "w1".into(),
+            http_addr: "127.0.0.1:8101".parse().expect("addr"),
+            connect_host: "127.0.0.1".into(),
+            events: vec!["tcp://127.0.0.1:5559".into(), "tcp://127.0.0.1:5560".into()],
+            replay: vec!["tcp://127.0.0.1:5659".into(), "tcp://127.0.0.1:5660".into()],
+            block_size: 16,
+        };
+        assert_eq!(
+            w.worker_arg(),
+            "name=w1,url=http://127.0.0.1:8101,events=tcp://127.0.0.1:5559,\
+             replay=tcp://127.0.0.1:5659,dp=2,block_size=16"
+        );
+    }
+
+    #[test]
+    fn wildcard_hosts_connect_through_loopback() {
+        assert_eq!(connect_host("0.0.0.0".parse().expect("ip")), "127.0.0.1");
+        assert_eq!(connect_host("::".parse().expect("ip")), "[::1]");
+        assert_eq!(offset(0, 5), 0);
+        assert_eq!(offset(5557, 3), 5560);
+    }
+}

@@ -1,0 +1,660 @@
+//! The OpenAI-compatible HTTP server of one engine.
+//!
+//! | route | what |
+//! | --- | --- |
+//! | `POST /v1/completions` | text or token-id prompt; JSON or SSE (`stream`, `stream_options.include_usage`) |
+//! | `POST /v1/chat/completions` | messages with text and `image_url` parts; JSON or SSE |
+//! | `GET /v1/models` | the served model |
+//! | `GET /health` | 200 with an empty body |
+//! | `GET /metrics` | Prometheus text: the engine's gauges and counters per rank |
+//! | `POST /reset_prefix_cache` (also SGLang's `/flush_cache`) | clear every rank's cache → `AllBlocksCleared` |
+//! | `GET /server_info` (SGLang flavour) | SGLang's `kv_events` descriptor |
+//!
+//! A request goes to the rank named by the `X-data-parallel-rank` header or
+//! the body's `data_parallel_rank`, else to the rank with the fewest requests
+//! in flight. Every error is an OpenAI-style JSON body `{"error": {"message",
+//! "type", "param", "code"}}`; bodies up to [`BODY_LIMIT`] are accepted.
+
+pub mod openai;
+
+use std::convert::Infallible;
+use std::fmt::Write as _;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::body::{Body, Bytes};
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::config::EngineFlavor;
+use crate::driver::{RankError, RankHandle};
+use crate::engine::Update;
+use crate::faults::FailureDice;
+use crate::tokenizer::{FillerToken, Tokenizer};
+use openai::{ChunkPiece, Endpoint, ParsedRequest, PromptSettings, ResponseMeta};
+
+/// Largest request body accepted (images arrive inline as data URLs).
+pub const BODY_LIMIT: usize = 64 * 1024 * 1024;
+
+/// An HTTP error with an OpenAI-style JSON body.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
+}
+
+impl ApiError {
+    /// 400: the request is invalid.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_REQUEST, "BadRequestError", message)
+    }
+
+    /// 500: the mocker itself failed (or `--fail-rate` says so).
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "InternalServerError",
+            message,
+        )
+    }
+
+    /// 503: the engine restarted or is shutting down.
+    pub fn unavailable(message: impl Into<String>) -> Self {
+        Self::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "ServiceUnavailableError",
+            message,
+        )
+    }
+
+    /// Any status.
+    pub fn new(status: StatusCode, kind: &'static str, message: impl Into<String>) -> Self {
+        ApiError {
+            status,
+            kind,
+            message: message.into(),
+        }
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.message
+    }
+
+    /// The status code.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    fn body(&self) -> Value {
+        json!({"error": {
+            "message": self.message,
+            "type": self.kind,
+            "param": null,
+            "code": self.status.as_u16(),
+        }})
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (self.status, Json(self.body())).into_response()
+    }
+}
+
+/// Where one engine's KV events can be read (for `/server_info`).
+#[derive(Debug, Clone)]
+pub struct EventEndpoints {
+    /// Host of the sockets as clients should use it.
+    pub host: String,
+    /// PUB port of rank 0.
+    pub events_port_base: u16,
+    /// ROUTER port of rank 0.
+    pub replay_port_base: u16,
+}
+
+/// Everything one engine's handlers share.
+#[derive(Debug)]
+pub struct EngineState {
+    /// The engine's name (`w{k}`).
+    pub name: String,
+    /// The served model name.
+    pub model: String,
+    /// Which engine is imitated.
+    pub flavor: EngineFlavor,
+    /// The data-parallel ranks.
+    pub ranks: Vec<RankHandle>,
+    /// Text to tokens.
+    pub tokenizer: Arc<Tokenizer>,
+    /// Prompt building settings.
+    pub prompt: PromptSettings,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// `--delay-ms`.
+    pub delay: Duration,
+    /// `--fail-rate`.
+    pub dice: Mutex<FailureDice>,
+    /// Unix seconds at start.
+    pub created: u64,
+    /// For `/server_info`.
+    pub endpoints: EventEndpoints,
+    /// Response ids.
+    pub counter: AtomicU64,
+}
+
+/// The router of one engine.
+pub fn app(state: Arc<EngineState>) -> Router {
+    Router::new()
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/models", get(models))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .route("/reset_prefix_cache", post(reset_prefix_cache))
+        .route(
+            "/flush_cache",
+            post(reset_prefix_cache).get(reset_prefix_cache),
+        )
+        .route("/server_info", get(server_info))
+        .route("/get_server_info", get(server_info))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .layer(middleware::from_fn_with_state(state.clone(), delay))
+        .layer(DefaultBodyLimit::max(BODY_LIMIT))
+        .with_state(state)
+}
+
+async fn delay(State(state): State<Arc<EngineState>>, request: Request, next: Next) -> Response {
+    if !state.delay.is_zero() {
+        tokio::time::sleep(state.delay).await;
+    }
+    next.run(request).await
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(StatusCode::NOT_FOUND, "NotFoundError", "no such route")
+}
+
+async fn method_not_allowed() -> ApiError {
+    ApiError::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "MethodNotAllowedError",
+        "method not allowed on this route",
+    )
+}
+
+async fn health() -> StatusCode {
+    StatusCode::OK
+}
+
+async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
+    let max_model_len = state.ranks.first().map_or(0, RankHandle::capacity_tokens);
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": state.model,
+            "object": "model",
+            "created": state.created,
+            "owned_by": state.flavor.as_str(),
+            "root": state.model,
+            "parent": null,
+            "max_model_len": max_model_len,
+        }],
+    }))
+}
+
+async fn server_info(State(state): State<Arc<EngineState>>) -> Result<Json<Value>, ApiError> {
+    if state.flavor != EngineFlavor::Sglang {
+        return Err(not_found().await);
+    }
+    Ok(Json(json!({
+        "model_path": state.model,
+        "served_model_name": state.model,
+        "page_size": state.block_size,
+        "dp_size": state.ranks.len(),
+        "kv_events": {
+            "publisher": "zmq",
+            "endpoint_host": state.endpoints.host,
+            "endpoint_port_base": state.endpoints.events_port_base,
+            "topic": "",
+            "block_size": state.block_size,
+            "dp_size": state.ranks.len(),
+            "replay_endpoint_port_base": state.endpoints.replay_port_base,
+        },
+    })))
+}
+
+async fn reset_prefix_cache(State(state): State<Arc<EngineState>>) -> Result<StatusCode, ApiError> {
+    for rank in &state.ranks {
+        rank.reset_prefix_cache()
+            .await
+            .map_err(|e| ApiError::unavailable(e.to_string()))?;
+    }
+    Ok(StatusCode::OK)
+}
+
+async fn completions(
+    State(state): State<Arc<EngineState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(state, headers, body, Endpoint::Completions)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+async fn chat_completions(
+    State(state): State<Arc<EngineState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(state, headers, body, Endpoint::Chat)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The shared path of both inference endpoints.
+async fn generate(
+    state: Arc<EngineState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    endpoint: Endpoint,
+) -> Result<Response, ApiError> {
+    let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
+    let parsed = openai::parse(endpoint, &body)?;
+    if let Some(model) = &parsed.model {
+        if model != &state.model {
+            return Err(ApiError::new(
+                StatusCode::NOT_FOUND,
+                "NotFoundError",
+                format!("The model `{model}` does not exist."),
+            ));
+        }
+    }
+    let rank = pick_rank(&state, &headers, &parsed)?;
+    let failed = match state.dice.lock() {
+        Ok(mut dice) => dice.roll(),
+        Err(poisoned) => poisoned.into_inner().roll(),
+    };
+    if failed {
+        return Err(ApiError::internal("injected failure (--fail-rate)"));
+    }
+    // Tokenizing and hashing images is CPU work: keep it off the async workers.
+    let tokenizer = state.tokenizer.clone();
+    let settings = state.prompt;
+    let (request, filler, parsed) = tokio::task::spawn_blocking(move || {
+        openai::build(&parsed, &tokenizer, settings).map(|(r, f)| (r, f, parsed))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let updates = rank.submit(request).await.map_err(|e| match e {
+        RankError::Invalid(e) => ApiError::bad_request(e.to_string()),
+        RankError::Stopped => ApiError::unavailable(e.to_string()),
+    })?;
+    let n = state.counter.fetch_add(1, Ordering::Relaxed);
+    let meta = ResponseMeta {
+        id: match endpoint {
+            Endpoint::Completions => format!("cmpl-{}-{n}", state.name),
+            Endpoint::Chat => format!("chatcmpl-{}-{n}", state.name),
+        },
+        created: unix_now(),
+        model: state.model.clone(),
+        endpoint,
+    };
+    if parsed.stream {
+        Ok(stream_response(meta, parsed.include_usage, filler, updates))
+    } else {
+        full_response(meta, filler, updates).await
+    }
+}
+
+fn pick_rank<'a>(
+    state: &'a EngineState,
+    headers: &HeaderMap,
+    parsed: &ParsedRequest,
+) -> Result<&'a RankHandle, ApiError> {
+    let from_header = match headers.get("x-data-parallel-rank") {
+        None => None,
+        Some(v) => Some(
+            v.to_str()
+                .ok()
+                .and_then(|s| s.trim().parse::<u32>().ok())
+                .ok_or_else(|| {
+                    ApiError::bad_request("X-data-parallel-rank must be a non-negative integer")
+                })?,
+        ),
+    };
+    match from_header.or(parsed.dp_rank) {
+        Some(r) => state.ranks.get(r as usize).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "data parallel rank {r} does not exist (dp size {})",
+                state.ranks.len()
+            ))
+        }),
+        None => state
+            .ranks
+            .iter()
+            .min_by_key(|r| (r.in_flight(), r.rank()))
+            .ok_or_else(|| ApiError::internal("the engine has no ranks")),
+    }
+}
+
+async fn full_response(
+    meta: ResponseMeta,
+    filler: Vec<FillerToken>,
+    mut updates: mpsc::UnboundedReceiver<Update>,
+) -> Result<Response, ApiError> {
+    let mut text = String::new();
+    while let Some(update) = updates.recv().await {
+        match update {
+            Update::Token(i) => {
+                if let Some(t) = filler.get(i) {
+                    text.push_str(&t.text);
+                }
+            }
+            Update::Finished(usage) => return Ok(Json(meta.full(&text, &usage)).into_response()),
+            Update::Failed(message) => return Err(ApiError::unavailable(message)),
+        }
+    }
+    Err(ApiError::unavailable("the engine is shutting down"))
+}
+
+fn sse(value: &Value) -> Bytes {
+    Bytes::from(format!("data: {value}\n\n"))
+}
+
+struct StreamState {
+    meta: ResponseMeta,
+    include_usage: bool,
+    filler: Vec<FillerToken>,
+    updates: mpsc::UnboundedReceiver<Update>,
+    /// Chunks ready to send, in order.
+    pending: std::collections::VecDeque<Bytes>,
+    done: bool,
+}
+
+fn stream_response(
+    meta: ResponseMeta,
+    include_usage: bool,
+    filler: Vec<FillerToken>,
+    updates: mpsc::UnboundedReceiver<Update>,
+) -> Response {
+    let mut pending = std::collections::VecDeque::new();
+    if meta.endpoint == Endpoint::Chat {
+        pending.push_back(sse(&meta.chunk(ChunkPiece::Role, include_usage)));
+    }
+    let state = StreamState {
+        meta,
+        include_usage,
+        filler,
+        updates,
+        pending,
+        done: false,
+    };
+    let stream = futures_util::stream::unfold(state, |mut s| async move {
+        loop {
+            if let Some(bytes) = s.pending.pop_front() {
+                return Some((Ok::<Bytes, Infallible>(bytes), s));
+            }
+            if s.done {
+                return None;
+            }
+            match s.updates.recv().await {
+                Some(Update::Token(i)) => {
+                    let text = s.filler.get(i).map_or("", |t| t.text.as_str());
+                    let chunk = s.meta.chunk(ChunkPiece::Text(text), s.include_usage);
+                    s.pending.push_back(sse(&chunk));
+                }
+                Some(Update::Finished(usage)) => {
+                    let chunk = s.meta.chunk(ChunkPiece::Finish, s.include_usage);
+                    s.pending.push_back(sse(&chunk));
+                    if s.include_usage {
+                        s.pending.push_back(sse(&s.meta.usage_chunk(&usage)));
+                    }
+                    s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    s.done = true;
+                }
+                Some(Update::Failed(message)) => {
+                    s.pending
+                        .push_back(sse(&ApiError::unavailable(message).body()));
+                    s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    s.done = true;
+                }
+                None => {
+                    let e = ApiError::unavailable("the engine is shutting down");
+                    s.pending.push_back(sse(&e.body()));
+                    s.pending.push_back(Bytes::from_static(b"data: [DONE]\n\n"));
+                    s.done = true;
+                }
+            }
+        }
+    });
+    let mut response = Response::new(Body::from_stream(stream));
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn metrics(State(state): State<Arc<EngineState>>) -> Response {
+    let text = render_metrics(&state);
+    (
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// Prometheus text exposition of every rank, named as the imitated engine names them
+/// (`vllm:` or `sglang:` prefixes), plus the mocker's own `kvroute_mocker_` counters.
+fn render_metrics(state: &EngineState) -> String {
+    type Metric = (
+        &'static str,
+        &'static str,
+        &'static str,
+        fn(&RankHandle) -> f64,
+    );
+    let vllm: &[Metric] = &[
+        (
+            "vllm:num_requests_running",
+            "gauge",
+            "Requests in model execution batches.",
+            |r| r.stats().running as f64,
+        ),
+        (
+            "vllm:num_requests_waiting",
+            "gauge",
+            "Requests waiting to be processed.",
+            |r| r.stats().waiting as f64,
+        ),
+        (
+            "vllm:kv_cache_usage_perc",
+            "gauge",
+            "KV-cache usage: 1 means 100 percent.",
+            |r| usage(r),
+        ),
+        (
+            "vllm:prompt_tokens_total",
+            "counter",
+            "Prefill tokens processed.",
+            |r| r.stats().prompt_tokens_total as f64,
+        ),
+        (
+            "vllm:generation_tokens_total",
+            "counter",
+            "Generation tokens processed.",
+            |r| r.stats().generation_tokens_total as f64,
+        ),
+        (
+            "vllm:prefix_cache_queries_total",
+            "counter",
+            "Prefix-cache queries, in tokens.",
+            |r| r.stats().prefix_cache_queries_total as f64,
+        ),
+        (
+            "vllm:prefix_cache_hits_total",
+            "counter",
+            "Prefix-cache hits, in tokens.",
+            |r| r.stats().prefix_cache_hits_total as f64,
+        ),
+        (
+            "vllm:num_preemptions_total",
+            "counter",
+            "Cumulative number of preemptions.",
+            |r| r.stats().preemptions_total as f64,
+        ),
+        (
+            "vllm:request_success_total",
+            "counter",
+            "Successfully processed requests.",
+            |r| r.stats().requests_finished_total as f64,
+        ),
+    ];
+    let sglang: &[Metric] = &[
+        (
+            "sglang:num_running_reqs",
+            "gauge",
+            "The number of running requests.",
+            |r| r.stats().running as f64,
+        ),
+        (
+            "sglang:num_queue_reqs",
+            "gauge",
+            "The number of requests in the waiting queue.",
+            |r| r.stats().waiting as f64,
+        ),
+        ("sglang:token_usage", "gauge", "The token usage.", |r| {
+            usage(r)
+        }),
+        (
+            "sglang:cache_hit_rate",
+            "gauge",
+            "The prefix cache hit rate.",
+            |r| {
+                let s = r.stats();
+                if s.prefix_cache_queries_total == 0 {
+                    0.0
+                } else {
+                    s.prefix_cache_hits_total as f64 / s.prefix_cache_queries_total as f64
+                }
+            },
+        ),
+        (
+            "sglang:prompt_tokens_total",
+            "counter",
+            "Number of prefill tokens processed.",
+            |r| r.stats().prompt_tokens_total as f64,
+        ),
+        (
+            "sglang:generation_tokens_total",
+            "counter",
+            "Number of generation tokens processed.",
+            |r| r.stats().generation_tokens_total as f64,
+        ),
+        (
+            "sglang:num_requests_total",
+            "counter",
+            "Number of requests processed.",
+            |r| r.stats().requests_finished_total as f64,
+        ),
+    ];
+    let own: &[Metric] = &[
+        (
+            "kvroute_mocker_kv_batches_total",
+            "counter",
+            "KV-event batches numbered (live or dropped).",
+            |r| r.publisher_stats().batches.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "kvroute_mocker_kv_events_total",
+            "counter",
+            "KV events published.",
+            |r| r.publisher_stats().events.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "kvroute_mocker_kv_batches_dropped_total",
+            "counter",
+            "Batches kept off the live socket by --drop-every.",
+            |r| r.publisher_stats().dropped.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "kvroute_mocker_replays_total",
+            "counter",
+            "Replay requests answered.",
+            |r| r.publisher_stats().replays.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "kvroute_mocker_publisher_restarts_total",
+            "counter",
+            "Simulated publisher restarts.",
+            |r| r.publisher_stats().restarts.load(Ordering::Relaxed) as f64,
+        ),
+        (
+            "kvroute_mocker_evicted_blocks_total",
+            "counter",
+            "Blocks evicted from the prefix cache.",
+            |r| r.stats().evicted_blocks_total as f64,
+        ),
+        (
+            "kvroute_mocker_cached_blocks",
+            "gauge",
+            "Blocks holding a cached hash.",
+            |r| r.stats().cached_blocks as f64,
+        ),
+    ];
+    let engine_metrics = match state.flavor {
+        EngineFlavor::Vllm => vllm,
+        EngineFlavor::Sglang => sglang,
+    };
+    let rank_label = match state.flavor {
+        EngineFlavor::Vllm => "engine",
+        EngineFlavor::Sglang => "dp_rank",
+    };
+    let mut out = String::new();
+    for (name, kind, help, value) in engine_metrics.iter().chain(own) {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for rank in &state.ranks {
+            let _ = writeln!(
+                out,
+                "{name}{{model_name=\"{}\",{rank_label}=\"{}\"}} {}",
+                escape_label(&state.model),
+                rank.rank(),
+                value(rank)
+            );
+        }
+    }
+    out
+}
+
+fn usage(r: &RankHandle) -> f64 {
+    let s = r.stats();
+    s.used_blocks as f64 / s.total_blocks.max(1) as f64
+}
+
+fn escape_label(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}

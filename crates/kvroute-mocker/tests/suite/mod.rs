@@ -1,0 +1,12 @@
+//! Test modules; `common` and `msgpack` are helpers.
+
+mod cache;
+mod common;
+mod determinism;
+mod faults;
+mod golden;
+mod http_api;
+mod msgpack;
+mod multimodal;
+mod transport;
+mod wire_exact;

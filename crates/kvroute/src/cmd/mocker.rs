@@ -1,0 +1,219 @@
+//! `kvroute mocker`: run simulated vLLM / SGLang engines for tests, demos and benchmarks.
+//!
+//! Turns the flags into a [`MockerConfig`] and runs the fleet until Ctrl-C or
+//! SIGTERM. Prints one `--worker` line per engine on stdout (for `kvroute
+//! serve`); logs go to stderr (`RUST_LOG`, default `info`). See `docs/mocker.md`.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::{Args, ValueEnum};
+use kvroute_mocker::engine::timing::TimingModel;
+use kvroute_mocker::faults::FaultConfig;
+use kvroute_mocker::{EngineFlavor, EventFormat, MockerConfig, ReplayFrames, TsSource};
+
+/// Arguments of `kvroute mocker`.
+#[derive(Debug, Args)]
+pub struct MockerArgs {
+    /// Engine imitated on the wire.
+    #[arg(long, value_enum, default_value_t = Flavor::Vllm)]
+    engine_flavor: Flavor,
+    /// Independent engines in this process.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    workers: u16,
+    /// Address every socket binds.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// HTTP port of engine 0 (engine k: port + k).
+    #[arg(long, default_value_t = 8100)]
+    port: u16,
+    /// KV-event PUB port of engine 0 rank 0 (engine k rank r: + k·dp + r).
+    #[arg(long, default_value_t = 5557)]
+    kv_events_port: u16,
+    /// Replay ROUTER port of engine 0 rank 0 (offset like --kv-events-port).
+    #[arg(long, default_value_t = 5657)]
+    replay_port: u16,
+    /// Data-parallel ranks per engine, each with its own cache and sockets.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
+    dp_size: u16,
+    /// KV-cache blocks per rank.
+    #[arg(long, default_value_t = 16384)]
+    num_gpu_blocks: usize,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Most running requests per rank.
+    #[arg(long, default_value_t = 256)]
+    max_num_seqs: usize,
+    /// Token budget of one scheduler step.
+    #[arg(long, default_value_t = 8192)]
+    max_num_batched_tokens: usize,
+    /// Divides every simulated time (10 = ten times faster than the timing model).
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// Seed of the filler text and injected failures.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Event shape: tagged maps (current engines) or tagged arrays (vLLM ≤ 0.23, SGLang ≤ 0.5.19).
+    #[arg(long, value_enum, default_value_t = Format::Map)]
+    event_format: Format,
+    /// Replay reply layout: 4 = [b"", topic, seq, payload] (current), 3 = [b"", seq, payload].
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(3..=4))]
+    replay_frames: u8,
+    /// Prompt positions each image occupies.
+    #[arg(long, default_value_t = 64)]
+    mm_tokens_per_image: usize,
+    /// A Hugging Face tokenizer.json (needs the `hf-tokenizer` feature); default: the built-in tokenizer.
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<PathBuf>,
+    /// Served model name.
+    #[arg(long, default_value = "mock-model")]
+    model: String,
+    /// Do not send every Nth live batch (it stays in the replay ring).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    drop_every: Option<u64>,
+    /// Add one malformed event to every Nth batch.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    bad_event_every: Option<u64>,
+    /// Restart the publisher (seq back to 0) and clear the cache every S seconds.
+    #[arg(long, value_name = "S")]
+    restart_every_secs: Option<f64>,
+    /// Delay added to every HTTP response, in milliseconds.
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    delay_ms: u64,
+    /// Fraction of completion requests answered 500.
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    fail_rate: f64,
+    /// Batch timestamps = SECONDS + the engine's simulated time, so runs with the
+    /// same requests publish byte-identical payloads (default: the wall clock).
+    #[arg(long, value_name = "SECONDS")]
+    ts_start: Option<f64>,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Flavor {
+    Vllm,
+    Sglang,
+}
+
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum Format {
+    Map,
+    LegacyArray,
+}
+
+impl MockerArgs {
+    fn config(&self) -> Result<MockerConfig> {
+        let restart_every = match self.restart_every_secs {
+            None => None,
+            Some(s) if s.is_finite() && s > 0.0 => Some(Duration::from_secs_f64(s)),
+            Some(s) => anyhow::bail!("--restart-every-secs {s} must be a number above 0"),
+        };
+        let config = MockerConfig {
+            flavor: match self.engine_flavor {
+                Flavor::Vllm => EngineFlavor::Vllm,
+                Flavor::Sglang => EngineFlavor::Sglang,
+            },
+            workers: self.workers,
+            host: self.host,
+            port: self.port,
+            kv_events_port: self.kv_events_port,
+            replay_port: self.replay_port,
+            dp_size: self.dp_size,
+            num_gpu_blocks: self.num_gpu_blocks,
+            block_size: self.block_size,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            timing: TimingModel {
+                speedup: self.speedup,
+                ..TimingModel::default()
+            },
+            seed: self.seed,
+            event_format: match self.event_format {
+                Format::Map => EventFormat::Map,
+                Format::LegacyArray => EventFormat::LegacyArray,
+            },
+            replay_frames: if self.replay_frames == 3 {
+                ReplayFrames::Three
+            } else {
+                ReplayFrames::Four
+            },
+            mm_tokens_per_image: self.mm_tokens_per_image,
+            tokenizer: self.tokenizer.clone(),
+            model: self.model.clone(),
+            faults: FaultConfig {
+                drop_every: self.drop_every,
+                bad_event_every: self.bad_event_every,
+                restart_every,
+                delay: Duration::from_millis(self.delay_ms),
+                fail_rate: self.fail_rate,
+            },
+            ts_source: match self.ts_start {
+                Some(start) => TsSource::Simulated { start },
+                None => TsSource::Wall,
+            },
+            ..MockerConfig::default()
+        };
+        config.validate()?;
+        Ok(config)
+    }
+}
+
+/// Runs the fleet until Ctrl-C or SIGTERM.
+pub fn run(args: &MockerArgs) -> Result<ExitCode> {
+    let config = args.config()?;
+    init_logging();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(kvroute_mocker::run(config, shutdown_signal()))?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Logs to stderr, filtered by `RUST_LOG` (`info` when unset or unreadable).
+fn init_logging() {
+    let filter = std::env::var("RUST_LOG")
+        .ok()
+        .and_then(|s| s.parse::<tracing_subscriber::filter::Targets>().ok())
+        .unwrap_or_else(|| {
+            tracing_subscriber::filter::Targets::new()
+                .with_default(tracing_subscriber::filter::LevelFilter::INFO)
+        });
+    use tracing_subscriber::layer::SubscriberExt as _;
+    use tracing_subscriber::util::SubscriberInitExt as _;
+    let _ = tracing_subscriber::registry()
+        .with(
+            tracing_subscriber::fmt::layer()
+                .with_writer(std::io::stderr)
+                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
+        )
+        .with(filter)
+        .try_init();
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = async {
+        if tokio::signal::ctrl_c().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    #[cfg(unix)]
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let terminate = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {}
+        _ = terminate => {}
+    }
+}

@@ -1,0 +1,100 @@
+//! `kvroute mocker` as a user runs it: the real binary, its `--worker` lines, SIGTERM.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+fn http_get(host_port: &str, path: &str) -> String {
+    let mut s = TcpStream::connect(host_port).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {host_port}\r\nConnection: close\r\n\r\n"
+    )
+    .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    out
+}
+
+#[test]
+fn mocker_prints_one_worker_line_per_engine_serves_and_stops_on_sigterm() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "mocker",
+            "--engine-flavor",
+            "sglang",
+            "--workers",
+            "2",
+            "--dp-size",
+            "2",
+            "--port",
+            "0",
+            "--kv-events-port",
+            "0",
+            "--replay-port",
+            "0",
+            "--block-size",
+            "32",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute runs");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let lines: Vec<String> = (0..2)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(30))
+                .expect("a worker line")
+        })
+        .collect();
+    for (k, line) in lines.iter().enumerate() {
+        let pairs: Vec<(&str, &str)> = line
+            .split(',')
+            .map(|kv| kv.split_once('=').expect("key=value"))
+            .collect();
+        let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
+        assert_eq!(
+            keys,
+            ["name", "url", "events", "replay", "dp", "block_size"],
+            "{line}"
+        );
+        assert_eq!(pairs[0].1, format!("w{k}"));
+        assert!(pairs[2].1.starts_with("tcp://127.0.0.1:"));
+        assert!(pairs[3].1.starts_with("tcp://127.0.0.1:"));
+        assert_eq!((pairs[4].1, pairs[5].1), ("2", "32"));
+        let host_port = pairs[1].1.strip_prefix("http://").expect("http url");
+        let health = http_get(host_port, "/health");
+        assert!(health.starts_with("HTTP/1.1 200"), "{health}");
+    }
+    let pid = child.id().to_string();
+    let killed = Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()
+        .expect("kill runs");
+    assert!(killed.success());
+    let status = child.wait().expect("exits");
+    assert!(status.success(), "{status:?}");
+}
+
+#[test]
+fn mocker_rejects_bad_flags_with_exit_code_2() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["mocker", "--fail-rate", "2"])
+        .output()
+        .expect("kvroute runs");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--fail-rate"), "{stderr}");
+}
