@@ -26,6 +26,10 @@ enum Command {
     Inspect(cmd::inspect::InspectArgs),
     /// Measure kvroute's parts (`bench index`: the prefix index).
     Bench(cmd::bench::BenchArgs),
+    /// Run simulated vLLM / SGLang engines (HTTP, prefix cache, KV events over ZeroMQ).
+    Mocker(cmd::mocker::MockerArgs),
+    /// Ingest the workers' KV events and serve the HTTP API.
+    Serve(cmd::serve::ServeArgs),
 }
 
 fn main() -> ExitCode {
@@ -33,6 +37,8 @@ fn main() -> ExitCode {
     let result = match cli.command {
         Command::Inspect(args) => cmd::inspect::run(&args),
         Command::Bench(args) => cmd::bench::run(&args),
+        Command::Mocker(args) => cmd::mocker::run(&args),
+        Command::Serve(args) => cmd::serve::run(&args),
     };
     match result {
         Ok(code) => code,

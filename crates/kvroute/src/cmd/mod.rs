@@ -2,3 +2,5 @@
 
 pub mod bench;
 pub mod inspect;
+pub mod mocker;
+pub mod serve;

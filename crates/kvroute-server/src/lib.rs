@@ -1,0 +1,109 @@
+//! kvroute's shell: everything that waits on the outside world.
+//!
+//! Sockets, threads, timers and HTTP live here and hand plain data to
+//! `kvroute-core`: ZeroMQ frames to the cursor and decoder, decoded events to
+//! the index, HTTP requests to the registry. [`serve`] runs it all on a bound
+//! listener until a shutdown future completes.
+
+pub mod discover;
+pub mod http;
+pub mod ingest;
+pub mod registry;
+pub mod spec;
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use kvroute_core::index::{Index, IndexConfig, SharedIndex};
+use tracing::info;
+
+use ingest::IngestConfig;
+use registry::Registry;
+use spec::WorkerSpec;
+
+/// Everything `kvroute serve` needs, validated.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    /// Default tokens per block for workers that do not say.
+    pub block_size: u32,
+    /// Workers known at start.
+    pub workers: Vec<WorkerSpec>,
+    /// Bearer token for `/register` and `/unregister`.
+    pub admin_token: Option<String>,
+    /// How long a worker may stay unreachable before its blocks are dropped.
+    pub unreachable_grace: Duration,
+    /// Index settings.
+    pub index: IndexConfig,
+    /// Ingestion settings.
+    pub ingest: IngestConfig,
+}
+
+/// Why the server stopped with an error.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// A configured worker could not be registered.
+    #[error("worker `{name}`: {source}")]
+    Worker {
+        /// The worker.
+        name: String,
+        /// Why.
+        source: registry::RegistryError,
+    },
+    /// The HTTP server failed.
+    #[error("http server: {0}")]
+    Http(#[from] std::io::Error),
+}
+
+/// Runs ingestion and the HTTP server on `listener` until `shutdown` completes.
+pub async fn serve(
+    config: ServeConfig,
+    listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    let index = Arc::new(SharedIndex::new(Index::new(config.index.clone())));
+    let registry = Arc::new(Registry::new(
+        index.clone(),
+        config.ingest.clone(),
+        config.unreachable_grace,
+    ));
+    for spec in config.workers {
+        let name = spec.name.clone();
+        registry
+            .register(spec)
+            .map_err(|source| ServeError::Worker { name, source })?;
+    }
+    let housekeeping = {
+        let registry = registry.clone();
+        let index = index.clone();
+        tokio::spawn(async move {
+            let started = tokio::time::Instant::now();
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                let registry = registry.clone();
+                let index = index.clone();
+                let now_ms = started.elapsed().as_millis() as u64;
+                let _ = tokio::task::spawn_blocking(move || {
+                    registry.check_unreachable();
+                    index.write().expire(now_ms);
+                })
+                .await;
+            }
+        })
+    };
+    let state = http::AppState {
+        registry: registry.clone(),
+        index,
+        admin_token: config.admin_token,
+        default_block_size: config.block_size,
+    };
+    info!(addr = ?listener.local_addr().ok(), "kvroute listening");
+    let result = axum::serve(listener, http::app(state))
+        .with_graceful_shutdown(shutdown)
+        .await;
+    housekeeping.abort();
+    let _ = tokio::task::spawn_blocking(move || registry.shutdown()).await;
+    result.map_err(ServeError::Http)
+}

@@ -1,0 +1,300 @@
+//! The worker registry: which workers exist, their rank threads, and the
+//! rule that a worker's blocks leave the index when it leaves (unregistered,
+//! or unreachable past the grace period).
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use kvroute_core::index::{SharedIndex, WorkerId, WorkerRank};
+use serde_json::{json, Value};
+use tracing::{info, warn};
+
+use crate::ingest::{IngestConfig, RankIngest, RankStats, RankTarget};
+use crate::spec::{RankEndpoints, WorkerSpec};
+
+/// Why a registration was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// A different worker already has this name.
+    #[error("a different worker named `{0}` is already registered")]
+    NameTaken(String),
+    /// The same rank of a worker registered twice with different endpoints.
+    #[error("worker `{name}` rank {rank} is already registered with other endpoints")]
+    RankTaken {
+        /// The worker.
+        name: String,
+        /// The rank.
+        rank: u32,
+    },
+    /// The rank thread could not start.
+    #[error("could not start ingestion: {0}")]
+    Start(String),
+}
+
+struct Rank {
+    endpoints: RankEndpoints,
+    ingest: RankIngest,
+}
+
+struct Worker {
+    id: WorkerId,
+    spec: WorkerSpec,
+    ranks: Vec<Rank>,
+    registered_ms: u64,
+    /// Blocks were dropped because the worker was unreachable; cleared again on reconnect.
+    cleared_unreachable: bool,
+}
+
+/// Registered workers and their ingestion.
+pub struct Registry {
+    workers: Mutex<BTreeMap<String, Worker>>,
+    next_id: Mutex<u32>,
+    index: Arc<SharedIndex>,
+    zmq: zmq::Context,
+    ingest: IngestConfig,
+    grace: Duration,
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("grace", &self.grace)
+            .finish_non_exhaustive()
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Registry {
+    /// An empty registry feeding `index`.
+    pub fn new(index: Arc<SharedIndex>, ingest: IngestConfig, grace: Duration) -> Self {
+        Registry {
+            workers: Mutex::new(BTreeMap::new()),
+            next_id: Mutex::new(0),
+            index,
+            zmq: zmq::Context::new(),
+            ingest,
+            grace,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Worker>> {
+        self.workers.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn start_rank(
+        &self,
+        id: WorkerId,
+        spec: &WorkerSpec,
+        endpoints: &RankEndpoints,
+    ) -> Result<Rank, RegistryError> {
+        let target = RankTarget {
+            worker: &spec.name,
+            key: WorkerRank {
+                worker: id,
+                rank: endpoints.rank,
+            },
+            endpoints,
+            topic: &spec.topic,
+            block_size: spec.block_size,
+        };
+        let ingest = RankIngest::start(&self.zmq, target, self.index.clone(), self.ingest.clone())
+            .map_err(|e| RegistryError::Start(e.to_string()))?;
+        Ok(Rank {
+            endpoints: endpoints.clone(),
+            ingest,
+        })
+    }
+
+    /// Registers a worker (or adds ranks to one registered with the same
+    /// name, URL and block size) and starts ingesting its ranks. Registering
+    /// the same worker twice is a no-op.
+    pub fn register(&self, spec: WorkerSpec) -> Result<WorkerId, RegistryError> {
+        let mut workers = self.lock();
+        if let Some(existing) = workers.get_mut(&spec.name) {
+            if existing.spec.url != spec.url || existing.spec.block_size != spec.block_size {
+                return Err(RegistryError::NameTaken(spec.name));
+            }
+            for endpoints in &spec.ranks {
+                match existing
+                    .ranks
+                    .iter()
+                    .find(|r| r.endpoints.rank == endpoints.rank)
+                {
+                    Some(r) if r.endpoints == *endpoints => {}
+                    Some(_) => {
+                        return Err(RegistryError::RankTaken {
+                            name: spec.name.clone(),
+                            rank: endpoints.rank,
+                        })
+                    }
+                    None => {
+                        let rank = self.start_rank(existing.id, &existing.spec, endpoints)?;
+                        existing.ranks.push(rank);
+                        existing.spec.ranks.push(endpoints.clone());
+                    }
+                }
+            }
+            return Ok(existing.id);
+        }
+        let id = {
+            let mut next = self.next_id.lock().unwrap_or_else(PoisonError::into_inner);
+            let id = WorkerId(*next);
+            *next += 1;
+            id
+        };
+        let mut ranks = Vec::with_capacity(spec.ranks.len());
+        for endpoints in &spec.ranks {
+            ranks.push(self.start_rank(id, &spec, endpoints)?);
+        }
+        info!(worker = %spec.name, ranks = ranks.len(), "worker registered");
+        workers.insert(
+            spec.name.clone(),
+            Worker {
+                id,
+                spec,
+                ranks,
+                registered_ms: now_ms(),
+                cleared_unreachable: false,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Stops ingesting a worker and drops its blocks; false when unknown.
+    pub fn unregister(&self, name: &str) -> bool {
+        let removed = self.lock().remove(name);
+        match removed {
+            Some(mut worker) => {
+                for rank in &mut worker.ranks {
+                    rank.ingest.stop();
+                }
+                self.index.write().remove_worker(worker.id);
+                info!(worker = %name, "worker unregistered");
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Drops the blocks of workers whose every rank has been disconnected for
+    /// longer than the grace period (they keep their registration, and are
+    /// ingested again when they come back).
+    pub fn check_unreachable(&self) {
+        let now = now_ms();
+        let grace = self.grace.as_millis() as u64;
+        let mut workers = self.lock();
+        for worker in workers.values_mut() {
+            let down_since = |s: &RankStats| {
+                if s.connected.load(Ordering::Relaxed) {
+                    None
+                } else {
+                    Some(
+                        s.last_connected_ms
+                            .load(Ordering::Relaxed)
+                            .max(worker.registered_ms),
+                    )
+                }
+            };
+            let all_down = worker.ranks.iter().all(|r| {
+                down_since(&r.ingest.stats).is_some_and(|since| now.saturating_sub(since) > grace)
+            });
+            if all_down && !worker.cleared_unreachable {
+                warn!(worker = %worker.spec.name, grace_ms = grace, "worker unreachable; dropping its blocks");
+                let mut index = self.index.write();
+                for rank in &worker.ranks {
+                    index.clear_rank(WorkerRank {
+                        worker: worker.id,
+                        rank: rank.endpoints.rank,
+                    });
+                }
+                worker.cleared_unreachable = true;
+            } else if !all_down {
+                worker.cleared_unreachable = false;
+            }
+        }
+    }
+
+    /// Registered workers: name, index id, HTTP URL and block size.
+    pub fn workers(&self) -> Vec<(String, WorkerId, String, u32)> {
+        self.lock()
+            .values()
+            .map(|w| {
+                (
+                    w.spec.name.clone(),
+                    w.id,
+                    w.spec.url.clone(),
+                    w.spec.block_size,
+                )
+            })
+            .collect()
+    }
+
+    /// The `/workers` document.
+    pub fn describe(&self) -> Value {
+        let stats = self.index.read().stats();
+        let workers = self.lock();
+        let list: Vec<Value> = workers
+            .values()
+            .map(|w| {
+                let ranks: Vec<Value> = w
+                    .ranks
+                    .iter()
+                    .map(|r| {
+                        let s = &r.ingest.stats;
+                        let key = WorkerRank { worker: w.id, rank: r.endpoints.rank };
+                        let tiers = stats.per_rank.iter().find(|(k, _)| *k == key).map_or([0; 4], |(_, t)| *t);
+                        let next = s.next_seq.load(Ordering::Relaxed);
+                        let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
+                        json!({
+                            "dp_rank": r.endpoints.rank,
+                            "events_endpoint": r.endpoints.events,
+                            "replay_endpoint": r.endpoints.replay,
+                            "connected": s.connected.load(Ordering::Relaxed),
+                            "last_seq": next.checked_sub(1),
+                            "lag_ms": get(&s.lag_ms),
+                            "batches": get(&s.batches),
+                            "events": get(&s.events),
+                            "blocks": {"device": tiers[0], "host": tiers[1], "disk": tiers[2], "external": tiers[3]},
+                            "decode_errors": get(&s.decode_errors),
+                            "events_filtered": get(&s.events_filtered),
+                            "envelope_errors": get(&s.envelope_errors),
+                            "bad_frames": get(&s.bad_frames),
+                            "gaps": get(&s.gaps),
+                            "replays_ok": get(&s.replays_ok),
+                            "replays_incomplete": get(&s.replays_incomplete),
+                            "restarts": get(&s.restarts),
+                            "clears": get(&s.clears),
+                            "stale": get(&s.stale),
+                        })
+                    })
+                    .collect();
+                json!({
+                    "name": w.spec.name,
+                    "url": w.spec.url,
+                    "model": w.spec.model,
+                    "block_size": w.spec.block_size,
+                    "ranks": ranks,
+                })
+            })
+            .collect();
+        json!({ "workers": list })
+    }
+
+    /// Stops every rank thread.
+    pub fn shutdown(&self) {
+        let mut workers = self.lock();
+        for worker in workers.values_mut() {
+            for rank in &mut worker.ranks {
+                rank.ingest.stop();
+            }
+        }
+    }
+}

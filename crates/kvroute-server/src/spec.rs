@@ -1,0 +1,289 @@
+//! What a worker is, and the ways an operator describes one: the `--worker`
+//! flag syntax, a TOML config file, and registration requests.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Why a worker description was rejected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum SpecError {
+    /// A `key=value` pair without `=`.
+    #[error("`{0}` is not key=value")]
+    NotKeyValue(String),
+    /// A key this syntax does not know.
+    #[error("unknown key `{0}` (known: name, url, events, replay, dp, block_size, topic, model)")]
+    UnknownKey(String),
+    /// A required key is missing.
+    #[error("missing `{0}`")]
+    Missing(&'static str),
+    /// A value that does not parse.
+    #[error("`{key}={value}`: {problem}")]
+    BadValue {
+        /// The key.
+        key: &'static str,
+        /// The value given.
+        value: String,
+        /// What is wrong with it.
+        problem: &'static str,
+    },
+    /// The config file is not valid TOML for a worker list.
+    #[error("config file: {0}")]
+    Config(String),
+}
+
+/// One data-parallel rank's sockets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankEndpoints {
+    /// The rank.
+    pub rank: u32,
+    /// Its event publisher (`tcp://host:port`).
+    pub events: String,
+    /// Its replay ROUTER, if the engine runs one.
+    pub replay: Option<String>,
+}
+
+/// A worker: one engine serving HTTP, publishing KV events on one socket per rank.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WorkerSpec {
+    /// Unique name.
+    pub name: String,
+    /// HTTP base URL of the engine's OpenAI-compatible server.
+    pub url: String,
+    /// Event and replay endpoints of each rank.
+    pub ranks: Vec<RankEndpoints>,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// ZMQ topic to subscribe to (`""`: everything).
+    pub topic: String,
+    /// Model the engine serves, if known.
+    pub model: Option<String>,
+}
+
+/// `tcp://host:port` with the port moved by `offset` (how engines place rank r).
+pub fn offset_endpoint(endpoint: &str, offset: u32) -> Result<String, SpecError> {
+    let bad = |problem| SpecError::BadValue {
+        key: "events",
+        value: endpoint.to_owned(),
+        problem,
+    };
+    let (head, port) = endpoint
+        .rsplit_once(':')
+        .ok_or_else(|| bad("expected tcp://host:port"))?;
+    if !endpoint.starts_with("tcp://") {
+        return Err(bad("only tcp:// endpoints are supported"));
+    }
+    let port: u32 = port.parse().map_err(|_| bad("the port is not a number"))?;
+    let moved = port
+        .checked_add(offset)
+        .filter(|p| *p <= u32::from(u16::MAX))
+        .ok_or_else(|| bad("port out of range"))?;
+    Ok(format!("{head}:{moved}"))
+}
+
+impl WorkerSpec {
+    /// Builds a worker whose rank r publishes at `events` port + r and replays at
+    /// `replay` port + r, as vLLM and SGLang place data-parallel ranks.
+    pub fn with_base_endpoints(
+        name: String,
+        url: String,
+        events: &str,
+        replay: Option<&str>,
+        dp: u32,
+        block_size: u32,
+    ) -> Result<Self, SpecError> {
+        if dp == 0 {
+            return Err(SpecError::BadValue {
+                key: "dp",
+                value: "0".into(),
+                problem: "must be at least 1",
+            });
+        }
+        if block_size == 0 {
+            return Err(SpecError::BadValue {
+                key: "block_size",
+                value: "0".into(),
+                problem: "must be at least 1",
+            });
+        }
+        let ranks = (0..dp)
+            .map(|rank| {
+                Ok(RankEndpoints {
+                    rank,
+                    events: offset_endpoint(events, rank)?,
+                    replay: replay.map(|r| offset_endpoint(r, rank)).transpose()?,
+                })
+            })
+            .collect::<Result<Vec<_>, SpecError>>()?;
+        Ok(WorkerSpec {
+            name,
+            url,
+            ranks,
+            block_size,
+            topic: String::new(),
+            model: None,
+        })
+    }
+
+    /// Parses the `--worker` syntax: `name=w0,url=http://…,events=tcp://…:5557,
+    /// replay=tcp://…:5657,dp=2,block_size=16` (keys in any order; `replay`,
+    /// `dp` (default 1), `block_size` (default `default_block_size`), `topic`
+    /// and `model` optional).
+    pub fn parse(text: &str, default_block_size: u32) -> Result<Self, SpecError> {
+        let mut fields: BTreeMap<&str, &str> = BTreeMap::new();
+        for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (key, value) = pair
+                .split_once('=')
+                .ok_or_else(|| SpecError::NotKeyValue(pair.to_owned()))?;
+            let key = key.trim();
+            if !matches!(
+                key,
+                "name" | "url" | "events" | "replay" | "dp" | "block_size" | "topic" | "model"
+            ) {
+                return Err(SpecError::UnknownKey(key.to_owned()));
+            }
+            fields.insert(key, value.trim());
+        }
+        let number = |key: &'static str, default: u32| -> Result<u32, SpecError> {
+            match fields.get(key) {
+                None => Ok(default),
+                Some(v) => v.parse().map_err(|_| SpecError::BadValue {
+                    key,
+                    value: (*v).to_owned(),
+                    problem: "not a whole number",
+                }),
+            }
+        };
+        let name = fields
+            .get("name")
+            .ok_or(SpecError::Missing("name"))?
+            .to_string();
+        let url = fields
+            .get("url")
+            .ok_or(SpecError::Missing("url"))?
+            .to_string();
+        let events = fields.get("events").ok_or(SpecError::Missing("events"))?;
+        let mut spec = WorkerSpec::with_base_endpoints(
+            name,
+            url,
+            events,
+            fields.get("replay").copied(),
+            number("dp", 1)?,
+            number("block_size", default_block_size)?,
+        )?;
+        spec.topic = fields
+            .get("topic")
+            .map(|t| t.to_string())
+            .unwrap_or_default();
+        spec.model = fields.get("model").map(|m| m.to_string());
+        Ok(spec)
+    }
+}
+
+/// One worker in a TOML config file (`[[worker]]` tables).
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigWorker {
+    name: String,
+    url: String,
+    events: String,
+    replay: Option<String>,
+    dp: Option<u32>,
+    block_size: Option<u32>,
+    topic: Option<String>,
+    model: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConfigFile {
+    #[serde(default)]
+    worker: Vec<ConfigWorker>,
+}
+
+/// Parses a TOML config file listing workers as `[[worker]]` tables with the
+/// same keys as the `--worker` flag.
+pub fn parse_config(text: &str, default_block_size: u32) -> Result<Vec<WorkerSpec>, SpecError> {
+    let file: ConfigFile = toml::from_str(text).map_err(|e| SpecError::Config(e.to_string()))?;
+    file.worker
+        .into_iter()
+        .map(|w| {
+            let mut spec = WorkerSpec::with_base_endpoints(
+                w.name,
+                w.url,
+                &w.events,
+                w.replay.as_deref(),
+                w.dp.unwrap_or(1),
+                w.block_size.unwrap_or(default_block_size),
+            )?;
+            spec.topic = w.topic.unwrap_or_default();
+            spec.model = w.model;
+            Ok(spec)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_worker_flag_parses_with_keys_in_any_order() {
+        let spec = WorkerSpec::parse(
+            "block_size=16,name=w0,url=http://127.0.0.1:8000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5657,dp=2",
+            32,
+        )
+        .expect("valid");
+        assert_eq!(spec.name, "w0");
+        assert_eq!(spec.block_size, 16);
+        assert_eq!(spec.ranks.len(), 2);
+        assert_eq!(spec.ranks[1].events, "tcp://127.0.0.1:5558");
+        assert_eq!(
+            spec.ranks[1].replay.as_deref(),
+            Some("tcp://127.0.0.1:5658")
+        );
+        let minimal =
+            WorkerSpec::parse("name=a,url=http://h:1,events=tcp://h:2", 64).expect("valid");
+        assert_eq!(
+            (
+                minimal.block_size,
+                minimal.ranks.len(),
+                minimal.ranks[0].replay.clone()
+            ),
+            (64, 1, None)
+        );
+    }
+
+    #[test]
+    fn bad_worker_flags_say_what_is_wrong() {
+        let err = |s: &str| WorkerSpec::parse(s, 16).expect_err("invalid").to_string();
+        assert!(err("name=a,url=u").contains("missing `events`"));
+        assert!(err("name=a,url=u,events=tcp://h:1,dp=x").contains("dp=x"));
+        assert!(err("name=a,url=u,events=tcp://h:1,colour=red").contains("unknown key `colour`"));
+        assert!(err("name=a,url=u,events=tcp://h:1,dp=0").contains("at least 1"));
+        assert!(err("name=a,url=u,events=ipc:///x").contains("tcp://"));
+        assert!(err("name").contains("key=value"));
+    }
+
+    #[test]
+    fn a_config_file_lists_the_same_workers() {
+        let text = r#"
+            [[worker]]
+            name = "w0"
+            url = "http://127.0.0.1:8000"
+            events = "tcp://127.0.0.1:5557"
+            replay = "tcp://127.0.0.1:5657"
+            dp = 2
+            block_size = 16
+        "#;
+        let from_file = parse_config(text, 32).expect("valid");
+        let from_flag = WorkerSpec::parse(
+            "name=w0,url=http://127.0.0.1:8000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5657,dp=2,block_size=16",
+            32,
+        )
+        .expect("valid");
+        assert_eq!(from_file, vec![from_flag]);
+        assert!(parse_config("[[worker]]\nname = 1", 16).is_err());
+    }
+}

@@ -1,0 +1,553 @@
+//! Ingestion over real ZeroMQ sockets on 127.0.0.1: a publisher in the test
+//! plays the engine (live PUB, replay ROUTER with a ring), kvroute's registry
+//! subscribes, and the index is checked through lookups.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use kvroute_core::hash::{local_block_hashes, HASH_SEED};
+use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
+use kvroute_server::ingest::IngestConfig;
+use kvroute_server::registry::Registry;
+use kvroute_server::spec::{RankEndpoints, WorkerSpec};
+
+const BS: usize = 4;
+
+/// Minimal msgpack writing for engine-shaped payloads.
+mod mp {
+    pub fn array(out: &mut Vec<u8>, n: usize) {
+        if n < 16 {
+            out.push(0x90 | n as u8);
+        } else {
+            out.push(0xdc);
+            out.extend_from_slice(&(n as u16).to_be_bytes());
+        }
+    }
+    pub fn map(out: &mut Vec<u8>, n: usize) {
+        out.push(0x80 | n as u8);
+    }
+    pub fn str(out: &mut Vec<u8>, s: &str) {
+        out.push(0xa0 | s.len() as u8);
+        out.extend_from_slice(s.as_bytes());
+    }
+    pub fn uint(out: &mut Vec<u8>, v: u64) {
+        out.push(0xcf);
+        out.extend_from_slice(&v.to_be_bytes());
+    }
+}
+
+/// A store of `blocks` blocks of `BS` tokens starting at token `first`, chained to `parent`.
+fn stored(out: &mut Vec<u8>, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
+    mp::map(out, 5);
+    mp::str(out, "type");
+    mp::str(out, "BlockStored");
+    mp::str(out, "block_hashes");
+    mp::array(out, hashes.len());
+    for &h in hashes {
+        mp::uint(out, h);
+    }
+    mp::str(out, "parent_block_hash");
+    match parent {
+        Some(p) => mp::uint(out, p),
+        None => out.push(0xc0),
+    }
+    mp::str(out, "token_ids");
+    mp::array(out, tokens.len());
+    for &t in tokens {
+        mp::uint(out, u64::from(t));
+    }
+    mp::str(out, "block_size");
+    mp::uint(out, BS as u64);
+}
+
+fn batch(events: &[Vec<u8>], rank: u64) -> Vec<u8> {
+    let mut out = vec![0x93, 0xcb];
+    out.extend_from_slice(&1.5f64.to_be_bytes());
+    mp::array(&mut out, events.len());
+    for e in events {
+        out.extend_from_slice(e);
+    }
+    mp::uint(&mut out, rank);
+    out
+}
+
+/// The tokens of "conversation" `c`, block `b`.
+fn tokens_of(c: u32, blocks: usize) -> Vec<u32> {
+    (0..(blocks * BS) as u32).map(|i| c * 10_000 + i).collect()
+}
+
+fn locals(tokens: &[u32]) -> Vec<kvroute_core::hash::LocalBlockHash> {
+    local_block_hashes(tokens, BS, HASH_SEED, 0)
+}
+
+/// One batch storing conversation `c` (`blocks` blocks, engine hashes `c*100 + i`).
+fn conversation_batch(c: u32, blocks: usize, rank: u64) -> Vec<u8> {
+    let hashes: Vec<u64> = (0..blocks as u64)
+        .map(|i| u64::from(c) * 100 + i + 1)
+        .collect();
+    let mut e = Vec::new();
+    stored(&mut e, &hashes, None, &tokens_of(c, blocks));
+    batch(&[e], rank)
+}
+
+/// The replay ring: `(seq, payload)`, oldest first.
+type Ring = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
+
+/// A fake engine rank: live PUB and a replay ROUTER serving its ring.
+struct Engine {
+    publisher: zmq::Socket,
+    events: String,
+    replay: String,
+    ring: Ring,
+    stop: Arc<AtomicBool>,
+    router: Option<JoinHandle<()>>,
+}
+
+impl Engine {
+    fn start(ctx: &zmq::Context, frames: usize, ring_size: usize) -> Engine {
+        let publisher = ctx.socket(zmq::PUB).expect("pub");
+        publisher.bind("tcp://127.0.0.1:*").expect("bind pub");
+        let events = publisher
+            .get_last_endpoint()
+            .expect("endpoint")
+            .expect("utf-8");
+        let router = ctx.socket(zmq::ROUTER).expect("router");
+        router.bind("tcp://127.0.0.1:*").expect("bind router");
+        let replay = router
+            .get_last_endpoint()
+            .expect("endpoint")
+            .expect("utf-8");
+        let ring: Ring = Arc::new(Mutex::new(VecDeque::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let ring = ring.clone();
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let _ = ring_size;
+                while !stop.load(Ordering::Relaxed) {
+                    let mut items = [router.as_poll_item(zmq::POLLIN)];
+                    if zmq::poll(&mut items, 50).is_err() || !items[0].is_readable() {
+                        continue;
+                    }
+                    let Ok(req) = router.recv_multipart(0) else {
+                        continue;
+                    };
+                    if req.len() != 3 || !req[1].is_empty() || req[2].len() != 8 {
+                        continue;
+                    }
+                    let start = u64::from_be_bytes(req[2].as_slice().try_into().expect("8 bytes"));
+                    let id = req[0].clone();
+                    let entries: Vec<(u64, Vec<u8>)> = ring
+                        .lock()
+                        .expect("ring")
+                        .iter()
+                        .filter(|(s, _)| *s >= start)
+                        .cloned()
+                        .collect();
+                    for (seq, payload) in entries {
+                        let seq = seq.to_be_bytes().to_vec();
+                        let reply: Vec<Vec<u8>> = if frames == 4 {
+                            vec![id.clone(), vec![], vec![], seq, payload]
+                        } else {
+                            vec![id.clone(), vec![], seq, payload]
+                        };
+                        router.send_multipart(reply, 0).expect("reply");
+                    }
+                    let end: Vec<Vec<u8>> = if frames == 4 {
+                        vec![id.clone(), vec![], vec![], vec![0xff; 8], vec![]]
+                    } else {
+                        vec![id.clone(), vec![], vec![0xff; 8], vec![]]
+                    };
+                    router.send_multipart(end, 0).expect("end");
+                }
+            })
+        };
+        Engine {
+            publisher,
+            events,
+            replay,
+            ring,
+            stop,
+            router: Some(thread),
+        }
+    }
+
+    /// Publishes `payload` as `seq`; `live: false` keeps it only in the ring (a lost batch).
+    fn publish(&self, seq: u64, payload: &[u8], live: bool, ring_size: usize) {
+        {
+            let mut ring = self.ring.lock().expect("ring");
+            ring.push_back((seq, payload.to_vec()));
+            while ring.len() > ring_size {
+                ring.pop_front();
+            }
+        }
+        if live {
+            let frames: [&[u8]; 3] = [b"", &seq.to_be_bytes(), payload];
+            self.publisher.send_multipart(frames, 0).expect("publish");
+        }
+    }
+
+    fn restart_ring(&self) {
+        self.ring.lock().expect("ring").clear();
+    }
+
+    fn endpoints(&self, rank: u32) -> RankEndpoints {
+        RankEndpoints {
+            rank,
+            events: self.events.clone(),
+            replay: Some(self.replay.clone()),
+        }
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.router.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+struct Fixture {
+    index: Arc<SharedIndex>,
+    registry: Registry,
+}
+
+fn fixture() -> Fixture {
+    let index = Arc::new(SharedIndex::new(Index::new(IndexConfig {
+        default_capacity: None,
+        ..IndexConfig::default()
+    })));
+    let ingest = IngestConfig {
+        replay_timeout: Duration::from_millis(500),
+        ..IngestConfig::default()
+    };
+    let registry = Registry::new(index.clone(), ingest, Duration::from_secs(3600));
+    Fixture { index, registry }
+}
+
+fn worker(name: &str, ranks: Vec<RankEndpoints>) -> WorkerSpec {
+    WorkerSpec {
+        name: name.into(),
+        url: "http://127.0.0.1:1".into(),
+        ranks,
+        block_size: BS as u32,
+        topic: String::new(),
+        model: None,
+    }
+}
+
+/// Waits (bounded) until `check` holds.
+fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if check() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+fn device_depth(index: &SharedIndex, key: WorkerRank, tokens: &[u32]) -> u32 {
+    index
+        .find_matches(&locals(tokens))
+        .iter()
+        .find(|m| m.worker_rank == key)
+        .map_or(0, |m| m.device)
+}
+
+fn rank_field(registry: &Registry, name: &str, rank: u64, field: &str) -> u64 {
+    let doc = registry.describe();
+    doc["workers"]
+        .as_array()
+        .and_then(|ws| ws.iter().find(|w| w["name"] == name))
+        .and_then(|w| {
+            w["ranks"]
+                .as_array()?
+                .iter()
+                .find(|r| r["dp_rank"] == rank)
+                .cloned()
+        })
+        .and_then(|r| r[field].as_u64())
+        .unwrap_or(0)
+}
+
+fn connected(registry: &Registry, name: &str) -> bool {
+    registry.describe()["workers"][0]["ranks"][0]["connected"]
+        .as_bool()
+        .unwrap_or(false)
+        && !name.is_empty()
+}
+
+#[test]
+fn live_batches_are_applied_and_a_late_join_is_replayed_from_zero() {
+    let ctx = zmq::Context::new();
+    let engine = Engine::start(&ctx, 4, 10_000);
+    // Published before anyone subscribed: only the ring has it.
+    engine.publish(0, &conversation_batch(1, 3, 0), true, 10_000);
+    let f = fixture();
+    let id = f
+        .registry
+        .register(worker("w0", vec![engine.endpoints(0)]))
+        .expect("register");
+    eventually("connected", || connected(&f.registry, "w0"));
+    engine.publish(1, &conversation_batch(2, 2, 0), true, 10_000);
+    let key = WorkerRank {
+        worker: id,
+        rank: 0,
+    };
+    eventually("both stores applied", || {
+        device_depth(&f.index, key, &tokens_of(1, 3)) == 3
+            && device_depth(&f.index, key, &tokens_of(2, 2)) == 2
+    });
+    assert_eq!(
+        rank_field(&f.registry, "w0", 0, "replays_ok"),
+        1,
+        "seq 1 arrived first: replay from 0"
+    );
+    assert_eq!(rank_field(&f.registry, "w0", 0, "last_seq"), 1);
+}
+
+fn dropped_batches_are_recovered(frames: usize) {
+    let ctx = zmq::Context::new();
+    let engine = Engine::start(&ctx, frames, 10_000);
+    let f = fixture();
+    let id = f
+        .registry
+        .register(worker("w0", vec![engine.endpoints(0)]))
+        .expect("register");
+    eventually("connected", || connected(&f.registry, "w0"));
+    for seq in 0..10u64 {
+        // Batches 3, 4 and 7 never reach the subscriber live.
+        let live = !matches!(seq, 3 | 4 | 7);
+        engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), live, 10_000);
+    }
+    let key = WorkerRank {
+        worker: id,
+        rank: 0,
+    };
+    eventually("every batch applied", || {
+        (1..=10).all(|c| device_depth(&f.index, key, &tokens_of(c, 2)) == 2)
+    });
+    assert!(rank_field(&f.registry, "w0", 0, "replays_ok") >= 1);
+    assert_eq!(rank_field(&f.registry, "w0", 0, "clears"), 0);
+}
+
+#[test]
+fn dropped_batches_are_recovered_by_replay_with_the_topic_frame() {
+    dropped_batches_are_recovered(4);
+}
+
+#[test]
+fn dropped_batches_are_recovered_by_replay_without_the_topic_frame() {
+    dropped_batches_are_recovered(3);
+}
+
+#[test]
+fn a_gap_older_than_the_ring_clears_the_rank() {
+    let ctx = zmq::Context::new();
+    let engine = Engine::start(&ctx, 4, 3);
+    let f = fixture();
+    let id = f
+        .registry
+        .register(worker("w0", vec![engine.endpoints(0)]))
+        .expect("register");
+    eventually("connected", || connected(&f.registry, "w0"));
+    engine.publish(0, &conversation_batch(1, 2, 0), true, 3);
+    let key = WorkerRank {
+        worker: id,
+        rank: 0,
+    };
+    eventually("first store", || {
+        device_depth(&f.index, key, &tokens_of(1, 2)) == 2
+    });
+    // Seqs 1..=5 are lost; the ring keeps only the last 3 (4, 5, 6).
+    for seq in 1..=6u64 {
+        engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), seq == 6, 3);
+    }
+    eventually("rank cleared, then rebuilt from the ring", || {
+        rank_field(&f.registry, "w0", 0, "clears") == 1
+            && device_depth(&f.index, key, &tokens_of(7, 2)) == 2
+    });
+    assert_eq!(
+        device_depth(&f.index, key, &tokens_of(1, 2)),
+        0,
+        "state before the gap is gone"
+    );
+    assert_eq!(
+        device_depth(&f.index, key, &tokens_of(5, 2)),
+        2,
+        "replayed from the ring"
+    );
+}
+
+#[test]
+fn an_engine_restart_resets_the_rank() {
+    let ctx = zmq::Context::new();
+    let engine = Engine::start(&ctx, 4, 10_000);
+    let f = fixture();
+    let id = f
+        .registry
+        .register(worker("w0", vec![engine.endpoints(0)]))
+        .expect("register");
+    eventually("connected", || connected(&f.registry, "w0"));
+    for seq in 0..5u64 {
+        engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), true, 10_000);
+    }
+    let key = WorkerRank {
+        worker: id,
+        rank: 0,
+    };
+    eventually("five stores", || {
+        device_depth(&f.index, key, &tokens_of(5, 2)) == 2
+    });
+    engine.restart_ring();
+    engine.publish(0, &conversation_batch(42, 2, 0), true, 10_000);
+    eventually("reset and rebuilt", || {
+        rank_field(&f.registry, "w0", 0, "restarts") == 1
+            && device_depth(&f.index, key, &tokens_of(42, 2)) == 2
+    });
+    assert_eq!(device_depth(&f.index, key, &tokens_of(1, 2)), 0);
+}
+
+#[test]
+fn a_malformed_envelope_is_replayed_and_a_malformed_event_loses_only_itself() {
+    let ctx = zmq::Context::new();
+    let engine = Engine::start(&ctx, 4, 10_000);
+    let f = fixture();
+    let id = f
+        .registry
+        .register(worker("w0", vec![engine.endpoints(0)]))
+        .expect("register");
+    eventually("connected", || connected(&f.registry, "w0"));
+    engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
+    // Live copy of seq 1 is garbage; the ring holds the good bytes.
+    engine
+        .ring
+        .lock()
+        .expect("ring")
+        .push_back((1, conversation_batch(2, 2, 0)));
+    let frames: [&[u8]; 3] = [b"", &1u64.to_be_bytes(), &[0xc1, 0x00]];
+    engine.publisher.send_multipart(frames, 0).expect("publish");
+    // Seq 2: a bad event between two good ones.
+    let mut good_a = Vec::new();
+    stored(&mut good_a, &[301, 302], None, &tokens_of(3, 2));
+    let bad = vec![0x81, 0xa4, b't', b'y', b'p', b'e', 0x07];
+    let mut good_b = Vec::new();
+    stored(&mut good_b, &[401, 402], None, &tokens_of(4, 2));
+    engine.publish(2, &batch(&[good_a, bad, good_b], 0), true, 10_000);
+    let key = WorkerRank {
+        worker: id,
+        rank: 0,
+    };
+    eventually("all good data applied", || {
+        (1..=4).all(|c| device_depth(&f.index, key, &tokens_of(c, 2)) == 2)
+    });
+    assert_eq!(rank_field(&f.registry, "w0", 0, "envelope_errors"), 1);
+    assert_eq!(rank_field(&f.registry, "w0", 0, "decode_errors"), 1);
+    assert_eq!(rank_field(&f.registry, "w0", 0, "clears"), 0);
+}
+
+#[test]
+fn two_ranks_stay_apart_and_unregistering_drops_the_workers_blocks() {
+    let ctx = zmq::Context::new();
+    let rank0 = Engine::start(&ctx, 4, 10_000);
+    let rank1 = Engine::start(&ctx, 4, 10_000);
+    let f = fixture();
+    let id = f
+        .registry
+        .register(worker("w0", vec![rank0.endpoints(0), rank1.endpoints(1)]))
+        .expect("register");
+    eventually("connected", || {
+        let doc = f.registry.describe();
+        doc["workers"][0]["ranks"]
+            .as_array()
+            .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+    });
+    rank0.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
+    rank1.publish(0, &conversation_batch(2, 3, 1), true, 10_000);
+    let (k0, k1) = (
+        WorkerRank {
+            worker: id,
+            rank: 0,
+        },
+        WorkerRank {
+            worker: id,
+            rank: 1,
+        },
+    );
+    eventually("both ranks", || {
+        device_depth(&f.index, k0, &tokens_of(1, 2)) == 2
+            && device_depth(&f.index, k1, &tokens_of(2, 3)) == 3
+    });
+    assert_eq!(device_depth(&f.index, k1, &tokens_of(1, 2)), 0);
+    assert_eq!(device_depth(&f.index, k0, &tokens_of(2, 3)), 0);
+    assert!(f.registry.unregister("w0"));
+    assert!(f
+        .index
+        .read()
+        .ranks()
+        .iter()
+        .all(|k| k.worker != WorkerId(id.0)));
+    assert!(f.index.find_matches(&locals(&tokens_of(1, 2))).is_empty());
+    assert!(!f.registry.unregister("w0"));
+}
+
+#[test]
+fn a_flood_of_events_does_not_stop_lookups() {
+    let ctx = zmq::Context::new();
+    let engine = Engine::start(&ctx, 4, 100_000);
+    let f = fixture();
+    let id = f
+        .registry
+        .register(worker("w0", vec![engine.endpoints(0)]))
+        .expect("register");
+    eventually("connected", || connected(&f.registry, "w0"));
+    let key = WorkerRank {
+        worker: id,
+        rank: 0,
+    };
+    const EVENTS: u64 = 100_000;
+    const PER_BATCH: u64 = 100;
+    let started = Instant::now();
+    let mut lookups = 0u64;
+    let mut slowest = Duration::ZERO;
+    for seq in 0..EVENTS / PER_BATCH {
+        let events: Vec<Vec<u8>> = (0..PER_BATCH)
+            .map(|i| {
+                let c = (seq * PER_BATCH + i) as u32;
+                let mut e = Vec::new();
+                stored(&mut e, &[u64::from(c) * 100 + 1], None, &tokens_of(c, 1));
+                e
+            })
+            .collect();
+        engine.publish(seq, &batch(&events, 0), true, 100_000);
+        let t = Instant::now();
+        let _ = f.index.find_matches(&locals(&tokens_of(7, 1)));
+        slowest = slowest.max(t.elapsed());
+        lookups += 1;
+    }
+    eventually("every event applied", || {
+        rank_field(&f.registry, "w0", 0, "events") == EVENTS
+    });
+    let elapsed = started.elapsed();
+    assert_eq!(
+        device_depth(&f.index, key, &tokens_of((EVENTS - 1) as u32, 1)),
+        1
+    );
+    eprintln!(
+        "flood: {EVENTS} events in {:.2} s ({:.0} events/s), {lookups} lookups, slowest {:?}",
+        elapsed.as_secs_f64(),
+        EVENTS as f64 / elapsed.as_secs_f64(),
+        slowest
+    );
+    assert!(
+        slowest < Duration::from_millis(500),
+        "a lookup waited {slowest:?}"
+    );
+}
