@@ -1,0 +1,281 @@
+//! `kvroute serve` against real `kvroute mocker` engines, both as processes:
+//! events flow from the engines into the index, `/workers` shows them, and the
+//! admin endpoints register and unregister workers behind a bearer token.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+/// A child process killed when the test ends, pass or fail.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn request(
+    host_port: &str,
+    method: &str,
+    path: &str,
+    body: Option<&str>,
+    token: Option<&str>,
+) -> (u16, String) {
+    let mut s = TcpStream::connect(host_port).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .expect("timeout");
+    let body = body.unwrap_or("");
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{auth}Connection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    let mut out = String::new();
+    s.read_to_string(&mut out).expect("read");
+    let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let body = out
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_owned())
+        .unwrap_or_default();
+    (status, body)
+}
+
+fn json_body(raw: &str) -> Value {
+    // Bodies may be chunked; the JSON object is the part between the outer braces.
+    let start = raw.find('{').expect("a JSON object");
+    let end = raw.rfind('}').expect("a JSON object");
+    serde_json::from_str(&raw[start..=end]).expect("valid JSON")
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if check() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+fn start_mocker() -> (Proc, Vec<String>) {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "mocker",
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--kv-events-port",
+            "0",
+            "--replay-port",
+            "0",
+            "--speedup",
+            "100",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute mocker runs");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let lines = (0..2)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(30))
+                .expect("a worker line")
+        })
+        .collect();
+    (Proc(child), lines)
+}
+
+fn url_of(line: &str) -> String {
+    line.split(',')
+        .find_map(|kv| kv.strip_prefix("url=http://"))
+        .expect("url")
+        .to_owned()
+}
+
+fn device_blocks(serve: &str, worker: &str) -> u64 {
+    let (status, body) = request(serve, "GET", "/workers", None, None);
+    if status != 200 {
+        return 0;
+    }
+    let doc = json_body(&body);
+    doc["workers"]
+        .as_array()
+        .and_then(|ws| ws.iter().find(|w| w["name"] == worker))
+        .map_or(0, |w| {
+            w["ranks"][0]["blocks"]["device"].as_u64().unwrap_or(0)
+        })
+}
+
+#[test]
+fn serve_ingests_mocker_events_and_manages_workers() {
+    let (_mocker, lines) = start_mocker();
+    let port = free_port();
+    let serve = format!("127.0.0.1:{port}");
+    let port_arg = port.to_string();
+    let mut args = vec![
+        "serve",
+        "--port",
+        &port_arg,
+        "--admin-token",
+        "secret",
+        "--log",
+        "warn",
+    ];
+    for line in &lines {
+        args.push("--worker");
+        args.push(line);
+    }
+    let _serve = Proc(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvroute serve runs"),
+    );
+    eventually("serve answers /health", || {
+        TcpStream::connect(&serve).is_ok() && request(&serve, "GET", "/health", None, None).0 == 200
+    });
+    eventually("both ranks connected", || {
+        let (_, body) = request(&serve, "GET", "/workers", None, None);
+        let doc = json_body(&body);
+        doc["workers"].as_array().is_some_and(|ws| {
+            ws.len() == 2 && ws.iter().all(|w| w["ranks"][0]["connected"] == true)
+        })
+    });
+
+    // 64 prompt tokens = 4 blocks of 16 on worker w0.
+    let prompt: Vec<u32> = (1000..1064).collect();
+    let body =
+        serde_json::json!({"model": "mock-model", "prompt": prompt, "max_tokens": 1}).to_string();
+    let (status, _) = request(
+        &url_of(&lines[0]),
+        "POST",
+        "/v1/completions",
+        Some(&body),
+        None,
+    );
+    assert_eq!(status, 200);
+    eventually("w0's blocks in the index", || {
+        device_blocks(&serve, "w0") >= 4
+    });
+    assert_eq!(device_blocks(&serve, "w1"), 0);
+
+    let (status, metrics) = request(&serve, "GET", "/metrics", None, None);
+    assert_eq!(status, 200);
+    assert!(
+        metrics.contains("kvroute_ingest_events_total{worker=\"w0\",dp_rank=\"0\"}"),
+        "{metrics}"
+    );
+
+    // Admin endpoints: token required, clear errors, blocks leave with the worker.
+    let (status, _) = request(
+        &serve,
+        "POST",
+        "/unregister",
+        Some(r#"{"name":"w0"}"#),
+        None,
+    );
+    assert_eq!(status, 401);
+    let (status, body) = request(
+        &serve,
+        "POST",
+        "/register",
+        Some("{not json"),
+        Some("secret"),
+    );
+    assert_eq!(status, 400, "{body}");
+    let (status, _) = request(
+        &serve,
+        "POST",
+        "/unregister",
+        Some(r#"{"name":"w0"}"#),
+        Some("secret"),
+    );
+    assert_eq!(status, 200);
+    let (_, body) = request(&serve, "GET", "/workers", None, None);
+    let names: Vec<String> = json_body(&body)["workers"]
+        .as_array()
+        .expect("list")
+        .iter()
+        .map(|w| w["name"].as_str().unwrap_or("").to_owned())
+        .collect();
+    assert_eq!(names, ["w1"]);
+    let (status, _) = request(
+        &serve,
+        "POST",
+        "/unregister",
+        Some(r#"{"name":"w0"}"#),
+        Some("secret"),
+    );
+    assert_eq!(status, 404);
+
+    // Registering w0 again over HTTP brings its ingestion back.
+    let mut fields: serde_json::Map<String, Value> = lines[0]
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| {
+            (
+                k.to_owned(),
+                v.parse::<u64>()
+                    .map_or(Value::String(v.to_owned()), Value::from),
+            )
+        })
+        .collect();
+    fields.insert(
+        "url".into(),
+        Value::String(format!("http://{}", url_of(&lines[0]))),
+    );
+    let (status, body) = request(
+        &serve,
+        "POST",
+        "/register",
+        Some(&Value::Object(fields).to_string()),
+        Some("secret"),
+    );
+    assert_eq!(status, 200, "{body}");
+    let (status, _) = request(
+        &url_of(&lines[0]),
+        "POST",
+        "/v1/completions",
+        Some(&body_with_prompt(2000)),
+        None,
+    );
+    assert_eq!(status, 200);
+    eventually("w0's new blocks in the index", || {
+        device_blocks(&serve, "w0") >= 4
+    });
+}
+
+fn body_with_prompt(first: u32) -> String {
+    let prompt: Vec<u32> = (first..first + 64).collect();
+    serde_json::json!({"model": "mock-model", "prompt": prompt, "max_tokens": 1}).to_string()
+}
