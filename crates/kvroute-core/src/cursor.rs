@@ -87,6 +87,8 @@ pub struct CursorStats {
     pub overflowed: u64,
     /// Batches skipped because even their replayed copy could not be decoded.
     pub undecodable_skipped: u64,
+    /// Replays asked for on (re)connection.
+    pub resyncs: u64,
 }
 
 /// The cursor of one stream; `T` is the payload type the shell carries.
@@ -98,25 +100,31 @@ pub struct StreamCursor<T> {
     retrying: Option<u64>,
     buffer: VecDeque<(u64, T)>,
     max_buffered: usize,
-    /// The range the last replay covered: live copies of those batches may
-    /// still be in flight, and are duplicates, not a restart.
-    replayed_range: Option<(u64, u64)>,
-    replay_from: u64,
+    /// Batches applied from the replay ring since live last caught up, as
+    /// (seq, fingerprint): live copies of them may still be in flight and
+    /// are duplicates, while a batch with a known seq but other bytes means
+    /// the engine restarted.
+    replayed: VecDeque<(u64, u64)>,
+    fingerprint: fn(&T) -> u64,
     stats: CursorStats,
 }
 
+/// Replayed batches remembered for duplicate detection, at most.
+const MAX_REPLAYED: usize = 16_384;
+
 impl<T> StreamCursor<T> {
     /// A cursor that has seen nothing, buffering at most `max_buffered` live
-    /// batches while a replay runs.
-    pub fn new(max_buffered: usize) -> Self {
+    /// batches while a replay runs. `fingerprint` identifies a payload's bytes
+    /// (a hash), to tell a late duplicate from a restarted engine's batch.
+    pub fn new(max_buffered: usize, fingerprint: fn(&T) -> u64) -> Self {
         StreamCursor {
             next: None,
             replaying: false,
             retrying: None,
             buffer: VecDeque::new(),
             max_buffered: max_buffered.max(1),
-            replayed_range: None,
-            replay_from: 0,
+            replayed: VecDeque::new(),
+            fingerprint,
             stats: CursorStats::default(),
         }
     }
@@ -155,7 +163,6 @@ impl<T> StreamCursor<T> {
     fn start_replay(&mut self, from: u64, out: &mut Vec<Action<T>>) {
         self.stats.gaps += 1;
         self.replaying = true;
-        self.replay_from = from;
         out.push(Action::Replay { from });
     }
 
@@ -177,18 +184,14 @@ impl<T> StreamCursor<T> {
             }
             Some(next) if seq == next => {
                 // Live has caught up: no older live copy can follow (one connection is FIFO).
-                self.replayed_range = None;
+                self.replayed.clear();
                 self.apply(seq, payload, out);
             }
             Some(next) if seq > next => {
                 self.buffer.push_back((seq, payload));
                 self.start_replay(next, out);
             }
-            Some(_)
-                if self
-                    .replayed_range
-                    .is_some_and(|(from, to)| (from..to).contains(&seq)) =>
-            {
+            Some(_) if self.replayed.contains(&(seq, (self.fingerprint)(&payload))) => {
                 // The live copy of a batch a replay already delivered.
                 self.stats.stale += 1;
             }
@@ -208,11 +211,15 @@ impl<T> StreamCursor<T> {
         let next = self.next.unwrap_or(0);
         if seq < next {
             self.stats.stale += 1;
-        } else if seq == next {
-            self.apply(seq, payload, out);
         } else {
-            // The ring no longer holds `next..seq`.
-            self.clear(ClearReason::UnrecoverableGap, out);
+            if seq > next {
+                // The ring no longer holds `next..seq`.
+                self.clear(ClearReason::UnrecoverableGap, out);
+            }
+            if self.replayed.len() == MAX_REPLAYED {
+                self.replayed.pop_front();
+            }
+            self.replayed.push_back((seq, (self.fingerprint)(&payload)));
             self.apply(seq, payload, out);
         }
     }
@@ -224,7 +231,6 @@ impl<T> StreamCursor<T> {
             return;
         }
         self.replaying = false;
-        let replay_from = self.replay_from;
         let mut filled = complete;
         while let Some((seq, payload)) = self.buffer.pop_front() {
             match self.next {
@@ -238,12 +244,25 @@ impl<T> StreamCursor<T> {
                 }
             }
         }
-        self.replayed_range = self.next.map(|next| (replay_from, next));
         if filled {
             self.stats.replays_ok += 1;
         } else {
             self.stats.replays_incomplete += 1;
         }
+    }
+
+    /// The subscription (re)connected: batches published before the engine saw
+    /// our subscription never arrive live, so ask the replay ring for
+    /// everything from the next expected batch (from 0 on a first connect).
+    /// Not counted as a gap.
+    pub fn resync(&mut self, out: &mut Vec<Action<T>>) {
+        if self.replaying {
+            return;
+        }
+        let from = self.next.unwrap_or(0);
+        self.replaying = true;
+        self.stats.resyncs += 1;
+        out.push(Action::Replay { from });
     }
 
     /// The shell could not decode the envelope of batch `seq` it was told to
@@ -291,7 +310,7 @@ mod tests {
 
     #[test]
     fn contiguous_batches_apply_in_order() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         for seq in 0..5 {
             assert_eq!(live(&mut c, seq), [apply(seq)]);
         }
@@ -300,7 +319,7 @@ mod tests {
 
     #[test]
     fn a_late_join_replays_from_zero() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         assert_eq!(live(&mut c, 3), [Action::Replay { from: 0 }]);
         assert!(live(&mut c, 4).is_empty(), "buffered during the replay");
         for seq in 0..4 {
@@ -313,7 +332,7 @@ mod tests {
 
     #[test]
     fn a_gap_is_replayed_and_buffered_batches_follow() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         live(&mut c, 0);
         live(&mut c, 1);
         assert_eq!(live(&mut c, 4), [Action::Replay { from: 2 }]);
@@ -329,7 +348,7 @@ mod tests {
 
     #[test]
     fn a_gap_beyond_the_ring_clears_the_rank() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         live(&mut c, 0);
         live(&mut c, 50);
         // The ring starts at 40: 1..40 are gone.
@@ -346,7 +365,7 @@ mod tests {
 
     #[test]
     fn no_replay_endpoint_means_clear_and_continue() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         live(&mut c, 0);
         assert_eq!(live(&mut c, 7), [Action::Replay { from: 1 }]);
         assert_eq!(
@@ -359,7 +378,7 @@ mod tests {
 
     #[test]
     fn a_replay_that_ends_early_clears_the_rank() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         live(&mut c, 0);
         live(&mut c, 5);
         replayed(&mut c, 1);
@@ -372,7 +391,7 @@ mod tests {
 
     #[test]
     fn seq_going_backwards_is_an_engine_restart() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         for seq in 0..10 {
             live(&mut c, seq);
         }
@@ -382,7 +401,7 @@ mod tests {
         );
         assert_eq!(c.stats().restarts, 1);
         // A restart seen late (seq already past 0) replays the new run from 0.
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         for seq in 0..10 {
             live(&mut c, seq);
         }
@@ -397,7 +416,7 @@ mod tests {
 
     #[test]
     fn an_undecodable_batch_is_replayed_once_then_skipped() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         live(&mut c, 0);
         assert_eq!(live(&mut c, 1), [apply(1)]);
         let mut out = Vec::new();
@@ -414,7 +433,7 @@ mod tests {
 
     #[test]
     fn live_copies_of_replayed_batches_are_duplicates_not_a_restart() {
-        let mut c = StreamCursor::new(16);
+        let mut c = StreamCursor::new(16, |p| *p);
         live(&mut c, 0);
         live(&mut c, 3);
         for seq in 1..=6 {
@@ -435,8 +454,52 @@ mod tests {
     }
 
     #[test]
+    fn a_resync_on_connect_fetches_what_was_published_before_the_subscription() {
+        let mut c = StreamCursor::new(16, |p| *p);
+        let mut out = Vec::new();
+        c.resync(&mut out);
+        assert_eq!(out, [Action::Replay { from: 0 }]);
+        assert_eq!(replayed(&mut c, 0), [apply(0)]);
+        assert!(finished(&mut c, true).is_empty());
+        assert_eq!(live(&mut c, 1), [apply(1)]);
+        // On a reconnect it starts from the next expected batch.
+        let mut out = Vec::new();
+        c.resync(&mut out);
+        assert_eq!(out, [Action::Replay { from: 2 }]);
+        assert_eq!(c.stats().gaps, 0);
+        assert_eq!(c.stats().resyncs, 2);
+    }
+
+    #[test]
+    fn a_restart_right_after_a_replay_is_not_mistaken_for_a_duplicate() {
+        let mut c: StreamCursor<(u64, u64)> = StreamCursor::new(16, |p| p.1);
+        let mut out = Vec::new();
+        c.resync(&mut out);
+        for seq in 0..5 {
+            c.replayed(seq, (seq, 100 + seq), &mut out);
+        }
+        c.replay_finished(true, &mut out);
+        out.clear();
+        // The live copy of seq 2 (same bytes) is a duplicate...
+        c.live(2, (2, 102), &mut out);
+        assert!(out.is_empty());
+        // ...but seq 0 with other bytes is the restarted engine's first batch.
+        c.live(0, (0, 999), &mut out);
+        assert_eq!(
+            out,
+            [
+                Action::Clear(ClearReason::EngineRestart),
+                Action::Apply {
+                    seq: 0,
+                    payload: (0, 999)
+                }
+            ]
+        );
+    }
+
+    #[test]
     fn the_buffer_is_bounded_and_its_overflow_is_recovered_later() {
-        let mut c = StreamCursor::new(2);
+        let mut c = StreamCursor::new(2, |p| *p);
         live(&mut c, 0);
         live(&mut c, 3);
         live(&mut c, 4);

@@ -71,6 +71,8 @@ pub struct RankStats {
     pub bad_frames: AtomicU64,
     /// Gaps detected.
     pub gaps: AtomicU64,
+    /// Replays asked for on (re)connection.
+    pub resyncs: AtomicU64,
     /// Replays that filled their gap.
     pub replays_ok: AtomicU64,
     /// Replays that could not.
@@ -86,6 +88,7 @@ pub struct RankStats {
 impl RankStats {
     fn copy_cursor(&self, s: &CursorStats) {
         self.gaps.store(s.gaps, Ordering::Relaxed);
+        self.resyncs.store(s.resyncs, Ordering::Relaxed);
         self.replays_ok.store(s.replays_ok, Ordering::Relaxed);
         self.replays_incomplete
             .store(s.replays_incomplete, Ordering::Relaxed);
@@ -157,7 +160,7 @@ impl RankIngest {
                 registered_rank: key.rank,
                 ..DecoderConfig::default()
             }),
-            cursor: StreamCursor::new(10_000),
+            cursor: StreamCursor::new(10_000, fingerprint),
             dealer: None,
         };
         let thread = std::thread::Builder::new()
@@ -249,8 +252,16 @@ impl Stream {
                 monitor.as_poll_item(zmq::POLLIN),
             ];
             zmq::poll(&mut items, poll_ms)?;
-            if items[1].is_readable() {
-                self.read_monitor(&monitor)?;
+            if items[1].is_readable()
+                && self.read_monitor(&monitor)?
+                && self.endpoints.replay.is_some()
+            {
+                // Batches published before the engine saw our subscription are
+                // only in its ring: fetch them now rather than at the next gap.
+                let mut out = Vec::new();
+                self.cursor.resync(&mut out);
+                actions.extend(out);
+                self.run_actions(&mut actions)?;
             }
             if !items[0].is_readable() {
                 continue;
@@ -279,7 +290,9 @@ impl Stream {
         Ok(())
     }
 
-    fn read_monitor(&self, monitor: &zmq::Socket) -> zmq::Result<()> {
+    /// Reads connection events; true when the subscription (re)connected.
+    fn read_monitor(&self, monitor: &zmq::Socket) -> zmq::Result<bool> {
+        let mut connected = false;
         while let Ok(frames) = monitor.recv_multipart(zmq::DONTWAIT) {
             let Some(event) = frames.first().and_then(|f| f.get(..2)) else {
                 continue;
@@ -291,6 +304,7 @@ impl Stream {
                     .last_connected_ms
                     .store(now_ms(), Ordering::Relaxed);
                 debug!(worker = %self.worker, rank = self.key.rank, "connected");
+                connected = true;
             } else if event == zmq::SocketEvent::DISCONNECTED as u16 {
                 self.stats.connected.store(false, Ordering::Relaxed);
                 self.stats
@@ -299,7 +313,7 @@ impl Stream {
                 info!(worker = %self.worker, rank = self.key.rank, "disconnected");
             }
         }
-        Ok(())
+        Ok(connected)
     }
 
     fn run_actions(&mut self, actions: &mut VecDeque<Action<Vec<u8>>>) -> zmq::Result<()> {
@@ -424,6 +438,14 @@ impl Stream {
         }
         Ok(complete)
     }
+}
+
+/// A hash of a payload's bytes, to tell a duplicate batch from a new one.
+fn fingerprint(payload: &Vec<u8>) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    payload.hash(&mut hasher);
+    hasher.finish()
 }
 
 /// `[topic, seq (8 bytes BE), payload]` → `(seq, payload)`.

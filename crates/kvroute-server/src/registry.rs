@@ -268,6 +268,7 @@ impl Registry {
                             "envelope_errors": get(&s.envelope_errors),
                             "bad_frames": get(&s.bad_frames),
                             "gaps": get(&s.gaps),
+                            "resyncs": get(&s.resyncs),
                             "replays_ok": get(&s.replays_ok),
                             "replays_incomplete": get(&s.replays_incomplete),
                             "restarts": get(&s.restarts),

@@ -277,6 +277,15 @@ fn rank_field(registry: &Registry, name: &str, rank: u64, field: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Connected, and the replay asked for on connection has finished: batches
+/// published from now on arrive live.
+fn synced(registry: &Registry, name: &str) -> bool {
+    connected(registry, name)
+        && rank_field(registry, name, 0, "replays_ok")
+            + rank_field(registry, name, 0, "replays_incomplete")
+            >= 1
+}
+
 fn connected(registry: &Registry, name: &str) -> bool {
     registry.describe()["workers"][0]["ranks"][0]["connected"]
         .as_bool()
@@ -295,22 +304,26 @@ fn live_batches_are_applied_and_a_late_join_is_replayed_from_zero() {
         .registry
         .register(worker("w0", vec![engine.endpoints(0)]))
         .expect("register");
-    eventually("connected", || connected(&f.registry, "w0"));
-    engine.publish(1, &conversation_batch(2, 2, 0), true, 10_000);
+    eventually("connected and synced", || synced(&f.registry, "w0"));
     let key = WorkerRank {
         worker: id,
         rank: 0,
     };
-    eventually("both stores applied", || {
-        device_depth(&f.index, key, &tokens_of(1, 3)) == 3
-            && device_depth(&f.index, key, &tokens_of(2, 2)) == 2
-    });
-    assert_eq!(
-        rank_field(&f.registry, "w0", 0, "replays_ok"),
-        1,
-        "seq 1 arrived first: replay from 0"
+    eventually(
+        "the batch published before the subscription, from the ring",
+        || device_depth(&f.index, key, &tokens_of(1, 3)) == 3,
     );
-    assert_eq!(rank_field(&f.registry, "w0", 0, "last_seq"), 1);
+    // Live batches follow (the first may still race the subscription; the ring covers it).
+    for seq in 1..=3u64 {
+        engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), true, 10_000);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    eventually("live stores applied", || {
+        (2..=4).all(|c| device_depth(&f.index, key, &tokens_of(c, 2)) == 2)
+    });
+    assert!(rank_field(&f.registry, "w0", 0, "replays_ok") >= 1);
+    assert_eq!(rank_field(&f.registry, "w0", 0, "last_seq"), 3);
+    assert_eq!(rank_field(&f.registry, "w0", 0, "clears"), 0);
 }
 
 fn dropped_batches_are_recovered(frames: usize) {
@@ -321,7 +334,7 @@ fn dropped_batches_are_recovered(frames: usize) {
         .registry
         .register(worker("w0", vec![engine.endpoints(0)]))
         .expect("register");
-    eventually("connected", || connected(&f.registry, "w0"));
+    eventually("connected and synced", || synced(&f.registry, "w0"));
     for seq in 0..10u64 {
         // Batches 3, 4 and 7 never reach the subscriber live.
         let live = !matches!(seq, 3 | 4 | 7);
@@ -357,7 +370,7 @@ fn a_gap_older_than_the_ring_clears_the_rank() {
         .registry
         .register(worker("w0", vec![engine.endpoints(0)]))
         .expect("register");
-    eventually("connected", || connected(&f.registry, "w0"));
+    eventually("connected and synced", || synced(&f.registry, "w0"));
     engine.publish(0, &conversation_batch(1, 2, 0), true, 3);
     let key = WorkerRank {
         worker: id,
@@ -395,7 +408,7 @@ fn an_engine_restart_resets_the_rank() {
         .registry
         .register(worker("w0", vec![engine.endpoints(0)]))
         .expect("register");
-    eventually("connected", || connected(&f.registry, "w0"));
+    eventually("connected and synced", || synced(&f.registry, "w0"));
     for seq in 0..5u64 {
         engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), true, 10_000);
     }
@@ -424,7 +437,7 @@ fn a_malformed_envelope_is_replayed_and_a_malformed_event_loses_only_itself() {
         .registry
         .register(worker("w0", vec![engine.endpoints(0)]))
         .expect("register");
-    eventually("connected", || connected(&f.registry, "w0"));
+    eventually("connected and synced", || synced(&f.registry, "w0"));
     engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
     // Live copy of seq 1 is garbage; the ring holds the good bytes.
     engine
@@ -465,9 +478,14 @@ fn two_ranks_stay_apart_and_unregistering_drops_the_workers_blocks() {
         .expect("register");
     eventually("connected", || {
         let doc = f.registry.describe();
-        doc["workers"][0]["ranks"]
-            .as_array()
-            .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+        doc["workers"][0]["ranks"].as_array().is_some_and(|r| {
+            r.iter().all(|r| {
+                r["connected"] == true
+                    && r["replays_ok"].as_u64().unwrap_or(0)
+                        + r["replays_incomplete"].as_u64().unwrap_or(0)
+                        >= 1
+            })
+        })
     });
     rank0.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
     rank1.publish(0, &conversation_batch(2, 3, 1), true, 10_000);
@@ -507,7 +525,7 @@ fn a_flood_of_events_does_not_stop_lookups() {
         .registry
         .register(worker("w0", vec![engine.endpoints(0)]))
         .expect("register");
-    eventually("connected", || connected(&f.registry, "w0"));
+    eventually("connected and synced", || synced(&f.registry, "w0"));
     let key = WorkerRank {
         worker: id,
         rank: 0,

@@ -6,6 +6,7 @@ use anyhow::Result;
 use clap::{Args, Subcommand};
 
 pub mod index;
+pub mod ingest;
 pub mod trace;
 
 /// Arguments of `kvroute bench`.
@@ -20,11 +21,14 @@ pub struct BenchArgs {
 enum BenchCommand {
     /// The prefix index alone: apply throughput, lookup latency, memory, snapshots.
     Index(index::IndexBenchArgs),
+    /// Sustained ingest: mock engines' publishers → ZeroMQ → decoder → index.
+    Ingest(ingest::IngestBenchArgs),
 }
 
 /// Runs the chosen benchmark.
 pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     match &args.what {
         BenchCommand::Index(a) => index::run(a),
+        BenchCommand::Ingest(a) => ingest::run(a),
     }
 }
