@@ -65,6 +65,19 @@ fn free_port() -> u16 {
         .port()
 }
 
+/// A free port whose successor is free too (ranks 0 and 1 of one engine).
+fn free_port_pair(avoid: &[u16]) -> u16 {
+    loop {
+        let p = free_port();
+        if p < u16::MAX
+            && !avoid.iter().any(|a| *a == p || *a == p + 1)
+            && TcpListener::bind(("127.0.0.1", p + 1)).is_ok()
+        {
+            return p;
+        }
+    }
+}
+
 fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
@@ -278,4 +291,92 @@ fn serve_ingests_mocker_events_and_manages_workers() {
 fn body_with_prompt(first: u32) -> String {
     let prompt: Vec<u32> = (first..first + 64).collect();
     serde_json::json!({"model": "mock-model", "prompt": prompt, "max_tokens": 1}).to_string()
+}
+
+#[test]
+fn serve_discovers_an_sglang_worker_from_its_server_info() {
+    // Fixed ports: the descriptor gives a base port, and rank r is at base + r.
+    let events = free_port_pair(&[]);
+    let replay = free_port_pair(&[events]);
+    let (events, replay) = (events.to_string(), replay.to_string());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "mocker",
+            "--engine-flavor",
+            "sglang",
+            "--dp-size",
+            "2",
+            "--port",
+            "0",
+            "--kv-events-port",
+            &events,
+        ])
+        .args(["--replay-port", &replay, "--speedup", "100"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute mocker runs");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    // Keep draining stdout: a closed pipe would end the engine at its next print.
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a worker line");
+    let _mocker = Proc(child);
+    let engine = url_of(&line);
+    let port = free_port();
+    let serve = format!("127.0.0.1:{port}");
+    let port_arg = port.to_string();
+    let discover = format!("http://{engine}");
+    let _serve = Proc(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args([
+                "serve",
+                "--port",
+                &port_arg,
+                "--discover-sglang",
+                &discover,
+                "--log",
+                "warn",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvroute serve runs"),
+    );
+    eventually("both discovered ranks connected", || {
+        TcpStream::connect(&serve).is_ok() && {
+            let (_, body) = request(&serve, "GET", "/workers", None, None);
+            let doc = json_body(&body);
+            doc["workers"][0]["ranks"]
+                .as_array()
+                .is_some_and(|r| r.len() == 2 && r.iter().all(|r| r["connected"] == true))
+        }
+    });
+    let (status, _) = request(
+        &engine,
+        "POST",
+        "/v1/completions",
+        Some(&body_with_prompt(3000)),
+        None,
+    );
+    assert_eq!(status, 200);
+    eventually("the engine's blocks in the index", || {
+        let (_, body) = request(&serve, "GET", "/workers", None, None);
+        let doc = json_body(&body);
+        let ranks = doc["workers"][0]["ranks"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
+        ranks
+            .iter()
+            .map(|r| r["blocks"]["device"].as_u64().unwrap_or(0))
+            .sum::<u64>()
+            >= 4
+    });
 }
