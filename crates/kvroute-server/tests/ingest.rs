@@ -569,3 +569,42 @@ fn a_flood_of_events_does_not_stop_lookups() {
         "a lookup waited {slowest:?}"
     );
 }
+
+#[test]
+fn a_worker_unreachable_past_the_grace_period_loses_its_blocks() {
+    let ctx = zmq::Context::new();
+    let engine = Engine::start(&ctx, 4, 10_000);
+    let index = Arc::new(SharedIndex::new(Index::new(IndexConfig {
+        default_capacity: None,
+        ..IndexConfig::default()
+    })));
+    let registry = Registry::new(
+        index.clone(),
+        IngestConfig::default(),
+        Duration::from_millis(300),
+    );
+    let id = registry
+        .register(worker("w0", vec![engine.endpoints(0)]))
+        .expect("register");
+    eventually("connected and synced", || synced(&registry, "w0"));
+    engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
+    let key = WorkerRank {
+        worker: id,
+        rank: 0,
+    };
+    eventually("stored", || {
+        device_depth(&index, key, &tokens_of(1, 2)) == 2
+    });
+    registry.check_unreachable();
+    assert_eq!(
+        device_depth(&index, key, &tokens_of(1, 2)),
+        2,
+        "connected workers keep their blocks"
+    );
+    drop(engine);
+    eventually("blocks dropped after the grace period", || {
+        registry.check_unreachable();
+        device_depth(&index, key, &tokens_of(1, 2)) == 0
+    });
+    assert_eq!(registry.workers().len(), 1, "the worker stays registered");
+}
