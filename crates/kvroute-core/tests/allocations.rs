@@ -13,8 +13,6 @@
 //! test harness's parallel threads do not disturb each other's counts.
 #![allow(unsafe_code)]
 
-use std::path::PathBuf;
-
 use kvroute_core::event::KvEvent;
 use kvroute_core::wire::{DecodedBatch, DecoderConfig, StreamDecoder};
 
@@ -30,205 +28,22 @@ static GLOBAL: CountingAlloc = CountingAlloc;
 // Payloads
 // ---------------------------------------------------------------------------
 
-/// The payload of `tests/fixtures/{name}.hex` (line 1 a `#` comment, line 2 hex).
+#[path = "support/payloads.rs"]
+mod payloads;
+use payloads::{fixture_payloads, small_events_batch, synthetic_batch, BLOCK_SIZE};
+
+/// The payload of `tests/fixtures/{name}.hex`.
 fn fixture_payload(name: &str) -> Vec<u8> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/fixtures")
-        .join(format!("{name}.hex"));
-    let text = std::fs::read_to_string(&path).expect("fixture is readable");
-    let hex = text
-        .lines()
-        .find(|l| !l.starts_with('#'))
-        .expect("fixture has a payload line")
-        .trim();
-    assert!(hex.len() % 2 == 0, "odd hex length in {name}");
-    (0..hex.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&hex[i..i + 2], 16).expect("hex digit"))
-        .collect()
+    fixture_payloads()
+        .into_iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, p)| p)
+        .expect("fixture exists")
 }
 
 /// Every fixture's name, sorted.
 fn fixture_names() -> Vec<String> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .expect("fixtures directory is readable")
-        .filter_map(Result::ok)
-        .filter_map(|e| {
-            e.file_name()
-                .to_str()
-                .and_then(|n| n.strip_suffix(".hex"))
-                .map(str::to_owned)
-        })
-        .collect();
-    names.sort();
-    names
-}
-
-/// A minimal msgpack writer, choosing the same markers as msgspec.
-mod mp {
-    /// An array header (fixarray, array16 or array32).
-    pub fn array(out: &mut Vec<u8>, len: usize) {
-        if len < 16 {
-            out.push(0x90 | len as u8);
-        } else if let Ok(len) = u16::try_from(len) {
-            out.push(0xdc);
-            out.extend_from_slice(&len.to_be_bytes());
-        } else {
-            out.push(0xdd);
-            out.extend_from_slice(&(len as u32).to_be_bytes());
-        }
-    }
-
-    /// A fixstr (shorter than 32 bytes).
-    pub fn str(out: &mut Vec<u8>, s: &str) {
-        assert!(s.len() < 32, "fixstr only");
-        out.push(0xa0 | s.len() as u8);
-        out.extend_from_slice(s.as_bytes());
-    }
-
-    /// A non-negative integer in its smallest encoding.
-    pub fn uint(out: &mut Vec<u8>, v: u64) {
-        if v < 128 {
-            out.push(v as u8);
-        } else if let Ok(v) = u8::try_from(v) {
-            out.extend_from_slice(&[0xcc, v]);
-        } else if let Ok(v) = u16::try_from(v) {
-            out.push(0xcd);
-            out.extend_from_slice(&v.to_be_bytes());
-        } else if let Ok(v) = u32::try_from(v) {
-            out.push(0xce);
-            out.extend_from_slice(&v.to_be_bytes());
-        } else {
-            uint64(out, v);
-        }
-    }
-
-    /// A `uint64` (marker `0xcf`) whatever the value.
-    pub fn uint64(out: &mut Vec<u8>, v: u64) {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
-}
-
-/// A small deterministic generator (xorshift64*).
-struct Rng(u64);
-
-impl Rng {
-    /// The next 64 random bits.
-    fn next_u64(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x >> 12;
-        x ^= x << 25;
-        x ^= x >> 27;
-        self.0 = x;
-        x.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-
-    /// A value in `0..n` (`n > 0`).
-    fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-
-    /// A text token id below 152000, in a mix of fixint, uint8, uint16 and uint32.
-    fn token_id(&mut self) -> u64 {
-        match self.below(100) {
-            0..=9 => self.below(128),
-            10..=14 => 128 + self.below(128),
-            15..=54 => 256 + self.below(65_536 - 256),
-            _ => 65_536 + self.below(152_000 - 65_536),
-        }
-    }
-}
-
-/// Block size of the synthetic payloads and of the decoders under test.
-const BLOCK_SIZE: usize = 16;
-
-/// One vLLM 0.33.0 `BlockStored` map (msgspec's map16 header, declaration order).
-fn write_vllm_stored(out: &mut Vec<u8>, rng: &mut Rng, hashes: &[u64], parent: Option<u64>) {
-    out.extend_from_slice(&[0xde, 0x00, 11]);
-    mp::str(out, "type");
-    mp::str(out, "BlockStored");
-    mp::str(out, "block_hashes");
-    mp::array(out, hashes.len());
-    for &h in hashes {
-        mp::uint64(out, h);
-    }
-    mp::str(out, "parent_block_hash");
-    match parent {
-        Some(p) => mp::uint64(out, p),
-        None => out.push(0xc0),
-    }
-    mp::str(out, "token_ids");
-    mp::array(out, hashes.len() * BLOCK_SIZE);
-    for _ in 0..hashes.len() * BLOCK_SIZE {
-        mp::uint(out, rng.token_id());
-    }
-    mp::str(out, "block_size");
-    mp::uint(out, BLOCK_SIZE as u64);
-    mp::str(out, "lora_id");
-    out.push(0xc0);
-    mp::str(out, "medium");
-    mp::str(out, "GPU");
-    mp::str(out, "lora_name");
-    out.push(0xc0);
-    mp::str(out, "extra_keys");
-    mp::array(out, hashes.len());
-    out.extend(hashes.iter().map(|_| 0xc0));
-    mp::str(out, "group_idx");
-    mp::uint(out, 0);
-    mp::str(out, "kv_cache_spec_kind");
-    mp::str(out, "full_attention");
-}
-
-/// The batch header `[ts (float64), [` followed by `events` events.
-fn write_envelope(out: &mut Vec<u8>, events: usize) {
-    out.push(0x93);
-    out.push(0xcb);
-    out.extend_from_slice(&1_767_225_600.25f64.to_be_bytes());
-    mp::array(out, events);
-}
-
-/// `[ts, [BlockStored of 1000 blocks × 16 u32 token ids], 0]`.
-fn synthetic_batch() -> Vec<u8> {
-    let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-    let hashes: Vec<u64> = (0..1000).map(|_| rng.next_u64()).collect();
-    let mut out = Vec::new();
-    write_envelope(&mut out, 1);
-    write_vllm_stored(&mut out, &mut rng, &hashes, None);
-    mp::uint(&mut out, 0);
-    out
-}
-
-/// `[ts, [64 × (BlockStored of 4 blocks, BlockRemoved of 1 hash)], 0]`.
-fn small_events_batch() -> Vec<u8> {
-    let mut rng = Rng(0xd1b5_4a32_d192_ed03);
-    let mut out = Vec::new();
-    write_envelope(&mut out, 128);
-    let mut stored: Vec<u64> = Vec::new();
-    for i in 0..64 {
-        let hashes: Vec<u64> = (0..4).map(|_| rng.next_u64()).collect();
-        let parent = if i % 2 == 1 {
-            stored.last().copied()
-        } else {
-            None
-        };
-        write_vllm_stored(&mut out, &mut rng, &hashes, parent);
-        stored.extend_from_slice(&hashes);
-        let victim = stored[rng.below(stored.len() as u64) as usize];
-        out.push(0x84);
-        mp::str(&mut out, "type");
-        mp::str(&mut out, "BlockRemoved");
-        mp::str(&mut out, "block_hashes");
-        mp::array(&mut out, 1);
-        mp::uint64(&mut out, victim);
-        mp::str(&mut out, "medium");
-        mp::str(&mut out, "GPU");
-        mp::str(&mut out, "group_idx");
-        mp::uint(&mut out, 0);
-    }
-    mp::uint(&mut out, 0);
-    out
+    fixture_payloads().into_iter().map(|(n, _)| n).collect()
 }
 
 // ---------------------------------------------------------------------------
