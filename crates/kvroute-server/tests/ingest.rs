@@ -230,6 +230,26 @@ fn fixture() -> Fixture {
     Fixture { index, registry }
 }
 
+/// A fake engine (replies in `frames`-frame layout, ring of `ring` batches)
+/// and a registry following it as worker `w0`, connected and synced.
+fn follow(ctx: &zmq::Context, frames: usize, ring: usize) -> (Engine, Fixture, WorkerRank) {
+    let engine = Engine::start(ctx, frames, ring);
+    let f = fixture();
+    let id = f
+        .registry
+        .register(worker("w0", vec![engine.endpoints(0)]))
+        .expect("register");
+    eventually("connected and synced", || synced(&f.registry, "w0"));
+    (
+        engine,
+        f,
+        WorkerRank {
+            worker: id,
+            rank: 0,
+        },
+    )
+}
+
 fn worker(name: &str, ranks: Vec<RankEndpoints>) -> WorkerSpec {
     WorkerSpec {
         name: name.into(),
@@ -328,22 +348,12 @@ fn live_batches_are_applied_and_a_late_join_is_replayed_from_zero() {
 
 fn dropped_batches_are_recovered(frames: usize) {
     let ctx = zmq::Context::new();
-    let engine = Engine::start(&ctx, frames, 10_000);
-    let f = fixture();
-    let id = f
-        .registry
-        .register(worker("w0", vec![engine.endpoints(0)]))
-        .expect("register");
-    eventually("connected and synced", || synced(&f.registry, "w0"));
+    let (engine, f, key) = follow(&ctx, frames, 10_000);
     for seq in 0..10u64 {
         // Batches 3, 4 and 7 never reach the subscriber live.
         let live = !matches!(seq, 3 | 4 | 7);
         engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), live, 10_000);
     }
-    let key = WorkerRank {
-        worker: id,
-        rank: 0,
-    };
     eventually("every batch applied", || {
         (1..=10).all(|c| device_depth(&f.index, key, &tokens_of(c, 2)) == 2)
     });
@@ -364,18 +374,8 @@ fn dropped_batches_are_recovered_by_replay_without_the_topic_frame() {
 #[test]
 fn a_gap_older_than_the_ring_clears_the_rank() {
     let ctx = zmq::Context::new();
-    let engine = Engine::start(&ctx, 4, 3);
-    let f = fixture();
-    let id = f
-        .registry
-        .register(worker("w0", vec![engine.endpoints(0)]))
-        .expect("register");
-    eventually("connected and synced", || synced(&f.registry, "w0"));
+    let (engine, f, key) = follow(&ctx, 4, 3);
     engine.publish(0, &conversation_batch(1, 2, 0), true, 3);
-    let key = WorkerRank {
-        worker: id,
-        rank: 0,
-    };
     eventually("first store", || {
         device_depth(&f.index, key, &tokens_of(1, 2)) == 2
     });
@@ -402,20 +402,10 @@ fn a_gap_older_than_the_ring_clears_the_rank() {
 #[test]
 fn an_engine_restart_resets_the_rank() {
     let ctx = zmq::Context::new();
-    let engine = Engine::start(&ctx, 4, 10_000);
-    let f = fixture();
-    let id = f
-        .registry
-        .register(worker("w0", vec![engine.endpoints(0)]))
-        .expect("register");
-    eventually("connected and synced", || synced(&f.registry, "w0"));
+    let (engine, f, key) = follow(&ctx, 4, 10_000);
     for seq in 0..5u64 {
         engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), true, 10_000);
     }
-    let key = WorkerRank {
-        worker: id,
-        rank: 0,
-    };
     eventually("five stores", || {
         device_depth(&f.index, key, &tokens_of(5, 2)) == 2
     });
@@ -431,13 +421,7 @@ fn an_engine_restart_resets_the_rank() {
 #[test]
 fn a_malformed_envelope_is_replayed_and_a_malformed_event_loses_only_itself() {
     let ctx = zmq::Context::new();
-    let engine = Engine::start(&ctx, 4, 10_000);
-    let f = fixture();
-    let id = f
-        .registry
-        .register(worker("w0", vec![engine.endpoints(0)]))
-        .expect("register");
-    eventually("connected and synced", || synced(&f.registry, "w0"));
+    let (engine, f, key) = follow(&ctx, 4, 10_000);
     engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
     // Live copy of seq 1 is garbage; the ring holds the good bytes.
     engine
@@ -454,10 +438,6 @@ fn a_malformed_envelope_is_replayed_and_a_malformed_event_loses_only_itself() {
     let mut good_b = Vec::new();
     stored(&mut good_b, &[401, 402], None, &tokens_of(4, 2));
     engine.publish(2, &batch(&[good_a, bad, good_b], 0), true, 10_000);
-    let key = WorkerRank {
-        worker: id,
-        rank: 0,
-    };
     eventually("all good data applied", || {
         (1..=4).all(|c| device_depth(&f.index, key, &tokens_of(c, 2)) == 2)
     });
@@ -519,17 +499,7 @@ fn two_ranks_stay_apart_and_unregistering_drops_the_workers_blocks() {
 #[test]
 fn a_flood_of_events_does_not_stop_lookups() {
     let ctx = zmq::Context::new();
-    let engine = Engine::start(&ctx, 4, 100_000);
-    let f = fixture();
-    let id = f
-        .registry
-        .register(worker("w0", vec![engine.endpoints(0)]))
-        .expect("register");
-    eventually("connected and synced", || synced(&f.registry, "w0"));
-    let key = WorkerRank {
-        worker: id,
-        rank: 0,
-    };
+    let (engine, f, key) = follow(&ctx, 4, 100_000);
     const EVENTS: u64 = 100_000;
     const PER_BATCH: u64 = 100;
     let started = Instant::now();
@@ -587,11 +557,11 @@ fn a_worker_unreachable_past_the_grace_period_loses_its_blocks() {
         .register(worker("w0", vec![engine.endpoints(0)]))
         .expect("register");
     eventually("connected and synced", || synced(&registry, "w0"));
-    engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
     let key = WorkerRank {
         worker: id,
         rank: 0,
     };
+    engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
     eventually("stored", || {
         device_depth(&index, key, &tokens_of(1, 2)) == 2
     });
