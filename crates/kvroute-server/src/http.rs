@@ -27,6 +27,10 @@ pub struct AppState {
     pub admin_token: Option<String>,
     /// Block size for registrations that do not give one.
     pub default_block_size: u32,
+    /// Routing state of the proxy.
+    pub router: Arc<crate::proxy::Router>,
+    /// Largest request body accepted, in bytes.
+    pub max_body_bytes: usize,
 }
 
 /// An error answered as `{"error": {"message", "type"}}` with its status.
@@ -65,12 +69,19 @@ impl IntoResponse for ApiError {
 
 /// The router for the ingestion and admin endpoints.
 pub fn app(state: AppState) -> Router {
+    let limit = state.max_body_bytes;
     Router::new()
+        .route("/v1/completions", post(crate::proxy::completions))
+        .route("/v1/chat/completions", post(crate::proxy::chat_completions))
+        .route("/v1/models", get(crate::proxy::models))
+        .route("/query", post(crate::proxy::query))
+        .route("/query_by_hash", post(crate::proxy::query_by_hash))
         .route("/health", get(health))
         .route("/workers", get(workers))
         .route("/metrics", get(metrics))
         .route("/register", post(register))
         .route("/unregister", post(unregister))
+        .layer(axum::extract::DefaultBodyLimit::max(limit))
         .with_state(state)
 }
 
@@ -208,6 +219,7 @@ async fn register(
             status: StatusCode::CONFLICT,
             message: e.to_string(),
         })?;
+    state.router.refresh(&state.registry);
     Ok(Json(
         json!({"status": "registered", "name": name, "worker_id": id.0}),
     ))
@@ -237,6 +249,7 @@ async fn unregister(
             status: StatusCode::INTERNAL_SERVER_ERROR,
             message: e.to_string(),
         })?;
+    state.router.refresh(&state.registry);
     if removed {
         Ok(Json(json!({"status": "unregistered", "name": name})))
     } else {
@@ -405,7 +418,8 @@ pub fn metrics_text(registry: &Registry, index: &SharedIndex) -> String {
 }
 
 async fn metrics(State(state): State<AppState>) -> impl IntoResponse {
-    let text = metrics_text(&state.registry, &state.index);
+    let mut text = metrics_text(&state.registry, &state.index);
+    crate::proxy::metrics_text(&state.router, &mut text);
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text)
 }
 

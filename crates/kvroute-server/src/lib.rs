@@ -8,7 +8,9 @@
 pub mod discover;
 pub mod http;
 pub mod ingest;
+pub mod proxy;
 pub mod registry;
+pub mod routing;
 pub mod spec;
 
 use std::future::Future;
@@ -37,6 +39,10 @@ pub struct ServeConfig {
     pub index: IndexConfig,
     /// Ingestion settings.
     pub ingest: IngestConfig,
+    /// Routing and forwarding settings.
+    pub router: proxy::RouterConfig,
+    /// Largest request body accepted, in bytes (larger: 413).
+    pub max_body_bytes: usize,
 }
 
 /// Why the server stopped with an error.
@@ -54,6 +60,9 @@ pub enum ServeError {
     /// The HTTP server failed.
     #[error("http server: {0}")]
     Http(#[from] std::io::Error),
+    /// The HTTP client could not be built.
+    #[error("http client: {0}")]
+    Client(#[from] reqwest::Error),
 }
 
 /// Runs ingestion and the HTTP server on `listener` until `shutdown` completes.
@@ -74,20 +83,24 @@ pub async fn serve(
             .register(spec)
             .map_err(|source| ServeError::Worker { name, source })?;
     }
+    let router = Arc::new(proxy::Router::new(config.router.clone())?);
+    router.refresh(&registry);
     let housekeeping = {
         let registry = registry.clone();
         let index = index.clone();
+        let router = router.clone();
         tokio::spawn(async move {
-            let started = tokio::time::Instant::now();
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
                 tick.tick().await;
                 let registry = registry.clone();
                 let index = index.clone();
-                let now_ms = started.elapsed().as_millis() as u64;
+                let router = router.clone();
                 let _ = tokio::task::spawn_blocking(move || {
                     registry.check_unreachable();
-                    index.write().expire(now_ms);
+                    router.refresh(&registry);
+                    router.expire_active();
+                    index.write().expire(router.now_ms());
                 })
                 .await;
             }
@@ -98,6 +111,8 @@ pub async fn serve(
         index,
         admin_token: config.admin_token,
         default_block_size: config.block_size,
+        router,
+        max_body_bytes: config.max_body_bytes,
     };
     info!(addr = ?listener.local_addr().ok(), "kvroute listening");
     let result = axum::serve(listener, http::app(state))

@@ -8,9 +8,16 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::index::IndexConfig;
+use kvroute_core::scheduler::CostWeights;
+use kvroute_mocker::http::openai::{self, Endpoint, PromptSettings};
+use kvroute_mocker::tokenizer::Tokenizer;
+use kvroute_mocker::EngineFlavor;
 use kvroute_server::ingest::IngestConfig;
+use kvroute_server::proxy::{PromptTokenizer, RouterConfig};
+use kvroute_server::routing::{BusyThresholds, Policy};
 use kvroute_server::spec::{parse_config, WorkerSpec};
 use kvroute_server::{serve, ServeConfig};
+use std::sync::Arc;
 
 /// Arguments of `kvroute serve`.
 #[derive(Debug, Args)]
@@ -43,6 +50,66 @@ pub struct ServeArgs {
     /// Residencies kept per (worker, rank) at most.
     #[arg(long, default_value_t = 4 << 20)]
     max_blocks_per_rank: u64,
+    /// Routing policy: kv, approx (no events: the index learns from routing
+    /// decisions), round-robin, random or least-loaded.
+    #[arg(long, default_value = "kv")]
+    policy: Policy,
+    /// Multiplies the prefill term of the cost.
+    #[arg(long, default_value_t = 1.0)]
+    prefill_load_scale: f64,
+    /// Credit per block cached on the device.
+    #[arg(long, default_value_t = 1.0)]
+    overlap_credit: f64,
+    /// Credit per block cached only in host memory.
+    #[arg(long, default_value_t = 0.75)]
+    host_cache_weight: f64,
+    /// Credit per block cached only on disk or an external pool.
+    #[arg(long, default_value_t = 0.25)]
+    disk_cache_weight: f64,
+    /// Cost per request already active on the worker.
+    #[arg(long, default_value_t = 0.0)]
+    active_request_weight: f64,
+    /// 0: lowest cost wins; > 0: softmax sampling over normalised costs.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f64,
+    /// A rank with this many prompt tokens in prefill is skipped (busy).
+    #[arg(long, value_name = "TOKENS")]
+    busy_prefill_tokens: Option<u64>,
+    /// A rank with this many active decode blocks is skipped (busy).
+    #[arg(long, value_name = "BLOCKS")]
+    busy_decode_blocks: Option<u64>,
+    /// Workers tried per request at most (connection errors and 5xx before the first byte).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    max_attempts: u32,
+    /// Seconds allowed for a whole upstream request, streaming included.
+    #[arg(long, default_value_t = 600)]
+    request_timeout_secs: u64,
+    /// Milliseconds allowed to connect to a worker.
+    #[arg(long, default_value_t = 2000)]
+    connect_timeout_ms: u64,
+    /// Consecutive failures that take a worker out of rotation.
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    breaker_failures: u32,
+    /// Seconds a failing worker stays out before one request probes it.
+    #[arg(long, default_value_t = 10)]
+    breaker_open_secs: u64,
+    /// Seconds after which a request still counted as active is dropped from the load.
+    #[arg(long, default_value_t = 600)]
+    active_expiry_secs: u64,
+    /// Name the chosen rank of multi-rank workers in the body as
+    /// `data_parallel_rank` (SGLang) instead of the `X-data-parallel-rank`
+    /// header (vLLM, the default).
+    #[arg(long)]
+    dp_rank_in_body: bool,
+    /// A Hugging Face `tokenizer.json` for text prompts and chat messages
+    /// (ChatML template, as Qwen models and `kvroute mocker` use), or `builtin`
+    /// for the mocker's built-in tokenizer. Without it, text requests are
+    /// routed on load alone.
+    #[arg(long, value_name = "FILE|builtin")]
+    tokenizer: Option<PathBuf>,
+    /// Largest request body accepted, in MiB (larger: 413).
+    #[arg(long, default_value_t = 32)]
+    max_body_mib: usize,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info")]
     log: tracing::Level,
@@ -110,11 +177,73 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 ..IndexConfig::default()
             },
             ingest: IngestConfig::default(),
+            router: router_config(args)?,
+            max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
         };
         serve(config, listener, shutdown_signal()).await?;
         Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Tokenizes requests exactly as `kvroute mocker` renders them: its
+/// completion and chat parsing, ChatML template and tokenizer.
+#[derive(Debug)]
+struct ChatMlTokenizer(Tokenizer);
+
+impl PromptTokenizer for ChatMlTokenizer {
+    fn tokenize(&self, body: &[u8], chat: bool) -> Option<Vec<u64>> {
+        let endpoint = if chat {
+            Endpoint::Chat
+        } else {
+            Endpoint::Completions
+        };
+        let mut parsed = openai::parse(endpoint, body).ok()?;
+        parsed.max_tokens = 0;
+        let settings = PromptSettings {
+            flavor: EngineFlavor::Vllm,
+            mm_tokens_per_image: 64,
+            seed: 0,
+        };
+        openai::build(&parsed, &self.0, settings)
+            .ok()
+            .map(|(r, _)| r.prompt)
+    }
+}
+
+fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
+    let tokenizer: Option<Arc<dyn PromptTokenizer>> = match &args.tokenizer {
+        None => None,
+        Some(p) if p.as_os_str() == "builtin" => {
+            Some(Arc::new(ChatMlTokenizer(Tokenizer::builtin())))
+        }
+        Some(p) => Some(Arc::new(ChatMlTokenizer(
+            Tokenizer::from_file(p).with_context(|| format!("--tokenizer {}", p.display()))?,
+        ))),
+    };
+    Ok(RouterConfig {
+        policy: args.policy,
+        weights: CostWeights {
+            prefill_load_scale: args.prefill_load_scale,
+            overlap_credit: args.overlap_credit,
+            host_weight: args.host_cache_weight,
+            disk_weight: args.disk_cache_weight,
+            active_request_weight: args.active_request_weight,
+        },
+        temperature: args.temperature,
+        busy: BusyThresholds {
+            prefill_tokens: args.busy_prefill_tokens,
+            decode_blocks: args.busy_decode_blocks,
+        },
+        max_attempts: args.max_attempts as usize,
+        request_timeout: Duration::from_secs(args.request_timeout_secs),
+        connect_timeout: Duration::from_millis(args.connect_timeout_ms),
+        breaker_failures: args.breaker_failures,
+        breaker_open: Duration::from_secs(args.breaker_open_secs),
+        active_expiry: Duration::from_secs(args.active_expiry_secs),
+        dp_rank_in_body: args.dp_rank_in_body,
+        tokenizer,
+    })
 }
 
 /// Completes on Ctrl-C or SIGTERM.

@@ -7,6 +7,7 @@ use clap::{Args, Subcommand};
 
 pub mod index;
 pub mod ingest;
+pub mod proxy;
 pub mod trace;
 
 /// Arguments of `kvroute bench`.
@@ -23,6 +24,8 @@ enum BenchCommand {
     Index(index::IndexBenchArgs),
     /// Sustained ingest: mock engines' publishers → ZeroMQ → decoder → index.
     Ingest(ingest::IngestBenchArgs),
+    /// Latency `kvroute serve` adds per request: through the router vs straight to mock engines.
+    Proxy(proxy::ProxyBenchArgs),
 }
 
 /// Runs the chosen benchmark.
@@ -30,5 +33,6 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     match &args.what {
         BenchCommand::Index(a) => index::run(a),
         BenchCommand::Ingest(a) => ingest::run(a),
+        BenchCommand::Proxy(a) => proxy::run(a),
     }
 }

@@ -1,0 +1,645 @@
+//! The pure half of routing: what a request body says that routing needs,
+//! the candidates and their costs, the order in which they are tried, and
+//! the one body rewrite (the SGLang data-parallel rank).
+//!
+//! Nothing here touches a socket or a clock; `proxy` does the I/O.
+
+use kvroute_core::hash::{local_block_hashes, namespace_seed, LocalBlockHash, SequenceHash};
+use kvroute_core::index::{RankMatch, WorkerId, WorkerRank};
+use kvroute_core::scheduler::{pick, ActiveSequences, Candidate, CostBreakdown, CostWeights};
+use kvroute_core::tokens::fold_token_id;
+use serde_json::value::RawValue;
+use serde_json::Value;
+
+/// Why a request body cannot be routed (answered with a 400).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseError(pub String);
+
+fn bad(message: impl Into<String>) -> ParseError {
+    ParseError(message.into())
+}
+
+/// What routing needs from a completion or chat request.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RoutingRequest {
+    /// The `model` field.
+    pub model: Option<String>,
+    /// The prompt's token ids (folded), when the client gave ids.
+    pub tokens: Option<Vec<u32>>,
+    /// The prompt as text (completions with a text prompt, or chat messages'
+    /// text), when the client gave no ids.
+    pub text: Option<String>,
+    /// `stream: true`.
+    pub stream: bool,
+    /// `lora_name`, if given.
+    pub lora_name: Option<String>,
+    /// `cache_salt`, if given.
+    pub cache_salt: Option<String>,
+}
+
+fn opt_str(obj: &serde_json::Map<String, Value>, key: &str) -> Result<Option<String>, ParseError> {
+    match obj.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(bad(format!("`{key}` must be a string"))),
+    }
+}
+
+fn token_list(items: &[Value], key: &str) -> Result<Vec<u32>, ParseError> {
+    items
+        .iter()
+        .map(|v| {
+            v.as_u64()
+                .map(fold_token_id)
+                .ok_or_else(|| bad(format!("`{key}` must hold non-negative integer token ids")))
+        })
+        .collect()
+}
+
+/// The text of chat `messages`: string contents and `text` parts, joined by newlines.
+fn messages_text(messages: &Value) -> Result<String, ParseError> {
+    let list = messages
+        .as_array()
+        .ok_or_else(|| bad("`messages` must be an array"))?;
+    if list.is_empty() {
+        return Err(bad("`messages` must not be empty"));
+    }
+    let mut out = String::new();
+    for m in list {
+        let obj = m
+            .as_object()
+            .ok_or_else(|| bad("each message must be an object"))?;
+        if let Some(role) = obj.get("role").and_then(Value::as_str) {
+            out.push_str(role);
+            out.push('\n');
+        }
+        match obj.get("content") {
+            None | Some(Value::Null) => {}
+            Some(Value::String(s)) => out.push_str(s),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    if let Some(t) = p.get("text").and_then(Value::as_str) {
+                        out.push_str(t);
+                    }
+                }
+            }
+            Some(_) => return Err(bad("message `content` must be a string or an array")),
+        }
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// The top-level fields routing reads, left raw; every other field is
+/// skipped without being built (bodies are mostly token ids and text).
+#[derive(serde::Deserialize)]
+struct RawFields<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    prompt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    messages: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    lora_name: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    cache_salt: Option<&'a RawValue>,
+}
+
+fn raw_str(raw: Option<&RawValue>, key: &str) -> Result<Option<String>, ParseError> {
+    match raw {
+        None => Ok(None),
+        Some(r) => serde_json::from_str::<Option<String>>(r.get())
+            .map_err(|_| bad(format!("`{key}` must be a string"))),
+    }
+}
+
+fn raw_prompt(raw: &RawValue, req: &mut RoutingRequest) -> Result<(), ParseError> {
+    let text = raw.get();
+    if text.starts_with('[') {
+        // The common cases first, without building a `Value`.
+        if let Ok(ids) = serde_json::from_str::<Vec<u64>>(text) {
+            if ids.is_empty() {
+                return Err(bad("`prompt` must not be empty"));
+            }
+            req.tokens = Some(ids.into_iter().map(fold_token_id).collect());
+            return Ok(());
+        }
+        if let Ok(mut batch) = serde_json::from_str::<Vec<Vec<u64>>>(text) {
+            if batch.len() == 1 {
+                let ids = batch.remove(0);
+                req.tokens = Some(ids.into_iter().map(fold_token_id).collect());
+                return Ok(());
+            }
+        }
+    }
+    let value: Value =
+        serde_json::from_str(text).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    match value {
+        Value::Null => return Err(bad("`prompt` is required")),
+        Value::String(s) => req.text = Some(s),
+        Value::Array(items) => match items.as_slice() {
+            [] => return Err(bad("`prompt` must not be empty")),
+            [Value::String(s)] => req.text = Some(s.clone()),
+            [Value::Array(ids)] => req.tokens = Some(token_list(ids, "prompt")?),
+            items if items.iter().all(Value::is_number) => {
+                req.tokens = Some(token_list(items, "prompt")?);
+            }
+            // A batch of prompts: route on their text.
+            items => {
+                req.text = Some(
+                    items
+                        .iter()
+                        .filter_map(Value::as_str)
+                        .collect::<Vec<_>>()
+                        .join("\n"),
+                );
+            }
+        },
+        _ => return Err(bad("`prompt` must be a string or token ids")),
+    }
+    Ok(())
+}
+
+/// Reads the fields routing needs from a request body; `chat` selects
+/// `messages` instead of `prompt`. Everything else is left to the engine.
+pub fn parse_request(body: &[u8], chat: bool) -> Result<RoutingRequest, ParseError> {
+    let first = body.iter().find(|b| !b.is_ascii_whitespace());
+    if first.is_some_and(|&b| b != b'{') {
+        // Valid JSON that is not an object, or not JSON at all.
+        return Err(
+            match serde_json::from_slice::<serde::de::IgnoredAny>(body) {
+                Ok(_) => bad("the body must be a JSON object"),
+                Err(e) => bad(format!("invalid JSON body: {e}")),
+            },
+        );
+    }
+    let raw: RawFields<'_> =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let stream = match raw.stream {
+        None => false,
+        Some(r) => serde_json::from_str::<Option<bool>>(r.get())
+            .map_err(|_| bad("`stream` must be a boolean"))?
+            .unwrap_or(false),
+    };
+    let mut req = RoutingRequest {
+        model: raw_str(raw.model, "model")?,
+        stream,
+        lora_name: raw_str(raw.lora_name, "lora_name")?,
+        cache_salt: raw_str(raw.cache_salt, "cache_salt")?,
+        ..RoutingRequest::default()
+    };
+    if chat {
+        let messages = raw.messages.ok_or_else(|| bad("`messages` is required"))?;
+        let messages: Value = serde_json::from_str(messages.get())
+            .map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+        req.text = Some(messages_text(&messages)?);
+        return Ok(req);
+    }
+    match raw.prompt {
+        None => Err(bad("`prompt` is required")),
+        Some(p) => raw_prompt(p, &mut req).map(|()| req),
+    }
+}
+
+/// A `/query` body: `token_ids`, `prompt` or `messages`, and the namespace fields.
+pub fn parse_query(body: &[u8]) -> Result<RoutingRequest, ParseError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let obj = value
+        .as_object()
+        .ok_or_else(|| bad("the body must be a JSON object"))?;
+    if let Some(ids) = obj.get("token_ids") {
+        let ids = ids
+            .as_array()
+            .ok_or_else(|| bad("`token_ids` must be an array"))?;
+        return Ok(RoutingRequest {
+            tokens: Some(token_list(ids, "token_ids")?),
+            lora_name: opt_str(obj, "lora_name")?,
+            cache_salt: opt_str(obj, "cache_salt")?,
+            ..RoutingRequest::default()
+        });
+    }
+    let chat = obj.contains_key("messages");
+    if !chat && !obj.contains_key("prompt") {
+        return Err(bad("give `token_ids`, `prompt` or `messages`"));
+    }
+    parse_request(body, chat)
+}
+
+/// A `/query_by_hash` body's `local_hashes`.
+pub fn parse_hash_query(body: &[u8]) -> Result<Vec<LocalBlockHash>, ParseError> {
+    let value: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let list = value
+        .get("local_hashes")
+        .and_then(Value::as_array)
+        .ok_or_else(|| bad("`local_hashes` (an array of integers) is required"))?;
+    list.iter()
+        .map(|v| {
+            v.as_u64()
+                .or_else(|| v.as_i64().map(|i| i as u64))
+                .map(LocalBlockHash)
+                .ok_or_else(|| bad("`local_hashes` must hold 64-bit integers"))
+        })
+        .collect()
+}
+
+/// The local block hashes of a request at `block_size`.
+pub fn request_hashes(req: &RoutingRequest, block_size: u32) -> Vec<LocalBlockHash> {
+    let Some(tokens) = &req.tokens else {
+        return Vec::new();
+    };
+    let seed = namespace_seed(req.lora_name.as_deref(), req.cache_salt.as_deref());
+    local_block_hashes(tokens, block_size as usize, seed, 0)
+}
+
+/// Adds `"data_parallel_rank": rank` to a JSON object body (SGLang's way of
+/// choosing a rank). The only body rewrite the proxy makes.
+pub fn inject_dp_rank(body: &[u8], rank: u32) -> Result<Vec<u8>, ParseError> {
+    let mut value: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let obj = value
+        .as_object_mut()
+        .ok_or_else(|| bad("the body must be a JSON object"))?;
+    obj.insert("data_parallel_rank".into(), Value::from(rank));
+    serde_json::to_vec(&value).map_err(|e| bad(e.to_string()))
+}
+
+/// How the next (worker, rank) is chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Lowest cost, with the index fed by KV events.
+    Kv,
+    /// Lowest cost, with the index fed by routing decisions (no events).
+    Approx,
+    /// Each candidate in turn.
+    RoundRobin,
+    /// Uniformly random.
+    Random,
+    /// Fewest active blocks, then fewest prefill tokens.
+    LeastLoaded,
+}
+
+impl std::str::FromStr for Policy {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Ok(match s {
+            "kv" => Policy::Kv,
+            "approx" => Policy::Approx,
+            "round-robin" => Policy::RoundRobin,
+            "random" => Policy::Random,
+            "least-loaded" => Policy::LeastLoaded,
+            _ => {
+                return Err(format!(
+                    "unknown policy `{s}` (kv, approx, round-robin, random, least-loaded)"
+                ))
+            }
+        })
+    }
+}
+
+/// Busy thresholds: a candidate at or over either is skipped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BusyThresholds {
+    /// Active prefill tokens.
+    pub prefill_tokens: Option<u64>,
+    /// Active decode blocks.
+    pub decode_blocks: Option<u64>,
+}
+
+impl BusyThresholds {
+    /// Whether a candidate with this load is overloaded.
+    pub fn overloaded(&self, c: &Candidate) -> bool {
+        self.prefill_tokens
+            .is_some_and(|t| c.active_prefill_tokens >= t)
+            || self
+                .decode_blocks
+                .is_some_and(|t| c.active_decode_blocks >= t)
+    }
+}
+
+/// One (worker, rank) a request could go to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    /// Worker name.
+    pub name: String,
+    /// Index of the worker in the caller's list.
+    pub worker: usize,
+    /// Index key.
+    pub key: WorkerRank,
+    /// Tokens per block at this worker.
+    pub block_size: u32,
+    /// Cache and load facts.
+    pub candidate: Candidate,
+    /// The cost.
+    pub cost: CostBreakdown,
+    /// Over a busy threshold.
+    pub overloaded: bool,
+}
+
+/// A rank's load as the cost needs it, for one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Prompt tokens in prefill.
+    pub prefill_tokens: u64,
+    /// Distinct active blocks.
+    pub decode_blocks: u64,
+    /// Of the request's blocks, those not active there.
+    pub new_blocks: u64,
+    /// Active requests.
+    pub requests: u64,
+}
+
+impl Load {
+    /// The load of `active` (or of an idle rank) for a request with blocks `seqs`.
+    pub fn of(active: Option<&ActiveSequences>, seqs: &[SequenceHash]) -> Load {
+        match active {
+            None => Load {
+                new_blocks: seqs.len() as u64,
+                ..Load::default()
+            },
+            Some(a) => Load {
+                prefill_tokens: a.active_prefill_tokens(),
+                decode_blocks: a.active_blocks(),
+                new_blocks: a.new_blocks(seqs),
+                requests: a.active_requests(),
+            },
+        }
+    }
+}
+
+/// A worker as routing sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// Name.
+    pub name: String,
+    /// Index id.
+    pub id: WorkerId,
+    /// HTTP base URL.
+    pub url: String,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// Its data-parallel ranks.
+    pub ranks: Vec<u32>,
+}
+
+/// Builds one scored candidate per (worker, rank) of `targets` for which
+/// `available(worker)` holds. `matches(block_size)` gives the index matches
+/// and the request's sequence hashes at that block size; `active(key)` the
+/// rank's active sequences.
+pub fn score(
+    targets: &[Target],
+    request_tokens: u64,
+    matches: &mut dyn FnMut(u32) -> (Vec<RankMatch>, Vec<SequenceHash>),
+    active: &dyn Fn(WorkerRank, &[SequenceHash]) -> Load,
+    available: &dyn Fn(&str) -> bool,
+    weights: &CostWeights,
+    busy: &BusyThresholds,
+) -> Vec<Scored> {
+    let mut cache: Vec<(u32, Vec<RankMatch>, Vec<SequenceHash>)> = Vec::new();
+    let mut out = Vec::new();
+    for (i, t) in targets.iter().enumerate() {
+        if !available(&t.name) {
+            continue;
+        }
+        if !cache.iter().any(|(bs, _, _)| *bs == t.block_size) {
+            let (m, s) = matches(t.block_size);
+            cache.push((t.block_size, m, s));
+        }
+        let Some((_, found, seqs)) = cache.iter().find(|(bs, _, _)| *bs == t.block_size) else {
+            continue;
+        };
+        for &rank in &t.ranks {
+            let key = WorkerRank { worker: t.id, rank };
+            let m = found.iter().find(|m| m.worker_rank == key);
+            let load = active(key, seqs);
+            let candidate = Candidate {
+                device_blocks: m.map_or(0, |m| m.device),
+                host_blocks: m.map_or(0, |m| m.host),
+                any_blocks: m.map_or(0, |m| m.any),
+                active_prefill_tokens: load.prefill_tokens,
+                active_decode_blocks: load.decode_blocks,
+                new_active_blocks: load.new_blocks,
+                active_requests: load.requests,
+            };
+            out.push(Scored {
+                name: t.name.clone(),
+                worker: i,
+                key,
+                block_size: t.block_size,
+                cost: candidate.cost(request_tokens, t.block_size, weights),
+                overloaded: busy.overloaded(&candidate),
+                candidate,
+            });
+        }
+    }
+    out
+}
+
+/// Orders the usable (not overloaded) candidates: the first is the choice,
+/// the rest are retried in order. `random` is uniform in `[0, 1)`; `turn`
+/// counts requests for round-robin.
+pub fn order(
+    scored: &[Scored],
+    policy: Policy,
+    temperature: f64,
+    random: f64,
+    turn: u64,
+) -> Vec<usize> {
+    let usable: Vec<usize> = (0..scored.len())
+        .filter(|&i| !scored[i].overloaded)
+        .collect();
+    if usable.is_empty() {
+        return usable;
+    }
+    let by_cost = |mut v: Vec<usize>| {
+        v.sort_by(|&a, &b| scored[a].cost.total.total_cmp(&scored[b].cost.total));
+        v
+    };
+    let first = match policy {
+        Policy::Kv | Policy::Approx => {
+            let costs: Vec<f64> = usable.iter().map(|&i| scored[i].cost.total).collect();
+            pick(&costs, temperature, random).map_or(usable[0], |p| usable[p])
+        }
+        Policy::RoundRobin => usable[(turn % usable.len() as u64) as usize],
+        Policy::Random => usable[((random * usable.len() as f64) as usize).min(usable.len() - 1)],
+        Policy::LeastLoaded => {
+            let load = |i: usize| {
+                let c = &scored[i].candidate;
+                (
+                    c.active_decode_blocks,
+                    c.active_prefill_tokens,
+                    c.active_requests,
+                )
+            };
+            let min = usable.iter().map(|&i| load(i)).min().unwrap_or_default();
+            let ties: Vec<usize> = usable.iter().copied().filter(|&i| load(i) == min).collect();
+            ties[((random * ties.len() as f64) as usize).min(ties.len() - 1)]
+        }
+    };
+    let mut rest = by_cost(usable.into_iter().filter(|&i| i != first).collect());
+    rest.insert(0, first);
+    rest
+}
+
+/// The prompt tokens an engine will report as cached if the first
+/// `device_blocks` blocks are on its device: engines always compute the last
+/// prompt token, so a fully cached prompt reports one block less when its
+/// length is a multiple of the block size.
+pub fn predicted_cached_tokens(device_blocks: u32, block_size: u32, prompt_tokens: u64) -> u64 {
+    let bs = u64::from(block_size.max(1));
+    let limit = prompt_tokens.saturating_sub(1) / bs * bs;
+    (u64::from(device_blocks) * bs).min(limit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::hash::{sequence_hashes, HASH_SEED};
+
+    #[test]
+    fn prompts_parse_as_ids_or_text() {
+        let r = parse_request(
+            br#"{"model":"m","prompt":[1,2,5000000000],"stream":true}"#,
+            false,
+        )
+        .expect("valid");
+        assert_eq!(r.model.as_deref(), Some("m"));
+        assert!(r.stream);
+        assert_eq!(r.tokens, Some(vec![1, 2, fold_token_id(5_000_000_000)]));
+        let r = parse_request(br#"{"prompt":[[7,8]],"cache_salt":"s"}"#, false).expect("valid");
+        assert_eq!(
+            (r.tokens, r.cache_salt.as_deref()),
+            (Some(vec![7, 8]), Some("s"))
+        );
+        let r = parse_request(br#"{"prompt":"hello"}"#, false).expect("valid");
+        assert_eq!(r.text.as_deref(), Some("hello"));
+        let r = parse_request(
+            br#"{"messages":[{"role":"user","content":[{"type":"text","text":"hi"}]}]}"#,
+            true,
+        )
+        .expect("valid");
+        assert_eq!(r.text.as_deref(), Some("user\nhi\n"));
+    }
+
+    #[test]
+    fn bad_bodies_are_refused_with_a_reason() {
+        let err = |b: &[u8], chat| parse_request(b, chat).expect_err("invalid").0;
+        assert!(err(b"{", false).contains("invalid JSON"));
+        assert!(err(b"[1]", false).contains("JSON object"));
+        assert!(err(b"{}", false).contains("`prompt` is required"));
+        assert!(err(br#"{"prompt":[1,-2]}"#, false).contains("token ids"));
+        assert!(err(br#"{"prompt":"x","stream":"yes"}"#, false).contains("`stream`"));
+        assert!(err(br#"{"messages":5}"#, true).contains("array"));
+        assert!(err(br#"{"prompt":[]}"#, false).contains("empty"));
+        assert!(err(br#"{"prompt":null}"#, false).contains("required"));
+        assert!(err(br#"{"prompt":[1],"model":3}"#, false).contains("`model`"));
+        assert!(parse_query(br#"{"nothing":1}"#).is_err());
+        assert_eq!(
+            parse_hash_query(br#"{"local_hashes":[1,-1]}"#).expect("valid"),
+            vec![LocalBlockHash(1), LocalBlockHash(u64::MAX)]
+        );
+    }
+
+    #[test]
+    fn the_dp_rank_is_added_to_the_body_and_nothing_else_changes() {
+        let out = inject_dp_rank(br#"{"model":"m","prompt":[1]}"#, 3).expect("valid");
+        assert_eq!(
+            String::from_utf8(out).expect("utf8"),
+            r#"{"model":"m","prompt":[1],"data_parallel_rank":3}"#
+        );
+        assert!(inject_dp_rank(b"[]", 0).is_err());
+    }
+
+    fn targets() -> Vec<Target> {
+        vec![
+            Target {
+                name: "w0".into(),
+                id: WorkerId(0),
+                url: "http://a".into(),
+                block_size: 4,
+                ranks: vec![0],
+            },
+            Target {
+                name: "w1".into(),
+                id: WorkerId(1),
+                url: "http://b".into(),
+                block_size: 4,
+                ranks: vec![0, 1],
+            },
+        ]
+    }
+
+    #[test]
+    fn candidates_take_cache_hits_and_load_into_account() {
+        let req = RoutingRequest {
+            tokens: Some((0..16).collect()),
+            ..RoutingRequest::default()
+        };
+        let locals = request_hashes(&req, 4);
+        assert_eq!(
+            locals,
+            local_block_hashes(&(0..16).collect::<Vec<_>>(), 4, HASH_SEED, 0)
+        );
+        let seqs = sequence_hashes(&locals);
+        let hit = RankMatch {
+            worker_rank: WorkerRank::new(1, 1),
+            device: 3,
+            host: 3,
+            any: 3,
+        };
+        let mut busy_rank = ActiveSequences::new();
+        busy_rank.add(9, &seqs, 100, 0);
+        let scored = score(
+            &targets(),
+            16,
+            &mut |_| (vec![hit], seqs.clone()),
+            &|k, s| Load::of((k == WorkerRank::new(0, 0)).then_some(&busy_rank), s),
+            &|_| true,
+            &CostWeights::default(),
+            &BusyThresholds {
+                prefill_tokens: Some(100),
+                decode_blocks: None,
+            },
+        );
+        assert_eq!(scored.len(), 3);
+        // w0: (100 + 16)/4 = 29 prefill, 4 active blocks, none new.
+        assert_eq!((scored[0].cost.total, scored[0].overloaded), (33.0, true));
+        // w1 rank 0: cold, 4 + 4.
+        assert_eq!(scored[1].cost.total, 8.0);
+        // w1 rank 1: 3 blocks cached, 1 + 4.
+        assert_eq!(scored[2].cost.total, 5.0);
+        assert_eq!(order(&scored, Policy::Kv, 0.0, 0.5, 0), vec![2, 1]);
+        assert_eq!(order(&scored, Policy::RoundRobin, 0.0, 0.5, 1), vec![2, 1]);
+        let all_busy: Vec<Scored> = scored
+            .iter()
+            .cloned()
+            .map(|mut s| {
+                s.overloaded = true;
+                s
+            })
+            .collect();
+        assert!(order(&all_busy, Policy::Kv, 0.0, 0.5, 0).is_empty());
+        let without_w1 = score(
+            &targets(),
+            16,
+            &mut |_| (Vec::new(), seqs.clone()),
+            &|_, s| Load::of(None, s),
+            &|n| n != "w1",
+            &CostWeights::default(),
+            &BusyThresholds::default(),
+        );
+        assert_eq!(without_w1.len(), 1);
+    }
+
+    #[test]
+    fn predictions_follow_the_engines_last_token_rule() {
+        assert_eq!(predicted_cached_tokens(4, 16, 64), 48);
+        assert_eq!(predicted_cached_tokens(4, 16, 100), 64);
+        assert_eq!(predicted_cached_tokens(0, 16, 100), 0);
+    }
+}

@@ -1,0 +1,731 @@
+//! `kvroute serve` as a routing proxy in front of real `kvroute mocker`
+//! engines, all as processes on 127.0.0.1: prefix affinity, load spreading,
+//! streaming pass-through, retries past a dead worker, overload, bad input,
+//! `/query` and the index-accuracy metric.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+/// A child process killed when the test ends, pass or fail.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A response: status, lower-cased header block, body.
+struct Reply {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<String> {
+        let prefix = format!("{}:", name.to_ascii_lowercase());
+        self.headers
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix).map(|v| v.trim().to_owned()))
+    }
+
+    fn json(&self) -> Value {
+        let start = self.body.find('{').expect("a JSON object");
+        let end = self.body.rfind('}').expect("a JSON object");
+        serde_json::from_str(&self.body[start..=end]).expect("valid JSON")
+    }
+}
+
+fn send(host_port: &str, method: &str, path: &str, body: &str) -> TcpStream {
+    let mut s = TcpStream::connect(host_port).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    // A refused oversized body may not be read in full: write errors are the server's answer.
+    let _ = write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    s
+}
+
+fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
+    let mut s = send(host_port, method, path, body);
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let out = String::from_utf8_lossy(&raw).into_owned();
+    let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let (headers, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    Reply {
+        status,
+        headers: headers.to_ascii_lowercase(),
+        body: body.to_owned(),
+    }
+}
+
+/// Sends a streaming request and reads until the first `data:` chunk; the
+/// stream stays open while the returned socket lives.
+fn open_stream(host_port: &str, body: &str) -> (TcpStream, String) {
+    let s = send(host_port, "POST", "/v1/completions", body);
+    let mut reader = BufReader::new(s.try_clone().expect("clone"));
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        let n = reader.read_line(&mut line).expect("read");
+        assert!(n > 0, "stream closed early: {head}");
+        head.push_str(&line.to_ascii_lowercase());
+        if line.starts_with("data: ") {
+            return (s, head);
+        }
+    }
+}
+
+fn header_in(head: &str, name: &str) -> Option<String> {
+    let prefix = format!("{name}:");
+    head.lines()
+        .find_map(|l| l.strip_prefix(&prefix).map(|v| v.trim().to_owned()))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+fn eventually(what: &str, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < deadline {
+        if check() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    panic!("timed out waiting for: {what}");
+}
+
+/// Starts `kvroute mocker` with `workers` engines; returns it and the `--worker` lines.
+fn start_mocker(workers: usize, speedup: &str) -> (Proc, Vec<String>) {
+    let n = workers.to_string();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["mocker", "--workers", &n, "--port", "0"])
+        .args(["--kv-events-port", "0", "--replay-port", "0"])
+        .args(["--speedup", speedup])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute mocker runs");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    // Keep draining stdout: a closed pipe would end the engine at its next print.
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let lines = (0..workers)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(30))
+                .expect("a worker line")
+        })
+        .collect();
+    (Proc(child), lines)
+}
+
+/// Starts `kvroute serve` over `lines` with extra flags; waits until every rank is connected.
+fn start_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
+    let port = free_port();
+    let port_arg = port.to_string();
+    let mut args = vec!["serve", "--port", &port_arg, "--log", "warn"];
+    for line in lines {
+        args.push("--worker");
+        args.push(line);
+    }
+    args.extend_from_slice(extra);
+    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute serve runs");
+    let serve = format!("127.0.0.1:{port}");
+    let expected = lines.len();
+    eventually("serve up with every rank connected", || {
+        TcpStream::connect(&serve).is_ok() && {
+            let doc = request(&serve, "GET", "/workers", "").json();
+            let list = doc["workers"].as_array().cloned().unwrap_or_default();
+            list.len() == expected
+                && list.iter().all(|w| {
+                    w["ranks"]
+                        .as_array()
+                        .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+                })
+        }
+    });
+    (Proc(child), serve)
+}
+
+fn device_blocks(serve: &str, worker: &str) -> u64 {
+    let doc = request(serve, "GET", "/workers", "").json();
+    doc["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|w| w["name"] == worker)
+        .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
+        .map(|r| r["blocks"]["device"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+fn metric(serve: &str, name: &str) -> u64 {
+    let text = request(serve, "GET", "/metrics", "").body;
+    text.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name} ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+fn completion(prompt: &[u32], max_tokens: u32, stream: bool) -> String {
+    json!({"model": "mock-model", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+        .to_string()
+}
+
+#[test]
+fn a_repeated_prefix_goes_to_the_worker_holding_it() {
+    let (_mocker, lines) = start_mocker(2, "100");
+    let (_serve, serve) = start_serve(&lines, &[]);
+    let prompt: Vec<u32> = (1000..1128).collect();
+    let first = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        &completion(&prompt, 1, false),
+    );
+    assert_eq!(first.status, 200, "{}", first.body);
+    let holder = first.header("x-kvroute-worker").expect("worker header");
+    assert_eq!(
+        first.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        0
+    );
+    eventually("the first prompt's blocks in the index", || {
+        device_blocks(&serve, &holder) >= 8
+    });
+    // /query names the holder, with the Dynamo-compatible `scores` shape.
+    let q = request(
+        &serve,
+        "POST",
+        "/query",
+        &json!({"token_ids": prompt}).to_string(),
+    );
+    assert_eq!(q.status, 200, "{}", q.body);
+    let q = q.json();
+    assert_eq!(q["scores"][&holder]["0"], 128);
+    assert_eq!(q["chosen"]["name"], holder.as_str());
+    let workers = q["workers"].as_array().expect("workers");
+    assert_eq!(workers.len(), 2);
+    for w in workers {
+        for key in [
+            "prefill_blocks",
+            "overlap_credit",
+            "prefill",
+            "decode_blocks",
+            "total",
+        ] {
+            assert!(w["cost"][key].is_number(), "{w}");
+        }
+        assert!(w["host_blocks"].is_number() && w["disk_blocks"].is_number());
+    }
+    // A prompt sharing the first 112 tokens goes to the holder and hits its cache.
+    let mut second: Vec<u32> = prompt[..112].to_vec();
+    second.extend(5000..5032);
+    for _ in 0..3 {
+        let r = request(
+            &serve,
+            "POST",
+            "/v1/completions",
+            &completion(&second, 1, false),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.header("x-kvroute-worker").as_deref(),
+            Some(holder.as_str())
+        );
+        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached_tokens");
+        assert!(cached >= 112, "cached {cached}");
+        // Let the blocks of this request land before the next prediction.
+        eventually("the second prompt's blocks in the index", || {
+            let q = request(
+                &serve,
+                "POST",
+                "/query",
+                &json!({"token_ids": second}).to_string(),
+            );
+            q.json()["scores"][&holder]["0"] == 144
+        });
+    }
+    // The index predicted every cached_tokens exactly.
+    let comparisons = metric(&serve, "kvroute_accuracy_comparisons_total");
+    assert_eq!(comparisons, 4);
+    assert_eq!(metric(&serve, "kvroute_accuracy_exact_total"), comparisons);
+    let by_hash = request(
+        &serve,
+        "POST",
+        "/query_by_hash",
+        r#"{"local_hashes":[1,2,3]}"#,
+    );
+    assert_eq!(by_hash.status, 200);
+    assert!(by_hash.json()["workers"]
+        .as_array()
+        .is_some_and(|w| w.len() == 2));
+}
+
+#[test]
+fn new_prefixes_spread_and_streams_pass_through() {
+    // Real time (speedup 1): a 1000-token decode lasts seconds, so streams overlap.
+    let (_mocker, lines) = start_mocker(2, "1");
+    let (_serve, serve) = start_serve(&lines, &[]);
+    let mut open = Vec::new();
+    let mut used = std::collections::BTreeSet::new();
+    for i in 0..4u32 {
+        let prompt: Vec<u32> = (i * 1000..i * 1000 + 64).collect();
+        let (socket, head) = open_stream(&serve, &completion(&prompt, 1000, true));
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        assert!(head.contains("text/event-stream"), "{head}");
+        used.insert(header_in(&head, "x-kvroute-worker").expect("worker header"));
+        open.push(socket);
+    }
+    assert_eq!(
+        used.len(),
+        2,
+        "both workers take the new prefixes: {used:?}"
+    );
+    // Closing the client sockets cancels the upstream requests and frees their load.
+    drop(open);
+    eventually("active requests freed after the clients left", || {
+        let text = request(&serve, "GET", "/metrics", "").body;
+        text.lines()
+            .filter(|l| l.starts_with("kvroute_active_requests{"))
+            .all(|l| l.ends_with(" 0"))
+    });
+    // A complete stream: many chunks, the usage chunk, then [DONE].
+    let body = json!({"model": "mock-model", "prompt": (7000..7064).collect::<Vec<u32>>(),
+        "max_tokens": 8, "stream": true, "stream_options": {"include_usage": true}})
+    .to_string();
+    let r = request(&serve, "POST", "/v1/completions", &body);
+    assert_eq!(r.status, 200);
+    let chunks = r.body.matches("data: {").count();
+    assert!(chunks >= 9, "{chunks} chunks: {}", r.body);
+    assert!(r.body.contains("cached_tokens"));
+    assert!(r.body.trim_end().ends_with("0\r\n") || r.body.contains("data: [DONE]"));
+    assert!(r.body.contains("data: [DONE]"));
+    assert!(metric(&serve, "kvroute_accuracy_comparisons_total") >= 1);
+}
+
+#[test]
+fn a_killed_worker_fails_no_client_request() {
+    let (mocker_a, lines_a) = start_mocker(1, "100");
+    let (_mocker_b, lines_b) = start_mocker(1, "100");
+    // Both mockers call their engine w0: rename the second.
+    let line_b = lines_b[0].replacen("name=w0", "name=w1", 1);
+    let lines = vec![lines_a[0].clone(), line_b];
+    let (_serve, serve) = start_serve(&lines, &["--breaker-failures", "2"]);
+    // Find a prompt w0 (process A) holds, so that w0 is the first choice after the kill.
+    let prompt: Vec<u32> = (20_000..20_064).collect();
+    let mut holder = String::new();
+    let mut attempt = 0u32;
+    while holder != "w0" {
+        let p: Vec<u32> = prompt.iter().map(|t| t + attempt * 100).collect();
+        let r = request(&serve, "POST", "/v1/completions", &completion(&p, 1, false));
+        assert_eq!(r.status, 200);
+        holder = r.header("x-kvroute-worker").expect("worker header");
+        if holder == "w0" {
+            eventually("w0's blocks in the index", || {
+                device_blocks(&serve, "w0") >= 4
+            });
+            drop(mocker_a);
+            for i in 0..10u32 {
+                let body = if i == 0 {
+                    completion(&p, 1, false)
+                } else {
+                    completion(&(i * 300..i * 300 + 64).collect::<Vec<u32>>(), 1, false)
+                };
+                let r = request(&serve, "POST", "/v1/completions", &body);
+                assert_eq!(r.status, 200, "request {i}: {}", r.body);
+                assert_eq!(r.header("x-kvroute-worker").as_deref(), Some("w1"));
+            }
+            assert!(metric(&serve, "kvroute_proxy_retries_total") >= 1);
+            return;
+        }
+        attempt += 1;
+        assert!(attempt < 64, "w0 never chosen");
+    }
+}
+
+#[test]
+fn overload_and_bad_input_are_refused_clearly() {
+    let (_mocker, lines) = start_mocker(1, "1");
+    let (_serve, serve) = start_serve(
+        &lines,
+        &["--busy-decode-blocks", "1", "--max-body-mib", "1"],
+    );
+    let bad = request(&serve, "POST", "/v1/completions", "{not json");
+    assert_eq!(bad.status, 400);
+    assert!(bad.json()["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("invalid JSON")));
+    let missing = request(&serve, "POST", "/v1/chat/completions", r#"{"model":"m"}"#);
+    assert_eq!(missing.status, 400);
+    assert!(missing.body.contains("`messages` is required"));
+    let big = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(2 << 20));
+    assert_eq!(request(&serve, "POST", "/v1/completions", &big).status, 413);
+    let q = request(&serve, "POST", "/query", r#"{"token_ids":"x"}"#);
+    assert_eq!(q.status, 400);
+    // One long stream holds the only worker's blocks: the next request is refused.
+    let (socket, head) = open_stream(
+        &serve,
+        &completion(&(0..64).collect::<Vec<u32>>(), 1000, true),
+    );
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let r = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        &completion(&[1, 2, 3], 1, false),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    assert!(r.json()["error"]["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("busy thresholds")));
+    drop(socket);
+    eventually("the worker accepts requests again", || {
+        request(
+            &serve,
+            "POST",
+            "/v1/completions",
+            &completion(&[1, 2, 3], 1, false),
+        )
+        .status
+            == 200
+    });
+    // Text prompts without a tokenizer are routed on load and counted.
+    let text = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        r#"{"model":"mock-model","prompt":"hello there","max_tokens":1}"#,
+    );
+    assert_eq!(text.status, 200, "{}", text.body);
+    assert!(metric(&serve, "kvroute_proxy_load_only_total") >= 1);
+    let models = request(&serve, "GET", "/v1/models", "");
+    assert_eq!(models.status, 200);
+    assert_eq!(models.json()["data"][0]["id"], "mock-model");
+}
+
+#[test]
+fn chat_requests_are_tokenized_and_routed_to_their_prefix() {
+    let (_mocker, lines) = start_mocker(2, "100");
+    let (_serve, serve) = start_serve(&lines, &["--tokenizer", "builtin"]);
+    let system = "You are a careful assistant. ".repeat(40);
+    let chat = |user: &str| {
+        json!({"model": "mock-model", "max_tokens": 1, "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+        ]})
+        .to_string()
+    };
+    let first = request(
+        &serve,
+        "POST",
+        "/v1/chat/completions",
+        &chat("first question"),
+    );
+    assert_eq!(first.status, 200, "{}", first.body);
+    let holder = first.header("x-kvroute-worker").expect("worker header");
+    eventually("the system prompt's blocks in the index", || {
+        device_blocks(&serve, &holder) >= 8
+    });
+    let q = request(
+        &serve,
+        "POST",
+        "/query",
+        &json!({"messages": [{"role": "system", "content": system}, {"role": "user", "content": "x"}]})
+            .to_string(),
+    );
+    assert_eq!(q.status, 200, "{}", q.body);
+    assert!(q.json()["scores"][&holder]["0"]
+        .as_u64()
+        .is_some_and(|t| t >= 128));
+    let second = request(&serve, "POST", "/v1/chat/completions", &chat("another one"));
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        second.header("x-kvroute-worker").as_deref(),
+        Some(holder.as_str())
+    );
+    let cached = second.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached_tokens");
+    assert!(cached >= 128, "cached {cached}");
+    assert_eq!(metric(&serve, "kvroute_proxy_load_only_total"), 0);
+    assert_eq!(
+        metric(&serve, "kvroute_accuracy_exact_total"),
+        metric(&serve, "kvroute_accuracy_comparisons_total")
+    );
+}
+
+#[test]
+fn approx_routing_learns_from_its_own_decisions_without_events() {
+    let (_mocker, lines) = start_mocker(2, "100");
+    // Point every worker's events at a port nobody publishes on: no events reach the index.
+    let lines: Vec<String> = lines
+        .iter()
+        .map(|l| {
+            l.split(',')
+                .filter(|kv| !kv.starts_with("replay="))
+                .map(|kv| {
+                    if kv.starts_with("events=") {
+                        format!("events=tcp://127.0.0.1:{}", free_port())
+                    } else {
+                        kv.to_owned()
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(",")
+        })
+        .collect();
+    let port = free_port();
+    let port_arg = port.to_string();
+    let mut args = vec![
+        "serve", "--port", &port_arg, "--log", "error", "--policy", "approx",
+    ];
+    for line in &lines {
+        args.push("--worker");
+        args.push(line);
+    }
+    let _serve = Proc(
+        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+            .args(&args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("kvroute serve runs"),
+    );
+    let serve = format!("127.0.0.1:{port}");
+    eventually("serve up with both workers", || {
+        TcpStream::connect(&serve).is_ok()
+            && request(&serve, "GET", "/workers", "").json()["workers"]
+                .as_array()
+                .is_some_and(|w| w.len() == 2)
+    });
+    let prompt: Vec<u32> = (40_000..40_128).collect();
+    let first = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        &completion(&prompt, 1, false),
+    );
+    assert_eq!(first.status, 200, "{}", first.body);
+    let holder = first.header("x-kvroute-worker").expect("worker header");
+    // The decision itself is the index entry: no waiting for events.
+    let q = request(
+        &serve,
+        "POST",
+        "/query",
+        &json!({"token_ids": prompt}).to_string(),
+    )
+    .json();
+    assert_eq!(q["scores"][&holder]["0"], 128);
+    for _ in 0..3 {
+        let r = request(
+            &serve,
+            "POST",
+            "/v1/completions",
+            &completion(&prompt, 1, false),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(
+            r.header("x-kvroute-worker").as_deref(),
+            Some(holder.as_str())
+        );
+        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached_tokens");
+        assert_eq!(cached, 112);
+    }
+}
+
+#[cfg(feature = "hf-tokenizer")]
+#[test]
+fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
+    let mut vocab = serde_json::Map::new();
+    vocab.insert("[UNK]".into(), 0.into());
+    for i in 0..300u32 {
+        vocab.insert(format!("t{i}"), (i + 1).into());
+    }
+    let file = json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+    });
+    let path = std::env::temp_dir().join(format!("kvroute-proxy-tok-{}.json", std::process::id()));
+    std::fs::write(&path, file.to_string()).expect("write the tokenizer");
+    let path_arg = path.to_str().expect("utf-8 path").to_owned();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args([
+            "mocker",
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--tokenizer",
+            &path_arg,
+        ])
+        .args([
+            "--kv-events-port",
+            "0",
+            "--replay-port",
+            "0",
+            "--speedup",
+            "100",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute mocker runs");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let _mocker = Proc(child);
+    let lines: Vec<String> = (0..2)
+        .map(|_| {
+            rx.recv_timeout(Duration::from_secs(30))
+                .expect("a worker line")
+        })
+        .collect();
+    let (_serve, serve) = start_serve(&lines, &["--tokenizer", &path_arg]);
+    let words =
+        |range: std::ops::Range<u32>| range.map(|i| format!("t{i}")).collect::<Vec<_>>().join(" ");
+    let body =
+        |text: String| json!({"model": "mock-model", "prompt": text, "max_tokens": 1}).to_string();
+    let first = request(&serve, "POST", "/v1/completions", &body(words(0..160)));
+    assert_eq!(first.status, 200, "{}", first.body);
+    let holder = first.header("x-kvroute-worker").expect("worker header");
+    eventually("the prompt's blocks in the index", || {
+        device_blocks(&serve, &holder) >= 10
+    });
+    let second = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        &body(format!("{} {}", words(0..128), words(200..240))),
+    );
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        second.header("x-kvroute-worker").as_deref(),
+        Some(holder.as_str())
+    );
+    assert_eq!(
+        second.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        128
+    );
+    assert_eq!(metric(&serve, "kvroute_proxy_load_only_total"), 0);
+    let _ = std::fs::remove_file(&path);
+}
+
+/// Device blocks of one rank of a worker, from `/workers`.
+fn rank_blocks(serve: &str, worker: &str, rank: u64) -> u64 {
+    let doc = request(serve, "GET", "/workers", "").json();
+    doc["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|w| w["name"] == worker)
+        .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
+        .filter(|r| r["dp_rank"] == rank)
+        .map(|r| r["blocks"]["device"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// A free port whose successor is free too (ranks 0 and 1 of one engine).
+fn free_port_pair(avoid: &[u16]) -> u16 {
+    loop {
+        let p = free_port();
+        if p < u16::MAX
+            && !avoid.iter().any(|a| *a == p || *a == p + 1)
+            && TcpListener::bind(("127.0.0.1", p + 1)).is_ok()
+        {
+            return p;
+        }
+    }
+}
+
+fn dp_rank_reaches_the_engine(flavor: &str, extra: &[&str]) {
+    // Fixed ports: rank r publishes on the rank-0 port + r.
+    let events = free_port_pair(&[]);
+    let replay = free_port_pair(&[events]);
+    let (events, replay) = (events.to_string(), replay.to_string());
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(["mocker", "--engine-flavor", flavor, "--dp-size", "2"])
+        .args(["--port", "0", "--kv-events-port", &events])
+        .args(["--replay-port", &replay, "--speedup", "100"])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute mocker runs");
+    let stdout = child.stdout.take().expect("stdout");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    let _mocker = Proc(child);
+    let line = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a worker line");
+    let (_serve, serve) = start_serve(&[line], extra);
+    // Prompts of increasing first token until the router picks rank 1: the
+    // mocker alone would pick rank 0 for an idle engine, so blocks on rank 1
+    // prove the rank reached it.
+    for i in 0..64u32 {
+        let prompt: Vec<u32> = (50_000 + i * 100..50_000 + i * 100 + 64).collect();
+        let r = request(
+            &serve,
+            "POST",
+            "/v1/completions",
+            &completion(&prompt, 1, false),
+        );
+        assert_eq!(r.status, 200, "{}", r.body);
+        if r.header("x-kvroute-dp-rank").as_deref() == Some("1") {
+            eventually("the prompt's blocks on rank 1", || {
+                rank_blocks(&serve, "w0", 1) >= 4
+            });
+            return;
+        }
+    }
+    panic!("rank 1 never chosen");
+}
+
+#[test]
+fn the_chosen_dp_rank_reaches_a_vllm_engine_by_header() {
+    dp_rank_reaches_the_engine("vllm", &[]);
+}
+
+#[test]
+fn the_chosen_dp_rank_reaches_an_sglang_engine_in_the_body() {
+    dp_rank_reaches_the_engine("sglang", &["--dp-rank-in-body"]);
+}
