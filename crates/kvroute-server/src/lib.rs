@@ -9,6 +9,7 @@ pub mod discover;
 pub mod http;
 pub mod ingest;
 pub mod proxy;
+pub mod query;
 pub mod registry;
 pub mod routing;
 pub mod spec;

@@ -28,7 +28,7 @@ use kvroute_core::tokens::fold_token_id;
 use serde_json::{json, Map, Value};
 use tracing::{debug, warn};
 
-use crate::http::{ApiError, AppState};
+use crate::http::AppState;
 use crate::registry::Registry;
 use crate::routing::{
     self, inject_dp_rank, order, predicted_cached_tokens, BusyThresholds, Load, Policy,
@@ -113,14 +113,14 @@ impl Breaker {
 const ACCURACY_BUCKETS: [u64; 7] = [0, 1, 16, 64, 256, 1024, 4096];
 
 #[derive(Debug, Default)]
-struct Metrics {
+pub(crate) struct Metrics {
     requests: AtomicU64,
     upstream_errors: AtomicU64,
     retries: AtomicU64,
     overloaded: AtomicU64,
     no_workers: AtomicU64,
     bad_requests: AtomicU64,
-    load_only: AtomicU64,
+    pub(crate) load_only: AtomicU64,
     comparisons: AtomicU64,
     exact: AtomicU64,
     diff_sum: AtomicU64,
@@ -133,10 +133,10 @@ struct Metrics {
 pub struct Router {
     config: RouterConfig,
     client: reqwest::Client,
-    targets: RwLock<Vec<Target>>,
+    pub(crate) targets: RwLock<Vec<Target>>,
     active: Mutex<HashMap<WorkerRank, ActiveSequences>>,
     breakers: Mutex<HashMap<String, Breaker>>,
-    metrics: Metrics,
+    pub(crate) metrics: Metrics,
     next_id: AtomicU64,
     turn: AtomicU64,
     rng: AtomicU64,
@@ -213,7 +213,7 @@ impl Router {
     }
 
     /// Fills in `req.tokens` from its text with the tokenizer, if there is one.
-    fn tokenize(&self, req: &mut RoutingRequest, body: &[u8], chat: bool) {
+    pub(crate) fn tokenize(&self, req: &mut RoutingRequest, body: &[u8], chat: bool) {
         if req.tokens.is_some() {
             return;
         }
@@ -250,7 +250,7 @@ impl Router {
     }
 
     /// A uniform number in `[0, 1)` (splitmix64 over an atomic counter).
-    fn random(&self) -> f64 {
+    pub(crate) fn random(&self) -> f64 {
         let mut z = self
             .rng
             .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
@@ -302,7 +302,7 @@ impl Router {
     }
 
     /// Scores every available candidate for a request.
-    fn score(
+    pub(crate) fn score(
         &self,
         index: &SharedIndex,
         locals_at: &dyn Fn(u32) -> Vec<LocalBlockHash>,
@@ -744,112 +744,6 @@ pub async fn models(State(state): State<AppState>) -> Response {
     }
     let data: Vec<Value> = seen.into_iter().map(|(_, v)| v).collect();
     Json(json!({"object": "list", "data": data})).into_response()
-}
-
-/// The `/query` answer for a request's local hashes at each block size.
-fn query_answer(
-    router: &Router,
-    index: &SharedIndex,
-    locals_at: &dyn Fn(u32) -> Vec<LocalBlockHash>,
-    request_tokens: &dyn Fn(u32) -> u64,
-) -> Value {
-    let targets = router
-        .targets
-        .read()
-        .unwrap_or_else(PoisonError::into_inner)
-        .clone();
-    let tokens = targets.first().map_or(0, |t| request_tokens(t.block_size));
-    let (_, scored) = router.score(index, locals_at, tokens);
-    let mut scores = Map::new();
-    let workers: Vec<Value> = scored
-        .iter()
-        .map(|s| {
-            let c = &s.candidate;
-            if c.device_blocks > 0 {
-                let entry = scores
-                    .entry(s.name.clone())
-                    .or_insert_with(|| Value::Object(Map::new()));
-                if let Some(m) = entry.as_object_mut() {
-                    m.insert(
-                        s.key.rank.to_string(),
-                        Value::from(u64::from(c.device_blocks) * u64::from(s.block_size)),
-                    );
-                }
-            }
-            json!({
-                "name": s.name,
-                "dp_rank": s.key.rank,
-                "device_blocks": c.device_blocks,
-                "host_blocks": c.host_blocks.saturating_sub(c.device_blocks),
-                "disk_blocks": c.any_blocks.saturating_sub(c.host_blocks),
-                "matched_tokens": u64::from(c.device_blocks) * u64::from(s.block_size),
-                "active_prefill_tokens": c.active_prefill_tokens,
-                "active_decode_blocks": c.active_decode_blocks,
-                "overloaded": s.overloaded,
-                "cost": {
-                    "prefill_blocks": s.cost.prefill_blocks,
-                    "overlap_credit": s.cost.overlap_credit,
-                    "prefill": s.cost.prefill,
-                    "decode_blocks": s.cost.decode_blocks,
-                    "requests": s.cost.requests,
-                    "total": s.cost.total,
-                },
-            })
-        })
-        .collect();
-    let ordered = order(
-        &scored,
-        Policy::Kv,
-        router.config.temperature,
-        router.random(),
-        0,
-    );
-    let chosen = ordered.first().map_or(
-        Value::Null,
-        |&i| json!({"name": scored[i].name, "dp_rank": scored[i].key.rank}),
-    );
-    json!({"scores": scores, "workers": workers, "chosen": chosen})
-}
-
-/// `POST /query`: what each (worker, rank) holds of a request and what it would cost.
-pub async fn query(State(state): State<AppState>, body: Bytes) -> Result<Json<Value>, ApiError> {
-    let mut req: RoutingRequest =
-        routing::parse_query(&body).map_err(|e| ApiError::bad_request(e.0))?;
-    let chat = req.text.is_some()
-        && serde_json::from_slice::<Value>(&body).is_ok_and(|v| v.get("messages").is_some());
-    state.router.tokenize(&mut req, &body, chat);
-    let Some(tokens) = &req.tokens else {
-        state
-            .router
-            .metrics
-            .load_only
-            .fetch_add(1, Ordering::Relaxed);
-        return Err(ApiError::bad_request(
-            "text prompts need `kvroute serve --tokenizer`; give `token_ids`",
-        ));
-    };
-    let n = tokens.len() as u64;
-    Ok(Json(query_answer(
-        &state.router,
-        &state.index,
-        &|bs| routing::request_hashes(&req, bs),
-        &|_| n,
-    )))
-}
-
-/// `POST /query_by_hash`: `/query` for precomputed `local_hashes`.
-pub async fn query_by_hash(
-    State(state): State<AppState>,
-    body: Bytes,
-) -> Result<Json<Value>, ApiError> {
-    let locals = routing::parse_hash_query(&body).map_err(|e| ApiError::bad_request(e.0))?;
-    let n = locals.len() as u64;
-    Ok(Json(query_answer(
-        &state.router,
-        &state.index,
-        &|_| locals.clone(),
-        &|bs| n * u64::from(bs),
-    )))
 }
 
 /// Prometheus text of the routing counters.
