@@ -4,22 +4,16 @@
 //! `/query` and the index-accuracy metric.
 
 use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
-/// A child process killed when the test ends, pass or fail.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+#[path = "support/fleet.rs"]
+mod fleet;
+use fleet::*;
 
 /// A response: status, lower-cased header block, body.
 struct Reply {
@@ -91,53 +85,6 @@ fn header_in(head: &str, name: &str) -> Option<String> {
     let prefix = format!("{name}:");
     head.lines()
         .find_map(|l| l.strip_prefix(&prefix).map(|v| v.trim().to_owned()))
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
-fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if check() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for: {what}");
-}
-
-/// Starts `kvroute mocker` with `workers` engines; returns it and the `--worker` lines.
-fn start_mocker(workers: usize, speedup: &str) -> (Proc, Vec<String>) {
-    let n = workers.to_string();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["mocker", "--workers", &n, "--port", "0"])
-        .args(["--kv-events-port", "0", "--replay-port", "0"])
-        .args(["--speedup", speedup])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute mocker runs");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    // Keep draining stdout: a closed pipe would end the engine at its next print.
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let lines = (0..workers)
-        .map(|_| {
-            rx.recv_timeout(Duration::from_secs(30))
-                .expect("a worker line")
-        })
-        .collect();
-    (Proc(child), lines)
 }
 
 /// Starts `kvroute serve` over `lines` with extra flags; waits until every rank is connected.
@@ -660,43 +607,8 @@ fn rank_blocks(serve: &str, worker: &str, rank: u64) -> u64 {
         .sum()
 }
 
-/// A free port whose successor is free too (ranks 0 and 1 of one engine).
-fn free_port_pair(avoid: &[u16]) -> u16 {
-    loop {
-        let p = free_port();
-        if p < u16::MAX
-            && !avoid.iter().any(|a| *a == p || *a == p + 1)
-            && TcpListener::bind(("127.0.0.1", p + 1)).is_ok()
-        {
-            return p;
-        }
-    }
-}
-
 fn dp_rank_reaches_the_engine(flavor: &str, extra: &[&str]) {
-    // Fixed ports: rank r publishes on the rank-0 port + r.
-    let events = free_port_pair(&[]);
-    let replay = free_port_pair(&[events]);
-    let (events, replay) = (events.to_string(), replay.to_string());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["mocker", "--engine-flavor", flavor, "--dp-size", "2"])
-        .args(["--port", "0", "--kv-events-port", &events])
-        .args(["--replay-port", &replay, "--speedup", "100"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute mocker runs");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let _mocker = Proc(child);
-    let line = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("a worker line");
+    let (_mocker, line) = start_two_rank_mocker(flavor);
     let (_serve, serve) = start_serve(&[line], extra);
     // Prompts of increasing first token until the router picks rank 1: the
     // mocker alone would pick rank 0 for an idle engine, so blocks on rank 1

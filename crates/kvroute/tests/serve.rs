@@ -2,23 +2,16 @@
 //! events flow from the engines into the index, `/workers` shows them, and the
 //! admin endpoints register and unregister workers behind a bearer token.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
 use serde_json::Value;
 
-/// A child process killed when the test ends, pass or fail.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
+#[path = "support/fleet.rs"]
+mod fleet;
+use fleet::*;
 
 fn request(
     host_port: &str,
@@ -57,75 +50,6 @@ fn json_body(raw: &str) -> Value {
     serde_json::from_str(&raw[start..=end]).expect("valid JSON")
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind")
-        .local_addr()
-        .expect("addr")
-        .port()
-}
-
-/// A free port whose successor is free too (ranks 0 and 1 of one engine).
-fn free_port_pair(avoid: &[u16]) -> u16 {
-    loop {
-        let p = free_port();
-        if p < u16::MAX
-            && !avoid.iter().any(|a| *a == p || *a == p + 1)
-            && TcpListener::bind(("127.0.0.1", p + 1)).is_ok()
-        {
-            return p;
-        }
-    }
-}
-
-fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
-        if check() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!("timed out waiting for: {what}");
-}
-
-fn start_mocker() -> (Proc, Vec<String>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "mocker",
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--kv-events-port",
-            "0",
-            "--replay-port",
-            "0",
-            "--speedup",
-            "100",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute mocker runs");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let lines = (0..2)
-        .map(|_| {
-            rx.recv_timeout(Duration::from_secs(30))
-                .expect("a worker line")
-        })
-        .collect();
-    (Proc(child), lines)
-}
-
 fn url_of(line: &str) -> String {
     line.split(',')
         .find_map(|kv| kv.strip_prefix("url=http://"))
@@ -149,7 +73,7 @@ fn device_blocks(serve: &str, worker: &str) -> u64 {
 
 #[test]
 fn serve_ingests_mocker_events_and_manages_workers() {
-    let (_mocker, lines) = start_mocker();
+    let (_mocker, lines) = start_mocker(2, "100");
     let port = free_port();
     let serve = format!("127.0.0.1:{port}");
     let port_arg = port.to_string();
@@ -295,39 +219,7 @@ fn body_with_prompt(first: u32) -> String {
 
 #[test]
 fn serve_discovers_an_sglang_worker_from_its_server_info() {
-    // Fixed ports: the descriptor gives a base port, and rank r is at base + r.
-    let events = free_port_pair(&[]);
-    let replay = free_port_pair(&[events]);
-    let (events, replay) = (events.to_string(), replay.to_string());
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "mocker",
-            "--engine-flavor",
-            "sglang",
-            "--dp-size",
-            "2",
-            "--port",
-            "0",
-            "--kv-events-port",
-            &events,
-        ])
-        .args(["--replay-port", &replay, "--speedup", "100"])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute mocker runs");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    // Keep draining stdout: a closed pipe would end the engine at its next print.
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("a worker line");
-    let _mocker = Proc(child);
+    let (_mocker, line) = start_two_rank_mocker("sglang");
     let engine = url_of(&line);
     let port = free_port();
     let serve = format!("127.0.0.1:{port}");
