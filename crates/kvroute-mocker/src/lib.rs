@@ -27,6 +27,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod chat_template;
 pub mod config;
 pub mod driver;
 pub mod encode;
