@@ -6,7 +6,8 @@
 //! engine payload → [`wire`] (decode, fold token ids with [`tokens`], hash
 //! blocks with [`hash`]) → [`event::KvEvent`] → the index.
 //! The request path folds and hashes prompt tokens with the same [`tokens`]
-//! and [`hash`] functions, so both sides meet on equal local block hashes.
+//! and [`hash`] functions, so both sides meet on equal local block hashes;
+//! prompts with images are laid out per engine flavour by [`multimodal`].
 
 #![forbid(unsafe_code)]
 
@@ -14,6 +15,7 @@ pub mod cursor;
 pub mod event;
 pub mod hash;
 pub mod index;
+pub mod multimodal;
 pub mod scheduler;
 pub mod tokens;
 pub mod wire;

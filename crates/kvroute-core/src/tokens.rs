@@ -3,8 +3,9 @@
 //! Engines publish token ids as msgpack integers of any width. Text ids always
 //! fit in `u32`, but SGLang 0.5.23 writes multimodal pad ids of about 62 bits
 //! (`1_000_000 + 62-bit digest slice`, four per image). kvroute hashes `u32`
-//! ids, so every id on every path (the event decoder and, later, the request
-//! side) passes through [`fold_token_id`]:
+//! ids, so every id on every path (the event decoder, and the request side
+//! including the wide pads of [`crate::multimodal`]) passes through
+//! [`fold_token_id`]:
 //!
 //! * an id that fits in `u32` passes through unchanged, bit for bit;
 //! * a wider id becomes `1_000_000 + (id & (2^30 - 1))`, a value in the image

@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::config::{ConfigError, MockerConfig};
+use crate::config::{ConfigError, EngineFlavor, MockerConfig};
 use crate::driver::{self, DriverOptions};
 use crate::encode::EncodeOptions;
 use crate::engine::{Engine, EngineConfig};
@@ -66,6 +66,8 @@ pub struct WorkerInfo {
     pub replay: Vec<String>,
     /// Tokens per block.
     pub block_size: usize,
+    /// The engine flavour (how its prompts lay out images; `flavor=` in the line).
+    pub flavor: EngineFlavor,
 }
 
 impl WorkerInfo {
@@ -75,7 +77,7 @@ impl WorkerInfo {
     }
 
     /// The `--worker` value of `kvroute serve`:
-    /// `name=…,url=…,events=tcp://…,replay=tcp://…,dp=…,block_size=…`
+    /// `name=…,url=…,events=tcp://…,replay=tcp://…,flavor=…,dp=…,block_size=…`
     /// (events and replay of rank 0; rank r uses the next ports).
     pub fn worker_arg(&self) -> String {
         let port = |endpoints: &[String]| {
@@ -86,11 +88,12 @@ impl WorkerInfo {
                 .to_owned()
         };
         format!(
-            "name={},url={},events=tcp://{host}:{},replay=tcp://{host}:{},dp={},block_size={}",
+            "name={},url={},events=tcp://{host}:{},replay=tcp://{host}:{},flavor={},dp={},block_size={}",
             self.name,
             self.url(),
             port(&self.events),
             port(&self.replay),
+            self.flavor.as_str(),
             self.events.len(),
             self.block_size,
             host = self.connect_host,
@@ -293,6 +296,7 @@ impl Fleet {
             events,
             replay,
             block_size: config.block_size,
+            flavor: config.flavor,
         });
         Ok(())
     }
@@ -368,11 +372,12 @@ mod tests {
             events: vec!["tcp://127.0.0.1:5559".into(), "tcp://127.0.0.1:5560".into()],
             replay: vec!["tcp://127.0.0.1:5659".into(), "tcp://127.0.0.1:5660".into()],
             block_size: 16,
+            flavor: EngineFlavor::Sglang,
         };
         assert_eq!(
             w.worker_arg(),
             "name=w1,url=http://127.0.0.1:8101,events=tcp://127.0.0.1:5559,\
-             replay=tcp://127.0.0.1:5659,dp=2,block_size=16"
+             replay=tcp://127.0.0.1:5659,flavor=sglang,dp=2,block_size=16"
         );
     }
 

@@ -187,7 +187,7 @@ pub fn hex(bytes: &[u8]) -> String {
     s
 }
 
-/// The SHA-256 of arbitrary bytes (image identities).
+/// The SHA-256 of arbitrary bytes.
 pub fn sha256_of(bytes: &[u8]) -> Digest32 {
     sha256(bytes)
 }

@@ -7,7 +7,7 @@ use serde_json::{json, Map, Value};
 
 use crate::config::EngineFlavor;
 use crate::engine::{MmPlacement, NewRequest, Usage};
-use crate::multimodal::{sglang_padding, ImageIdentity};
+use crate::multimodal::{sglang_padding, ImageIdentity, ImageSpan, ImageTokenRule};
 use crate::tokenizer::{FillerToken, Tokenizer};
 
 use super::ApiError;
@@ -312,12 +312,27 @@ pub struct PromptSettings {
     pub seed: u64,
 }
 
-/// Tokenizes a parsed request into the engine request and its planned output.
-pub fn build(
+/// A prompt laid out the flavour-neutral way: token ids with the image
+/// placeholder id in every image position, and the images' spans.
+///
+/// The engine ([`build`]) and the router's request side (`kvroute serve
+/// --tokenizer`) both start from this, so their token ids agree.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NeutralPrompt {
+    /// Token ids; image positions hold the tokenizer's image placeholder id.
+    pub tokens: Vec<u64>,
+    /// The images, in order, with the identity rule applied (client hash or URL).
+    pub images: Vec<ImageSpan>,
+}
+
+/// Tokenizes a parsed request's prompt: text through the tokenizer, chat
+/// specials, client token ids as given, and each image as vision start,
+/// `rule` placeholder positions, vision end.
+pub fn layout(
     parsed: &ParsedRequest,
     tokenizer: &Tokenizer,
-    settings: PromptSettings,
-) -> Result<(NewRequest, Vec<FillerToken>), ApiError> {
+    rule: ImageTokenRule,
+) -> Result<NeutralPrompt, ApiError> {
     let specials = tokenizer.specials();
     let images = parsed
         .segments
@@ -333,8 +348,7 @@ pub fn build(
         }
     }
     let mut prompt: Vec<u64> = Vec::new();
-    let mut mm_items = Vec::new();
-    let mut image_index = 0;
+    let mut spans = Vec::new();
     for segment in &parsed.segments {
         match segment {
             Segment::Text(text) => prompt.extend(
@@ -346,32 +360,70 @@ pub fn build(
             Segment::Special(SpecialToken::ImStart) => prompt.push(specials.im_start),
             Segment::Special(SpecialToken::ImEnd) => prompt.push(specials.im_end),
             Segment::Image(url) => {
-                let identity = match parsed.mm_hashes.as_ref().and_then(|h| h.get(image_index)) {
-                    Some(&hash) => ImageIdentity::from_hash(hash),
-                    None => ImageIdentity::from_url(url)
-                        .map_err(|e| bad(format!("image {image_index}: {e}")))?,
-                };
-                image_index += 1;
-                let n = settings.mm_tokens_per_image;
+                let image_index = spans.len();
+                let client_hash = parsed
+                    .mm_hashes
+                    .as_ref()
+                    .and_then(|h| h.get(image_index))
+                    .copied();
+                let identity = ImageIdentity::resolve(client_hash, url)
+                    .map_err(|e| bad(format!("image {image_index}: {e}")))?;
+                let len = rule.tokens_for(parsed.model.as_deref(), &identity);
                 prompt.push(specials.vision_start);
                 let start = prompt.len();
-                match settings.flavor {
-                    EngineFlavor::Sglang => prompt.extend(sglang_padding(identity.hash, n)),
-                    EngineFlavor::Vllm => {
-                        prompt.extend(std::iter::repeat_n(specials.image_pad, n));
-                        mm_items.push(MmPlacement {
-                            start,
-                            len: n,
-                            identifier: identity.identifier,
-                        });
-                    }
-                }
+                prompt.extend(std::iter::repeat_n(specials.image_pad, len));
+                spans.push(ImageSpan {
+                    start,
+                    len,
+                    identity,
+                });
                 prompt.push(specials.vision_end);
             }
         }
     }
     if prompt.is_empty() {
         return Err(bad("the prompt has no tokens"));
+    }
+    Ok(NeutralPrompt {
+        tokens: prompt,
+        images: spans,
+    })
+}
+
+/// Tokenizes a parsed request into the engine request and its planned output.
+pub fn build(
+    parsed: &ParsedRequest,
+    tokenizer: &Tokenizer,
+    settings: PromptSettings,
+) -> Result<(NewRequest, Vec<FillerToken>), ApiError> {
+    let NeutralPrompt {
+        tokens: mut prompt,
+        images,
+    } = layout(
+        parsed,
+        tokenizer,
+        ImageTokenRule::fixed(settings.mm_tokens_per_image),
+    )?;
+    let mut mm_items = Vec::new();
+    for image in images {
+        match settings.flavor {
+            EngineFlavor::Sglang => {
+                let end = image.start + image.len;
+                if let Some(span) = prompt.get_mut(image.start..end) {
+                    for (slot, pad) in span
+                        .iter_mut()
+                        .zip(sglang_padding(image.identity.hash, image.len))
+                    {
+                        *slot = pad;
+                    }
+                }
+            }
+            EngineFlavor::Vllm => mm_items.push(MmPlacement {
+                start: image.start,
+                len: image.len,
+                identifier: image.identity.identifier,
+            }),
+        }
     }
     let filler = tokenizer.filler(settings.seed, &prompt, parsed.max_tokens);
     let request = NewRequest {
@@ -640,5 +692,78 @@ mod tests {
         let p = parse(Endpoint::Chat, body).expect("ok");
         let err = build(&p, &Tokenizer::builtin(), settings).expect_err("count mismatch");
         assert!(err.message().contains("2 entries for 1 image"));
+    }
+
+    /// The router's per-flavour hashes of a prompt with an image equal the
+    /// local hashes the wire decoder computes from the engine's own events.
+    #[test]
+    fn router_hashes_of_an_image_prompt_equal_the_decoded_event_hashes() {
+        use crate::encode::{encode_batch, EncodeOptions};
+        use crate::engine::timing::TimingModel;
+        use crate::engine::{Engine, EngineConfig, RequestId};
+        use crate::EventFormat;
+        use kvroute_core::event::KvEvent;
+        use kvroute_core::hash::HASH_SEED;
+        use kvroute_core::multimodal::{prompt_local_hashes, WorkerFlavor};
+        use kvroute_core::tokens::fold_token_id;
+        use kvroute_core::wire::{DecoderConfig, StreamDecoder};
+
+        let body = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"what is this picture"},{"type":"image_url","image_url":{"url":"data:image/png;base64,aGVsbG8="}},{"type":"text","text":"and this one, please say"},{"type":"image_url","image_url":"https://x.invalid/b.png"}]}],"max_tokens":2}"#;
+        let parsed = parse(Endpoint::Chat, body).expect("ok");
+        let tok = Tokenizer::builtin();
+        let bs = 4;
+        for (flavor, router_flavor) in [
+            (EngineFlavor::Sglang, WorkerFlavor::Sglang),
+            (EngineFlavor::Vllm, WorkerFlavor::Vllm),
+        ] {
+            let settings = PromptSettings {
+                flavor,
+                mm_tokens_per_image: 7,
+                seed: 0,
+            };
+            let neutral = layout(&parsed, &tok, ImageTokenRule::fixed(7)).expect("ok");
+            let folded: Vec<u32> = neutral.tokens.iter().map(|&t| fold_token_id(t)).collect();
+            let expected =
+                prompt_local_hashes(&folded, &neutral.images, router_flavor, bs, HASH_SEED);
+            assert_eq!(expected.len(), folded.len() / bs);
+
+            let (request, _) = build(&parsed, &tok, settings).expect("ok");
+            let mut engine = Engine::new(EngineConfig {
+                flavor,
+                block_size: bs,
+                num_gpu_blocks: 256,
+                max_num_seqs: 4,
+                max_num_batched_tokens: 1024,
+                timing: TimingModel::default(),
+            });
+            engine.submit(RequestId(1), request).expect("accepted");
+            let mut decoder = StreamDecoder::new(DecoderConfig {
+                block_size: Some(bs as u32),
+                ..DecoderConfig::default()
+            });
+            let options = EncodeOptions {
+                flavor,
+                format: EventFormat::Map,
+            };
+            let mut decoded = Vec::new();
+            let mut steps = 0;
+            while let Some(step) = engine.step() {
+                steps += 1;
+                assert!(steps < 10_000, "engine did not go idle");
+                if step.events.is_empty() {
+                    continue;
+                }
+                let payload = encode_batch(options, 0.0, &step.events, Some(0), None);
+                let batch = decoder.decode(&payload).expect("envelope");
+                assert_eq!(batch.skipped().count(), 0, "{flavor:?}: no decode errors");
+                for event in batch.decoded() {
+                    if let KvEvent::Stored(s) = event {
+                        decoded.extend(s.blocks.iter().map(|b| b.local));
+                    }
+                }
+            }
+            assert!(decoded.len() >= expected.len(), "{flavor:?}");
+            assert_eq!(decoded[..expected.len()], expected[..], "{flavor:?}");
+        }
     }
 }
