@@ -33,6 +33,11 @@ enum Command {
         updates: mpsc::UnboundedSender<Update>,
     },
     Reset(oneshot::Sender<()>),
+    /// A read-only cache query: cached prefix tokens of a prompt.
+    CacheMatch {
+        request: NewRequest,
+        reply: oneshot::Sender<usize>,
+    },
 }
 
 /// Why a rank did not take a request.
@@ -64,6 +69,7 @@ impl std::fmt::Debug for Command {
         match self {
             Command::Submit { id, .. } => write!(f, "Submit({})", id.0),
             Command::Reset(_) => f.write_str("Reset"),
+            Command::CacheMatch { .. } => f.write_str("CacheMatch"),
         }
     }
 }
@@ -120,6 +126,18 @@ impl RankHandle {
             return Err(RankError::Stopped);
         }
         Ok(rx)
+    }
+
+    /// Prompt tokens of `request` this rank's cache holds now (see
+    /// [`Engine::cached_prefix_tokens`]); read-only, answered between steps
+    /// and while a step's simulated time elapses.
+    pub async fn cached_prefix_tokens(&self, request: NewRequest) -> Result<usize, RankError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Command::CacheMatch { request, reply })
+            .await
+            .map_err(|_| RankError::Stopped)?;
+        answer.await.map_err(|_| RankError::Stopped)
     }
 
     /// Clears the prefix cache (`AllBlocksCleared` goes out with the next batch).
@@ -266,6 +284,9 @@ impl Driver {
             Command::Reset(ack) => {
                 self.engine.reset_prefix_cache();
                 let _ = ack.send(());
+            }
+            Command::CacheMatch { request, reply } => {
+                let _ = reply.send(self.engine.cached_prefix_tokens(&request));
             }
         }
     }

@@ -397,6 +397,44 @@ impl Engine {
         ids
     }
 
+    /// Prompt tokens of `r` this rank's prefix cache holds right now: the
+    /// `cached_tokens` the request would report if it were admitted at once
+    /// (the longest run of cached full blocks, never the whole prompt).
+    ///
+    /// Read-only: nothing is pinned, touched or evicted, so asking does not
+    /// change what a later request finds. The oracle policy of `kvroute bench`
+    /// uses it (through `/internal/cache_match`) as the best possible routing
+    /// information.
+    pub fn cached_prefix_tokens(&self, r: &NewRequest) -> usize {
+        let bs = self.hasher.block_size;
+        let Some(last) = r.prompt.len().checked_sub(1) else {
+            return 0;
+        };
+        let probe = Request {
+            tokens: r.prompt.clone(),
+            prompt_len: r.prompt.len(),
+            output: Vec::new(),
+            generated: 0,
+            num_computed: 0,
+            blocks: Vec::new(),
+            digests: Vec::new(),
+            num_registered: 0,
+            cached_tokens: None,
+            mm_items: r.mm_items.clone(),
+        };
+        let mut parent: Option<Digest32> = None;
+        let mut hits = 0;
+        for b in 0..last / bs {
+            let digest = self.hasher.digest(parent.as_ref(), b, &probe);
+            if self.pool.lookup(&digest).is_none() {
+                break;
+            }
+            hits += 1;
+            parent = Some(digest);
+        }
+        hits * bs
+    }
+
     /// Counters and gauges.
     pub fn stats(&self) -> EngineStats {
         EngineStats {

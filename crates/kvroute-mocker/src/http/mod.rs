@@ -9,6 +9,7 @@
 //! | `GET /metrics` | Prometheus text: the engine's gauges and counters per rank |
 //! | `POST /reset_prefix_cache` (also SGLang's `/flush_cache`) | clear every rank's cache → `AllBlocksCleared` |
 //! | `GET /server_info` (SGLang flavour) | SGLang's `kv_events` descriptor |
+//! | `POST /internal/cache_match` | internal: cached prefix tokens of a request body on every rank (the bench's oracle) |
 //!
 //! A request goes to the rank named by the `X-data-parallel-rank` header or
 //! the body's `data_parallel_rank`, else to the rank with the fewest requests
@@ -166,6 +167,7 @@ pub fn app(state: Arc<EngineState>) -> Router {
         )
         .route("/server_info", get(server_info))
         .route("/get_server_info", get(server_info))
+        .route("/internal/cache_match", post(cache_match))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), delay))
@@ -315,6 +317,61 @@ async fn generate(
     } else {
         full_response(meta, filler, updates).await
     }
+}
+
+/// `POST /internal/cache_match`: how many prompt tokens of a request each
+/// rank's prefix cache holds right now, without running or changing anything.
+///
+/// The body is a `/v1/completions` or `/v1/chat/completions` body, optionally
+/// with `"endpoint": "completions" | "chat"` (without it, a body with
+/// `messages` is a chat request). The prompt is built exactly as the real
+/// request would build it (chat template, images), and the answer is
+/// `{"ranks": [{"rank", "matched_tokens"}], "prompt_tokens"}`, where
+/// `matched_tokens` is the `cached_tokens` the request would report if that
+/// rank admitted it now. Internal: it exists so a benchmark can compute the
+/// best achievable routing (an oracle); no real engine has it.
+async fn cache_match(
+    State(state): State<Arc<EngineState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
+    let value: Value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let endpoint = match value.get("endpoint") {
+        None | Some(Value::Null) => {
+            if value.get("messages").is_some() {
+                Endpoint::Chat
+            } else {
+                Endpoint::Completions
+            }
+        }
+        Some(Value::String(s)) if s == "completions" => Endpoint::Completions,
+        Some(Value::String(s)) if s == "chat" => Endpoint::Chat,
+        Some(_) => {
+            return Err(ApiError::bad_request(
+                "`endpoint` must be \"completions\" or \"chat\"",
+            ))
+        }
+    };
+    let parsed = openai::parse(endpoint, &body)?;
+    let tokenizer = state.tokenizer.clone();
+    let settings = state.prompt;
+    let (request, _) =
+        tokio::task::spawn_blocking(move || openai::build(&parsed, &tokenizer, settings))
+            .await
+            .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let mut ranks = Vec::with_capacity(state.ranks.len());
+    for rank in &state.ranks {
+        let matched = rank
+            .cached_prefix_tokens(request.clone())
+            .await
+            .map_err(|e| ApiError::unavailable(e.to_string()))?;
+        ranks.push(json!({"rank": rank.rank(), "matched_tokens": matched}));
+    }
+    Ok(Json(json!({
+        "ranks": ranks,
+        "prompt_tokens": request.prompt.len(),
+    })))
 }
 
 fn pick_rank<'a>(
