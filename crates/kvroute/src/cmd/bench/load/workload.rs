@@ -1,0 +1,762 @@
+//! The benchmark's workloads: seeded, deterministic request generators.
+//!
+//! Every size below is the size at `scale` 1.0; a run at scale `s` uses
+//! `max(1, round(size · s))` tokens (or words, or images) instead. Token ids
+//! are drawn uniformly below 151,643, so they are plain text ids for Qwen-style
+//! vocabularies and the mocker. The n-th request of a run is the same on
+//! every run with the same spec (for `multi-turn`, each conversation's n-th
+//! turn is; which conversation goes next depends on which one finished).
+//!
+//! | workload | requests | reuse |
+//! | --- | --- | --- |
+//! | `shared-prefix` | one of `groups` system prompts (6,000 tokens, picked uniformly) + a unique question (1,200 tokens) | the system prompt (llm-d's published benchmark shape) |
+//! | `multi-turn` | `groups` conversations of 8 turns: a 1,000-token system prompt, then per turn a 200-token user message; each turn's prompt is the previous prompt + a synthetic assistant reply of `max_tokens` ids + the new user message | the whole previous prompt |
+//! | `long-doc` | one of `groups` documents (10,000 tokens, picked uniformly) + a unique question (100 tokens) | the document |
+//! | `images` | chat requests: half a text-only chat from a pool of `groups` (500 words, resent verbatim), half an image from a pool of `groups` followed by a new 30-word question | repeated chats, repeated images |
+//! | `random` | 7,200 unique tokens (the size of a shared-prefix request) | none: the overhead case |
+//!
+//! Requests go to `POST /v1/completions` with a token-id prompt (or, with
+//! `text`, the same ids rendered as words, one word per id) except `images`,
+//! which posts `/v1/chat/completions`. All stream with usage and set
+//! `ignore_eos`, so every request generates exactly `max_tokens`.
+
+use std::sync::Mutex;
+
+use kvroute_mocker::rng::SplitMix64;
+use serde::Serialize;
+use serde_json::{json, Value};
+use tokio::sync::Notify;
+
+/// Token ids are drawn below this (Qwen2's first special id): plain text ids.
+pub const TEXT_VOCAB: u64 = 151_643;
+
+/// Sizes at scale 1.0 (tokens unless named otherwise).
+pub mod sizes {
+    /// `shared-prefix`: tokens of each group's system prompt (llm-d's benchmark).
+    pub const SHARED_PREFIX: usize = 6_000;
+    /// `shared-prefix`: tokens of each request's unique question (llm-d's benchmark).
+    pub const SHARED_QUESTION: usize = 1_200;
+    /// `multi-turn`: tokens of each conversation's system prompt.
+    pub const MULTI_TURN_SYSTEM: usize = 1_000;
+    /// `multi-turn`: tokens of each user message.
+    pub const MULTI_TURN_USER: usize = 200;
+    /// `multi-turn`: turns before a conversation starts over with new content (not scaled).
+    pub const MULTI_TURN_TURNS: usize = 8;
+    /// `long-doc`: tokens of each document.
+    pub const LONG_DOC: usize = 10_000;
+    /// `long-doc`: tokens of each question.
+    pub const LONG_DOC_QUESTION: usize = 100;
+    /// `images`: words of each text-only chat.
+    pub const IMAGES_TEXT_WORDS: usize = 500;
+    /// `images`: words of the question after an image.
+    pub const IMAGES_QUESTION_WORDS: usize = 30;
+    /// `images`: side of each generated RGB image in pixels (not scaled).
+    pub const IMAGE_SIDE: usize = 32;
+    /// `random`: tokens of each prompt.
+    pub const RANDOM: usize = 7_200;
+}
+
+/// Which traffic to generate (see the module documentation for sizes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WorkloadKind {
+    /// `groups` long system prompts shared by many requests, each with a unique question.
+    SharedPrefix,
+    /// Conversations that grow turn by turn; each turn resends the whole history.
+    MultiTurn,
+    /// Many short questions over a few long documents.
+    LongDoc,
+    /// Chat requests with repeated images and repeated text-only chats.
+    Images,
+    /// All-unique prompts: no reuse, the router's overhead case.
+    Random,
+}
+
+impl WorkloadKind {
+    /// The command-line name (`shared-prefix`, …).
+    pub fn name(self) -> &'static str {
+        match self {
+            WorkloadKind::SharedPrefix => "shared-prefix",
+            WorkloadKind::MultiTurn => "multi-turn",
+            WorkloadKind::LongDoc => "long-doc",
+            WorkloadKind::Images => "images",
+            WorkloadKind::Random => "random",
+        }
+    }
+}
+
+/// A workload and its knobs; the same spec always yields the same requests.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkloadSpec {
+    /// Which traffic.
+    pub kind: WorkloadKind,
+    /// Seed of every random choice and token.
+    pub seed: u64,
+    /// Multiplies every size (1.0 = llm-d's full sizes; a laptop demo uses ~0.05–0.1).
+    pub scale: f64,
+    /// Groups (`shared-prefix`), conversations (`multi-turn`), documents
+    /// (`long-doc`), or the size of both pools (`images`); `random` ignores it.
+    pub groups: usize,
+    /// Prompt positions the target engine gives one image (recorded in the
+    /// report so `images` hit rates can be read against it; the engine decides).
+    pub mm_tokens_per_image: usize,
+    /// Tokens generated per request.
+    pub max_tokens: u32,
+    /// Send completion prompts as text (one word per token id) instead of ids;
+    /// the router then needs a tokenizer to see the prefixes.
+    pub text: bool,
+    /// The `model` field of every request; none when `None`.
+    pub model: Option<String>,
+}
+
+impl Default for WorkloadSpec {
+    fn default() -> Self {
+        WorkloadSpec {
+            kind: WorkloadKind::SharedPrefix,
+            seed: 1,
+            scale: 1.0,
+            groups: 8,
+            mm_tokens_per_image: 64,
+            max_tokens: 32,
+            text: false,
+            model: None,
+        }
+    }
+}
+
+impl WorkloadSpec {
+    /// `size` at this spec's scale: `max(1, round(size · scale))`.
+    pub fn scaled(&self, size: usize) -> usize {
+        let scale = if self.scale.is_finite() && self.scale > 0.0 {
+            self.scale
+        } else {
+            1.0
+        };
+        ((size as f64 * scale).round() as usize).max(1)
+    }
+
+    /// The spec as the report's `workload` object, with the resulting sizes.
+    pub fn describe(&self) -> Value {
+        let s = |n| self.scaled(n);
+        let sizes = match self.kind {
+            WorkloadKind::SharedPrefix => json!({
+                "prefix_tokens": s(sizes::SHARED_PREFIX),
+                "question_tokens": s(sizes::SHARED_QUESTION),
+            }),
+            WorkloadKind::MultiTurn => json!({
+                "system_tokens": s(sizes::MULTI_TURN_SYSTEM),
+                "user_tokens": s(sizes::MULTI_TURN_USER),
+                "reply_tokens": self.max_tokens,
+                "turns": sizes::MULTI_TURN_TURNS,
+            }),
+            WorkloadKind::LongDoc => json!({
+                "document_tokens": s(sizes::LONG_DOC),
+                "question_tokens": s(sizes::LONG_DOC_QUESTION),
+            }),
+            WorkloadKind::Images => json!({
+                "text_words": s(sizes::IMAGES_TEXT_WORDS),
+                "question_words": s(sizes::IMAGES_QUESTION_WORDS),
+                "image_side_px": sizes::IMAGE_SIDE,
+                "mm_tokens_per_image": self.mm_tokens_per_image,
+            }),
+            WorkloadKind::Random => json!({"prompt_tokens": s(sizes::RANDOM)}),
+        };
+        json!({
+            "name": self.kind.name(),
+            "seed": self.seed,
+            "scale": self.scale,
+            "groups": self.groups,
+            "max_tokens": self.max_tokens,
+            "prompt": if self.text { "text" } else { "token_ids" },
+            "sizes": sizes,
+        })
+    }
+}
+
+/// What a request repeats, for the `images` workload's per-kind hit rates.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RepeatLabel {
+    /// A text workload's request (no per-kind accounting).
+    Plain,
+    /// The first use of a text-only chat or an image.
+    First,
+    /// A text-only chat sent before, resent verbatim.
+    TextRepeat,
+    /// An image sent before, with a new question.
+    ImageRepeat,
+}
+
+/// One request to send.
+#[derive(Debug, Clone)]
+pub struct PlannedRequest {
+    /// `/v1/completions` or `/v1/chat/completions`.
+    pub path: &'static str,
+    /// The JSON body.
+    pub body: Value,
+    /// What it repeats.
+    pub label: RepeatLabel,
+    /// The `multi-turn` conversation it belongs to (release it with [`Workload::finished`]).
+    pub conversation: Option<usize>,
+}
+
+/// A mixing step, so seeds of neighbouring items are unrelated.
+fn mix(a: u64, b: u64) -> u64 {
+    SplitMix64::new(a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+}
+
+/// `n` token ids from `rng`.
+fn ids(rng: &mut SplitMix64, n: usize) -> Vec<u32> {
+    (0..n)
+        .map(|_| (rng.next_u64() % TEXT_VOCAB) as u32)
+        .collect()
+}
+
+/// A token id as a word: a space and four lowercase letters (base 26), one
+/// piece (one token) for the mocker's built-in tokenizer; distinct ids give
+/// distinct words, so equal id prefixes render to equal text prefixes.
+fn word(id: u32, out: &mut String) {
+    out.push(' ');
+    let mut v = id;
+    for _ in 0..4 {
+        out.push(char::from(b'a' + (v % 26) as u8));
+        v /= 26;
+    }
+}
+
+/// Ids rendered as words (see [`word`]).
+pub fn render_words(ids: &[u32]) -> String {
+    let mut s = String::with_capacity(ids.len() * 5);
+    for &id in ids {
+        word(id, &mut s);
+    }
+    s
+}
+
+struct Conversation {
+    /// Everything sent and "replied" so far.
+    history: Vec<u32>,
+    turns: usize,
+    /// Times this conversation started over (seeds its next content).
+    epoch: u64,
+    busy: bool,
+}
+
+struct State {
+    rng: SplitMix64,
+    issued: u64,
+    /// `shared-prefix` prompts or `long-doc` documents.
+    prefixes: Vec<Vec<u32>>,
+    conversations: Vec<Conversation>,
+    next_conversation: usize,
+    images: Vec<String>,
+    image_used: Vec<bool>,
+    chat_used: Vec<bool>,
+}
+
+/// A running workload: hands out requests in order, and for `multi-turn`
+/// holds a conversation's next turn until its previous turn finished.
+pub struct Workload {
+    spec: WorkloadSpec,
+    state: Mutex<State>,
+    idle: Notify,
+}
+
+impl std::fmt::Debug for Workload {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Workload")
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Workload {
+    /// Builds the shared content (prefixes, documents, images) from the seed.
+    pub fn new(spec: &WorkloadSpec) -> Self {
+        let groups = spec.groups.max(1);
+        let seed = spec.seed;
+        let mut prefixes = Vec::new();
+        let mut images = Vec::new();
+        let mut conversations = Vec::new();
+        match spec.kind {
+            WorkloadKind::SharedPrefix | WorkloadKind::LongDoc => {
+                let n = spec.scaled(if spec.kind == WorkloadKind::SharedPrefix {
+                    sizes::SHARED_PREFIX
+                } else {
+                    sizes::LONG_DOC
+                });
+                for g in 0..groups {
+                    let mut rng = SplitMix64::new(mix(seed, 1_000 + g as u64));
+                    prefixes.push(ids(&mut rng, n));
+                }
+            }
+            WorkloadKind::MultiTurn => {
+                conversations = (0..groups)
+                    .map(|_| Conversation {
+                        history: Vec::new(),
+                        turns: 0,
+                        epoch: 0,
+                        busy: false,
+                    })
+                    .collect();
+            }
+            WorkloadKind::Images => {
+                for i in 0..groups {
+                    let mut rng = SplitMix64::new(mix(seed, 2_000 + i as u64));
+                    images.push(image_data_url(&mut rng, sizes::IMAGE_SIDE));
+                }
+            }
+            WorkloadKind::Random => {}
+        }
+        Workload {
+            spec: spec.clone(),
+            state: Mutex::new(State {
+                rng: SplitMix64::new(mix(seed, 1)),
+                issued: 0,
+                prefixes,
+                conversations,
+                next_conversation: 0,
+                image_used: vec![false; images.len()],
+                images,
+                chat_used: vec![false; groups],
+            }),
+            idle: Notify::new(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        match self.state.lock() {
+            Ok(g) => g,
+            Err(poisoned) => poisoned.into_inner(),
+        }
+    }
+
+    /// The next request; for `multi-turn` it waits until some conversation
+    /// has no turn in flight.
+    pub async fn next(&self) -> PlannedRequest {
+        loop {
+            let idle = self.idle.notified();
+            if let Some(r) = self.try_next() {
+                return r;
+            }
+            idle.await;
+        }
+    }
+
+    /// The next request, or `None` when every `multi-turn` conversation has a
+    /// turn in flight.
+    pub fn try_next(&self) -> Option<PlannedRequest> {
+        let spec = &self.spec;
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let n = st.issued;
+        let request = match spec.kind {
+            WorkloadKind::SharedPrefix | WorkloadKind::LongDoc => {
+                let g = st.rng.below(st.prefixes.len());
+                let q = spec.scaled(if spec.kind == WorkloadKind::SharedPrefix {
+                    sizes::SHARED_QUESTION
+                } else {
+                    sizes::LONG_DOC_QUESTION
+                });
+                let mut rng = SplitMix64::new(mix(spec.seed, (1 << 40) | n));
+                let mut prompt = st.prefixes[g].clone();
+                prompt.extend(ids(&mut rng, q));
+                self.completion(&prompt, None)
+            }
+            WorkloadKind::Random => {
+                let mut rng = SplitMix64::new(mix(spec.seed, (1 << 40) | n));
+                let prompt = ids(&mut rng, spec.scaled(sizes::RANDOM));
+                self.completion(&prompt, None)
+            }
+            WorkloadKind::MultiTurn => {
+                let count = st.conversations.len();
+                let c = (0..count)
+                    .map(|k| (st.next_conversation + k) % count)
+                    .find(|&c| !st.conversations[c].busy)?;
+                st.next_conversation = (c + 1) % count.max(1);
+                let conv = &mut st.conversations[c];
+                if conv.turns == sizes::MULTI_TURN_TURNS {
+                    conv.turns = 0;
+                    conv.epoch += 1;
+                    conv.history.clear();
+                }
+                let mut rng = SplitMix64::new(mix(
+                    spec.seed,
+                    (3 << 40) | ((c as u64) << 20) | (conv.epoch << 8) | conv.turns as u64,
+                ));
+                if conv.turns == 0 {
+                    conv.history = ids(&mut rng, spec.scaled(sizes::MULTI_TURN_SYSTEM));
+                }
+                conv.history
+                    .extend(ids(&mut rng, spec.scaled(sizes::MULTI_TURN_USER)));
+                let prompt = conv.history.clone();
+                // The assistant's reply, client-side: the next turn resends it.
+                conv.history
+                    .extend(ids(&mut rng, spec.max_tokens.max(1) as usize));
+                conv.turns += 1;
+                conv.busy = true;
+                self.completion(&prompt, Some(c))
+            }
+            WorkloadKind::Images => {
+                let pool = st.images.len().max(1);
+                let item = st.rng.below(pool);
+                if st.rng.next_u64() & 1 == 0 {
+                    let label = if std::mem::replace(&mut st.chat_used[item], true) {
+                        RepeatLabel::TextRepeat
+                    } else {
+                        RepeatLabel::First
+                    };
+                    let mut rng = SplitMix64::new(mix(spec.seed, (4 << 40) | item as u64));
+                    let words = ids(&mut rng, spec.scaled(sizes::IMAGES_TEXT_WORDS));
+                    let messages = json!([{"role": "user", "content": render_words(&words)}]);
+                    self.chat(messages, label)
+                } else {
+                    let label = if std::mem::replace(&mut st.image_used[item], true) {
+                        RepeatLabel::ImageRepeat
+                    } else {
+                        RepeatLabel::First
+                    };
+                    let mut rng = SplitMix64::new(mix(spec.seed, (5 << 40) | n));
+                    let words = ids(&mut rng, spec.scaled(sizes::IMAGES_QUESTION_WORDS));
+                    let messages = json!([{"role": "user", "content": [
+                        {"type": "image_url", "image_url": {"url": st.images[item]}},
+                        {"type": "text", "text": render_words(&words)},
+                    ]}]);
+                    self.chat(messages, label)
+                }
+            }
+        };
+        st.issued += 1;
+        Some(request)
+    }
+
+    /// Marks a request done; a `multi-turn` conversation may send its next turn.
+    pub fn finished(&self, request: &PlannedRequest) {
+        if let Some(c) = request.conversation {
+            if let Some(conv) = self.lock().conversations.get_mut(c) {
+                conv.busy = false;
+            }
+            self.idle.notify_waiters();
+        }
+    }
+
+    fn common(&self, body: &mut Value) {
+        body["max_tokens"] = json!(self.spec.max_tokens.max(1));
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+        body["ignore_eos"] = json!(true);
+        if let Some(model) = &self.spec.model {
+            body["model"] = json!(model);
+        }
+    }
+
+    fn completion(&self, prompt: &[u32], conversation: Option<usize>) -> PlannedRequest {
+        let mut body = if self.spec.text {
+            json!({"prompt": render_words(prompt)})
+        } else {
+            json!({ "prompt": prompt })
+        };
+        self.common(&mut body);
+        PlannedRequest {
+            path: "/v1/completions",
+            body,
+            label: RepeatLabel::Plain,
+            conversation,
+        }
+    }
+
+    fn chat(&self, messages: Value, label: RepeatLabel) -> PlannedRequest {
+        let mut body = json!({ "messages": messages });
+        self.common(&mut body);
+        PlannedRequest {
+            path: "/v1/chat/completions",
+            body,
+            label,
+            conversation: None,
+        }
+    }
+}
+
+/// A valid PNG (8-bit RGB, `side`×`side` random pixels, stored deflate
+/// blocks) as a `data:image/png;base64,` URL: real engines can decode it, and
+/// distinct seeds give distinct images.
+pub fn image_data_url(rng: &mut SplitMix64, side: usize) -> String {
+    let side = side.clamp(1, 128);
+    let mut raw = Vec::with_capacity(side * (side * 3 + 1));
+    for _ in 0..side {
+        // Each row: filter type 0 (none), then its RGB bytes.
+        raw.extend(std::iter::once(0).chain((0..side * 3).map(|_| (rng.next_u64() >> 56) as u8)));
+    }
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut ihdr = Vec::new();
+    ihdr.extend_from_slice(&(side as u32).to_be_bytes());
+    ihdr.extend_from_slice(&(side as u32).to_be_bytes());
+    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
+    png_chunk(&mut png, b"IHDR", &ihdr);
+    // zlib stream of stored blocks (≤ 65,535 bytes each).
+    let mut z = vec![0x78, 0x01];
+    let mut chunks = raw.chunks(65_535).peekable();
+    while let Some(block) = chunks.next() {
+        z.push(u8::from(chunks.peek().is_none()));
+        let len = block.len() as u16;
+        z.extend_from_slice(&len.to_le_bytes());
+        z.extend_from_slice(&(!len).to_le_bytes());
+        z.extend_from_slice(block);
+    }
+    z.extend_from_slice(&adler32(&raw).to_be_bytes());
+    png_chunk(&mut png, b"IDAT", &z);
+    png_chunk(&mut png, b"IEND", &[]);
+    format!("data:image/png;base64,{}", base64(&png))
+}
+
+fn png_chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
+    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
+    let start = out.len();
+    out.extend_from_slice(kind);
+    out.extend_from_slice(data);
+    let crc = crc32(&out[start..]);
+    out.extend_from_slice(&crc.to_be_bytes());
+}
+
+fn crc32(bytes: &[u8]) -> u32 {
+    let mut crc = 0xFFFF_FFFFu32;
+    for &b in bytes {
+        crc ^= u32::from(b);
+        for _ in 0..8 {
+            crc = if crc & 1 == 1 {
+                (crc >> 1) ^ 0xEDB8_8320
+            } else {
+                crc >> 1
+            };
+        }
+    }
+    !crc
+}
+
+fn adler32(bytes: &[u8]) -> u32 {
+    let (mut a, mut b) = (1u32, 0u32);
+    for &x in bytes {
+        a = (a + u32::from(x)) % 65_521;
+        b = (b + a) % 65_521;
+    }
+    (b << 16) | a
+}
+
+/// Standard base64 with padding.
+pub fn base64(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
+    for chunk in bytes.chunks(3) {
+        let b = [
+            chunk[0],
+            chunk.get(1).copied().unwrap_or(0),
+            chunk.get(2).copied().unwrap_or(0),
+        ];
+        let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
+        for i in 0..4 {
+            if i <= chunk.len() {
+                out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
+            } else {
+                out.push('=');
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(kind: WorkloadKind) -> WorkloadSpec {
+        WorkloadSpec {
+            kind,
+            scale: 0.01,
+            groups: 3,
+            max_tokens: 4,
+            ..WorkloadSpec::default()
+        }
+    }
+
+    fn prompt_ids(r: &PlannedRequest) -> Vec<u64> {
+        r.body["prompt"]
+            .as_array()
+            .expect("ids")
+            .iter()
+            .map(|v| v.as_u64().expect("id"))
+            .collect()
+    }
+
+    #[test]
+    fn the_same_spec_gives_the_same_requests() {
+        for kind in [
+            WorkloadKind::SharedPrefix,
+            WorkloadKind::LongDoc,
+            WorkloadKind::Images,
+            WorkloadKind::Random,
+        ] {
+            let (a, b) = (Workload::new(&spec(kind)), Workload::new(&spec(kind)));
+            for _ in 0..20 {
+                let (x, y) = (a.try_next().expect("x"), b.try_next().expect("y"));
+                assert_eq!(x.body, y.body);
+                assert_eq!(x.label, y.label);
+            }
+            let other = Workload::new(&WorkloadSpec {
+                seed: 2,
+                ..spec(kind)
+            });
+            assert_ne!(
+                Workload::new(&spec(kind)).try_next().expect("r").body,
+                other.try_next().expect("r").body
+            );
+        }
+    }
+
+    #[test]
+    fn shared_prefix_requests_share_one_of_the_group_prefixes() {
+        let w = Workload::new(&WorkloadSpec {
+            scale: 0.1,
+            ..spec(WorkloadKind::SharedPrefix)
+        });
+        let mut prefixes = std::collections::HashSet::new();
+        let mut questions = std::collections::HashSet::new();
+        for _ in 0..50 {
+            let r = w.try_next().expect("request");
+            assert_eq!(r.path, "/v1/completions");
+            assert_eq!(r.body["stream"], true);
+            assert_eq!(r.body["stream_options"]["include_usage"], true);
+            assert_eq!(r.body["max_tokens"], 4);
+            let p = prompt_ids(&r);
+            assert_eq!(p.len(), 600 + 120);
+            assert!(p.iter().all(|&id| id < TEXT_VOCAB));
+            prefixes.insert(p[..600].to_vec());
+            questions.insert(p[600..].to_vec());
+        }
+        assert_eq!(prefixes.len(), 3);
+        assert_eq!(questions.len(), 50);
+    }
+
+    #[test]
+    fn random_prompts_share_nothing() {
+        let w = Workload::new(&spec(WorkloadKind::Random));
+        let a = prompt_ids(&w.try_next().expect("a"));
+        let b = prompt_ids(&w.try_next().expect("b"));
+        assert_eq!(a.len(), 72);
+        assert_ne!(a[..16], b[..16]);
+    }
+
+    #[test]
+    fn multi_turn_turns_extend_the_previous_prompt_and_wait_for_it() {
+        let w = Workload::new(&WorkloadSpec {
+            groups: 2,
+            scale: 0.1,
+            ..spec(WorkloadKind::MultiTurn)
+        });
+        let t0 = w.try_next().expect("conversation 0");
+        let t1 = w.try_next().expect("conversation 1");
+        assert_eq!((t0.conversation, t1.conversation), (Some(0), Some(1)));
+        assert!(w.try_next().is_none(), "both conversations are in flight");
+        let p0 = prompt_ids(&t0);
+        assert_eq!(p0.len(), 100 + 20);
+        w.finished(&t0);
+        let t2 = w.try_next().expect("conversation 0 again");
+        assert_eq!(t2.conversation, Some(0));
+        let p2 = prompt_ids(&t2);
+        // previous prompt + reply (max_tokens) + new user message
+        assert_eq!(p2.len(), p0.len() + 4 + 20);
+        assert_eq!(p2[..p0.len()], p0[..]);
+        // After the last turn the conversation starts over.
+        let mut last = t2;
+        for _ in 2..sizes::MULTI_TURN_TURNS {
+            w.finished(&last);
+            last = w.try_next().expect("next turn");
+            assert_eq!(last.conversation, Some(0));
+        }
+        w.finished(&last);
+        let fresh = prompt_ids(&w.try_next().expect("restart"));
+        assert_eq!(fresh.len(), 120);
+        assert_ne!(fresh[..16], p0[..16]);
+    }
+
+    #[tokio::test]
+    async fn multi_turn_next_waits_for_a_finished_turn() {
+        let w = std::sync::Arc::new(Workload::new(&WorkloadSpec {
+            groups: 1,
+            ..spec(WorkloadKind::MultiTurn)
+        }));
+        let first = w.next().await;
+        let waiter = tokio::spawn({
+            let w = w.clone();
+            async move { w.next().await }
+        });
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished());
+        w.finished(&first);
+        let second = tokio::time::timeout(std::time::Duration::from_secs(5), waiter)
+            .await
+            .expect("woken")
+            .expect("task");
+        assert_eq!(second.conversation, Some(0));
+    }
+
+    #[test]
+    fn images_label_first_uses_and_repeats() {
+        let w = Workload::new(&spec(WorkloadKind::Images));
+        let mut seen_text = std::collections::HashMap::new();
+        let mut labels = std::collections::HashMap::new();
+        for _ in 0..60 {
+            let r = w.try_next().expect("request");
+            assert_eq!(r.path, "/v1/chat/completions");
+            *labels.entry(format!("{:?}", r.label)).or_insert(0) += 1;
+            let content = &r.body["messages"][0]["content"];
+            if let Some(text) = content.as_str() {
+                let before = seen_text.insert(text.to_owned(), ());
+                assert_eq!(before.is_some(), r.label == RepeatLabel::TextRepeat);
+            } else {
+                let url = content[0]["image_url"]["url"].as_str().expect("url");
+                assert!(url.starts_with("data:image/png;base64,iVBORw0KGgo"));
+                assert_ne!(r.label, RepeatLabel::TextRepeat);
+            }
+        }
+        // 3 chats + 3 images → at most 6 first uses; the rest are repeats.
+        assert!(labels.get("First").copied().unwrap_or(0) <= 6);
+        assert!(labels.contains_key("TextRepeat") && labels.contains_key("ImageRepeat"));
+    }
+
+    #[test]
+    fn text_mode_renders_one_word_per_id_with_stable_prefixes() {
+        let w = Workload::new(&WorkloadSpec {
+            text: true,
+            model: Some("m".into()),
+            ..spec(WorkloadKind::SharedPrefix)
+        });
+        let a = w.try_next().expect("a");
+        let text = a.body["prompt"].as_str().expect("text prompt");
+        assert_eq!(text.split(' ').filter(|w| !w.is_empty()).count(), 60 + 12);
+        assert_eq!(a.body["model"], "m");
+        assert_eq!(render_words(&[0, 1, 26]), " aaaa baaa abaa");
+    }
+
+    #[test]
+    fn base64_and_png_checksums_match_known_values() {
+        assert_eq!(base64(b""), "");
+        assert_eq!(base64(b"f"), "Zg==");
+        assert_eq!(base64(b"fo"), "Zm8=");
+        assert_eq!(base64(b"foo"), "Zm9v");
+        assert_eq!(base64(b"hello"), "aGVsbG8=");
+        assert_eq!(crc32(b"IEND"), 0xAE42_6082);
+        assert_eq!(adler32(b"Wikipedia"), 0x11E6_0398);
+    }
+
+    #[test]
+    fn scale_never_gives_zero_and_describe_names_the_sizes() {
+        let s = WorkloadSpec {
+            scale: 0.0001,
+            ..WorkloadSpec::default()
+        };
+        assert_eq!(s.scaled(6000), 1);
+        let d = WorkloadSpec::default().describe();
+        assert_eq!(d["name"], "shared-prefix");
+        assert_eq!(d["sizes"]["prefix_tokens"], 6000);
+        assert_eq!(d["sizes"]["question_tokens"], 1200);
+    }
+}
