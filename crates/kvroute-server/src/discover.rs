@@ -4,7 +4,11 @@
 
 use serde_json::Value;
 
-use crate::spec::WorkerSpec;
+use crate::spec::{WorkerFlavor, WorkerSpec};
+
+/// The engine flavour of every discovered worker: `/server_info` with a
+/// `kv_events` descriptor is SGLang's, so its prompts carry SGLang's image pads.
+pub const DISCOVERED_FLAVOR: WorkerFlavor = WorkerFlavor::Sglang;
 
 /// Why a worker could not be discovered.
 #[derive(Debug, thiserror::Error)]

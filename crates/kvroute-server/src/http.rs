@@ -14,7 +14,7 @@ use kvroute_core::index::SharedIndex;
 use serde_json::{json, Value};
 
 use crate::registry::Registry;
-use crate::spec::{RankEndpoints, WorkerSpec};
+use crate::spec::{parse_flavor, RankEndpoints, WorkerFlavor, WorkerSpec};
 
 /// What every handler shares.
 #[derive(Debug, Clone)]
@@ -200,13 +200,20 @@ fn spec_from_body(v: &Value, default_block_size: u32) -> Result<WorkerSpec, ApiE
     ))
 }
 
+/// A registration's `flavor` (`vllm` or `sglang`; absent: `vllm`).
+fn flavor_from_body(v: &Value) -> Result<WorkerFlavor, ApiError> {
+    parse_flavor(str_field(v, "flavor")?).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
 async fn register(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: axum::body::Bytes,
 ) -> Result<Json<Value>, ApiError> {
     authorize(&state, &headers)?;
-    let spec = spec_from_body(&parse_body(&body)?, state.default_block_size)?;
+    let body = parse_body(&body)?;
+    let spec = spec_from_body(&body, state.default_block_size)?;
+    let flavor = flavor_from_body(&body)?;
     let name = spec.name.clone();
     let registry = state.registry.clone();
     let id = tokio::task::spawn_blocking(move || registry.register(spec))
@@ -219,9 +226,10 @@ async fn register(
             status: StatusCode::CONFLICT,
             message: e.to_string(),
         })?;
+    state.router.set_flavor(&name, flavor);
     state.router.refresh(&state.registry);
     Ok(Json(
-        json!({"status": "registered", "name": name, "worker_id": id.0}),
+        json!({"status": "registered", "name": name, "worker_id": id.0, "flavor": flavor.as_str()}),
     ))
 }
 
@@ -451,6 +459,18 @@ mod tests {
         );
         assert!(err(json!({"name": 5, "url": "u", "events": "tcp://h:1"}))
             .contains("`name` must be a string"));
+        assert!(flavor_from_body(&json!({"flavor": "tgi"}))
+            .expect_err("unknown")
+            .message
+            .contains("vllm or sglang"));
+        assert_eq!(
+            flavor_from_body(&json!({"flavor": "sglang"})).expect("valid"),
+            WorkerFlavor::Sglang
+        );
+        assert_eq!(
+            flavor_from_body(&json!({})).expect("valid"),
+            WorkerFlavor::Vllm
+        );
         assert!(parse_body(b"[1]").is_err());
         assert!(parse_body(b"{")
             .expect_err("not json")

@@ -23,6 +23,7 @@ use axum::Json;
 use futures_util::Stream;
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::index::{RankMatch, SharedIndex, WorkerId, WorkerRank};
+use kvroute_core::multimodal::{RoutingPrompt, WorkerFlavor};
 use kvroute_core::scheduler::{ActiveSequences, CostWeights};
 use kvroute_core::tokens::fold_token_id;
 use serde_json::{json, Map, Value};
@@ -31,8 +32,8 @@ use tracing::{debug, warn};
 use crate::http::AppState;
 use crate::registry::Registry;
 use crate::routing::{
-    self, inject_dp_rank, order, predicted_cached_tokens, BusyThresholds, Load, Policy,
-    RoutingRequest, Scored, Target,
+    self, inject_dp_rank, inject_mm_hashes, order, predicted_cached_tokens, BusyThresholds, Load,
+    Policy, RoutingRequest, Scored, Target,
 };
 
 /// Turns a text or chat request body into the prompt token ids the engine
@@ -40,6 +41,17 @@ use crate::routing::{
 pub trait PromptTokenizer: Send + Sync + std::fmt::Debug {
     /// The prompt's token ids, or `None` when the body cannot be tokenized.
     fn tokenize(&self, body: &[u8], chat: bool) -> Option<Vec<u64>>;
+
+    /// The prompt with its images: folded token ids with the placeholder id in
+    /// every image position, and each image's span and identity, from which
+    /// the router builds each worker flavour's block hashes. The default has
+    /// no images: [`PromptTokenizer::tokenize`], folded.
+    fn prompt(&self, body: &[u8], chat: bool) -> Option<RoutingPrompt> {
+        self.tokenize(body, chat).map(|ids| RoutingPrompt {
+            tokens: ids.into_iter().map(fold_token_id).collect(),
+            images: Vec::new(),
+        })
+    }
 }
 
 /// How requests are routed and forwarded.
@@ -70,6 +82,9 @@ pub struct RouterConfig {
     pub dp_rank_in_body: bool,
     /// Tokenizes text prompts and chat messages; without it they are routed on load only.
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
+    /// Engine flavour of workers known at start, by name (absent: vLLM).
+    /// Workers registered later name theirs in the registration body.
+    pub worker_flavors: HashMap<String, WorkerFlavor>,
 }
 
 impl Default for RouterConfig {
@@ -87,6 +102,7 @@ impl Default for RouterConfig {
             active_expiry: Duration::from_secs(600),
             dp_rank_in_body: false,
             tokenizer: None,
+            worker_flavors: HashMap::new(),
         }
     }
 }
@@ -134,6 +150,7 @@ pub struct Router {
     config: RouterConfig,
     client: reqwest::Client,
     pub(crate) targets: RwLock<Vec<Target>>,
+    flavors: RwLock<HashMap<String, WorkerFlavor>>,
     active: Mutex<HashMap<WorkerRank, ActiveSequences>>,
     breakers: Mutex<HashMap<String, Breaker>>,
     pub(crate) metrics: Metrics,
@@ -147,8 +164,9 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The workers of the registry with their ranks, from its `/workers` document.
-fn targets_of(registry: &Registry) -> Vec<Target> {
+/// The workers of the registry with their ranks, from its `/workers` document,
+/// and their flavours from `flavors` (absent: vLLM).
+fn targets_of(registry: &Registry, flavors: &HashMap<String, WorkerFlavor>) -> Vec<Target> {
     let ids: HashMap<String, WorkerId> = registry
         .workers()
         .into_iter()
@@ -170,6 +188,7 @@ fn targets_of(registry: &Registry) -> Vec<Target> {
                 .collect();
             ranks.sort_unstable();
             Some(Target {
+                flavor: flavors.get(&name).copied().unwrap_or_default(),
                 url: w["url"]
                     .as_str()
                     .unwrap_or_default()
@@ -199,6 +218,7 @@ impl Router {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
         Ok(Router {
+            flavors: RwLock::new(config.worker_flavors.clone()),
             config,
             client,
             targets: RwLock::new(Vec::new()),
@@ -212,16 +232,29 @@ impl Router {
         })
     }
 
-    /// Fills in `req.tokens` from its text with the tokenizer, if there is one.
+    /// Fills in `req.tokens` and `req.images` from its text with the
+    /// tokenizer, if there is one. Requests with token ids keep them as given.
     pub(crate) fn tokenize(&self, req: &mut RoutingRequest, body: &[u8], chat: bool) {
         if req.tokens.is_some() {
             return;
         }
-        if let Some(t) = &self.config.tokenizer {
-            req.tokens = t
-                .tokenize(body, chat)
-                .map(|ids| ids.into_iter().map(fold_token_id).collect());
+        if let Some(prompt) = self
+            .config
+            .tokenizer
+            .as_ref()
+            .and_then(|t| t.prompt(body, chat))
+        {
+            req.tokens = Some(prompt.tokens);
+            req.images = prompt.images;
         }
+    }
+
+    /// Sets the engine flavour of a worker (before [`Router::refresh`] picks it up).
+    pub fn set_flavor(&self, name: &str, flavor: WorkerFlavor) {
+        self.flavors
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(name.to_owned(), flavor);
     }
 
     /// The configuration.
@@ -236,7 +269,10 @@ impl Router {
 
     /// Re-reads the workers from the registry.
     pub fn refresh(&self, registry: &Registry) {
-        let targets = targets_of(registry);
+        let targets = {
+            let flavors = self.flavors.read().unwrap_or_else(PoisonError::into_inner);
+            targets_of(registry, &flavors)
+        };
         *self.targets.write().unwrap_or_else(PoisonError::into_inner) = targets;
     }
 
@@ -301,25 +337,42 @@ impl Router {
         }
     }
 
-    /// Scores every available candidate for a request.
+    /// Scores every available candidate for a request. `locals_at(block_size,
+    /// flavor)` gives the request's local hashes for a worker; when
+    /// `flavor_matters` is false (no images) every flavour shares one set.
     pub(crate) fn score(
         &self,
         index: &SharedIndex,
-        locals_at: &dyn Fn(u32) -> Vec<LocalBlockHash>,
+        locals_at: &dyn Fn(u32, WorkerFlavor) -> Vec<LocalBlockHash>,
         request_tokens: u64,
+        flavor_matters: bool,
     ) -> (Vec<Target>, Vec<Scored>) {
         let targets = self
             .targets
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        // Index walks first, outside the active-sequence lock.
-        let mut matches: Vec<(u32, Vec<RankMatch>, Vec<SequenceHash>)> = Vec::new();
+        let key = |f: WorkerFlavor| {
+            if flavor_matters {
+                f
+            } else {
+                WorkerFlavor::Vllm
+            }
+        };
+        // Index walks first, outside the active-sequence lock: one per
+        // (block size, flavour) present in the fleet.
+        type Found = (u32, WorkerFlavor, Vec<RankMatch>, Vec<SequenceHash>);
+        let mut matches: Vec<Found> = Vec::new();
         for t in &targets {
-            if !matches.iter().any(|(bs, _, _)| *bs == t.block_size) {
-                let locals = locals_at(t.block_size);
+            let f = key(t.flavor);
+            if !matches
+                .iter()
+                .any(|(bs, fl, _, _)| *bs == t.block_size && *fl == f)
+            {
+                let locals = locals_at(t.block_size, f);
                 matches.push((
                     t.block_size,
+                    f,
                     index.find_matches(&locals),
                     sequence_hashes(&locals),
                 ));
@@ -329,11 +382,12 @@ impl Router {
         let scored = routing::score(
             &targets,
             request_tokens,
-            &mut |bs| {
+            &mut |bs, flavor| {
+                let f = key(flavor);
                 matches
                     .iter()
-                    .find(|(b, _, _)| *b == bs)
-                    .map(|(_, m, s)| (m.clone(), s.clone()))
+                    .find(|(b, fl, _, _)| *b == bs && *fl == f)
+                    .map(|(_, _, m, s)| (m.clone(), s.clone()))
                     .unwrap_or_default()
             },
             &|k, seqs| Load::of(active.get(&k), seqs),
@@ -539,9 +593,10 @@ async fn proxy(
         router.metrics.load_only.fetch_add(1, Ordering::Relaxed);
     }
     let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
-    let locals_at = |bs: u32| routing::request_hashes(&req, bs);
+    let locals_at = |bs: u32, flavor: WorkerFlavor| routing::request_hashes(&req, bs, flavor);
     let index = state.index.clone();
-    let (targets, scored) = router.score(&index, &locals_at, request_tokens);
+    let (targets, scored) =
+        router.score(&index, &locals_at, request_tokens, !req.images.is_empty());
     if scored.is_empty() {
         router.metrics.no_workers.fetch_add(1, Ordering::Relaxed);
         return error_response(
@@ -587,21 +642,29 @@ async fn proxy(
         if attempt > 0 {
             router.metrics.retries.fetch_add(1, Ordering::Relaxed);
         }
-        let locals = locals_at(s.block_size);
+        let locals = locals_at(s.block_size, s.flavor);
         let seqs = sequence_hashes(&locals);
         let cached = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
         let guard = ActiveGuard::add(&router, s.key, &seqs, request_tokens.saturating_sub(cached));
         let multi_rank = target.ranks.len() > 1;
-        let payload = if multi_rank && router.config.dp_rank_in_body {
-            match inject_dp_rank(&body, s.key.rank) {
-                Ok(b) => Bytes::from(b),
+        let mut payload = body.clone();
+        if multi_rank && router.config.dp_rank_in_body {
+            match inject_dp_rank(&payload, s.key.rank) {
+                Ok(b) => payload = Bytes::from(b),
                 Err(e) => {
                     return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", e.0)
                 }
             }
-        } else {
-            body.clone()
-        };
+        }
+        if s.flavor == WorkerFlavor::Sglang && !req.images.is_empty() && !req.mm_hashes_given {
+            let hashes: Vec<u64> = req.images.iter().map(|i| i.identity.hash).collect();
+            match inject_mm_hashes(&payload, &hashes) {
+                Ok(b) => payload = Bytes::from(b),
+                Err(e) => {
+                    return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", e.0)
+                }
+            }
+        }
         let mut upstream = router
             .client
             .post(format!("{}{path}", target.url))

@@ -11,18 +11,21 @@ use axum::extract::State;
 use axum::Json;
 use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::SharedIndex;
+use kvroute_core::multimodal::WorkerFlavor;
 use serde_json::{json, Map, Value};
 
 use crate::http::{ApiError, AppState};
 use crate::proxy::Router;
 use crate::routing::{self, order, Policy, RoutingRequest};
 
-/// The `/query` answer for a request's local hashes at each block size.
+/// The `/query` answer for a request's local hashes at each block size and
+/// worker flavour (`flavor_matters`: the request has images).
 fn query_answer(
     router: &Router,
     index: &SharedIndex,
-    locals_at: &dyn Fn(u32) -> Vec<LocalBlockHash>,
+    locals_at: &dyn Fn(u32, WorkerFlavor) -> Vec<LocalBlockHash>,
     request_tokens: &dyn Fn(u32) -> u64,
+    flavor_matters: bool,
 ) -> Value {
     let targets = router
         .targets
@@ -30,7 +33,7 @@ fn query_answer(
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
     let tokens = targets.first().map_or(0, |t| request_tokens(t.block_size));
-    let (_, scored) = router.score(index, locals_at, tokens);
+    let (_, scored) = router.score(index, locals_at, tokens, flavor_matters);
     let mut scores = Map::new();
     let workers: Vec<Value> = scored
         .iter()
@@ -50,6 +53,7 @@ fn query_answer(
             json!({
                 "name": s.name,
                 "dp_rank": s.key.rank,
+                "flavor": s.flavor.as_str(),
                 "device_blocks": c.device_blocks,
                 "host_blocks": c.host_blocks.saturating_sub(c.device_blocks),
                 "disk_blocks": c.any_blocks.saturating_sub(c.host_blocks),
@@ -103,8 +107,9 @@ pub async fn query(State(state): State<AppState>, body: Bytes) -> Result<Json<Va
     Ok(Json(query_answer(
         &state.router,
         &state.index,
-        &|bs| routing::request_hashes(&req, bs),
+        &|bs, flavor| routing::request_hashes(&req, bs, flavor),
         &|_| n,
+        !req.images.is_empty(),
     )))
 }
 
@@ -118,7 +123,8 @@ pub async fn query_by_hash(
     Ok(Json(query_answer(
         &state.router,
         &state.index,
-        &|_| locals.clone(),
+        &|_, _| locals.clone(),
         &|bs| n * u64::from(bs),
+        false,
     )))
 }

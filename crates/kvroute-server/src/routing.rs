@@ -4,8 +4,9 @@
 //!
 //! Nothing here touches a socket or a clock; `proxy` does the I/O.
 
-use kvroute_core::hash::{local_block_hashes, namespace_seed, LocalBlockHash, SequenceHash};
+use kvroute_core::hash::{namespace_seed, LocalBlockHash, SequenceHash};
 use kvroute_core::index::{RankMatch, WorkerId, WorkerRank};
+use kvroute_core::multimodal::{prompt_local_hashes, ImageSpan, WorkerFlavor};
 use kvroute_core::scheduler::{pick, ActiveSequences, Candidate, CostBreakdown, CostWeights};
 use kvroute_core::tokens::fold_token_id;
 use serde_json::value::RawValue;
@@ -36,6 +37,11 @@ pub struct RoutingRequest {
     pub lora_name: Option<String>,
     /// `cache_salt`, if given.
     pub cache_salt: Option<String>,
+    /// The images of the prompt (from the tokenizer), each with its span in
+    /// `tokens` and its identity; empty for prompts given as token ids.
+    pub images: Vec<ImageSpan>,
+    /// The client sent `mm_hashes` itself (then the proxy never adds them).
+    pub mm_hashes_given: bool,
 }
 
 fn opt_str(obj: &serde_json::Map<String, Value>, key: &str) -> Result<Option<String>, ParseError> {
@@ -107,6 +113,8 @@ struct RawFields<'a> {
     lora_name: Option<&'a RawValue>,
     #[serde(borrow, default)]
     cache_salt: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    mm_hashes: Option<&'a RawValue>,
 }
 
 fn raw_str(raw: Option<&RawValue>, key: &str) -> Result<Option<String>, ParseError> {
@@ -190,6 +198,7 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<RoutingRequest, ParseErr
         stream,
         lora_name: raw_str(raw.lora_name, "lora_name")?,
         cache_salt: raw_str(raw.cache_salt, "cache_salt")?,
+        mm_hashes_given: raw.mm_hashes.is_some_and(|r| r.get() != "null"),
         ..RoutingRequest::default()
     };
     if chat {
@@ -248,24 +257,46 @@ pub fn parse_hash_query(body: &[u8]) -> Result<Vec<LocalBlockHash>, ParseError> 
         .collect()
 }
 
-/// The local block hashes of a request at `block_size`.
-pub fn request_hashes(req: &RoutingRequest, block_size: u32) -> Vec<LocalBlockHash> {
+/// The local block hashes of a request at `block_size`, as a worker of
+/// `flavor` publishes them (the flavour matters only for prompts with images:
+/// SGLang's folded wide pads, or vLLM's item hashes on overlapping blocks).
+pub fn request_hashes(
+    req: &RoutingRequest,
+    block_size: u32,
+    flavor: WorkerFlavor,
+) -> Vec<LocalBlockHash> {
     let Some(tokens) = &req.tokens else {
         return Vec::new();
     };
     let seed = namespace_seed(req.lora_name.as_deref(), req.cache_salt.as_deref());
-    local_block_hashes(tokens, block_size as usize, seed, 0)
+    prompt_local_hashes(tokens, &req.images, flavor, block_size as usize, seed)
 }
 
 /// Adds `"data_parallel_rank": rank` to a JSON object body (SGLang's way of
-/// choosing a rank). The only body rewrite the proxy makes.
+/// choosing a rank).
 pub fn inject_dp_rank(body: &[u8], rank: u32) -> Result<Vec<u8>, ParseError> {
+    inject_field(body, "data_parallel_rank", Value::from(rank))
+}
+
+/// Adds `"mm_hashes": [h, …]` (one unsigned 64-bit integer per image, in
+/// order) to a JSON object body, so an SGLang worker seeds each image's pad
+/// ids with the identity the router hashed (SGLang honours client-supplied
+/// hashes) instead of hashing the processed image itself.
+pub fn inject_mm_hashes(body: &[u8], hashes: &[u64]) -> Result<Vec<u8>, ParseError> {
+    inject_field(
+        body,
+        "mm_hashes",
+        Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
+    )
+}
+
+fn inject_field(body: &[u8], key: &str, field: Value) -> Result<Vec<u8>, ParseError> {
     let mut value: Value =
         serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
     let obj = value
         .as_object_mut()
         .ok_or_else(|| bad("the body must be a JSON object"))?;
-    obj.insert("data_parallel_rank".into(), Value::from(rank));
+    obj.insert(key.into(), field);
     serde_json::to_vec(&value).map_err(|e| bad(e.to_string()))
 }
 
@@ -333,6 +364,8 @@ pub struct Scored {
     pub key: WorkerRank,
     /// Tokens per block at this worker.
     pub block_size: u32,
+    /// The worker's engine flavour (which hashes of the request it was scored on).
+    pub flavor: WorkerFlavor,
     /// Cache and load facts.
     pub candidate: Candidate,
     /// The cost.
@@ -385,32 +418,37 @@ pub struct Target {
     pub block_size: u32,
     /// Its data-parallel ranks.
     pub ranks: Vec<u32>,
+    /// Its engine flavour: how it lays out images, so which request hashes apply.
+    pub flavor: WorkerFlavor,
 }
 
 /// Builds one scored candidate per (worker, rank) of `targets` for which
-/// `available(worker)` holds. `matches(block_size)` gives the index matches
-/// and the request's sequence hashes at that block size; `active(key)` the
-/// rank's active sequences.
+/// `available(worker)` holds. `matches(block_size, flavor)` gives the index
+/// matches and the request's sequence hashes at that block size for that
+/// worker flavour (asked once per distinct pair); `active(key)` the rank's
+/// active sequences.
 pub fn score(
     targets: &[Target],
     request_tokens: u64,
-    matches: &mut dyn FnMut(u32) -> (Vec<RankMatch>, Vec<SequenceHash>),
+    matches: &mut dyn FnMut(u32, WorkerFlavor) -> (Vec<RankMatch>, Vec<SequenceHash>),
     active: &dyn Fn(WorkerRank, &[SequenceHash]) -> Load,
     available: &dyn Fn(&str) -> bool,
     weights: &CostWeights,
     busy: &BusyThresholds,
 ) -> Vec<Scored> {
-    let mut cache: Vec<(u32, Vec<RankMatch>, Vec<SequenceHash>)> = Vec::new();
+    type Cached = (u32, WorkerFlavor, Vec<RankMatch>, Vec<SequenceHash>);
+    let mut cache: Vec<Cached> = Vec::new();
     let mut out = Vec::new();
     for (i, t) in targets.iter().enumerate() {
         if !available(&t.name) {
             continue;
         }
-        if !cache.iter().any(|(bs, _, _)| *bs == t.block_size) {
-            let (m, s) = matches(t.block_size);
-            cache.push((t.block_size, m, s));
+        let same = |c: &&Cached| c.0 == t.block_size && c.1 == t.flavor;
+        if !cache.iter().any(|c| same(&c)) {
+            let (m, s) = matches(t.block_size, t.flavor);
+            cache.push((t.block_size, t.flavor, m, s));
         }
-        let Some((_, found, seqs)) = cache.iter().find(|(bs, _, _)| *bs == t.block_size) else {
+        let Some((_, _, found, seqs)) = cache.iter().find(same) else {
             continue;
         };
         for &rank in &t.ranks {
@@ -431,6 +469,7 @@ pub fn score(
                 worker: i,
                 key,
                 block_size: t.block_size,
+                flavor: t.flavor,
                 cost: candidate.cost(request_tokens, t.block_size, weights),
                 overloaded: busy.overloaded(&candidate),
                 candidate,
@@ -499,7 +538,8 @@ pub fn predicted_cached_tokens(device_blocks: u32, block_size: u32, prompt_token
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvroute_core::hash::{sequence_hashes, HASH_SEED};
+    use kvroute_core::hash::{local_block_hashes, sequence_hashes, HASH_SEED};
+    use kvroute_core::multimodal::ImageIdentity;
 
     #[test]
     fn prompts_parse_as_ids_or_text() {
@@ -553,6 +593,57 @@ mod tests {
             r#"{"model":"m","prompt":[1],"data_parallel_rank":3}"#
         );
         assert!(inject_dp_rank(b"[]", 0).is_err());
+        let out = inject_mm_hashes(br#"{"model":"m"}"#, &[u64::MAX, 7]).expect("valid");
+        assert_eq!(
+            String::from_utf8(out).expect("utf8"),
+            r#"{"model":"m","mm_hashes":[18446744073709551615,7]}"#
+        );
+    }
+
+    #[test]
+    fn client_mm_hashes_are_noticed() {
+        let body = br#"{"messages":[{"role":"user","content":"x"}],"mm_hashes":[1]}"#;
+        assert!(parse_request(body, true).expect("valid").mm_hashes_given);
+        let body = br#"{"messages":[{"role":"user","content":"x"}],"mm_hashes":null}"#;
+        assert!(!parse_request(body, true).expect("valid").mm_hashes_given);
+    }
+
+    #[test]
+    fn image_requests_hash_per_flavour_and_each_target_is_scored_on_its_own() {
+        let mut tokens: Vec<u32> = (0..4).collect();
+        tokens.extend([151_655; 8]);
+        let req = RoutingRequest {
+            tokens: Some(tokens.clone()),
+            images: vec![ImageSpan {
+                start: 4,
+                len: 8,
+                identity: ImageIdentity::from_hash(42),
+            }],
+            ..RoutingRequest::default()
+        };
+        let vllm = request_hashes(&req, 4, WorkerFlavor::Vllm);
+        let sglang = request_hashes(&req, 4, WorkerFlavor::Sglang);
+        assert_eq!(vllm.len(), 3);
+        assert_eq!(vllm[0], sglang[0], "the text block is the same");
+        assert_ne!(vllm[1..], sglang[1..], "the image blocks differ");
+        assert_ne!(vllm[1], local_block_hashes(&tokens, 4, HASH_SEED, 0)[1]);
+        let mut mixed = targets();
+        mixed[1].flavor = WorkerFlavor::Sglang;
+        let mut asked = Vec::new();
+        let scored = score(
+            &mixed,
+            12,
+            &mut |bs, f| {
+                asked.push((bs, f));
+                (Vec::new(), Vec::new())
+            },
+            &|_, s| Load::of(None, s),
+            &|_| true,
+            &CostWeights::default(),
+            &BusyThresholds::default(),
+        );
+        assert_eq!(asked, [(4, WorkerFlavor::Vllm), (4, WorkerFlavor::Sglang)]);
+        assert_eq!(scored[2].flavor, WorkerFlavor::Sglang);
     }
 
     fn targets() -> Vec<Target> {
@@ -563,6 +654,7 @@ mod tests {
                 url: "http://a".into(),
                 block_size: 4,
                 ranks: vec![0],
+                flavor: WorkerFlavor::Vllm,
             },
             Target {
                 name: "w1".into(),
@@ -570,6 +662,7 @@ mod tests {
                 url: "http://b".into(),
                 block_size: 4,
                 ranks: vec![0, 1],
+                flavor: WorkerFlavor::Vllm,
             },
         ]
     }
@@ -580,7 +673,7 @@ mod tests {
             tokens: Some((0..16).collect()),
             ..RoutingRequest::default()
         };
-        let locals = request_hashes(&req, 4);
+        let locals = request_hashes(&req, 4, WorkerFlavor::Vllm);
         assert_eq!(
             locals,
             local_block_hashes(&(0..16).collect::<Vec<_>>(), 4, HASH_SEED, 0)
@@ -597,7 +690,7 @@ mod tests {
         let scored = score(
             &targets(),
             16,
-            &mut |_| (vec![hit], seqs.clone()),
+            &mut |_, _| (vec![hit], seqs.clone()),
             &|k, s| Load::of((k == WorkerRank::new(0, 0)).then_some(&busy_rank), s),
             &|_| true,
             &CostWeights::default(),
@@ -627,7 +720,7 @@ mod tests {
         let without_w1 = score(
             &targets(),
             16,
-            &mut |_| (Vec::new(), seqs.clone()),
+            &mut |_, _| (Vec::new(), seqs.clone()),
             &|_, s| Load::of(None, s),
             &|n| n != "w1",
             &CostWeights::default(),

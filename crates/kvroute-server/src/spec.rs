@@ -5,6 +5,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+pub use kvroute_core::multimodal::WorkerFlavor;
+
 /// Why a worker description was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -13,7 +15,9 @@ pub enum SpecError {
     #[error("`{0}` is not key=value")]
     NotKeyValue(String),
     /// A key this syntax does not know.
-    #[error("unknown key `{0}` (known: name, url, events, replay, dp, block_size, topic, model)")]
+    #[error(
+        "unknown key `{0}` (known: name, url, events, replay, dp, block_size, topic, model, flavor)"
+    )]
     UnknownKey(String),
     /// A required key is missing.
     #[error("missing `{0}`")]
@@ -128,9 +132,20 @@ impl WorkerSpec {
 
     /// Parses the `--worker` syntax: `name=w0,url=http://…,events=tcp://…:5557,
     /// replay=tcp://…:5657,dp=2,block_size=16` (keys in any order; `replay`,
-    /// `dp` (default 1), `block_size` (default `default_block_size`), `topic`
-    /// and `model` optional).
+    /// `dp` (default 1), `block_size` (default `default_block_size`), `topic`,
+    /// `model` and `flavor` optional). The flavour is validated but dropped;
+    /// [`WorkerSpec::parse_with_flavor`] returns it.
     pub fn parse(text: &str, default_block_size: u32) -> Result<Self, SpecError> {
+        Self::parse_with_flavor(text, default_block_size).map(|(spec, _)| spec)
+    }
+
+    /// [`WorkerSpec::parse`], also returning the worker's engine flavour
+    /// (`flavor=vllm|sglang`, default `vllm`): how its prompts lay out images,
+    /// and so how the router hashes requests with images for it.
+    pub fn parse_with_flavor(
+        text: &str,
+        default_block_size: u32,
+    ) -> Result<(Self, WorkerFlavor), SpecError> {
         let mut fields: BTreeMap<&str, &str> = BTreeMap::new();
         for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, value) = pair
@@ -139,7 +154,15 @@ impl WorkerSpec {
             let key = key.trim();
             if !matches!(
                 key,
-                "name" | "url" | "events" | "replay" | "dp" | "block_size" | "topic" | "model"
+                "name"
+                    | "url"
+                    | "events"
+                    | "replay"
+                    | "dp"
+                    | "block_size"
+                    | "topic"
+                    | "model"
+                    | "flavor"
             ) {
                 return Err(SpecError::UnknownKey(key.to_owned()));
             }
@@ -164,6 +187,7 @@ impl WorkerSpec {
             .ok_or(SpecError::Missing("url"))?
             .to_string();
         let events = fields.get("events").ok_or(SpecError::Missing("events"))?;
+        let flavor = parse_flavor(fields.get("flavor").copied())?;
         let mut spec = WorkerSpec::with_base_endpoints(
             name,
             url,
@@ -177,7 +201,19 @@ impl WorkerSpec {
             .map(|t| t.to_string())
             .unwrap_or_default();
         spec.model = fields.get("model").map(|m| m.to_string());
-        Ok(spec)
+        Ok((spec, flavor))
+    }
+}
+
+/// A worker's `flavor` value (`vllm`, `sglang`; absent: `vllm`).
+pub fn parse_flavor(value: Option<&str>) -> Result<WorkerFlavor, SpecError> {
+    match value {
+        None => Ok(WorkerFlavor::default()),
+        Some(v) => v.parse().map_err(|_| SpecError::BadValue {
+            key: "flavor",
+            value: v.to_owned(),
+            problem: "expected vllm or sglang",
+        }),
     }
 }
 
@@ -193,6 +229,7 @@ struct ConfigWorker {
     block_size: Option<u32>,
     topic: Option<String>,
     model: Option<String>,
+    flavor: Option<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -205,10 +242,20 @@ struct ConfigFile {
 /// Parses a TOML config file listing workers as `[[worker]]` tables with the
 /// same keys as the `--worker` flag.
 pub fn parse_config(text: &str, default_block_size: u32) -> Result<Vec<WorkerSpec>, SpecError> {
+    parse_config_with_flavors(text, default_block_size)
+        .map(|workers| workers.into_iter().map(|(spec, _)| spec).collect())
+}
+
+/// [`parse_config`], also returning each worker's engine flavour.
+pub fn parse_config_with_flavors(
+    text: &str,
+    default_block_size: u32,
+) -> Result<Vec<(WorkerSpec, WorkerFlavor)>, SpecError> {
     let file: ConfigFile = toml::from_str(text).map_err(|e| SpecError::Config(e.to_string()))?;
     file.worker
         .into_iter()
         .map(|w| {
+            let flavor = parse_flavor(w.flavor.as_deref())?;
             let mut spec = WorkerSpec::with_base_endpoints(
                 w.name,
                 w.url,
@@ -219,7 +266,7 @@ pub fn parse_config(text: &str, default_block_size: u32) -> Result<Vec<WorkerSpe
             )?;
             spec.topic = w.topic.unwrap_or_default();
             spec.model = w.model;
-            Ok(spec)
+            Ok((spec, flavor))
         })
         .collect()
 }
@@ -264,6 +311,27 @@ mod tests {
         assert!(err("name=a,url=u,events=tcp://h:1,dp=0").contains("at least 1"));
         assert!(err("name=a,url=u,events=ipc:///x").contains("tcp://"));
         assert!(err("name").contains("key=value"));
+        assert!(err("name=a,url=u,events=tcp://h:1,flavor=trt").contains("vllm or sglang"));
+    }
+
+    #[test]
+    fn the_flavor_defaults_to_vllm_and_reads_from_flags_and_files() {
+        let line = "name=a,url=http://h:1,events=tcp://h:2,flavor=sglang,dp=1,block_size=16";
+        let (spec, flavor) = WorkerSpec::parse_with_flavor(line, 16).expect("valid");
+        assert_eq!((spec.name.as_str(), flavor), ("a", WorkerFlavor::Sglang));
+        assert_eq!(WorkerSpec::parse(line, 16).expect("valid"), spec);
+        let (_, flavor) =
+            WorkerSpec::parse_with_flavor("name=a,url=u,events=tcp://h:2", 16).expect("valid");
+        assert_eq!(flavor, WorkerFlavor::Vllm);
+        let text =
+            "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nflavor = \"sglang\"\n";
+        let workers = parse_config_with_flavors(text, 16).expect("valid");
+        assert_eq!(workers[0].1, WorkerFlavor::Sglang);
+        assert!(parse_config(
+            "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nflavor = \"x\"\n",
+            16
+        )
+        .is_err());
     }
 
     #[test]

@@ -8,15 +8,18 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::index::IndexConfig;
+use kvroute_core::multimodal::{ImageTokenRule, RoutingPrompt, WorkerFlavor};
 use kvroute_core::scheduler::CostWeights;
-use kvroute_mocker::http::openai::{self, Endpoint, PromptSettings};
+use kvroute_core::tokens::fold_token_id;
+use kvroute_mocker::http::openai::{self, Endpoint};
 use kvroute_mocker::tokenizer::Tokenizer;
-use kvroute_mocker::EngineFlavor;
+use kvroute_server::discover::DISCOVERED_FLAVOR;
 use kvroute_server::ingest::IngestConfig;
 use kvroute_server::proxy::{PromptTokenizer, RouterConfig};
 use kvroute_server::routing::{BusyThresholds, Policy};
-use kvroute_server::spec::{parse_config, WorkerSpec};
+use kvroute_server::spec::{parse_config_with_flavors, WorkerSpec};
 use kvroute_server::{serve, ServeConfig};
+use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Arguments of `kvroute serve`.
@@ -31,8 +34,9 @@ pub struct ServeArgs {
     /// Tokens per KV block, for workers that do not give their own.
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     block_size: u32,
-    /// A worker: `name=w0,url=http://…,events=tcp://…:5557,replay=tcp://…:5657,dp=2,block_size=16`
-    /// (repeatable; `replay`, `dp`, `block_size`, `topic`, `model` optional).
+    /// A worker: `name=w0,url=http://…,events=tcp://…:5557,replay=tcp://…:5657,dp=2,block_size=16,flavor=vllm`
+    /// (repeatable; `replay`, `dp`, `block_size`, `topic`, `model`, `flavor` optional;
+    /// `flavor=sglang` for SGLang engines, whose image pads differ from vLLM's).
     #[arg(long = "worker", value_name = "SPEC")]
     workers: Vec<String>,
     /// A TOML file with `[[worker]]` tables using the same keys as `--worker`.
@@ -107,6 +111,10 @@ pub struct ServeArgs {
     /// routed on load alone.
     #[arg(long, value_name = "FILE|builtin")]
     tokenizer: Option<PathBuf>,
+    /// Prompt positions each image takes (the model's image token count; the
+    /// same setting as `kvroute mocker --mm-tokens-per-image`).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    mm_tokens_per_image: u32,
     /// Largest request body accepted, in MiB (larger: 413).
     #[arg(long, default_value_t = 32)]
     max_body_mib: usize,
@@ -122,18 +130,22 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         .with_writer(std::io::stderr)
         .init();
     let mut workers: Vec<WorkerSpec> = Vec::new();
+    let mut flavors: HashMap<String, WorkerFlavor> = HashMap::new();
     for text in &args.workers {
-        workers.push(
-            WorkerSpec::parse(text, args.block_size).with_context(|| format!("--worker {text}"))?,
-        );
+        let (spec, flavor) = WorkerSpec::parse_with_flavor(text, args.block_size)
+            .with_context(|| format!("--worker {text}"))?;
+        flavors.insert(spec.name.clone(), flavor);
+        workers.push(spec);
     }
     if let Some(path) = &args.config {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        workers.extend(
-            parse_config(&text, args.block_size)
-                .with_context(|| format!("--config {}", path.display()))?,
-        );
+        for (spec, flavor) in parse_config_with_flavors(&text, args.block_size)
+            .with_context(|| format!("--config {}", path.display()))?
+        {
+            flavors.insert(spec.name.clone(), flavor);
+            workers.push(spec);
+        }
     }
     let admin_token = args
         .admin_token
@@ -151,6 +163,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             .context("http client")?;
         for url in &args.discover_sglang {
             let spec = kvroute_server::discover::discover_sglang(&client, url).await?;
+            flavors.insert(spec.name.clone(), DISCOVERED_FLAVOR);
             workers.push(spec);
         }
         let mut names = std::collections::BTreeSet::new();
@@ -177,7 +190,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 ..IndexConfig::default()
             },
             ingest: IngestConfig::default(),
-            router: router_config(args)?,
+            router: router_config(args, flavors)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
         };
         serve(config, listener, shutdown_signal()).await?;
@@ -187,39 +200,55 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
 }
 
 /// Tokenizes requests exactly as `kvroute mocker` renders them: its
-/// completion and chat parsing, ChatML template and tokenizer.
+/// completion and chat parsing, ChatML template and tokenizer, and its image
+/// layout (identity from `mm_hashes` or the image URL, `rule` positions each).
 #[derive(Debug)]
-struct ChatMlTokenizer(Tokenizer);
+struct ChatMlTokenizer {
+    tokenizer: Tokenizer,
+    rule: ImageTokenRule,
+}
 
-impl PromptTokenizer for ChatMlTokenizer {
-    fn tokenize(&self, body: &[u8], chat: bool) -> Option<Vec<u64>> {
+impl ChatMlTokenizer {
+    fn layout(&self, body: &[u8], chat: bool) -> Option<openai::NeutralPrompt> {
         let endpoint = if chat {
             Endpoint::Chat
         } else {
             Endpoint::Completions
         };
-        let mut parsed = openai::parse(endpoint, body).ok()?;
-        parsed.max_tokens = 0;
-        let settings = PromptSettings {
-            flavor: EngineFlavor::Vllm,
-            mm_tokens_per_image: 64,
-            seed: 0,
-        };
-        openai::build(&parsed, &self.0, settings)
-            .ok()
-            .map(|(r, _)| r.prompt)
+        let parsed = openai::parse(endpoint, body).ok()?;
+        openai::layout(&parsed, &self.tokenizer, self.rule).ok()
     }
 }
 
-fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
+impl PromptTokenizer for ChatMlTokenizer {
+    fn tokenize(&self, body: &[u8], chat: bool) -> Option<Vec<u64>> {
+        self.layout(body, chat).map(|p| p.tokens)
+    }
+
+    fn prompt(&self, body: &[u8], chat: bool) -> Option<RoutingPrompt> {
+        self.layout(body, chat).map(|p| RoutingPrompt {
+            tokens: p.tokens.into_iter().map(fold_token_id).collect(),
+            images: p.images,
+        })
+    }
+}
+
+fn router_config(
+    args: &ServeArgs,
+    worker_flavors: HashMap<String, WorkerFlavor>,
+) -> Result<RouterConfig> {
+    let load = |tokenizer| -> Arc<dyn PromptTokenizer> {
+        Arc::new(ChatMlTokenizer {
+            tokenizer,
+            rule: ImageTokenRule::fixed(args.mm_tokens_per_image as usize),
+        })
+    };
     let tokenizer: Option<Arc<dyn PromptTokenizer>> = match &args.tokenizer {
         None => None,
-        Some(p) if p.as_os_str() == "builtin" => {
-            Some(Arc::new(ChatMlTokenizer(Tokenizer::builtin())))
-        }
-        Some(p) => Some(Arc::new(ChatMlTokenizer(
+        Some(p) if p.as_os_str() == "builtin" => Some(load(Tokenizer::builtin())),
+        Some(p) => Some(load(
             Tokenizer::from_file(p).with_context(|| format!("--tokenizer {}", p.display()))?,
-        ))),
+        )),
     };
     Ok(RouterConfig {
         policy: args.policy,
@@ -243,6 +272,7 @@ fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
         active_expiry: Duration::from_secs(args.active_expiry_secs),
         dp_rank_in_body: args.dp_rank_in_body,
         tokenizer,
+        worker_flavors,
     })
 }
 

@@ -1,0 +1,294 @@
+//! Requests with images, end to end: `kvroute serve --tokenizer builtin` in
+//! front of two `kvroute mocker` engines of one flavour. A client sends text
+//! prompts and chat requests with data-URL images, each several times; the
+//! repeats must hit the cache of the engine that holds them (SGLang: the
+//! router folds the same wide pad ids the events carry; vLLM: the same item
+//! hashes the events' extra keys give), every event must decode, and the
+//! router's predictions must equal the engines' `cached_tokens`.
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+#[path = "support/fleet.rs"]
+mod fleet;
+use fleet::*;
+
+/// Positions per image on both sides (mocker and router): long spans make the
+/// one block every repeat recomputes (the last prompt token) a small share.
+const MM_TOKENS: &str = "512";
+const BLOCK_SIZE: u64 = 16;
+
+struct Reply {
+    status: u16,
+    headers: String,
+    body: String,
+}
+
+impl Reply {
+    fn header(&self, name: &str) -> Option<String> {
+        let prefix = format!("{}:", name.to_ascii_lowercase());
+        self.headers
+            .lines()
+            .find_map(|l| l.strip_prefix(&prefix).map(|v| v.trim().to_owned()))
+    }
+
+    fn json(&self) -> Value {
+        serde_json::from_str(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
+    let mut s = TcpStream::connect(host_port).expect("connect");
+    s.set_read_timeout(Some(Duration::from_secs(30)))
+        .expect("timeout");
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .expect("write");
+    let mut raw = Vec::new();
+    let _ = s.read_to_end(&mut raw);
+    let out = String::from_utf8_lossy(&raw).into_owned();
+    let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
+    let (headers, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
+    Reply {
+        status,
+        headers: headers.to_ascii_lowercase(),
+        body: body.to_owned(),
+    }
+}
+
+/// Sum of a counter over all its label sets.
+fn metric_sum(serve: &str, name: &str) -> u64 {
+    let text = request(serve, "GET", "/metrics", "").body;
+    text.lines()
+        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
+        .filter(|l| l[name.len()..].starts_with([' ', '{']))
+        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<u64>().ok())
+        .sum()
+}
+
+fn start_fleet(flavor: &str) -> (Proc, Proc, String) {
+    let (mocker, lines) = spawn_mocker(
+        &[
+            "--engine-flavor",
+            flavor,
+            "--workers",
+            "2",
+            "--port",
+            "0",
+            "--kv-events-port",
+            "0",
+            "--replay-port",
+            "0",
+            "--speedup",
+            "1000",
+            "--mm-tokens-per-image",
+            MM_TOKENS,
+        ],
+        2,
+    );
+    for line in &lines {
+        assert!(line.contains(&format!("flavor={flavor}")), "{line}");
+    }
+    let port = free_port();
+    let port_arg = port.to_string();
+    let mut args = vec![
+        "serve",
+        "--port",
+        &port_arg,
+        "--log",
+        "warn",
+        "--tokenizer",
+        "builtin",
+        "--mm-tokens-per-image",
+        MM_TOKENS,
+    ];
+    for line in &lines {
+        args.push("--worker");
+        args.push(line);
+    }
+    let serve = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute serve runs");
+    let addr = format!("127.0.0.1:{port}");
+    eventually("serve up with every rank connected", || {
+        TcpStream::connect(&addr).is_ok() && {
+            let doc = request(&addr, "GET", "/workers", "").json();
+            let list = doc["workers"].as_array().cloned().unwrap_or_default();
+            list.len() == 2
+                && list.iter().all(|w| {
+                    w["ranks"]
+                        .as_array()
+                        .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+                })
+        }
+    });
+    (mocker, Proc(serve), addr)
+}
+
+/// A small deterministic "image": its bytes as a base64 data URL.
+fn image_url(k: u32) -> String {
+    const DIGITS: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ u64::from(k);
+    let b64: String = (0..400)
+        .map(|_| {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            DIGITS[(state >> 58) as usize] as char
+        })
+        .collect();
+    format!("data:image/png;base64,{b64}")
+}
+
+fn image_chat(k: u32) -> Value {
+    json!({
+        "model": "mock-model",
+        "messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": image_url(k)}},
+            {"type": "text", "text": "What is shown here?"},
+        ]}],
+        "max_tokens": 1,
+    })
+}
+
+fn text_completion(k: u32) -> Value {
+    let words = [
+        "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
+    ];
+    let mut text = format!("Document {k}: ");
+    for i in 0..400u32 {
+        text.push_str(words[((i * 7 + k * 3) % 8) as usize]);
+        text.push(' ');
+    }
+    json!({"model": "mock-model", "prompt": text, "max_tokens": 1})
+}
+
+/// One request's outcome.
+struct Served {
+    worker: String,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+fn send(serve: &str, path: &str, body: &Value) -> Served {
+    let r = request(serve, "POST", path, &body.to_string());
+    assert_eq!(r.status, 200, "{}", r.body);
+    let doc = r.json();
+    Served {
+        worker: r.header("x-kvroute-worker").expect("worker header"),
+        prompt_tokens: doc["usage"]["prompt_tokens"]
+            .as_u64()
+            .expect("prompt_tokens"),
+        cached_tokens: doc["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached_tokens"),
+    }
+}
+
+/// Waits until `/query` for `body` sees every full block of the prompt on `worker`.
+fn wait_indexed(serve: &str, body: &Value, worker: &str, prompt_tokens: u64, flavor: &str) {
+    let full = prompt_tokens / BLOCK_SIZE * BLOCK_SIZE;
+    eventually("the prompt's blocks in the index", || {
+        let q = request(serve, "POST", "/query", &body.to_string()).json();
+        q["scores"][worker]["0"].as_u64().unwrap_or(0) >= full
+            && q["chosen"]["name"] == worker
+            && q["workers"]
+                .as_array()
+                .is_some_and(|w| w.iter().all(|w| w["flavor"] == flavor))
+    });
+}
+
+/// Sends each request once, then `repeats` more times; returns the repeats'
+/// cached / prompt tokens and checks each repeat went to the first's worker.
+fn repeat_hit_rate(serve: &str, flavor: &str, path: &str, bodies: &[Value], repeats: usize) -> f64 {
+    let (mut cached, mut prompt) = (0u64, 0u64);
+    for body in bodies {
+        let first = send(serve, path, body);
+        assert_eq!(first.cached_tokens, 0, "a new prompt is a miss");
+        wait_indexed(serve, body, &first.worker, first.prompt_tokens, flavor);
+        for _ in 0..repeats {
+            let again = send(serve, path, body);
+            assert_eq!(
+                again.worker, first.worker,
+                "routed to the worker holding it"
+            );
+            assert_eq!(again.prompt_tokens, first.prompt_tokens);
+            cached += again.cached_tokens;
+            prompt += again.prompt_tokens;
+        }
+    }
+    cached as f64 / prompt as f64
+}
+
+fn repeats_hit(flavor: &str) {
+    let (_mocker, _serve_proc, serve) = start_fleet(flavor);
+    let texts: Vec<Value> = (0..4).map(text_completion).collect();
+    let images: Vec<Value> = (0..6).map(image_chat).collect();
+    let text_rate = repeat_hit_rate(&serve, flavor, "/v1/completions", &texts, 2);
+    let image_rate = repeat_hit_rate(&serve, flavor, "/v1/chat/completions", &images, 2);
+    eprintln!(
+        "{flavor}: text-repeat hit rate {text_rate:.4}, image-repeat hit rate {image_rate:.4}"
+    );
+    assert!(
+        text_rate >= 0.96,
+        "{flavor}: text-repeat hit rate {text_rate}"
+    );
+    assert!(
+        image_rate >= 0.95,
+        "{flavor}: image-repeat hit rate {image_rate}"
+    );
+    // Every event decoded and applied; every prediction was exact.
+    assert_eq!(metric_sum(&serve, "kvroute_ingest_decode_errors_total"), 0);
+    assert_eq!(
+        metric_sum(&serve, "kvroute_ingest_envelope_errors_total"),
+        0
+    );
+    assert!(metric_sum(&serve, "kvroute_ingest_events_total") > 0);
+    let comparisons = metric_sum(&serve, "kvroute_accuracy_comparisons_total");
+    assert_eq!(comparisons, 30, "every response compared");
+    assert_eq!(
+        metric_sum(&serve, "kvroute_accuracy_exact_total"),
+        comparisons,
+        "{flavor}: the index predicted every cached_tokens"
+    );
+}
+
+#[test]
+fn sglang_repeated_images_hit_the_worker_holding_them() {
+    repeats_hit("sglang");
+}
+
+#[test]
+fn vllm_repeated_images_hit_the_worker_holding_them() {
+    repeats_hit("vllm");
+}
+
+/// Two different images with the same text around them are different prompts:
+/// the second is not predicted to hit the first's blocks.
+#[test]
+fn different_images_do_not_look_alike_to_the_router() {
+    let (_mocker, _serve_proc, serve) = start_fleet("sglang");
+    let a = image_chat(100);
+    let first = send(&serve, "/v1/chat/completions", &a);
+    wait_indexed(&serve, &a, &first.worker, first.prompt_tokens, "sglang");
+    let q = request(&serve, "POST", "/query", &image_chat(101).to_string()).json();
+    let matched: u64 = q["workers"]
+        .as_array()
+        .expect("workers")
+        .iter()
+        .map(|w| w["matched_tokens"].as_u64().unwrap_or(0))
+        .max()
+        .unwrap_or(0);
+    // At most the text before the image (less than one block) could match.
+    assert_eq!(matched, 0, "{q}");
+}
