@@ -799,4 +799,107 @@ mod tests {
         assert_eq!(plain.hit_rate, 0.0);
         assert_eq!(plain.text_repeat_hit_rate, None);
     }
+
+    /// Two mock engines (the second with two DP ranks) on ephemeral ports.
+    async fn fleet() -> kvroute_mocker::Fleet {
+        let mut config = kvroute_mocker::MockerConfig {
+            workers: 2,
+            dp_size: 2,
+            port: 0,
+            kv_events_port: 0,
+            replay_port: 0,
+            num_gpu_blocks: 2048,
+            ..kvroute_mocker::MockerConfig::default()
+        };
+        config.timing.speedup = 200.0;
+        kvroute_mocker::Fleet::start(config)
+            .await
+            .expect("fleet starts")
+    }
+
+    fn options(kind: super::super::WorkloadKind, arrival: Arrival, requests: usize) -> LoadOptions {
+        LoadOptions {
+            workload: WorkloadSpec {
+                kind,
+                scale: 0.05,
+                groups: 3,
+                max_tokens: 4,
+                ..WorkloadSpec::default()
+            },
+            arrival,
+            requests,
+            max_duration: Some(Duration::from_secs(60)),
+            progress: false,
+            label: "test".into(),
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn every_workload_runs_against_an_engine_and_through_the_oracle() {
+        use super::super::WorkloadKind as K;
+        let fleet = fleet().await;
+        let urls: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
+        let client = reqwest::Client::new();
+        let closed = Arrival::Closed { concurrency: 4 };
+        for kind in [
+            K::SharedPrefix,
+            K::MultiTurn,
+            K::LongDoc,
+            K::Images,
+            K::Random,
+        ] {
+            let direct = Endpoint::OpenAi {
+                base_url: format!("{}/v1", urls[0]),
+            };
+            let r = run(&client, &direct, &options(kind, closed, 24))
+                .await
+                .expect("run");
+            assert_eq!((r.requests, r.failed), (24, 0), "{kind:?}");
+            assert!(
+                r.prompt_tokens > 0 && r.output_tokens_per_s > 0.0,
+                "{kind:?}"
+            );
+            assert!(
+                r.ttft_ms.p50 > 0.0 && r.ttft_ms.p50 <= r.latency_ms.p99,
+                "{kind:?}"
+            );
+            assert_eq!(r.timeline.len(), 24);
+            assert_eq!(r.index_accuracy, None, "an engine has no kvroute metrics");
+            match kind {
+                K::Random => assert_eq!(r.hit_rate, 0.0),
+                _ => assert!(r.hit_rate > 0.3, "{kind:?}: {}", r.hit_rate),
+            }
+            assert_eq!(r.image_repeat_hit_rate.is_some(), kind == K::Images);
+        }
+        // The oracle over both engines (three ranks) keeps every group's prefix.
+        let oracle = Endpoint::Oracle {
+            workers: urls.clone(),
+        };
+        let o = run(&client, &oracle, &options(K::SharedPrefix, closed, 30))
+            .await
+            .expect("oracle run");
+        assert_eq!(o.failed, 0);
+        assert!(o.hit_rate > 0.5, "oracle hit rate {}", o.hit_rate);
+        // Open loop at a modest rate.
+        let open = Arrival::Poisson { rate: 200.0 };
+        let r = run(
+            &client,
+            &Endpoint::OpenAi {
+                base_url: urls[1].clone(),
+            },
+            &options(K::MultiTurn, open, 20),
+        )
+        .await
+        .expect("open loop");
+        assert_eq!((r.requests, r.failed), (20, 0));
+        // A dead target fails every request but the run completes.
+        let dead = Endpoint::OpenAi {
+            base_url: "http://127.0.0.1:9".into(),
+        };
+        let r = run(&client, &dead, &options(K::Random, closed, 3))
+            .await
+            .expect("run completes");
+        assert_eq!((r.requests, r.failed), (3, 3));
+        fleet.shutdown().await;
+    }
 }

@@ -167,7 +167,11 @@ impl WorkloadSpec {
             "scale": self.scale,
             "groups": self.groups,
             "max_tokens": self.max_tokens,
-            "prompt": if self.text { "text" } else { "token_ids" },
+            "prompt": match (self.kind, self.text) {
+                (WorkloadKind::Images, _) => "chat",
+                (_, true) => "text",
+                (_, false) => "token_ids",
+            },
             "sizes": sizes,
         })
     }
