@@ -32,8 +32,8 @@ use tracing::{debug, warn};
 use crate::http::AppState;
 use crate::registry::Registry;
 use crate::routing::{
-    self, inject_dp_rank, inject_mm_hashes, order, predicted_cached_tokens, BusyThresholds, Load,
-    Policy, RoutingRequest, Scored, Target,
+    self, inject_dp_rank, inject_include_usage, inject_mm_hashes, order, predicted_cached_tokens,
+    BusyThresholds, Load, Policy, RoutingRequest, Scored, Target,
 };
 
 /// Turns a text or chat request body into the prompt token ids the engine
@@ -507,12 +507,106 @@ fn cached_tokens_in_sse(chunk: &[u8]) -> Option<u64> {
         .find_map(|d| cached_tokens(&d))
 }
 
+/// The end of the first complete SSE event in `buf` (after its blank line).
+fn sse_event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Whether JSON text has `"choices"` followed by an empty array.
+fn has_empty_choices(text: &[u8]) -> bool {
+    let key = b"\"choices\"";
+    let mut from = 0;
+    while let Some(i) = text[from..].windows(key.len()).position(|w| w == key) {
+        let rest = text[from + i + key.len()..]
+            .iter()
+            .copied()
+            .filter(|b| !b.is_ascii_whitespace());
+        let mut rest = rest.take(3);
+        if rest.next() == Some(b':') && rest.next() == Some(b'[') && rest.next() == Some(b']') {
+            return true;
+        }
+        from += i + key.len();
+    }
+    false
+}
+
+/// If one SSE event is a usage-only chunk (`"choices": []` and a `usage`
+/// object, what an engine sends last for `include_usage`), its usage's
+/// `cached_tokens` (`Some(None)` when it has none); otherwise `None`.
+fn usage_only_event(event: &[u8]) -> Option<Option<u64>> {
+    if !has_empty_choices(event) {
+        return None;
+    }
+    let text = std::str::from_utf8(event).ok()?;
+    let data: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let doc: Value = serde_json::from_str(&data).ok()?;
+    let empty = doc.get("choices")?.as_array()?.is_empty();
+    (empty && doc.get("usage")?.is_object()).then(|| cached_tokens(&doc))
+}
+
+/// Removes usage-only chunks from an SSE stream that kvroute asked for
+/// (`stream_options.include_usage` added by the proxy), reading their
+/// `cached_tokens` first. Holds at most one incomplete event: every complete
+/// event is passed on as soon as its blank line arrives.
+#[derive(Debug, Default)]
+struct UsageStripper {
+    pending: Vec<u8>,
+}
+
+impl UsageStripper {
+    /// Takes the next upstream bytes; returns what to pass on now and the
+    /// `cached_tokens` of a usage chunk removed from them, if any.
+    fn feed(&mut self, chunk: &[u8]) -> (Vec<u8>, Option<u64>) {
+        self.pending.extend_from_slice(chunk);
+        let mut out = Vec::with_capacity(self.pending.len());
+        let mut reported = None;
+        let mut start = 0;
+        while let Some(len) = sse_event_end(&self.pending[start..]) {
+            let event = &self.pending[start..start + len];
+            match usage_only_event(event) {
+                Some(cached) => reported = reported.or(cached),
+                None => out.extend_from_slice(event),
+            }
+            start += len;
+        }
+        self.pending.drain(..start);
+        (out, reported)
+    }
+
+    /// What is left when the upstream ends (an unterminated event), passed on as is.
+    fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.pending)
+    }
+}
+
 /// The upstream body, passed through chunk by chunk; holds the active entry.
 struct Passthrough<S> {
     inner: S,
     guard: Option<ActiveGuard>,
     first: bool,
     prediction: Option<Prediction>,
+    /// Set when the proxy added `include_usage`: drop the usage-only chunk.
+    strip: Option<UsageStripper>,
+    done: bool,
+}
+
+impl<S> Passthrough<S> {
+    fn report(&mut self, reported: Option<u64>) {
+        if let (Some(p), Some(g), Some(reported)) = (self.prediction, &self.guard, reported) {
+            g.router.compare(p.predicted, reported);
+            self.prediction = None;
+        }
+    }
 }
 
 impl<S> Stream for Passthrough<S>
@@ -523,26 +617,52 @@ where
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
         let this = &mut *self;
-        let next = Pin::new(&mut this.inner).poll_next(cx);
-        match &next {
-            Poll::Ready(Some(Ok(chunk))) => {
-                if this.first {
-                    this.first = false;
-                    if let Some(g) = &this.guard {
-                        g.prefill_done();
-                    }
-                }
-                if let (Some(p), Some(g)) = (this.prediction, &this.guard) {
-                    if let Some(reported) = cached_tokens_in_sse(chunk) {
-                        g.router.compare(p.predicted, reported);
-                        this.prediction = None;
-                    }
-                }
-            }
-            Poll::Ready(_) => this.guard = None,
-            Poll::Pending => {}
+        if this.done {
+            return Poll::Ready(None);
         }
-        next
+        loop {
+            match Pin::new(&mut this.inner).poll_next(cx) {
+                Poll::Ready(Some(Ok(chunk))) => {
+                    if this.first {
+                        this.first = false;
+                        if let Some(g) = &this.guard {
+                            g.prefill_done();
+                        }
+                    }
+                    let (out, reported) = match &mut this.strip {
+                        Some(strip) => {
+                            let (out, reported) = strip.feed(&chunk);
+                            (Bytes::from(out), reported)
+                        }
+                        None => {
+                            let reported =
+                                this.prediction.and_then(|_| cached_tokens_in_sse(&chunk));
+                            (chunk, reported)
+                        }
+                    };
+                    this.report(reported);
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(out)));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.guard = None;
+                    this.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    this.guard = None;
+                    this.done = true;
+                    let rest = this.strip.as_mut().map(UsageStripper::finish);
+                    return match rest {
+                        Some(rest) if !rest.is_empty() => Poll::Ready(Some(Ok(Bytes::from(rest)))),
+                        _ => Poll::Ready(None),
+                    };
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 }
 
@@ -656,6 +776,15 @@ async fn proxy(
                 }
             }
         }
+        let add_usage = req.stream && !req.include_usage && req.tokens.is_some();
+        if add_usage {
+            match inject_include_usage(&payload) {
+                Ok(b) => payload = Bytes::from(b),
+                Err(e) => {
+                    return error_response(StatusCode::BAD_REQUEST, "invalid_request_error", e.0)
+                }
+            }
+        }
         if s.flavor == WorkerFlavor::Sglang && !req.images.is_empty() && !req.mm_hashes_given {
             let hashes: Vec<u64> = req.images.iter().map(|i| i.identity.hash).collect();
             match inject_mm_hashes(&payload, &hashes) {
@@ -735,6 +864,8 @@ async fn proxy(
                 guard: Some(guard),
                 first: true,
                 prediction: prediction.filter(|_| status.is_success()),
+                strip: (add_usage && status.is_success()).then(UsageStripper::default),
+                done: false,
             });
             return builder.body(body).unwrap_or_else(|e| {
                 error_response(
@@ -953,6 +1084,59 @@ mod tests {
         let chunk = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
         assert_eq!(cached_tokens_in_sse(chunk), Some(32));
         assert_eq!(cached_tokens_in_sse(b"data: {\"choices\":[]}\n\n"), None);
+    }
+
+    const ROLE: &[u8] =
+        b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"text\":\"a\"}],\"usage\":null}\n\n";
+    const USAGE: &[u8] = b"data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":64,\"prompt_tokens_details\":{\"cached_tokens\":48}}}\n\n";
+    const DONE: &[u8] = b"data: [DONE]\n\n";
+
+    #[test]
+    fn the_usage_chunk_is_removed_whatever_the_chunk_boundaries() {
+        let stream: Vec<u8> = [ROLE, ROLE, USAGE, DONE].concat();
+        let expected: Vec<u8> = [ROLE, ROLE, DONE].concat();
+        // Every way of cutting the stream in two, and byte by byte.
+        for cut in 0..=stream.len() {
+            let mut f = UsageStripper::default();
+            let (mut out, a) = f.feed(&stream[..cut]);
+            let (rest, b) = f.feed(&stream[cut..]);
+            out.extend(rest);
+            out.extend(f.finish());
+            assert_eq!(out, expected, "cut at {cut}");
+            assert_eq!(a.or(b), Some(48), "cut at {cut}");
+        }
+        let mut f = UsageStripper::default();
+        let mut out = Vec::new();
+        let mut reported = None;
+        for byte in &stream {
+            let (o, r) = f.feed(std::slice::from_ref(byte));
+            // Nothing is held beyond the event in progress.
+            assert!(f.pending.len() <= USAGE.len());
+            out.extend(o);
+            reported = reported.or(r);
+        }
+        assert_eq!((out, reported), (expected, Some(48)));
+    }
+
+    #[test]
+    fn complete_events_pass_at_once_and_other_chunks_stay() {
+        let mut f = UsageStripper::default();
+        // A whole event and half of the next: the whole one passes now.
+        let (out, _) = f.feed(&[ROLE, &ROLE[..10]].concat());
+        assert_eq!(out, ROLE);
+        let (out, _) = f.feed(&ROLE[10..]);
+        assert_eq!(out, ROLE);
+        // CRLF framing, and a chunk with choices and usage is kept.
+        let crlf = b"data: {\"choices\": [ ], \"usage\": {\"prompt_tokens_details\": {\"cached_tokens\": 16}}}\r\n\r\n";
+        assert_eq!(f.feed(crlf), (Vec::new(), Some(16)));
+        let with_choices =
+            b"data: {\"choices\":[{\"text\":\"\"}],\"usage\":{\"prompt_tokens\":1}}\n\n";
+        assert_eq!(f.feed(with_choices).0, with_choices);
+        // An unterminated tail is passed on at the end.
+        assert_eq!(f.feed(b"data: [DO").0, b"");
+        assert_eq!(f.finish(), b"data: [DO");
+        assert!(has_empty_choices(b"{\"choices\" :\n[]}"));
+        assert!(!has_empty_choices(b"{\"choices\":[1]}"));
     }
 
     #[test]

@@ -42,6 +42,8 @@ pub struct RoutingRequest {
     pub images: Vec<ImageSpan>,
     /// The client sent `mm_hashes` itself (then the proxy never adds them).
     pub mm_hashes_given: bool,
+    /// `stream_options.include_usage: true`: the client wants the usage chunk.
+    pub include_usage: bool,
 }
 
 fn opt_str(obj: &serde_json::Map<String, Value>, key: &str) -> Result<Option<String>, ParseError> {
@@ -115,6 +117,21 @@ struct RawFields<'a> {
     cache_salt: Option<&'a RawValue>,
     #[serde(borrow, default)]
     mm_hashes: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    stream_options: Option<&'a RawValue>,
+}
+
+/// `stream_options.include_usage`, read leniently (anything but `true` is false;
+/// the engine validates the field).
+fn raw_include_usage(raw: Option<&RawValue>) -> bool {
+    #[derive(serde::Deserialize)]
+    struct Options {
+        include_usage: Option<bool>,
+    }
+    raw.and_then(|r| serde_json::from_str::<Option<Options>>(r.get()).ok())
+        .flatten()
+        .and_then(|o| o.include_usage)
+        .unwrap_or(false)
 }
 
 fn raw_str(raw: Option<&RawValue>, key: &str) -> Result<Option<String>, ParseError> {
@@ -199,6 +216,7 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<RoutingRequest, ParseErr
         lora_name: raw_str(raw.lora_name, "lora_name")?,
         cache_salt: raw_str(raw.cache_salt, "cache_salt")?,
         mm_hashes_given: raw.mm_hashes.is_some_and(|r| r.get() != "null"),
+        include_usage: raw_include_usage(raw.stream_options),
         ..RoutingRequest::default()
     };
     if chat {
@@ -288,6 +306,28 @@ pub fn inject_mm_hashes(body: &[u8], hashes: &[u64]) -> Result<Vec<u8>, ParseErr
         "mm_hashes",
         Value::Array(hashes.iter().map(|&h| Value::from(h)).collect()),
     )
+}
+
+/// Sets `stream_options.include_usage` to `true` (keeping any other stream
+/// options), so a streaming engine ends with its usage chunk, whose
+/// `cached_tokens` the accuracy metric reads; the proxy strips that chunk
+/// again for clients that did not ask for it.
+pub fn inject_include_usage(body: &[u8]) -> Result<Vec<u8>, ParseError> {
+    let mut value: Value =
+        serde_json::from_slice(body).map_err(|e| bad(format!("invalid JSON body: {e}")))?;
+    let obj = value
+        .as_object_mut()
+        .ok_or_else(|| bad("the body must be a JSON object"))?;
+    let options = obj
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(serde_json::Map::new()));
+    if !options.is_object() {
+        *options = Value::Object(serde_json::Map::new());
+    }
+    if let Some(o) = options.as_object_mut() {
+        o.insert("include_usage".into(), Value::Bool(true));
+    }
+    serde_json::to_vec(&value).map_err(|e| bad(e.to_string()))
 }
 
 fn inject_field(body: &[u8], key: &str, field: Value) -> Result<Vec<u8>, ParseError> {
@@ -597,6 +637,36 @@ mod tests {
         assert_eq!(
             String::from_utf8(out).expect("utf8"),
             r#"{"model":"m","mm_hashes":[18446744073709551615,7]}"#
+        );
+    }
+
+    #[test]
+    fn include_usage_is_read_and_injected_keeping_other_options() {
+        let r = parse_request(
+            br#"{"prompt":[1],"stream":true,"stream_options":{"include_usage":true}}"#,
+            false,
+        )
+        .expect("valid");
+        assert!(r.include_usage);
+        for body in [
+            &br#"{"prompt":[1],"stream":true}"#[..],
+            br#"{"prompt":[1],"stream_options":null}"#,
+            br#"{"prompt":[1],"stream_options":{"continuous_usage_stats":true}}"#,
+        ] {
+            assert!(!parse_request(body, false).expect("valid").include_usage);
+        }
+        let out = inject_include_usage(
+            br#"{"prompt":[1],"stream_options":{"continuous_usage_stats":false}}"#,
+        )
+        .expect("valid");
+        assert_eq!(
+            String::from_utf8(out).expect("utf8"),
+            r#"{"prompt":[1],"stream_options":{"continuous_usage_stats":false,"include_usage":true}}"#
+        );
+        let out = inject_include_usage(br#"{"stream_options":null}"#).expect("valid");
+        assert_eq!(
+            String::from_utf8(out).expect("utf8"),
+            r#"{"stream_options":{"include_usage":true}}"#
         );
     }
 

@@ -641,3 +641,33 @@ fn the_chosen_dp_rank_reaches_a_vllm_engine_by_header() {
 fn the_chosen_dp_rank_reaches_an_sglang_engine_in_the_body() {
     dp_rank_reaches_the_engine("sglang", &["--dp-rank-in-body"]);
 }
+
+/// A streaming client that did not ask for usage gets no usage chunk, yet the
+/// router (which added `include_usage` upstream) still compares the engine's
+/// `cached_tokens` with its prediction.
+#[test]
+fn streams_without_include_usage_get_no_usage_chunk_but_are_measured() {
+    let (_mocker, lines) = start_mocker(2, "100");
+    let (_serve, serve) = start_serve(&lines, &[]);
+    let prompt: Vec<u32> = (7000..7100).collect();
+    let plain = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        &completion(&prompt, 8, true),
+    );
+    assert_eq!(plain.status, 200, "{}", plain.body);
+    assert!(plain.body.contains("data: [DONE]"), "{}", plain.body);
+    assert!(plain.body.contains("\"text\""), "{}", plain.body);
+    assert!(!plain.body.contains("\"choices\":[]"), "{}", plain.body);
+    assert!(!plain.body.contains("cached_tokens"), "{}", plain.body);
+    assert_eq!(metric(&serve, "kvroute_accuracy_comparisons_total"), 1);
+    // A client that asks for usage still gets its usage chunk.
+    let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": 8,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let asked = request(&serve, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(asked.status, 200, "{}", asked.body);
+    assert!(asked.body.contains("\"choices\":[]"), "{}", asked.body);
+    assert!(asked.body.contains("cached_tokens"), "{}", asked.body);
+    assert_eq!(metric(&serve, "kvroute_accuracy_comparisons_total"), 2);
+}
