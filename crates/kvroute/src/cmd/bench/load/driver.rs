@@ -356,12 +356,27 @@ async fn send(
         }
         Target::Oracle(oracle) => {
             let (worker, rank) = oracle_pick(&shared.client, oracle, planned).await?;
+            // Released on every exit, the request timeout's cancellation included.
+            let _in_flight = InFlight {
+                oracle,
+                key: (worker, rank),
+            };
             let url = format!("{}{}", oracle.workers[worker], planned.path);
-            let result = exchange(&shared.client, &url, &planned.body, Some(rank), scheduled).await;
-            if let Some(n) = lock(&oracle.in_flight).get_mut(&(worker, rank)) {
-                *n = n.saturating_sub(1);
-            }
-            result
+            exchange(&shared.client, &url, &planned.body, Some(rank), scheduled).await
+        }
+    }
+}
+
+/// One request the oracle sent to a (worker, rank); uncounted when dropped.
+struct InFlight<'a> {
+    oracle: &'a Oracle,
+    key: (usize, u32),
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        if let Some(n) = lock(&self.oracle.in_flight).get_mut(&self.key) {
+            *n = n.saturating_sub(1);
         }
     }
 }
