@@ -101,7 +101,9 @@ impl ChatTemplate {
                 .and_then(|t| t.get("template"))
                 .and_then(Value::as_str)
                 .ok_or_else(|| {
-                    ChatTemplateError::Config("no template named `default` in `chat_template`".into())
+                    ChatTemplateError::Config(
+                        "no template named `default` in `chat_template`".into(),
+                    )
                 })?
                 .to_owned(),
             Some(_) => {
@@ -240,7 +242,9 @@ mod tests {
         let err = t
             .render(&json!([{"role": "assistant", "content": "x"}]), true)
             .expect_err("raises");
-        assert!(err.to_string().contains("first message must be from the user"));
+        assert!(err
+            .to_string()
+            .contains("first message must be from the user"));
         assert_eq!(
             t.render(&json!([{"role": "user", "content": "x"}]), true)
                 .expect("renders"),
@@ -271,8 +275,11 @@ mod tests {
         std::fs::create_dir_all(&dir).expect("dir");
         let tokenizer = dir.join("tokenizer.json");
         assert!(ChatTemplate::beside(&tokenizer).expect("absent").is_none());
-        std::fs::write(dir.join(CONFIG_FILE), json!({"chat_template": QWEN2}).to_string())
-            .expect("write");
+        std::fs::write(
+            dir.join(CONFIG_FILE),
+            json!({"chat_template": QWEN2}).to_string(),
+        )
+        .expect("write");
         assert!(ChatTemplate::beside(&tokenizer).expect("present").is_some());
         let _ = std::fs::remove_dir_all(&dir);
     }

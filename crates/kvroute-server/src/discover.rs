@@ -98,6 +98,7 @@ pub fn spec_from_server_info(url: &str, info: &Value) -> Result<WorkerSpec, Disc
         .get("model_path")
         .and_then(Value::as_str)
         .map(str::to_owned);
+    spec.flavor = DISCOVERED_FLAVOR;
     Ok(spec)
 }
 

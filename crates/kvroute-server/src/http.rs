@@ -166,6 +166,7 @@ fn spec_from_body(v: &Value, default_block_size: u32) -> Result<WorkerSpec, ApiE
         .map_err(|e| ApiError::bad_request(e.to_string()))?;
         spec.topic = str_field(v, "topic")?.unwrap_or_default().to_owned();
         spec.model = str_field(v, "model")?.map(str::to_owned);
+        spec.flavor = flavor_from_body(v)?;
         return Ok(spec);
     }
     if let Some(endpoint) = str_field(v, "endpoint")? {
@@ -193,6 +194,7 @@ fn spec_from_body(v: &Value, default_block_size: u32) -> Result<WorkerSpec, ApiE
             block_size,
             topic: String::new(),
             model: str_field(v, "model_name")?.map(str::to_owned),
+            flavor: flavor_from_body(v)?,
         });
     }
     Err(ApiError::bad_request(
@@ -213,7 +215,7 @@ async fn register(
     authorize(&state, &headers)?;
     let body = parse_body(&body)?;
     let spec = spec_from_body(&body, state.default_block_size)?;
-    let flavor = flavor_from_body(&body)?;
+    let flavor = spec.flavor;
     let name = spec.name.clone();
     let registry = state.registry.clone();
     let id = tokio::task::spawn_blocking(move || registry.register(spec))
@@ -226,7 +228,6 @@ async fn register(
             status: StatusCode::CONFLICT,
             message: e.to_string(),
         })?;
-    state.router.set_flavor(&name, flavor);
     state.router.refresh(&state.registry);
     Ok(Json(
         json!({"status": "registered", "name": name, "worker_id": id.0, "flavor": flavor.as_str()}),

@@ -82,9 +82,6 @@ pub struct RouterConfig {
     pub dp_rank_in_body: bool,
     /// Tokenizes text prompts and chat messages; without it they are routed on load only.
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
-    /// Engine flavour of workers known at start, by name (absent: vLLM).
-    /// Workers registered later name theirs in the registration body.
-    pub worker_flavors: HashMap<String, WorkerFlavor>,
 }
 
 impl Default for RouterConfig {
@@ -102,7 +99,6 @@ impl Default for RouterConfig {
             active_expiry: Duration::from_secs(600),
             dp_rank_in_body: false,
             tokenizer: None,
-            worker_flavors: HashMap::new(),
         }
     }
 }
@@ -150,7 +146,6 @@ pub struct Router {
     config: RouterConfig,
     client: reqwest::Client,
     pub(crate) targets: RwLock<Vec<Target>>,
-    flavors: RwLock<HashMap<String, WorkerFlavor>>,
     active: Mutex<HashMap<WorkerRank, ActiveSequences>>,
     breakers: Mutex<HashMap<String, Breaker>>,
     pub(crate) metrics: Metrics,
@@ -164,9 +159,8 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
-/// The workers of the registry with their ranks, from its `/workers` document,
-/// and their flavours from `flavors` (absent: vLLM).
-fn targets_of(registry: &Registry, flavors: &HashMap<String, WorkerFlavor>) -> Vec<Target> {
+/// The workers of the registry with their ranks, from its `/workers` document.
+fn targets_of(registry: &Registry) -> Vec<Target> {
     let ids: HashMap<String, WorkerId> = registry
         .workers()
         .into_iter()
@@ -188,7 +182,10 @@ fn targets_of(registry: &Registry, flavors: &HashMap<String, WorkerFlavor>) -> V
                 .collect();
             ranks.sort_unstable();
             Some(Target {
-                flavor: flavors.get(&name).copied().unwrap_or_default(),
+                flavor: w["flavor"]
+                    .as_str()
+                    .and_then(|f| f.parse().ok())
+                    .unwrap_or_default(),
                 url: w["url"]
                     .as_str()
                     .unwrap_or_default()
@@ -218,7 +215,6 @@ impl Router {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
         Ok(Router {
-            flavors: RwLock::new(config.worker_flavors.clone()),
             config,
             client,
             targets: RwLock::new(Vec::new()),
@@ -249,14 +245,6 @@ impl Router {
         }
     }
 
-    /// Sets the engine flavour of a worker (before [`Router::refresh`] picks it up).
-    pub fn set_flavor(&self, name: &str, flavor: WorkerFlavor) {
-        self.flavors
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(name.to_owned(), flavor);
-    }
-
     /// The configuration.
     pub fn config(&self) -> &RouterConfig {
         &self.config
@@ -269,10 +257,7 @@ impl Router {
 
     /// Re-reads the workers from the registry.
     pub fn refresh(&self, registry: &Registry) {
-        let targets = {
-            let flavors = self.flavors.read().unwrap_or_else(PoisonError::into_inner);
-            targets_of(registry, &flavors)
-        };
+        let targets = targets_of(registry);
         *self.targets.write().unwrap_or_else(PoisonError::into_inner) = targets;
     }
 

@@ -282,6 +282,7 @@ impl Registry {
                     "url": w.spec.url,
                     "model": w.spec.model,
                     "block_size": w.spec.block_size,
+                    "flavor": w.spec.flavor.as_str(),
                     "ranks": ranks,
                 })
             })

@@ -63,6 +63,10 @@ pub struct WorkerSpec {
     pub topic: String,
     /// Model the engine serves, if known.
     pub model: Option<String>,
+    /// How the engine lays images out in its prompts (`flavor=vllm|sglang`,
+    /// default vLLM), and so how the router hashes requests with images for it.
+    #[serde(default, with = "flavor_name")]
+    pub flavor: WorkerFlavor,
 }
 
 /// `tcp://host:port` with the port moved by `offset` (how engines place rank r).
@@ -127,25 +131,15 @@ impl WorkerSpec {
             block_size,
             topic: String::new(),
             model: None,
+            flavor: WorkerFlavor::default(),
         })
     }
 
     /// Parses the `--worker` syntax: `name=w0,url=http://…,events=tcp://…:5557,
     /// replay=tcp://…:5657,dp=2,block_size=16` (keys in any order; `replay`,
     /// `dp` (default 1), `block_size` (default `default_block_size`), `topic`,
-    /// `model` and `flavor` optional). The flavour is validated but dropped;
-    /// [`WorkerSpec::parse_with_flavor`] returns it.
+    /// `model` and `flavor` (`vllm|sglang`, default `vllm`) optional).
     pub fn parse(text: &str, default_block_size: u32) -> Result<Self, SpecError> {
-        Self::parse_with_flavor(text, default_block_size).map(|(spec, _)| spec)
-    }
-
-    /// [`WorkerSpec::parse`], also returning the worker's engine flavour
-    /// (`flavor=vllm|sglang`, default `vllm`): how its prompts lay out images,
-    /// and so how the router hashes requests with images for it.
-    pub fn parse_with_flavor(
-        text: &str,
-        default_block_size: u32,
-    ) -> Result<(Self, WorkerFlavor), SpecError> {
         let mut fields: BTreeMap<&str, &str> = BTreeMap::new();
         for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, value) = pair
@@ -201,7 +195,23 @@ impl WorkerSpec {
             .map(|t| t.to_string())
             .unwrap_or_default();
         spec.model = fields.get("model").map(|m| m.to_string());
-        Ok((spec, flavor))
+        spec.flavor = flavor;
+        Ok(spec)
+    }
+}
+
+/// A [`WorkerFlavor`] in serialized specs: its name (`vllm`, `sglang`).
+mod flavor_name {
+    use super::WorkerFlavor;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(f: &WorkerFlavor, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(f.as_str())
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<WorkerFlavor, D::Error> {
+        let name = String::deserialize(d)?;
+        name.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -242,15 +252,6 @@ struct ConfigFile {
 /// Parses a TOML config file listing workers as `[[worker]]` tables with the
 /// same keys as the `--worker` flag.
 pub fn parse_config(text: &str, default_block_size: u32) -> Result<Vec<WorkerSpec>, SpecError> {
-    parse_config_with_flavors(text, default_block_size)
-        .map(|workers| workers.into_iter().map(|(spec, _)| spec).collect())
-}
-
-/// [`parse_config`], also returning each worker's engine flavour.
-pub fn parse_config_with_flavors(
-    text: &str,
-    default_block_size: u32,
-) -> Result<Vec<(WorkerSpec, WorkerFlavor)>, SpecError> {
     let file: ConfigFile = toml::from_str(text).map_err(|e| SpecError::Config(e.to_string()))?;
     file.worker
         .into_iter()
@@ -266,7 +267,8 @@ pub fn parse_config_with_flavors(
             )?;
             spec.topic = w.topic.unwrap_or_default();
             spec.model = w.model;
-            Ok((spec, flavor))
+            spec.flavor = flavor;
+            Ok(spec)
         })
         .collect()
 }
@@ -317,16 +319,18 @@ mod tests {
     #[test]
     fn the_flavor_defaults_to_vllm_and_reads_from_flags_and_files() {
         let line = "name=a,url=http://h:1,events=tcp://h:2,flavor=sglang,dp=1,block_size=16";
-        let (spec, flavor) = WorkerSpec::parse_with_flavor(line, 16).expect("valid");
-        assert_eq!((spec.name.as_str(), flavor), ("a", WorkerFlavor::Sglang));
+        let spec = WorkerSpec::parse(line, 16).expect("valid");
+        assert_eq!(
+            (spec.name.as_str(), spec.flavor),
+            ("a", WorkerFlavor::Sglang)
+        );
         assert_eq!(WorkerSpec::parse(line, 16).expect("valid"), spec);
-        let (_, flavor) =
-            WorkerSpec::parse_with_flavor("name=a,url=u,events=tcp://h:2", 16).expect("valid");
-        assert_eq!(flavor, WorkerFlavor::Vllm);
+        let spec = WorkerSpec::parse("name=a,url=u,events=tcp://h:2", 16).expect("valid");
+        assert_eq!(spec.flavor, WorkerFlavor::Vllm);
         let text =
             "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nflavor = \"sglang\"\n";
-        let workers = parse_config_with_flavors(text, 16).expect("valid");
-        assert_eq!(workers[0].1, WorkerFlavor::Sglang);
+        let workers = parse_config(text, 16).expect("valid");
+        assert_eq!(workers[0].flavor, WorkerFlavor::Sglang);
         assert!(parse_config(
             "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nflavor = \"x\"\n",
             16

@@ -258,6 +258,7 @@ fn worker(name: &str, ranks: Vec<RankEndpoints>) -> WorkerSpec {
         block_size: BS as u32,
         topic: String::new(),
         model: None,
+        flavor: Default::default(),
     }
 }
 

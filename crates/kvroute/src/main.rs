@@ -24,7 +24,10 @@ struct Cli {
 enum Command {
     /// Decode one engine KV-event payload and print each event as a JSON line.
     Inspect(cmd::inspect::InspectArgs),
-    /// Measure kvroute's parts (`bench index`: the prefix index).
+    /// Show the win: a mock fleet, the router under each policy, the same workload, a report.
+    Demo(cmd::demo::DemoArgs),
+    /// Generate load against an OpenAI-compatible endpoint, or measure kvroute's
+    /// parts (`bench index|ingest|proxy`).
     Bench(cmd::bench::BenchArgs),
     /// Run simulated vLLM / SGLang engines (HTTP, prefix cache, KV events over ZeroMQ).
     Mocker(cmd::mocker::MockerArgs),
@@ -36,6 +39,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Inspect(args) => cmd::inspect::run(&args),
+        Command::Demo(args) => cmd::demo::run(&args),
         Command::Bench(args) => cmd::bench::run(&args),
         Command::Mocker(args) => cmd::mocker::run(&args),
         Command::Serve(args) => cmd::serve::run(&args),

@@ -8,18 +8,16 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::index::IndexConfig;
-use kvroute_core::multimodal::{ImageTokenRule, RoutingPrompt, WorkerFlavor};
+use kvroute_core::multimodal::{ImageTokenRule, RoutingPrompt};
 use kvroute_core::scheduler::CostWeights;
 use kvroute_core::tokens::fold_token_id;
 use kvroute_mocker::http::openai::{self, Endpoint};
 use kvroute_mocker::tokenizer::Tokenizer;
-use kvroute_server::discover::DISCOVERED_FLAVOR;
 use kvroute_server::ingest::IngestConfig;
 use kvroute_server::proxy::{PromptTokenizer, RouterConfig};
 use kvroute_server::routing::{BusyThresholds, Policy};
-use kvroute_server::spec::{parse_config_with_flavors, WorkerSpec};
+use kvroute_server::spec::{parse_config, WorkerSpec};
 use kvroute_server::{serve, ServeConfig};
-use std::collections::HashMap;
 use std::sync::Arc;
 
 /// Arguments of `kvroute serve`.
@@ -130,22 +128,18 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         .with_writer(std::io::stderr)
         .init();
     let mut workers: Vec<WorkerSpec> = Vec::new();
-    let mut flavors: HashMap<String, WorkerFlavor> = HashMap::new();
     for text in &args.workers {
-        let (spec, flavor) = WorkerSpec::parse_with_flavor(text, args.block_size)
-            .with_context(|| format!("--worker {text}"))?;
-        flavors.insert(spec.name.clone(), flavor);
+        let spec =
+            WorkerSpec::parse(text, args.block_size).with_context(|| format!("--worker {text}"))?;
         workers.push(spec);
     }
     if let Some(path) = &args.config {
         let text =
             std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
-        for (spec, flavor) in parse_config_with_flavors(&text, args.block_size)
-            .with_context(|| format!("--config {}", path.display()))?
-        {
-            flavors.insert(spec.name.clone(), flavor);
-            workers.push(spec);
-        }
+        workers.extend(
+            parse_config(&text, args.block_size)
+                .with_context(|| format!("--config {}", path.display()))?,
+        );
     }
     let admin_token = args
         .admin_token
@@ -163,7 +157,6 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             .context("http client")?;
         for url in &args.discover_sglang {
             let spec = kvroute_server::discover::discover_sglang(&client, url).await?;
-            flavors.insert(spec.name.clone(), DISCOVERED_FLAVOR);
             workers.push(spec);
         }
         let mut names = std::collections::BTreeSet::new();
@@ -190,7 +183,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 ..IndexConfig::default()
             },
             ingest: IngestConfig::default(),
-            router: router_config(args, flavors)?,
+            router: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
         };
         serve(config, listener, shutdown_signal()).await?;
@@ -233,16 +226,20 @@ impl PromptTokenizer for ChatMlTokenizer {
     }
 }
 
-fn router_config(
-    args: &ServeArgs,
-    worker_flavors: HashMap<String, WorkerFlavor>,
-) -> Result<RouterConfig> {
-    let load = |tokenizer| -> Arc<dyn PromptTokenizer> {
-        Arc::new(ChatMlTokenizer {
-            tokenizer,
-            rule: ImageTokenRule::fixed(args.mm_tokens_per_image as usize),
-        })
-    };
+/// The router's view of prompts rendered as `kvroute mocker` renders them,
+/// with `mm_tokens_per_image` positions per image.
+pub fn prompt_tokenizer(
+    tokenizer: Tokenizer,
+    mm_tokens_per_image: usize,
+) -> Arc<dyn PromptTokenizer> {
+    Arc::new(ChatMlTokenizer {
+        tokenizer,
+        rule: ImageTokenRule::fixed(mm_tokens_per_image),
+    })
+}
+
+fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
+    let load = |tokenizer| prompt_tokenizer(tokenizer, args.mm_tokens_per_image as usize);
     let tokenizer: Option<Arc<dyn PromptTokenizer>> = match &args.tokenizer {
         None => None,
         Some(p) if p.as_os_str() == "builtin" => Some(load(Tokenizer::builtin())),
@@ -272,7 +269,6 @@ fn router_config(
         active_expiry: Duration::from_secs(args.active_expiry_secs),
         dp_rank_in_body: args.dp_rank_in_body,
         tokenizer,
-        worker_flavors,
     })
 }
 

@@ -141,6 +141,7 @@ pub fn run(args: &IngestBenchArgs) -> Result<ExitCode> {
             block_size: args.block_size,
             topic: String::new(),
             model: None,
+            flavor: Default::default(),
         };
         registry.register(spec).context("registering")?;
         publishers.push(publisher);
