@@ -280,6 +280,13 @@ impl Fleet {
                     }
                 }
             };
+            // Tokens stream as small writes: send each at once (no Nagle
+            // delay behind the client's delayed ACK on kept-alive connections).
+            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+                if let Err(e) = tcp.set_nodelay(true) {
+                    tracing::debug!("cannot set TCP_NODELAY: {e}");
+                }
+            });
             if let Err(e) = axum::serve(listener, app)
                 .with_graceful_shutdown(graceful)
                 .await

@@ -18,6 +18,7 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use axum::serve::ListenerExt;
 use kvroute_core::index::{Index, IndexConfig, SharedIndex};
 use tracing::info;
 
@@ -116,6 +117,14 @@ pub async fn serve(
         max_body_bytes: config.max_body_bytes,
     };
     info!(addr = ?listener.local_addr().ok(), "kvroute listening");
+    // Without TCP_NODELAY, a streamed token written after the response head
+    // on a kept-alive connection waits for the client's delayed ACK (up to
+    // 40 ms on Linux): every small SSE write must leave at once.
+    let listener = listener.tap_io(|tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
+        }
+    });
     let result = axum::serve(listener, http::app(state))
         .with_graceful_shutdown(shutdown)
         .await;

@@ -423,6 +423,8 @@ pub struct Load {
     pub decode_blocks: u64,
     /// Of the request's blocks, those not active there.
     pub new_blocks: u64,
+    /// Leading blocks of the request held by active requests.
+    pub active_prefix: u32,
     /// Active requests.
     pub requests: u64,
 }
@@ -439,6 +441,7 @@ impl Load {
                 prefill_tokens: a.active_prefill_tokens(),
                 decode_blocks: a.active_blocks(),
                 new_blocks: a.new_blocks(seqs),
+                active_prefix: a.active_prefix(seqs),
                 requests: a.active_requests(),
             },
         }
@@ -499,6 +502,7 @@ pub fn score(
                 device_blocks: m.map_or(0, |m| m.device),
                 host_blocks: m.map_or(0, |m| m.host),
                 any_blocks: m.map_or(0, |m| m.any),
+                active_prefix_blocks: load.active_prefix,
                 active_prefill_tokens: load.prefill_tokens,
                 active_decode_blocks: load.decode_blocks,
                 new_active_blocks: load.new_blocks,
@@ -763,7 +767,7 @@ mod tests {
             &mut |_, _| (vec![hit], seqs.clone()),
             &|k, s| Load::of((k == WorkerRank::new(0, 0)).then_some(&busy_rank), s),
             &|_| true,
-            &CostWeights::default(),
+            &CostWeights::DYNAMO,
             &BusyThresholds {
                 prefill_tokens: Some(100),
                 decode_blocks: None,

@@ -111,6 +111,16 @@ impl ActiveSequences {
         self.requests.len() as u64
     }
 
+    /// How many leading `blocks` an active request here already holds: a
+    /// prefix the worker is computing or has just computed, which the index
+    /// learns of only when the engine's event arrives.
+    pub fn active_prefix(&self, blocks: &[SequenceHash]) -> u32 {
+        blocks
+            .iter()
+            .take_while(|b| self.block_refs.contains_key(b))
+            .count() as u32
+    }
+
     /// Of `blocks`, how many are not already active here.
     pub fn new_blocks(&self, blocks: &[SequenceHash]) -> u64 {
         blocks
@@ -142,6 +152,8 @@ mod tests {
             (4, 64, 2)
         );
         assert_eq!(a.new_blocks(&hashes(&[10, 30])), 1);
+        assert_eq!(a.active_prefix(&hashes(&[10, 11, 30, 12])), 2);
+        assert_eq!(a.active_prefix(&hashes(&[30, 10])), 0);
         a.prefill_done(1);
         a.prefill_done(1);
         assert_eq!(a.active_prefill_tokens(), 16);

@@ -65,7 +65,7 @@ pub struct DemoArgs {
     concurrency: usize,
     /// Size of prompts relative to llm-d's shared-prefix benchmark (6,000-token
     /// prefixes, 1,200-token questions).
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, default_value_t = 1.0)]
     scale: f64,
     /// Prefix groups (shared-prefix), conversations (multi-turn), documents
     /// (long-doc) or images (images).
@@ -73,7 +73,7 @@ pub struct DemoArgs {
     groups: usize,
     /// KV-cache blocks per engine: small enough that no engine can hold
     /// every group, as in a real fleet.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 2560)]
     gpu_blocks: usize,
     /// Divides the engines' simulated step times.
     #[arg(long, default_value_t = 4.0)]
@@ -88,7 +88,7 @@ pub struct DemoArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "kv,approx,round-robin,random,oracle"
+        default_value = "kv,approx,least-loaded,round-robin,random,oracle"
     )]
     policies: Vec<String>,
     /// Where the JSON report goes.

@@ -56,11 +56,12 @@ pub struct ServeArgs {
     /// decisions), round-robin, random or least-loaded.
     #[arg(long, default_value = "kv")]
     policy: Policy,
-    /// Multiplies the prefill term of the cost.
-    #[arg(long, default_value_t = 1.0)]
+    /// Multiplies the prefill term of the cost (Dynamo's default: 1; see
+    /// docs/serving.md for why kvroute's is 4).
+    #[arg(long, default_value_t = CostWeights::default().prefill_load_scale)]
     prefill_load_scale: f64,
-    /// Credit per block cached on the device.
-    #[arg(long, default_value_t = 1.0)]
+    /// Credit per block cached on the device (Dynamo's default: 1).
+    #[arg(long, default_value_t = CostWeights::default().overlap_credit)]
     overlap_credit: f64,
     /// Credit per block cached only in host memory.
     #[arg(long, default_value_t = 0.75)]
@@ -71,6 +72,10 @@ pub struct ServeArgs {
     /// Cost per request already active on the worker.
     #[arg(long, default_value_t = 0.0)]
     active_request_weight: f64,
+    /// Credit per leading block that a request active on the worker holds
+    /// (a prefix in flight, not yet announced by the engine's events).
+    #[arg(long, default_value_t = CostWeights::default().active_prefix_weight)]
+    active_prefix_weight: f64,
     /// 0: lowest cost wins; > 0: softmax sampling over normalised costs.
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
@@ -255,6 +260,7 @@ fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
             host_weight: args.host_cache_weight,
             disk_weight: args.disk_cache_weight,
             active_request_weight: args.active_request_weight,
+            active_prefix_weight: args.active_prefix_weight,
         },
         temperature: args.temperature,
         busy: BusyThresholds {
