@@ -60,9 +60,10 @@ pub struct DemoArgs {
     /// Requests per policy (default 400; 160 with `--quick`).
     #[arg(long)]
     requests: Option<usize>,
-    /// Requests in flight at once.
-    #[arg(long, default_value_t = 16)]
-    concurrency: usize,
+    /// Requests in flight at once (default 16; 2 for `--workload images`, a
+    /// client sending repeats).
+    #[arg(long)]
+    concurrency: Option<usize>,
     /// Size of prompts relative to llm-d's shared-prefix benchmark (6,000-token
     /// prefixes, 1,200-token questions).
     #[arg(long, default_value_t = 1.0)]
@@ -188,16 +189,32 @@ impl RunningRouter {
         }
     }
 
-    /// Sum of the router's decode-error counters.
-    async fn decode_errors(&self, client: &reqwest::Client) -> Result<u64> {
+    /// What the router's ingestion did: events and blocks applied, and
+    /// events or envelopes it could not decode.
+    async fn ingest_counts(&self, client: &reqwest::Client) -> Result<Map<String, Value>> {
         let text = client
             .get(format!("{}/metrics", self.url))
             .send()
             .await?
             .text()
             .await?;
-        Ok(sum_metric(&text, "kvroute_ingest_decode_errors_total")
-            + sum_metric(&text, "kvroute_ingest_envelope_errors_total"))
+        let mut counts = Map::new();
+        counts.insert(
+            "kv_events".into(),
+            json!(sum_metric(&text, "kvroute_ingest_events_total")),
+        );
+        counts.insert(
+            "blocks_stored".into(),
+            json!(sum_metric(&text, "kvroute_index_blocks_stored_total")),
+        );
+        counts.insert(
+            "decode_errors".into(),
+            json!(
+                sum_metric(&text, "kvroute_ingest_decode_errors_total")
+                    + sum_metric(&text, "kvroute_ingest_envelope_errors_total")
+            ),
+        );
+        Ok(counts)
     }
 
     async fn stop(mut self) {
@@ -244,6 +261,7 @@ async fn reset_caches(client: &reqwest::Client, urls: &[String]) -> Result<()> {
 }
 
 struct Plan {
+    concurrency: usize,
     flavor: EngineFlavor,
     workers: u16,
     requests: usize,
@@ -257,6 +275,10 @@ fn plan(args: &DemoArgs) -> Result<Plan> {
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
+    let concurrency = args
+        .concurrency
+        .unwrap_or(if images { 2 } else { 16 })
+        .max(1);
     let requests = args.requests.unwrap_or(if args.quick { 160 } else { 400 });
     let mut contenders = Vec::new();
     for name in &args.policies {
@@ -275,6 +297,7 @@ fn plan(args: &DemoArgs) -> Result<Plan> {
         ..WorkloadSpec::default()
     };
     Ok(Plan {
+        concurrency,
         flavor: match args.flavor {
             DemoFlavor::Vllm => EngineFlavor::Vllm,
             DemoFlavor::Sglang => EngineFlavor::Sglang,
@@ -284,9 +307,7 @@ fn plan(args: &DemoArgs) -> Result<Plan> {
         contenders,
         options: LoadOptions {
             workload,
-            arrival: Arrival::Closed {
-                concurrency: args.concurrency.max(1),
-            },
+            arrival: Arrival::Closed { concurrency },
             requests,
             max_duration: Some(Duration::from_secs(if args.quick { 20 } else { 40 })),
             progress: true,
@@ -322,7 +343,7 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
             plan.flavor.as_str(),
             plan.requests,
             args.workload.name(),
-            args.concurrency
+            plan.concurrency
         );
         let fleet = Fleet::start(config)
             .await
@@ -376,11 +397,7 @@ async fn compare(fleet: &Fleet, plan: &Plan, block_size: u32) -> Result<(Report,
                     base_url: router.url.clone(),
                 };
                 let result = load::run(&client, &endpoint, &options).await?;
-                let mut extra = Map::new();
-                extra.insert(
-                    "decode_errors".into(),
-                    json!(router.decode_errors(&client).await?),
-                );
+                let extra = router.ingest_counts(&client).await?;
                 router.stop().await;
                 (result, extra)
             }
@@ -443,6 +460,21 @@ fn finish(args: &DemoArgs, plan: &Plan, report: &Report, extras: &Extras) -> Res
                 rr.ttft_ms.p50 / kv.ttft_ms.p50
             );
         }
+    }
+    if let (Some(kv), true) = (
+        hit("kv"),
+        plan.options.workload.kind == WorkloadKind::Images,
+    ) {
+        let count = |key: &str| doc["policies"]["kv"][key].as_u64().unwrap_or(0);
+        println!(
+            "kv on {} workers: text-repeat hit rate {:.3}, image-repeat hit rate {:.3}; {} KV events ({} blocks stored) applied, {} decode errors.",
+            plan.flavor.as_str(),
+            kv.text_repeat_hit_rate.unwrap_or(0.0),
+            kv.image_repeat_hit_rate.unwrap_or(0.0),
+            count("kv_events"),
+            count("blocks_stored"),
+            count("decode_errors")
+        );
     }
     let text = serde_json::to_string_pretty(&doc)?;
     std::fs::write(&args.report, text + "\n")

@@ -12,7 +12,7 @@
 //! | `shared-prefix` | one of `groups` system prompts (6,000 tokens, picked uniformly) + a unique question (1,200 tokens) | the system prompt (llm-d's published benchmark shape) |
 //! | `multi-turn` | `groups` conversations of 8 turns: a 1,000-token system prompt, then per turn a 200-token user message; each turn's prompt is the previous prompt + a synthetic assistant reply of `max_tokens` ids + the new user message | the whole previous prompt |
 //! | `long-doc` | one of `groups` documents (10,000 tokens, picked uniformly) + a unique question (100 tokens) | the document |
-//! | `images` | chat requests: half a text-only chat from a pool of `groups` (500 words, resent verbatim), half an image from a pool of `groups` followed by a new 30-word question | repeated chats, repeated images |
+//! | `images` | chat requests: half a text-only chat from a pool of `groups` (500 words, resent verbatim), half one of `groups` image chats (an image, then that image's own 200-word question; resent verbatim) | repeated chats, repeated images (the published multimodal validation: a repeated image must hit on its image blocks and everything after them) |
 //! | `random` | 7,200 unique tokens (the size of a shared-prefix request) | none: the overhead case |
 //!
 //! Requests go to `POST /v1/completions` with a token-id prompt (or, with
@@ -48,8 +48,8 @@ pub mod sizes {
     pub const LONG_DOC_QUESTION: usize = 100;
     /// `images`: words of each text-only chat.
     pub const IMAGES_TEXT_WORDS: usize = 500;
-    /// `images`: words of the question after an image.
-    pub const IMAGES_QUESTION_WORDS: usize = 30;
+    /// `images`: words of the question that follows each image.
+    pub const IMAGES_QUESTION_WORDS: usize = 200;
     /// `images`: side of each generated RGB image in pixels (not scaled).
     pub const IMAGE_SIDE: usize = 32;
     /// `random`: tokens of each prompt.
@@ -186,7 +186,7 @@ pub enum RepeatLabel {
     First,
     /// A text-only chat sent before, resent verbatim.
     TextRepeat,
-    /// An image sent before, with a new question.
+    /// An image chat sent before, resent verbatim.
     ImageRepeat,
 }
 
@@ -419,7 +419,7 @@ impl Workload {
                     } else {
                         RepeatLabel::First
                     };
-                    let mut rng = SplitMix64::new(mix(spec.seed, (5 << 40) | n));
+                    let mut rng = SplitMix64::new(mix(spec.seed, (5 << 40) | item as u64));
                     let words = ids(&mut rng, spec.scaled(sizes::IMAGES_QUESTION_WORDS));
                     let messages = json!([{"role": "user", "content": [
                         {"type": "image_url", "image_url": {"url": st.images[item]}},
