@@ -16,7 +16,10 @@
 //! Face tokenizer encodes text segments (no special tokens added); the special
 //! ids are looked up by their strings and fall back to the constants below.
 //!
-//! **Chat template** (both tokenizers): every message becomes
+//! **Chat template**: with `--tokenizer tokenizer.json` and a
+//! `tokenizer_config.json` beside it that has a `chat_template`, text-only
+//! chats are rendered with that template (see [`crate::chat_template`]) and the
+//! text is tokenized; otherwise (and for chats with images) every message becomes
 //! `<|im_start|>` + text(`"{role}\n"`) + content + `<|im_end|>` + text(`"\n"`),
 //! then `<|im_start|>` + text(`"assistant\n"`); an image in the content becomes
 //! `<|vision_start|>`, its placeholder span (see [`crate::multimodal`]), `<|vision_end|>`.
@@ -151,6 +154,9 @@ enum Kind {
 pub struct Tokenizer {
     kind: Kind,
     specials: Specials,
+    /// The model's own chat template (`tokenizer_config.json` beside the
+    /// `tokenizer.json`), if it has one.
+    chat_template: Option<crate::chat_template::ChatTemplate>,
     /// Each filler word as its tokens.
     filler_words: Vec<Vec<FillerToken>>,
 }
@@ -172,6 +178,7 @@ impl Tokenizer {
         Tokenizer {
             kind: Kind::Builtin,
             specials: Specials::default(),
+            chat_template: None,
             filler_words,
         }
     }
@@ -215,9 +222,16 @@ impl Tokenizer {
                     message: "the tokenizer encodes the filler words to nothing".into(),
                 });
             }
+            let chat_template = crate::chat_template::ChatTemplate::beside(path).map_err(|e| {
+                TokenizerError::Load {
+                    path: path.display().to_string(),
+                    message: e.to_string(),
+                }
+            })?;
             Ok(Tokenizer {
                 kind: Kind::Hf(Box::new(tok)),
                 specials,
+                chat_template,
                 filler_words,
             })
         }
@@ -231,6 +245,12 @@ impl Tokenizer {
     /// The chat template's special ids.
     pub fn specials(&self) -> Specials {
         self.specials
+    }
+
+    /// The model's chat template from `tokenizer_config.json`, when one was
+    /// found beside the `tokenizer.json`; `None`: the built-in ChatML layout.
+    pub fn chat_template(&self) -> Option<&crate::chat_template::ChatTemplate> {
+        self.chat_template.as_ref()
     }
 
     /// Token ids of a text segment (no special tokens added).

@@ -524,8 +524,17 @@ fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
         "post_processor": null, "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
     });
-    let path = std::env::temp_dir().join(format!("kvroute-proxy-tok-{}.json", std::process::id()));
+    // The model's own chat template sits beside it, as in a model folder.
+    let dir = std::env::temp_dir().join(format!("kvroute-proxy-tok-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let path = dir.join("tokenizer.json");
     std::fs::write(&path, file.to_string()).expect("write the tokenizer");
+    let template = "{% for m in messages %}t290 {{ m['content'] }} t291 {% endfor %}{% if add_generation_prompt %}t292{% endif %}";
+    std::fs::write(
+        dir.join("tokenizer_config.json"),
+        json!({"chat_template": template}).to_string(),
+    )
+    .expect("write the config");
     let path_arg = path.to_str().expect("utf-8 path").to_owned();
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
         .args([
@@ -590,7 +599,62 @@ fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
         128
     );
     assert_eq!(metric(&serve, "kvroute_proxy_load_only_total"), 0);
-    let _ = std::fs::remove_file(&path);
+
+    // Chats render through the model's template on both sides: a chat whose
+    // first message repeats goes to its holder, and the router predicted
+    // exactly what the engine reports as cached.
+    let chat = |second: String| {
+        json!({"model": "mock-model", "max_tokens": 1, "messages": [
+            {"role": "system", "content": words(0..100)},
+            {"role": "user", "content": second},
+        ]})
+        .to_string()
+    };
+    let first = request(
+        &serve,
+        "POST",
+        "/v1/chat/completions",
+        &chat(words(100..130)),
+    );
+    assert_eq!(first.status, 200, "{}", first.body);
+    // t290, 100 words, t291, t290, 30 words, t291, t292.
+    assert_eq!(first.json()["usage"]["prompt_tokens"], 135);
+    let chat_holder = first.header("x-kvroute-worker").expect("worker header");
+    let probe = json!({"messages": [
+        {"role": "system", "content": words(0..100)},
+        {"role": "user", "content": words(100..130)},
+    ]})
+    .to_string();
+    eventually("the chat's blocks in the index", || {
+        let answer = request(&serve, "POST", "/query", &probe).json();
+        answer["workers"].as_array().is_some_and(|ws| {
+            ws.iter().any(|w| {
+                w["name"] == chat_holder.as_str() && w["device_blocks"].as_u64() >= Some(8)
+            })
+        })
+    });
+    let exact_before = metric(&serve, "kvroute_accuracy_exact_total");
+    let second = request(
+        &serve,
+        "POST",
+        "/v1/chat/completions",
+        &chat(words(200..230)),
+    );
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(
+        second.header("x-kvroute-worker").as_deref(),
+        Some(chat_holder.as_str())
+    );
+    // The system message and its markers: 102 tokens, 6 whole blocks.
+    assert_eq!(
+        second.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
+        96
+    );
+    assert_eq!(
+        metric(&serve, "kvroute_accuracy_exact_total"),
+        exact_before + 1
+    );
+    let _ = std::fs::remove_dir_all(&dir);
 }
 
 /// Device blocks of one rank of a worker, from `/workers`.

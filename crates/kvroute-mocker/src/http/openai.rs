@@ -65,6 +65,10 @@ pub struct ParsedRequest {
     pub dp_rank: Option<u32>,
     /// The `model` field, when present.
     pub model: Option<String>,
+    /// Chat messages as a model's chat template takes them (`role` and
+    /// string `content`), when every part is text; `None` for completions
+    /// and chats with images.
+    pub template_messages: Option<Value>,
 }
 
 fn bad(message: impl Into<String>) -> ApiError {
@@ -100,6 +104,10 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
     let segments = match endpoint {
         Endpoint::Completions => completion_prompt(&obj)?,
         Endpoint::Chat => chat_prompt(&obj)?,
+    };
+    let template_messages = match endpoint {
+        Endpoint::Completions => None,
+        Endpoint::Chat => text_messages(&obj),
     };
     let max_tokens = max_tokens(&obj, endpoint)?;
     match obj.get("n") {
@@ -159,6 +167,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         mm_hashes,
         dp_rank,
         model,
+        template_messages,
     })
 }
 
@@ -272,6 +281,34 @@ fn chat_prompt(obj: &Map<String, Value>) -> Result<Vec<Segment>, ApiError> {
     Ok(segments)
 }
 
+/// The (already validated) messages with each content as one string, or
+/// `None` when a part is not text.
+fn text_messages(obj: &Map<String, Value>) -> Option<Value> {
+    let messages = obj.get("messages")?.as_array()?;
+    let mut out = Vec::with_capacity(messages.len());
+    for m in messages {
+        let content = match m.get("content") {
+            None | Some(Value::Null) => String::new(),
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Array(parts)) => {
+                let mut text = String::new();
+                for p in parts {
+                    if p.get("type").and_then(Value::as_str) != Some("text") {
+                        return None;
+                    }
+                    text.push_str(p.get("text")?.as_str()?);
+                }
+                text
+            }
+            Some(_) => return None,
+        };
+        let mut message = m.as_object()?.clone();
+        message.insert("content".into(), Value::String(content));
+        out.push(Value::Object(message));
+    }
+    Some(Value::Array(out))
+}
+
 fn content_part(part: &Value, i: usize, j: usize) -> Result<Segment, ApiError> {
     let at = || format!("messages[{i}].content[{j}]");
     let Value::Object(p) = part else {
@@ -346,6 +383,22 @@ pub fn layout(
                 hashes.len()
             )));
         }
+    }
+    if let (Some(template), Some(messages)) = (tokenizer.chat_template(), &parsed.template_messages)
+    {
+        let text = template
+            .render(messages, true)
+            .map_err(|e| bad(e.to_string()))?;
+        let tokens = tokenizer
+            .encode(&text)
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        if tokens.is_empty() {
+            return Err(bad("the prompt has no tokens"));
+        }
+        return Ok(NeutralPrompt {
+            tokens,
+            images: Vec::new(),
+        });
     }
     let mut prompt: Vec<u64> = Vec::new();
     let mut spans = Vec::new();
