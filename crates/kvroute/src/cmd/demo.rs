@@ -72,6 +72,9 @@ pub struct DemoArgs {
     /// (long-doc) or images (images).
     #[arg(long, default_value_t = 16)]
     groups: usize,
+    /// `shared-prefix`: tokens per question instead of 1,200 × `--scale`.
+    #[arg(long)]
+    question_tokens: Option<usize>,
     /// KV-cache blocks per engine: small enough that no engine can hold
     /// every group, as in a real fleet.
     #[arg(long, default_value_t = 2560)]
@@ -294,6 +297,7 @@ fn plan(args: &DemoArgs) -> Result<Plan> {
         groups: args.groups,
         mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
         max_tokens: args.max_tokens,
+        question_tokens: args.question_tokens,
         ..WorkloadSpec::default()
     };
     Ok(Plan {

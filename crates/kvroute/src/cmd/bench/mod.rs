@@ -90,6 +90,9 @@ struct LoadArgs {
     /// The `model` field of every request (omitted by default).
     #[arg(long)]
     model: Option<String>,
+    /// `shared-prefix`: tokens per question instead of 1,200 × `--scale`.
+    #[arg(long)]
+    question_tokens: Option<usize>,
     /// The policy's name in the report (default: `oracle` with --oracle, else `target`).
     #[arg(long)]
     label: Option<String>,
@@ -164,6 +167,7 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             max_tokens: a.max_tokens,
             text: a.text,
             model: a.model.clone(),
+            question_tokens: a.question_tokens,
         },
         arrival,
         requests: a.requests,

@@ -107,6 +107,9 @@ pub struct WorkloadSpec {
     pub text: bool,
     /// The `model` field of every request; none when `None`.
     pub model: Option<String>,
+    /// `shared-prefix`: tokens of each question, instead of the scaled
+    /// 1,200 (a shorter question raises the hit rate's ceiling).
+    pub question_tokens: Option<usize>,
 }
 
 impl Default for WorkloadSpec {
@@ -120,6 +123,7 @@ impl Default for WorkloadSpec {
             max_tokens: 32,
             text: false,
             model: None,
+            question_tokens: None,
         }
     }
 }
@@ -135,13 +139,19 @@ impl WorkloadSpec {
         ((size as f64 * scale).round() as usize).max(1)
     }
 
+    /// Tokens of each `shared-prefix` question.
+    pub fn shared_question_tokens(&self) -> usize {
+        self.question_tokens
+            .map_or_else(|| self.scaled(sizes::SHARED_QUESTION), |q| q.max(1))
+    }
+
     /// The spec as the report's `workload` object, with the resulting sizes.
     pub fn describe(&self) -> Value {
         let s = |n| self.scaled(n);
         let sizes = match self.kind {
             WorkloadKind::SharedPrefix => json!({
                 "prefix_tokens": s(sizes::SHARED_PREFIX),
-                "question_tokens": s(sizes::SHARED_QUESTION),
+                "question_tokens": self.shared_question_tokens(),
             }),
             WorkloadKind::MultiTurn => json!({
                 "system_tokens": s(sizes::MULTI_TURN_SYSTEM),
@@ -356,11 +366,11 @@ impl Workload {
         let request = match spec.kind {
             WorkloadKind::SharedPrefix | WorkloadKind::LongDoc => {
                 let g = st.rng.below(st.prefixes.len());
-                let q = spec.scaled(if spec.kind == WorkloadKind::SharedPrefix {
-                    sizes::SHARED_QUESTION
+                let q = if spec.kind == WorkloadKind::SharedPrefix {
+                    spec.shared_question_tokens()
                 } else {
-                    sizes::LONG_DOC_QUESTION
-                });
+                    spec.scaled(sizes::LONG_DOC_QUESTION)
+                };
                 let mut rng = SplitMix64::new(mix(spec.seed, (1 << 40) | n));
                 let mut prompt = st.prefixes[g].clone();
                 prompt.extend(ids(&mut rng, q));
