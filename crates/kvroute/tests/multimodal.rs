@@ -6,10 +6,8 @@
 //! hashes the events' extra keys give), every event must decode, and the
 //! router's predictions must equal the engines' `cached_tokens`.
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
-use std::time::Duration;
 
 use serde_json::{json, Value};
 
@@ -22,46 +20,9 @@ use fleet::*;
 const MM_TOKENS: &str = "512";
 const BLOCK_SIZE: u64 = 16;
 
-struct Reply {
-    status: u16,
-    headers: String,
-    body: String,
-}
-
-impl Reply {
-    fn header(&self, name: &str) -> Option<String> {
-        let prefix = format!("{}:", name.to_ascii_lowercase());
-        self.headers
-            .lines()
-            .find_map(|l| l.strip_prefix(&prefix).map(|v| v.trim().to_owned()))
-    }
-
-    fn json(&self) -> Value {
-        serde_json::from_str(&self.body).unwrap_or(Value::Null)
-    }
-}
-
-fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
-    let mut s = TcpStream::connect(host_port).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(30)))
-        .expect("timeout");
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("write");
-    let mut raw = Vec::new();
-    let _ = s.read_to_end(&mut raw);
-    let out = String::from_utf8_lossy(&raw).into_owned();
-    let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let (headers, body) = out.split_once("\r\n\r\n").unwrap_or((&out, ""));
-    Reply {
-        status,
-        headers: headers.to_ascii_lowercase(),
-        body: body.to_owned(),
-    }
-}
+#[path = "support/http.rs"]
+mod http;
+use http::*;
 
 /// Sum of a counter over all its label sets.
 fn metric_sum(serve: &str, name: &str) -> u64 {

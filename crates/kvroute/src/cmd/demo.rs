@@ -323,6 +323,7 @@ fn plan(args: &DemoArgs) -> Result<Plan> {
 /// Runs the demo.
 pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     let plan = plan(args)?;
+    super::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -164,56 +164,11 @@ impl MockerArgs {
 /// Runs the fleet until Ctrl-C or SIGTERM.
 pub fn run(args: &MockerArgs) -> Result<ExitCode> {
     let config = args.config()?;
-    init_logging();
+    super::init_logging(tracing_subscriber::filter::LevelFilter::INFO);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    runtime.block_on(kvroute_mocker::run(config, shutdown_signal()))?;
+    runtime.block_on(kvroute_mocker::run(config, super::shutdown_signal()))?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// Logs to stderr, filtered by `RUST_LOG` (`info` when unset or unreadable).
-fn init_logging() {
-    let filter = std::env::var("RUST_LOG")
-        .ok()
-        .and_then(|s| s.parse::<tracing_subscriber::filter::Targets>().ok())
-        .unwrap_or_else(|| {
-            tracing_subscriber::filter::Targets::new()
-                .with_default(tracing_subscriber::filter::LevelFilter::INFO)
-        });
-    use tracing_subscriber::layer::SubscriberExt as _;
-    use tracing_subscriber::util::SubscriberInitExt as _;
-    let _ = tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr())),
-        )
-        .with(filter)
-        .try_init();
-}
-
-/// Resolves on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        if tokio::signal::ctrl_c().await.is_err() {
-            std::future::pending::<()>().await;
-        }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        _ = ctrl_c => {}
-        _ = terminate => {}
-    }
 }

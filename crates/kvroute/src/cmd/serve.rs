@@ -191,7 +191,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             router: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
         };
-        serve(config, listener, shutdown_signal()).await?;
+        serve(config, listener, super::shutdown_signal()).await?;
         Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -276,26 +276,4 @@ fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
         dp_rank_in_body: args.dp_rank_in_body,
         tokenizer,
     })
-}
-
-/// Completes on Ctrl-C or SIGTERM.
-async fn shutdown_signal() {
-    let ctrl_c = async {
-        let _ = tokio::signal::ctrl_c().await;
-    };
-    #[cfg(unix)]
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let term = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = term => {}
-    }
 }

@@ -178,31 +178,9 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
     Ok((endpoint, options))
 }
 
-/// Logs to stderr, filtered by `RUST_LOG` (`warn` when unset or unreadable),
-/// so stdout holds only the table or the JSON.
-fn init_logging() {
-    use tracing_subscriber::layer::SubscriberExt as _;
-    use tracing_subscriber::util::SubscriberInitExt as _;
-    let filter = std::env::var("RUST_LOG")
-        .ok()
-        .and_then(|s| s.parse::<tracing_subscriber::filter::Targets>().ok())
-        .unwrap_or_else(|| {
-            tracing_subscriber::filter::Targets::new()
-                .with_default(tracing_subscriber::filter::LevelFilter::WARN)
-        });
-    let _ = tracing_subscriber::registry()
-        .with(
-            tracing_subscriber::fmt::layer()
-                .with_writer(std::io::stderr)
-                .with_ansi(std::io::stderr().is_terminal()),
-        )
-        .with(filter)
-        .try_init();
-}
-
 fn run_load(a: &LoadArgs) -> Result<ExitCode> {
     let (endpoint, options) = load_options(a)?;
-    init_logging();
+    crate::cmd::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
