@@ -247,7 +247,7 @@ pub fn svg_plot(report: &Report) -> String {
             s,
             r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
             x + slot * 0.35,
-            y1 + 16.0,
+            label_y(y1, i),
             esc(policy)
         );
     }
@@ -286,7 +286,7 @@ pub fn svg_plot(report: &Report) -> String {
             s,
             r#"<text x="{:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
             x0 + slot * (i as f64 + 0.5),
-            y1 + 16.0,
+            label_y(y1, i),
             esc(policy)
         );
     }
@@ -305,7 +305,7 @@ pub fn svg_plot(report: &Report) -> String {
         x1,
         y0,
         y1,
-        "TTFT ms over time (s since start)",
+        "TTFT ms over time (s since start; lines: median of the last 25 requests)",
         ymax,
     );
     let _ = writeln!(
@@ -316,13 +316,33 @@ pub fn svg_plot(report: &Report) -> String {
     for (i, (policy, r)) in report.policies.iter().enumerate() {
         let colour = COLOURS[i % COLOURS.len()];
         let stride = r.timeline.len().div_ceil(MAX_POINTS).max(1);
-        let _ = writeln!(s, r#"<g fill="{colour}" fill-opacity="0.6">"#);
+        let at = |t: f64, ttft: f64| {
+            (
+                x0 + (t / tmax).clamp(0.0, 1.0) * (x1 - x0),
+                y1 - (ttft / ymax).clamp(0.0, 1.0) * (y1 - y0),
+            )
+        };
+        let _ = writeln!(s, r#"<g fill="{colour}" fill-opacity="0.25">"#);
         for &(t, ttft) in r.timeline.iter().step_by(stride) {
-            let x = x0 + (t / tmax).clamp(0.0, 1.0) * (x1 - x0);
-            let y = y1 - (ttft / ymax).clamp(0.0, 1.0) * (y1 - y0);
-            let _ = writeln!(s, r#"<circle cx="{x:.1}" cy="{y:.1}" r="1.8"/>"#);
+            let (x, y) = at(t, ttft);
+            let _ = writeln!(s, r#"<circle cx="{x:.1}" cy="{y:.1}" r="1.6"/>"#);
         }
         s.push_str("</g>\n");
+        let points: Vec<String> = rolling_median(&r.timeline, ROLLING_WINDOW)
+            .into_iter()
+            .step_by(stride)
+            .map(|(t, v)| {
+                let (x, y) = at(t, v);
+                format!("{x:.1},{y:.1}")
+            })
+            .collect();
+        if points.len() > 1 {
+            let _ = writeln!(
+                s,
+                r#"<polyline points="{}" fill="none" stroke="{colour}" stroke-width="2"/>"#,
+                points.join(" ")
+            );
+        }
         let ly = y0 + 14.0 * i as f64;
         let _ = writeln!(
             s,
@@ -336,6 +356,31 @@ pub fn svg_plot(report: &Report) -> String {
     }
     s.push_str("</svg>\n");
     s
+}
+
+/// Requests in the rolling median of the TTFT-over-time panel.
+const ROLLING_WINDOW: usize = 25;
+
+/// Where a bar's policy name goes: every other name one line lower, so long
+/// names side by side do not overlap.
+fn label_y(axis_y: f64, i: usize) -> f64 {
+    axis_y + if i % 2 == 0 { 16.0 } else { 30.0 }
+}
+
+/// For each point (in time order), the median of the last `window` values.
+fn rolling_median(timeline: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
+    let mut sorted: Vec<(f64, f64)> = timeline.to_vec();
+    sorted.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let mut out = Vec::with_capacity(sorted.len());
+    let mut buf: Vec<f64> = Vec::with_capacity(window);
+    for i in 0..sorted.len() {
+        let from = (i + 1).saturating_sub(window.max(1));
+        buf.clear();
+        buf.extend(sorted[from..=i].iter().map(|p| p.1));
+        buf.sort_by(f64::total_cmp);
+        out.push((sorted[i].0, buf[buf.len() / 2]));
+    }
+    out
 }
 
 /// Draws a panel's axes, its title, and the y axis' top value.
@@ -442,6 +487,22 @@ mod tests {
         assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
         assert!(svg.contains("a&lt;b") && !svg.contains("a<b"));
         assert_eq!(svg.matches("<circle").count(), 4);
+    }
+
+    #[test]
+    fn the_rolling_median_follows_time_order_and_ignores_spikes() {
+        let points = [
+            (2.0, 10.0),
+            (0.0, 10.0),
+            (1.0, 10.0),
+            (3.0, 500.0),
+            (4.0, 10.0),
+        ];
+        let m = rolling_median(&points, 3);
+        let times: Vec<f64> = m.iter().map(|p| p.0).collect();
+        assert_eq!(times, [0.0, 1.0, 2.0, 3.0, 4.0]);
+        assert!(m.iter().all(|p| p.1 == 10.0));
+        assert!(rolling_median(&[], 3).is_empty());
     }
 
     #[test]
