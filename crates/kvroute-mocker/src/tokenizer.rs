@@ -265,6 +265,21 @@ impl Tokenizer {
         }
     }
 
+    /// Text for token ids (special tokens left out), for clients that want
+    /// real text: `None` for the built-in tokenizer, whose ids are hashes.
+    /// Ids at or above the vocabulary size are taken modulo it.
+    pub fn decode(&self, ids: &[u32]) -> Option<String> {
+        match &self.kind {
+            Kind::Builtin => None,
+            #[cfg(feature = "hf-tokenizer")]
+            Kind::Hf(tok) => {
+                let vocab = u32::try_from(tok.get_vocab_size(true)).ok()?.max(1);
+                let ids: Vec<u32> = ids.iter().map(|&i| i % vocab).collect();
+                tok.decode(&ids, true).ok()
+            }
+        }
+    }
+
     /// `n` filler tokens for a prompt: the same `seed` and prompt always give the same tokens.
     pub fn filler(&self, seed: u64, prompt: &[u64], n: usize) -> Vec<FillerToken> {
         let mut bytes = Vec::with_capacity(prompt.len() * 8);
@@ -400,6 +415,10 @@ mod tests {
         let t = Tokenizer::from_file(&path).expect("loads");
         let _ = std::fs::remove_file(&path);
         assert_eq!(t.encode("hello world").expect("encodes"), [1, 2]);
+        assert_eq!(t.decode(&[1, 2]).as_deref(), Some("hello world"));
+        // Ids past the vocabulary wrap around instead of failing.
+        assert!(t.decode(&[1, 2, 150_000]).is_some());
+        assert!(Tokenizer::builtin().decode(&[1]).is_none());
         assert_eq!(t.specials().im_start, 3);
         assert_eq!(t.specials().im_end, IM_END);
         let filler = t.filler(0, &[1, 2], 5);

@@ -90,6 +90,11 @@ struct LoadArgs {
     /// The `model` field of every request (omitted by default).
     #[arg(long)]
     model: Option<String>,
+    /// A Hugging Face `tokenizer.json`: send completion prompts as the text
+    /// this tokenizer decodes the workload's ids to (real text for a real
+    /// engine; give the router the same file).
+    #[arg(long, value_name = "FILE")]
+    tokenizer: Option<std::path::PathBuf>,
     /// `shared-prefix`: tokens per question instead of 1,200 × `--scale`.
     #[arg(long)]
     question_tokens: Option<usize>,
@@ -118,6 +123,18 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
 }
 
 /// The load options a command line asks for.
+/// Prompts as the text a tokenizer decodes the workload's ids to.
+fn text_renderer(path: &std::path::Path) -> Result<load::TextRenderer> {
+    let tokenizer = kvroute_mocker::tokenizer::Tokenizer::from_file(path)
+        .with_context(|| format!("--tokenizer {}", path.display()))?;
+    if tokenizer.decode(&[0]).is_none() {
+        bail!("--tokenizer {}: cannot decode token ids", path.display());
+    }
+    Ok(load::TextRenderer(std::sync::Arc::new(
+        move |ids: &[u32]| tokenizer.decode(ids).unwrap_or_default(),
+    )))
+}
+
 fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
     if !(a.scale.is_finite() && a.scale > 0.0) {
         bail!("--scale must be a positive number");
@@ -165,9 +182,13 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             groups: a.groups.max(1),
             mm_tokens_per_image: a.mm_tokens_per_image,
             max_tokens: a.max_tokens,
-            text: a.text,
+            text: a.text || a.tokenizer.is_some(),
             model: a.model.clone(),
             question_tokens: a.question_tokens,
+            text_renderer: match &a.tokenizer {
+                None => None,
+                Some(path) => Some(text_renderer(path)?),
+            },
         },
         arrival,
         requests: a.requests,

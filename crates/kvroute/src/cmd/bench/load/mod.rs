@@ -33,4 +33,4 @@ pub use report::{print_table, write_svg_plot, PolicyReport, Report, ORACLE};
 #[allow(unused_imports)]
 pub use stats::{Percentiles2, Percentiles3};
 #[allow(unused_imports)]
-pub use workload::{WorkloadKind, WorkloadSpec};
+pub use workload::{TextRenderer, WorkloadKind, WorkloadSpec};

@@ -110,6 +110,25 @@ pub struct WorkloadSpec {
     /// `shared-prefix`: tokens of each question, instead of the scaled
     /// 1,200 (a shorter question raises the hit rate's ceiling).
     pub question_tokens: Option<usize>,
+    /// Renders completion prompts as real text (a tokenizer's decoding of
+    /// the ids) instead of ids or `text`'s made-up words.
+    pub text_renderer: Option<TextRenderer>,
+}
+
+/// Token ids to prompt text, e.g. a Hugging Face tokenizer's decoding.
+#[derive(Clone)]
+pub struct TextRenderer(pub std::sync::Arc<dyn Fn(&[u32]) -> String + Send + Sync>);
+
+impl std::fmt::Debug for TextRenderer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("TextRenderer")
+    }
+}
+
+impl PartialEq for TextRenderer {
+    fn eq(&self, other: &Self) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
 }
 
 impl Default for WorkloadSpec {
@@ -124,6 +143,7 @@ impl Default for WorkloadSpec {
             text: false,
             model: None,
             question_tokens: None,
+            text_renderer: None,
         }
     }
 }
@@ -464,7 +484,9 @@ impl Workload {
     }
 
     fn completion(&self, prompt: &[u32], conversation: Option<usize>) -> PlannedRequest {
-        let mut body = if self.spec.text {
+        let mut body = if let Some(render) = &self.spec.text_renderer {
+            json!({"prompt": (render.0)(prompt)})
+        } else if self.spec.text {
             json!({"prompt": render_words(prompt)})
         } else {
             json!({ "prompt": prompt })
@@ -734,6 +756,25 @@ mod tests {
         // 3 chats + 3 images → at most 6 first uses; the rest are repeats.
         assert!(labels.get("First").copied().unwrap_or(0) <= 6);
         assert!(labels.contains_key("TextRepeat") && labels.contains_key("ImageRepeat"));
+    }
+
+    #[test]
+    fn a_text_renderer_turns_every_completion_prompt_into_its_text() {
+        let render = TextRenderer(std::sync::Arc::new(|ids: &[u32]| {
+            ids.iter()
+                .map(|i| format!("w{i}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        }));
+        let w = Workload::new(&WorkloadSpec {
+            text: true,
+            text_renderer: Some(render),
+            ..spec(WorkloadKind::SharedPrefix)
+        });
+        let a = w.try_next().expect("a");
+        let text = a.body["prompt"].as_str().expect("text prompt");
+        assert_eq!(text.split(' ').count(), 60 + 12);
+        assert!(text.split(' ').all(|w| w.starts_with('w')));
     }
 
     #[test]
