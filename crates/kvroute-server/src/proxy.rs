@@ -137,7 +137,9 @@ pub(crate) struct Metrics {
     exact: AtomicU64,
     diff_sum: AtomicU64,
     diff_buckets: [AtomicU64; ACCURACY_BUCKETS.len()],
-    routed: Mutex<HashMap<(String, u32), u64>>,
+    /// Requests forwarded per worker name, then rank (keyed so that counting
+    /// allocates nothing once a pair has been seen).
+    routed: Mutex<HashMap<String, HashMap<u32, u64>>>,
 }
 
 /// The routing state shared by every request.
@@ -145,7 +147,8 @@ pub(crate) struct Metrics {
 pub struct Router {
     config: RouterConfig,
     client: reqwest::Client,
-    pub(crate) targets: RwLock<Vec<Target>>,
+    /// Shared, not copied, by each request.
+    pub(crate) targets: RwLock<Arc<Vec<Target>>>,
     active: Mutex<HashMap<WorkerRank, ActiveSequences>>,
     breakers: Mutex<HashMap<String, Breaker>>,
     pub(crate) metrics: Metrics,
@@ -217,7 +220,7 @@ impl Router {
         Ok(Router {
             config,
             client,
-            targets: RwLock::new(Vec::new()),
+            targets: RwLock::new(Arc::new(Vec::new())),
             active: Mutex::new(HashMap::new()),
             breakers: Mutex::new(HashMap::new()),
             metrics: Metrics::default(),
@@ -257,7 +260,7 @@ impl Router {
 
     /// Re-reads the workers from the registry.
     pub fn refresh(&self, registry: &Registry) {
-        let targets = targets_of(registry);
+        let targets = Arc::new(targets_of(registry));
         *self.targets.write().unwrap_or_else(PoisonError::into_inner) = targets;
     }
 
@@ -309,10 +312,16 @@ impl Router {
 
     fn record_outcome(&self, name: &str, ok: bool) {
         let mut breakers = lock(&self.breakers);
-        let b = breakers.entry(name.to_owned()).or_default();
         if ok {
-            *b = Breaker::default();
+            // A worker without an entry has a closed breaker already.
+            if let Some(b) = breakers.get_mut(name) {
+                *b = Breaker::default();
+            }
         } else {
+            let b = match breakers.get_mut(name) {
+                Some(b) => b,
+                None => breakers.entry(name.to_owned()).or_default(),
+            };
             b.failures += 1;
             b.probe_until = None;
             if b.failures >= self.config.breaker_failures {
@@ -331,7 +340,21 @@ impl Router {
         locals_at: &dyn Fn(u32, WorkerFlavor) -> Vec<LocalBlockHash>,
         request_tokens: u64,
         flavor_matters: bool,
-    ) -> (Vec<Target>, Vec<Scored>) {
+    ) -> (Arc<Vec<Target>>, Vec<Scored>) {
+        let (targets, scored, _) =
+            self.score_keeping_hashes(index, locals_at, request_tokens, flavor_matters);
+        (targets, scored)
+    }
+
+    /// [`Router::score`], also returning the request's hashes computed on the
+    /// way, so that the chosen candidate's need not be computed again.
+    fn score_keeping_hashes(
+        &self,
+        index: &SharedIndex,
+        locals_at: &dyn Fn(u32, WorkerFlavor) -> Vec<LocalBlockHash>,
+        request_tokens: u64,
+        flavor_matters: bool,
+    ) -> (Arc<Vec<Target>>, Vec<Scored>, RequestHashes) {
         let targets = self
             .targets
             .read()
@@ -348,19 +371,20 @@ impl Router {
         // (block size, flavour) present in the fleet.
         type Found = (u32, WorkerFlavor, Vec<RankMatch>, Vec<SequenceHash>);
         let mut matches: Vec<Found> = Vec::new();
-        for t in &targets {
+        let mut hashes = RequestHashes {
+            flavor_matters,
+            sets: Vec::new(),
+        };
+        for t in targets.iter() {
             let f = key(t.flavor);
             if !matches
                 .iter()
                 .any(|(bs, fl, _, _)| *bs == t.block_size && *fl == f)
             {
                 let locals = locals_at(t.block_size, f);
-                matches.push((
-                    t.block_size,
-                    f,
-                    index.find_matches(&locals),
-                    sequence_hashes(&locals),
-                ));
+                let seqs = sequence_hashes(&locals);
+                matches.push((t.block_size, f, index.find_matches(&locals), seqs.clone()));
+                hashes.sets.push((t.block_size, f, locals, seqs));
             }
         }
         let active = lock(&self.active);
@@ -380,7 +404,34 @@ impl Router {
             &self.config.weights,
             &self.config.busy,
         );
-        (targets, scored)
+        drop(active);
+        (targets, scored, hashes)
+    }
+}
+
+/// A request's local and sequence hashes per (block size, flavour) of the
+/// fleet, as scoring computed them.
+struct RequestHashes {
+    flavor_matters: bool,
+    sets: Vec<(u32, WorkerFlavor, Vec<LocalBlockHash>, Vec<SequenceHash>)>,
+}
+
+impl RequestHashes {
+    /// The hashes for a worker of this block size and flavour, if scored.
+    fn get(
+        &self,
+        block_size: u32,
+        flavor: WorkerFlavor,
+    ) -> Option<(&[LocalBlockHash], &[SequenceHash])> {
+        let f = if self.flavor_matters {
+            flavor
+        } else {
+            WorkerFlavor::Vllm
+        };
+        self.sets
+            .iter()
+            .find(|(bs, fl, _, _)| *bs == block_size && *fl == f)
+            .map(|(_, _, l, s)| (l.as_slice(), s.as_slice()))
     }
 }
 
@@ -700,8 +751,8 @@ async fn proxy(
     let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
     let locals_at = |bs: u32, flavor: WorkerFlavor| routing::request_hashes(&req, bs, flavor);
     let index = state.index.clone();
-    let (targets, scored) =
-        router.score(&index, &locals_at, request_tokens, !req.images.is_empty());
+    let (targets, scored, hashes) =
+        router.score_keeping_hashes(&index, &locals_at, request_tokens, !req.images.is_empty());
     if scored.is_empty() {
         router.metrics.no_workers.fetch_add(1, Ordering::Relaxed);
         return error_response(
@@ -747,10 +798,18 @@ async fn proxy(
         if attempt > 0 {
             router.metrics.retries.fetch_add(1, Ordering::Relaxed);
         }
-        let locals = locals_at(s.block_size, s.flavor);
-        let seqs = sequence_hashes(&locals);
+        let computed;
+        let (locals, seqs) = match hashes.get(s.block_size, s.flavor) {
+            Some(found) => found,
+            None => {
+                let locals = locals_at(s.block_size, s.flavor);
+                let seqs = sequence_hashes(&locals);
+                computed = (locals, seqs);
+                (computed.0.as_slice(), computed.1.as_slice())
+            }
+        };
         let cached = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
-        let guard = ActiveGuard::add(&router, s.key, &seqs, request_tokens.saturating_sub(cached));
+        let guard = ActiveGuard::add(&router, s.key, seqs, request_tokens.saturating_sub(cached));
         let multi_rank = target.ranks.len() > 1;
         let mut payload = body.clone();
         if multi_rank && router.config.dp_rank_in_body {
@@ -817,11 +876,16 @@ async fn proxy(
         router.record_outcome(&s.name, true);
         if router.config.policy == Policy::Approx && !locals.is_empty() {
             let now = router.now_ms();
-            index.write().record_routing_decision(s.key, &locals, now);
+            index.write().record_routing_decision(s.key, locals, now);
         }
-        *lock(&router.metrics.routed)
-            .entry((s.name.clone(), s.key.rank))
-            .or_insert(0) += 1;
+        {
+            let mut routed = lock(&router.metrics.routed);
+            let ranks = match routed.get_mut(s.name.as_str()) {
+                Some(ranks) => ranks,
+                None => routed.entry(s.name.clone()).or_default(),
+            };
+            *ranks.entry(s.key.rank).or_insert(0) += 1;
+        }
         let prediction = req.tokens.as_ref().map(|t| Prediction {
             predicted: predicted_cached_tokens(
                 s.candidate.device_blocks,
@@ -901,7 +965,7 @@ pub async fn models(State(state): State<AppState>) -> Response {
         .unwrap_or_else(PoisonError::into_inner)
         .clone();
     let mut seen = Map::new();
-    for t in &targets {
+    for t in targets.iter() {
         let Ok(resp) = state
             .router
             .client
@@ -1004,7 +1068,7 @@ pub fn metrics_text(router: &Router, out: &mut String) {
     );
     let mut routed: Vec<((String, u32), u64)> = lock(&m.routed)
         .iter()
-        .map(|(k, v)| (k.clone(), *v))
+        .flat_map(|(w, ranks)| ranks.iter().map(|(&r, &n)| ((w.clone(), r), n)))
         .collect();
     routed.sort();
     for ((worker, rank), n) in routed {

@@ -45,6 +45,12 @@ pub struct ProxyBenchArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+    /// Alternate the two paths request by request (each task sends one
+    /// request straight to an engine, then one through the router) instead of
+    /// running all direct requests before all routed ones, so that drift in
+    /// the machine's speed weighs on both alike. Closed loop only.
+    #[arg(long)]
+    interleave: bool,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -62,6 +68,77 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     }
     let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
     sorted[i.min(sorted.len() - 1)]
+}
+
+fn summary(mut lat: Vec<f64>, secs: f64) -> Summary {
+    lat.sort_by(f64::total_cmp);
+    Summary {
+        rps: lat.len() as f64 / secs,
+        p50: percentile(&lat, 0.5),
+        p90: percentile(&lat, 0.9),
+        p99: percentile(&lat, 0.99),
+        p999: percentile(&lat, 0.999),
+    }
+}
+
+/// Request `n`'s body: a prefix shared by one request in 8, then a suffix
+/// unique to `n` (and to `path`, so that the paths of `--interleave` do not
+/// warm each other's caches).
+fn request_body(n: u64, prompt_tokens: u32, path: u32) -> serde_json::Value {
+    let half = prompt_tokens / 2;
+    let prefix = (n % 8) as u32 * 100_000;
+    let mut prompt: Vec<u32> = (prefix..prefix + half).collect();
+    let unique = 1_000_000 + n as u32 * prompt_tokens + path * 500_000_000;
+    prompt.extend(unique..unique + (prompt_tokens - half));
+    json!({"model": "mock-model", "prompt": prompt, "max_tokens": 1})
+}
+
+async fn timed_post(client: &reqwest::Client, url: &str, body: &serde_json::Value) -> Result<f64> {
+    let started = Instant::now();
+    let resp = client.post(url).json(body).send().await?;
+    let status = resp.status();
+    resp.bytes().await?;
+    if !status.is_success() {
+        bail!("{url} answered {status}");
+    }
+    Ok(started.elapsed().as_secs_f64() * 1e6)
+}
+
+/// Both paths, alternating request by request: (direct, proxied).
+async fn interleaved(
+    client: &reqwest::Client,
+    direct: Arc<Vec<String>>,
+    proxied: Arc<Vec<String>>,
+    args: &ProxyBenchArgs,
+) -> Result<(Summary, Summary)> {
+    let started = Instant::now();
+    let mut tasks = Vec::new();
+    for task in 0..args.concurrency {
+        let client = client.clone();
+        let (direct, proxied) = (direct.clone(), proxied.clone());
+        let per_task = args.requests / args.concurrency.max(1);
+        let (conc, prompt_tokens) = (args.concurrency, args.prompt_tokens);
+        tasks.push(tokio::spawn(async move {
+            let mut d = Vec::with_capacity(per_task as usize);
+            let mut p = Vec::with_capacity(per_task as usize);
+            for k in 0..per_task {
+                let n = k * conc + task;
+                let url = &direct[(n % direct.len() as u64) as usize];
+                d.push(timed_post(&client, url, &request_body(n, prompt_tokens, 0)).await?);
+                let url = &proxied[(n % proxied.len() as u64) as usize];
+                p.push(timed_post(&client, url, &request_body(n, prompt_tokens, 1)).await?);
+            }
+            Ok::<_, anyhow::Error>((d, p))
+        }));
+    }
+    let (mut d, mut p) = (Vec::new(), Vec::new());
+    for t in tasks {
+        let (td, tp) = t.await.context("bench task")??;
+        d.extend(td);
+        p.extend(tp);
+    }
+    let secs = started.elapsed().as_secs_f64();
+    Ok((summary(d, secs), summary(p, secs)))
 }
 
 async fn phase(
@@ -87,12 +164,7 @@ async fn phase(
                 } else {
                     Instant::now()
                 };
-                let half = prompt_tokens / 2;
-                let prefix = (n % 8) as u32 * 100_000;
-                let mut prompt: Vec<u32> = (prefix..prefix + half).collect();
-                let unique = 1_000_000 + n as u32 * prompt_tokens;
-                prompt.extend(unique..unique + (prompt_tokens - half));
-                let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": 1});
+                let body = request_body(n, prompt_tokens, 0);
                 let url = &urls[(n % urls.len() as u64) as usize];
                 let resp = client.post(url).json(&body).send().await?;
                 let status = resp.status();
@@ -110,20 +182,16 @@ async fn phase(
         all.extend(t.await.context("bench task")??);
     }
     let secs = started.elapsed().as_secs_f64();
-    all.sort_by(f64::total_cmp);
-    Ok(Summary {
-        rps: all.len() as f64 / secs,
-        p50: percentile(&all, 0.5),
-        p90: percentile(&all, 0.9),
-        p99: percentile(&all, 0.99),
-        p999: percentile(&all, 0.999),
-    })
+    Ok(summary(all, secs))
 }
 
 /// Runs the benchmark.
 pub fn run(args: &ProxyBenchArgs) -> Result<ExitCode> {
     if args.concurrency == 0 || args.requests < args.concurrency {
         bail!("--requests must be at least --concurrency (≥ 1)");
+    }
+    if args.interleave && args.rate > 0.0 {
+        bail!("--interleave runs a closed loop; leave out --rate");
     }
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -188,8 +256,12 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ExitCode> {
         };
         phase(&client, direct.clone(), &warm).await?;
         phase(&client, proxied.clone(), &warm).await?;
-        let d = phase(&client, direct, args).await?;
-        let p = phase(&client, proxied, args).await?;
+        let (d, p) = if args.interleave {
+            interleaved(&client, direct, proxied, args).await?
+        } else {
+            let d = phase(&client, direct, args).await?;
+            (d, phase(&client, proxied, args).await?)
+        };
         let _ = stop.send(());
         let _ = server.await;
         fleet.shutdown().await;
@@ -199,6 +271,7 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ExitCode> {
                 json!({
                     "requests": args.requests, "concurrency": args.concurrency, "rate": args.rate,
                     "prompt_tokens": args.prompt_tokens, "workers": args.workers,
+                    "interleave": args.interleave,
                     "direct": {"rps": d.rps, "p50_us": d.p50, "p90_us": d.p90, "p99_us": d.p99, "p999_us": d.p999},
                     "proxy": {"rps": p.rps, "p50_us": p.p50, "p90_us": p.p90, "p99_us": p.p99, "p999_us": p.p999},
                     "added_us": {"p50": p.p50 - d.p50, "p90": p.p90 - d.p90, "p99": p.p99 - d.p99},
@@ -213,6 +286,8 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ExitCode> {
                 args.workers,
                 if args.rate > 0.0 {
                     format!(", open loop at {} req/s", args.rate)
+                } else if args.interleave {
+                    ", closed loop, paths interleaved".into()
                 } else {
                     ", closed loop".into()
                 }
