@@ -77,8 +77,9 @@ pub struct RouterConfig {
     pub breaker_open: Duration,
     /// Active requests older than this are dropped from the load.
     pub active_expiry: Duration,
-    /// Name the rank in the body as `data_parallel_rank` (SGLang) instead of
-    /// the `X-data-parallel-rank` header (vLLM).
+    /// Name the rank in the body as `data_parallel_rank` for every worker;
+    /// otherwise only SGLang-flavour workers get the body field and vLLM
+    /// workers the `X-data-parallel-rank` header.
     pub dp_rank_in_body: bool,
     /// Tokenizes text prompts and chat messages; without it they are routed on load only.
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
@@ -811,8 +812,9 @@ async fn proxy(
         let cached = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
         let guard = ActiveGuard::add(&router, s.key, seqs, request_tokens.saturating_sub(cached));
         let multi_rank = target.ranks.len() > 1;
+        let rank_in_body = router.config.dp_rank_in_body || s.flavor == WorkerFlavor::Sglang;
         let mut payload = body.clone();
-        if multi_rank && router.config.dp_rank_in_body {
+        if multi_rank && rank_in_body {
             match inject_dp_rank(&payload, s.key.rank) {
                 Ok(b) => payload = Bytes::from(b),
                 Err(e) => {
@@ -844,7 +846,7 @@ async fn proxy(
             .timeout(router.config.request_timeout)
             .header(header::CONTENT_TYPE, "application/json")
             .body(payload);
-        if multi_rank && !router.config.dp_rank_in_body {
+        if multi_rank && !rank_in_body {
             upstream = upstream.header("X-data-parallel-rank", s.key.rank.to_string());
         }
         if let Some(auth) = headers.get(header::AUTHORIZATION) {

@@ -88,7 +88,10 @@ fn image_demo_makes_repeated_images_hit_on_both_engine_flavours() {
                 "--policies",
                 "kv,round-robin",
                 "--requests",
-                "80",
+                "120",
+                // One client: a repeat never races its own first use.
+                "--concurrency",
+                "1",
             ],
         );
         let kv = &doc["policies"]["kv"];

@@ -658,7 +658,13 @@ fn the_chosen_dp_rank_reaches_a_vllm_engine_by_header() {
 
 #[test]
 fn the_chosen_dp_rank_reaches_an_sglang_engine_in_the_body() {
-    dp_rank_reaches_the_engine("sglang", &["--dp-rank-in-body"]);
+    // The worker line says flavor=sglang: the rank goes in the body.
+    dp_rank_reaches_the_engine("sglang", &[]);
+}
+
+#[test]
+fn every_worker_gets_the_rank_in_the_body_when_asked() {
+    dp_rank_reaches_the_engine("vllm", &["--dp-rank-in-body"]);
 }
 
 /// A streaming client that did not ask for usage gets no usage chunk, yet the

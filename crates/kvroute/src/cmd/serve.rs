@@ -103,9 +103,9 @@ pub struct ServeArgs {
     /// Seconds after which a request still counted as active is dropped from the load.
     #[arg(long, default_value_t = 600)]
     active_expiry_secs: u64,
-    /// Name the chosen rank of multi-rank workers in the body as
-    /// `data_parallel_rank` (SGLang) instead of the `X-data-parallel-rank`
-    /// header (vLLM, the default).
+    /// Name the chosen rank of every multi-rank worker in the body as
+    /// `data_parallel_rank`. Without it, `flavor=sglang` workers get the body
+    /// field and vLLM workers the `X-data-parallel-rank` header.
     #[arg(long)]
     dp_rank_in_body: bool,
     /// A Hugging Face `tokenizer.json` for text prompts and chat messages

@@ -115,9 +115,12 @@ pub struct WorkloadSpec {
     pub text_renderer: Option<TextRenderer>,
 }
 
+/// The function inside a [`TextRenderer`].
+pub type RenderFn = dyn Fn(&[u32]) -> String + Send + Sync;
+
 /// Token ids to prompt text, e.g. a Hugging Face tokenizer's decoding.
 #[derive(Clone)]
-pub struct TextRenderer(pub std::sync::Arc<dyn Fn(&[u32]) -> String + Send + Sync>);
+pub struct TextRenderer(pub std::sync::Arc<RenderFn>);
 
 impl std::fmt::Debug for TextRenderer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
