@@ -67,13 +67,13 @@ fn mocker_prints_one_worker_line_per_engine_serves_and_stops_on_sigterm() {
         let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
         assert_eq!(
             keys,
-            ["name", "url", "events", "replay", "dp", "block_size"],
+            ["name", "url", "events", "replay", "flavor", "dp", "block_size"],
             "{line}"
         );
         assert_eq!(pairs[0].1, format!("w{k}"));
         assert!(pairs[2].1.starts_with("tcp://127.0.0.1:"));
         assert!(pairs[3].1.starts_with("tcp://127.0.0.1:"));
-        assert_eq!((pairs[4].1, pairs[5].1), ("2", "32"));
+        assert_eq!((pairs[4].1, pairs[5].1, pairs[6].1), ("sglang", "2", "32"));
         let host_port = pairs[1].1.strip_prefix("http://").expect("http url");
         let health = http_get(host_port, "/health");
         assert!(health.starts_with("HTTP/1.1 200"), "{health}");
