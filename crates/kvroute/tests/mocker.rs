@@ -67,7 +67,15 @@ fn mocker_prints_one_worker_line_per_engine_serves_and_stops_on_sigterm() {
         let keys: Vec<&str> = pairs.iter().map(|(k, _)| *k).collect();
         assert_eq!(
             keys,
-            ["name", "url", "events", "replay", "flavor", "dp", "block_size"],
+            [
+                "name",
+                "url",
+                "events",
+                "replay",
+                "flavor",
+                "dp",
+                "block_size"
+            ],
             "{line}"
         );
         assert_eq!(pairs[0].1, format!("w{k}"));
