@@ -259,6 +259,25 @@ struct Request {
 }
 
 impl Request {
+    /// A request as it enters the engine: nothing computed, cached or generated yet.
+    fn admitted(r: NewRequest) -> Request {
+        let prompt_len = r.prompt.len();
+        let mut tokens = r.prompt;
+        tokens.reserve(r.output.len());
+        Request {
+            tokens,
+            prompt_len,
+            output: r.output,
+            generated: 0,
+            num_computed: 0,
+            blocks: Vec::new(),
+            digests: Vec::new(),
+            num_registered: 0,
+            cached_tokens: None,
+            mm_items: r.mm_items,
+        }
+    }
+
     /// The multimodal items overlapping block `b`, with offsets relative to its start.
     fn mm_in_block(&self, b: usize, bs: usize) -> impl Iterator<Item = (&str, i64)> {
         let (lo, hi) = (b * bs, (b + 1) * bs);
@@ -337,24 +356,7 @@ impl Engine {
     /// Queues a request; it is scheduled by a later [`Engine::step`].
     pub fn submit(&mut self, id: RequestId, r: NewRequest) -> Result<(), SubmitError> {
         self.validate(&r)?;
-        let prompt_len = r.prompt.len();
-        let mut tokens = r.prompt;
-        tokens.reserve(r.output.len());
-        self.requests.insert(
-            id,
-            Request {
-                tokens,
-                prompt_len,
-                output: r.output,
-                generated: 0,
-                num_computed: 0,
-                blocks: Vec::new(),
-                digests: Vec::new(),
-                num_registered: 0,
-                cached_tokens: None,
-                mm_items: r.mm_items,
-            },
-        );
+        self.requests.insert(id, Request::admitted(r));
         self.waiting.push_back(id);
         Ok(())
     }
@@ -410,18 +412,11 @@ impl Engine {
         let Some(last) = r.prompt.len().checked_sub(1) else {
             return 0;
         };
-        let probe = Request {
-            tokens: r.prompt.clone(),
-            prompt_len: r.prompt.len(),
+        let probe = Request::admitted(NewRequest {
+            prompt: r.prompt.clone(),
             output: Vec::new(),
-            generated: 0,
-            num_computed: 0,
-            blocks: Vec::new(),
-            digests: Vec::new(),
-            num_registered: 0,
-            cached_tokens: None,
             mm_items: r.mm_items.clone(),
-        };
+        });
         let mut parent: Option<Digest32> = None;
         let mut hits = 0;
         for b in 0..last / bs {

@@ -324,10 +324,7 @@ fn plan(args: &DemoArgs) -> Result<Plan> {
 pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     let plan = plan(args)?;
     super::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
+    let runtime = crate::cmd::runtime()?;
     runtime.block_on(async {
         let mut config = MockerConfig {
             flavor: plan.flavor,

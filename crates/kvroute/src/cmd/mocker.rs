@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Args, ValueEnum};
 use kvroute_mocker::engine::timing::TimingModel;
 use kvroute_mocker::faults::FaultConfig;
@@ -165,10 +165,7 @@ impl MockerArgs {
 pub fn run(args: &MockerArgs) -> Result<ExitCode> {
     let config = args.config()?;
     super::init_logging(tracing_subscriber::filter::LevelFilter::INFO);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
+    let runtime = super::runtime()?;
     runtime.block_on(kvroute_mocker::run(config, super::shutdown_signal()))?;
     Ok(ExitCode::SUCCESS)
 }

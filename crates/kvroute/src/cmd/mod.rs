@@ -51,3 +51,12 @@ pub async fn shutdown_signal() {
         () = terminate => {}
     }
 }
+
+/// The multi-threaded tokio runtime every networked command runs on.
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    use anyhow::Context as _;
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")
+}

@@ -151,10 +151,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         .clone()
         .or_else(|| std::env::var("KVROUTE_ADMIN_TOKEN").ok())
         .filter(|t| !t.is_empty());
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
+    let runtime = crate::cmd::runtime()?;
     runtime.block_on(async {
         let client = reqwest::Client::builder()
             .timeout(Duration::from_secs(10))

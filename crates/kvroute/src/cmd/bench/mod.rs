@@ -202,10 +202,7 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
 fn run_load(a: &LoadArgs) -> Result<ExitCode> {
     let (endpoint, options) = load_options(a)?;
     crate::cmd::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
+    let runtime = crate::cmd::runtime()?;
     let policy = runtime.block_on(async {
         let client = reqwest::Client::builder()
             .pool_max_idle_per_host(1024)

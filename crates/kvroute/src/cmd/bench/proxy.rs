@@ -193,10 +193,7 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ExitCode> {
     if args.interleave && args.rate > 0.0 {
         bail!("--interleave runs a closed loop; leave out --rate");
     }
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .context("starting the runtime")?;
+    let runtime = crate::cmd::runtime()?;
     runtime.block_on(async {
         let mut config = MockerConfig {
             workers: args.workers,
