@@ -111,7 +111,7 @@ enum Contender {
 }
 
 fn contender(name: &str) -> Result<Contender> {
-    if name == "oracle" {
+    if name == load::ORACLE {
         return Ok(Contender::Oracle);
     }
     name.parse::<Policy>()
@@ -441,7 +441,7 @@ fn finish(args: &DemoArgs, plan: &Plan, report: &Report, extras: &Extras) -> Res
             .find(|(n, _)| n == name)
             .map(|(_, r)| r)
     };
-    if let (Some(kv), Some(oracle)) = (hit("kv"), hit("oracle")) {
+    if let (Some(kv), Some(oracle)) = (hit("kv"), hit(load::ORACLE)) {
         if oracle.hit_rate > 0.0 {
             println!(
                 "\nkv reaches {:.1} % of the oracle's hit rate ({:.3} of {:.3}).",
