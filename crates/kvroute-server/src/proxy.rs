@@ -83,6 +83,11 @@ pub struct RouterConfig {
     pub dp_rank_in_body: bool,
     /// Tokenizes text prompts and chat messages; without it they are routed on load only.
     pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
+    /// Requests that may wait for a rank to drop below its busy thresholds
+    /// when every rank is over them; 0: refuse at once with 503.
+    pub queue_capacity: usize,
+    /// Longest wait in that queue before the 503.
+    pub queue_timeout: Duration,
 }
 
 impl Default for RouterConfig {
@@ -100,6 +105,8 @@ impl Default for RouterConfig {
             active_expiry: Duration::from_secs(600),
             dp_rank_in_body: false,
             tokenizer: None,
+            queue_capacity: 0,
+            queue_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -131,6 +138,8 @@ pub(crate) struct Metrics {
     upstream_errors: AtomicU64,
     retries: AtomicU64,
     overloaded: AtomicU64,
+    queued: AtomicU64,
+    queue_timeouts: AtomicU64,
     no_workers: AtomicU64,
     bad_requests: AtomicU64,
     pub(crate) load_only: AtomicU64,
@@ -157,6 +166,10 @@ pub struct Router {
     turn: AtomicU64,
     rng: AtomicU64,
     started: Instant,
+    /// Places in the overload queue.
+    queue: tokio::sync::Semaphore,
+    /// Woken whenever a rank's load drops (a prefill ends or a request ends).
+    load_dropped: tokio::sync::Notify,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -219,6 +232,8 @@ impl Router {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
         Ok(Router {
+            queue: tokio::sync::Semaphore::new(config.queue_capacity),
+            load_dropped: tokio::sync::Notify::new(),
             config,
             client,
             targets: RwLock::new(Arc::new(Vec::new())),
@@ -467,6 +482,7 @@ impl ActiveGuard {
         if let Some(a) = lock(&self.router.active).get_mut(&self.key) {
             a.prefill_done(self.id);
         }
+        self.router.load_dropped.notify_waiters();
     }
 }
 
@@ -475,6 +491,7 @@ impl Drop for ActiveGuard {
         if let Some(a) = lock(&self.router.active).get_mut(&self.key) {
             a.free(self.id);
         }
+        self.router.load_dropped.notify_waiters();
     }
 }
 
@@ -752,37 +769,71 @@ async fn proxy(
     let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
     let locals_at = |bs: u32, flavor: WorkerFlavor| routing::request_hashes(&req, bs, flavor);
     let index = state.index.clone();
-    let (targets, scored, hashes) =
-        router.score_keeping_hashes(&index, &locals_at, request_tokens, !req.images.is_empty());
-    if scored.is_empty() {
-        router.metrics.no_workers.fetch_add(1, Ordering::Relaxed);
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no_workers",
-            "no worker is available (none registered, or all failing)",
+    let queued_until = tokio::time::Instant::now() + router.config.queue_timeout;
+    let mut place_in_queue = None;
+    let (targets, scored, hashes, ordered) = loop {
+        let (targets, scored, hashes) =
+            router.score_keeping_hashes(&index, &locals_at, request_tokens, !req.images.is_empty());
+        if scored.is_empty() {
+            router.metrics.no_workers.fetch_add(1, Ordering::Relaxed);
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_workers",
+                "no worker is available (none registered, or all failing)",
+            );
+        }
+        let turn = router.turn.fetch_add(1, Ordering::Relaxed);
+        let ordered = order(
+            &scored,
+            router.config.policy,
+            router.config.temperature,
+            router.random(),
+            turn,
         );
-    }
-    let turn = router.turn.fetch_add(1, Ordering::Relaxed);
-    let ordered = order(
-        &scored,
-        router.config.policy,
-        router.config.temperature,
-        router.random(),
-        turn,
-    );
-    if ordered.is_empty() {
-        router.metrics.overloaded.fetch_add(1, Ordering::Relaxed);
-        return error_response(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "overloaded",
-            format!(
-                "all {} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}); retry later",
-                scored.len(),
-                router.config.busy.prefill_tokens,
-                router.config.busy.decode_blocks
-            ),
-        );
-    }
+        if !ordered.is_empty() {
+            break (targets, scored, hashes, ordered);
+        }
+        // Every rank is over a busy threshold: wait in the bounded queue
+        // for load to drop, or refuse.
+        if place_in_queue.is_none() {
+            place_in_queue = router.queue.try_acquire().ok();
+            if place_in_queue.is_some() {
+                router.metrics.queued.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        let may_wait = place_in_queue.is_some() && tokio::time::Instant::now() < queued_until;
+        if !may_wait {
+            router.metrics.overloaded.fetch_add(1, Ordering::Relaxed);
+            if place_in_queue.is_some() {
+                router
+                    .metrics
+                    .queue_timeouts
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            return error_response(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "overloaded",
+                format!(
+                    "all {} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}){}; retry later",
+                    scored.len(),
+                    router.config.busy.prefill_tokens,
+                    router.config.busy.decode_blocks,
+                    if place_in_queue.is_some() {
+                        format!(" after {} ms in the queue", router.config.queue_timeout.as_millis())
+                    } else if router.config.queue_capacity > 0 {
+                        " and the queue is full".to_owned()
+                    } else {
+                        String::new()
+                    }
+                ),
+            );
+        }
+        // Woken when a prefill or a request ends; re-checked at least every
+        // 100 ms in case a wake-up came between scoring and waiting.
+        let recheck = (tokio::time::Instant::now() + Duration::from_millis(100)).min(queued_until);
+        let _ = tokio::time::timeout_at(recheck, router.load_dropped.notified()).await;
+    };
+    drop(place_in_queue);
     let mut last_error = String::new();
     for (attempt, &i) in ordered
         .iter()
@@ -1020,6 +1071,16 @@ pub fn metrics_text(router: &Router, out: &mut String) {
             "kvroute_proxy_overloaded_total",
             "Requests refused because every candidate was busy.",
             get(&m.overloaded),
+        ),
+        (
+            "kvroute_proxy_queued_total",
+            "Requests that waited in the overload queue.",
+            get(&m.queued),
+        ),
+        (
+            "kvroute_proxy_queue_timeouts_total",
+            "Queued requests refused when their wait ran out.",
+            get(&m.queue_timeouts),
         ),
         (
             "kvroute_proxy_no_workers_total",

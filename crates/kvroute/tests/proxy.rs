@@ -274,6 +274,56 @@ fn a_killed_worker_fails_no_client_request() {
 }
 
 #[test]
+fn a_bounded_queue_holds_requests_until_a_rank_has_room() {
+    let (_mocker, lines) = start_mocker(1, "1");
+    let (_serve, serve) = start_serve(
+        &lines,
+        &[
+            "--busy-decode-blocks",
+            "1",
+            "--queue-capacity",
+            "1",
+            "--queue-timeout-ms",
+            "20000",
+        ],
+    );
+    // A long stream holds the only worker over its threshold.
+    let (socket, head) = open_stream(
+        &serve,
+        &completion(&(0..64).collect::<Vec<u32>>(), 1000, true),
+    );
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let waiting = {
+        let serve = serve.clone();
+        std::thread::spawn(move || {
+            request(
+                &serve,
+                "POST",
+                "/v1/completions",
+                &completion(&[1, 2, 3], 1, false),
+            )
+        })
+    };
+    eventually("the request waits in the queue", || {
+        metric(&serve, "kvroute_proxy_queued_total") == 1
+    });
+    // The queue's one place is taken: the next request is refused at once.
+    let full = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        &completion(&[4, 5, 6], 1, false),
+    );
+    assert_eq!(full.status, 503, "{}", full.body);
+    assert!(full.body.contains("the queue is full"), "{}", full.body);
+    // The stream ends: the queued request goes through.
+    drop(socket);
+    let answer = waiting.join().expect("the waiting client");
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(metric(&serve, "kvroute_proxy_queue_timeouts_total"), 0);
+}
+
+#[test]
 fn overload_and_bad_input_are_refused_clearly() {
     let (_mocker, lines) = start_mocker(1, "1");
     let (_serve, serve) = start_serve(

@@ -108,6 +108,13 @@ pub struct ServeArgs {
     /// field and vLLM workers the `X-data-parallel-rank` header.
     #[arg(long)]
     dp_rank_in_body: bool,
+    /// Requests that may wait (rather than get a 503) while every rank is
+    /// over its busy thresholds; 0: no queue.
+    #[arg(long, default_value_t = 0)]
+    queue_capacity: usize,
+    /// Longest wait in that queue, in milliseconds, before the 503.
+    #[arg(long, default_value_t = 30_000)]
+    queue_timeout_ms: u64,
     /// A Hugging Face `tokenizer.json` for text prompts and chat messages
     /// (ChatML template, as Qwen models and `kvroute mocker` use), or `builtin`
     /// for the mocker's built-in tokenizer. Without it, text requests are
@@ -271,6 +278,8 @@ fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
         breaker_open: Duration::from_secs(args.breaker_open_secs),
         active_expiry: Duration::from_secs(args.active_expiry_secs),
         dp_rank_in_body: args.dp_rank_in_body,
+        queue_capacity: args.queue_capacity,
+        queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         tokenizer,
     })
 }
