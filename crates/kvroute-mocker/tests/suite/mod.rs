@@ -1,6 +1,7 @@
 //! Test modules; `common` and `msgpack` are helpers.
 
 mod cache;
+mod cache_match;
 mod common;
 mod determinism;
 mod faults;

@@ -1,94 +1,31 @@
 //! `POST /internal/cache_match`: the engine's true cache state per rank, read-only,
 //! agreeing with the `cached_tokens` a real request then reports.
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::net::SocketAddr;
 
-use kvroute_mocker::{EngineFlavor, Fleet, MockerConfig};
+use kvroute_mocker::EngineFlavor;
 use serde_json::{json, Value};
 
-/// A fleet of one engine with `dp` ranks on ephemeral ports, with its runtime.
-struct Engine {
-    fleet: Option<Fleet>,
-    rt: tokio::runtime::Runtime,
+use super::common::{config, http, TestFleet};
+
+/// A fleet of one engine with `dp` ranks (simulated time off: requests run in real time).
+fn engine(flavor: EngineFlavor, dp: u16) -> TestFleet {
+    TestFleet::start(kvroute_mocker::MockerConfig {
+        dp_size: dp,
+        ts_source: kvroute_mocker::TsSource::Wall,
+        ..config(flavor)
+    })
 }
 
-impl Engine {
-    fn start(flavor: EngineFlavor, dp: u16) -> Self {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("runtime");
-        let mut config = MockerConfig {
-            flavor,
-            port: 0,
-            kv_events_port: 0,
-            replay_port: 0,
-            dp_size: dp,
-            num_gpu_blocks: 256,
-            block_size: 16,
-            ..MockerConfig::default()
-        };
-        config.timing.speedup = 1000.0;
-        let fleet = rt.block_on(Fleet::start(config)).expect("fleet starts");
-        Engine {
-            fleet: Some(fleet),
-            rt,
-        }
-    }
-
-    fn addr(&self) -> SocketAddr {
-        self.fleet.as_ref().expect("running").workers()[0].http_addr
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        if let Some(fleet) = self.fleet.take() {
-            self.rt.block_on(fleet.shutdown());
-        }
-    }
-}
-
-/// One POST with `Connection: close`; returns the status and the JSON body.
+/// One POST; the status and the JSON body, which must be sized (not chunked).
 fn post(addr: SocketAddr, path: &str, headers: &[(&str, &str)], body: &Value) -> (u16, Value) {
-    let body = serde_json::to_vec(body).expect("json");
-    let mut stream = TcpStream::connect(addr).expect("connect");
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .expect("timeout");
-    let mut head = format!(
-        "POST {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n",
-        body.len()
-    );
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).expect("write");
-    stream.write_all(&body).expect("write body");
-    let mut raw = Vec::new();
-    stream.read_to_end(&mut raw).expect("read");
-    let split = raw
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .expect("header end");
-    let head = String::from_utf8_lossy(&raw[..split]).into_owned();
-    let status = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .expect("status");
+    let bytes = serde_json::to_vec(body).expect("json");
+    let r = http(addr, "POST", path, headers, Some(&bytes));
     assert!(
-        !head
-            .to_ascii_lowercase()
-            .contains("transfer-encoding: chunked"),
-        "expected a sized body: {head}"
+        r.header("transfer-encoding").is_none(),
+        "expected a sized body"
     );
-    let value = serde_json::from_slice(&raw[split + 4..]).expect("JSON body");
-    (status, value)
+    (r.status, r.json())
 }
 
 fn matched(answer: &Value) -> Vec<u64> {
@@ -103,8 +40,8 @@ fn matched(answer: &Value) -> Vec<u64> {
 #[test]
 fn cache_match_reports_each_rank_and_agrees_with_cached_tokens() {
     for flavor in [EngineFlavor::Vllm, EngineFlavor::Sglang] {
-        let engine = Engine::start(flavor, 2);
-        let addr = engine.addr();
+        let engine = engine(flavor, 2);
+        let addr = engine.http(0);
         let ids: Vec<u64> = (1000..1100).collect();
         let body = json!({"prompt": ids, "max_tokens": 2});
 
@@ -157,8 +94,8 @@ fn cache_match_reports_each_rank_and_agrees_with_cached_tokens() {
 
 #[test]
 fn chat_bodies_are_built_as_the_real_request_and_bad_bodies_are_refused() {
-    let engine = Engine::start(EngineFlavor::Vllm, 1);
-    let addr = engine.addr();
+    let engine = engine(EngineFlavor::Vllm, 1);
+    let addr = engine.http(0);
     let words: Vec<String> = (0..60).map(|i| format!("word{i}")).collect();
     let chat = json!({
         "messages": [{"role": "user", "content": words.join(" ")}],
