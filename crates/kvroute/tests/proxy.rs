@@ -95,6 +95,16 @@ fn metric(serve: &str, name: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// Sends a completion that must be answered by `holder`; its cached tokens.
+fn cached_at_holder(serve: &str, body: &str, holder: &str) -> u64 {
+    let r = request(serve, "POST", "/v1/completions", body);
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.header("x-kvroute-worker").as_deref(), Some(holder));
+    r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .expect("cached_tokens")
+}
+
 fn completion(prompt: &[u32], max_tokens: u32, stream: bool) -> String {
     json!({"model": "mock-model", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
         .to_string()
@@ -149,20 +159,7 @@ fn a_repeated_prefix_goes_to_the_worker_holding_it() {
     let mut second: Vec<u32> = prompt[..112].to_vec();
     second.extend(5000..5032);
     for _ in 0..3 {
-        let r = request(
-            &serve,
-            "POST",
-            "/v1/completions",
-            &completion(&second, 1, false),
-        );
-        assert_eq!(r.status, 200, "{}", r.body);
-        assert_eq!(
-            r.header("x-kvroute-worker").as_deref(),
-            Some(holder.as_str())
-        );
-        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .expect("cached_tokens");
+        let cached = cached_at_holder(&serve, &completion(&second, 1, false), &holder);
         assert!(cached >= 112, "cached {cached}");
         // Let the blocks of this request land before the next prediction.
         eventually("the second prompt's blocks in the index", || {
@@ -497,20 +494,7 @@ fn approx_routing_learns_from_its_own_decisions_without_events() {
     .json();
     assert_eq!(q["scores"][&holder]["0"], 128);
     for _ in 0..3 {
-        let r = request(
-            &serve,
-            "POST",
-            "/v1/completions",
-            &completion(&prompt, 1, false),
-        );
-        assert_eq!(r.status, 200, "{}", r.body);
-        assert_eq!(
-            r.header("x-kvroute-worker").as_deref(),
-            Some(holder.as_str())
-        );
-        let cached = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .expect("cached_tokens");
+        let cached = cached_at_holder(&serve, &completion(&prompt, 1, false), &holder);
         assert_eq!(cached, 112);
     }
 }
