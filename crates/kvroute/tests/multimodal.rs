@@ -6,8 +6,6 @@
 //! hashes the events' extra keys give), every event must decode, and the
 //! router's predictions must equal the engines' `cached_tokens`.
 
-use std::net::TcpStream;
-use std::process::{Command, Stdio};
 
 use serde_json::{json, Value};
 
@@ -57,43 +55,11 @@ fn start_fleet(flavor: &str) -> (Proc, Proc, String) {
     for line in &lines {
         assert!(line.contains(&format!("flavor={flavor}")), "{line}");
     }
-    let port = free_port();
-    let port_arg = port.to_string();
-    let mut args = vec![
-        "serve",
-        "--port",
-        &port_arg,
-        "--log",
-        "warn",
-        "--tokenizer",
-        "builtin",
-        "--mm-tokens-per-image",
-        MM_TOKENS,
-    ];
-    for line in &lines {
-        args.push("--worker");
-        args.push(line);
-    }
-    let serve = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute serve runs");
-    let addr = format!("127.0.0.1:{port}");
-    eventually("serve up with every rank connected", || {
-        TcpStream::connect(&addr).is_ok() && {
-            let doc = request(&addr, "GET", "/workers", "").json();
-            let list = doc["workers"].as_array().cloned().unwrap_or_default();
-            list.len() == 2
-                && list.iter().all(|w| {
-                    w["ranks"]
-                        .as_array()
-                        .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
-                })
-        }
-    });
-    (mocker, Proc(serve), addr)
+    let (serve, addr) = start_serve(
+        &lines,
+        &["--tokenizer", "builtin", "--mm-tokens-per-image", MM_TOKENS],
+    );
+    (mocker, serve, addr)
 }
 
 /// A small deterministic "image": its bytes as a base64 data URL.

@@ -42,39 +42,6 @@ fn header_in(head: &str, name: &str) -> Option<String> {
         .find_map(|l| l.strip_prefix(&prefix).map(|v| v.trim().to_owned()))
 }
 
-/// Starts `kvroute serve` over `lines` with extra flags; waits until every rank is connected.
-fn start_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
-    let port = free_port();
-    let port_arg = port.to_string();
-    let mut args = vec!["serve", "--port", &port_arg, "--log", "warn"];
-    for line in lines {
-        args.push("--worker");
-        args.push(line);
-    }
-    args.extend_from_slice(extra);
-    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(&args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute serve runs");
-    let serve = format!("127.0.0.1:{port}");
-    let expected = lines.len();
-    eventually("serve up with every rank connected", || {
-        TcpStream::connect(&serve).is_ok() && {
-            let doc = request(&serve, "GET", "/workers", "").json();
-            let list = doc["workers"].as_array().cloned().unwrap_or_default();
-            list.len() == expected
-                && list.iter().all(|w| {
-                    w["ranks"]
-                        .as_array()
-                        .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
-                })
-        }
-    });
-    (Proc(child), serve)
-}
-
 fn device_blocks(serve: &str, worker: &str) -> u64 {
     let doc = request(serve, "GET", "/workers", "").json();
     doc["workers"]

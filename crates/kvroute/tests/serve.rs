@@ -74,30 +74,7 @@ fn device_blocks(serve: &str, worker: &str) -> u64 {
 #[test]
 fn serve_ingests_mocker_events_and_manages_workers() {
     let (_mocker, lines) = start_mocker(2, "100");
-    let port = free_port();
-    let serve = format!("127.0.0.1:{port}");
-    let port_arg = port.to_string();
-    let mut args = vec![
-        "serve",
-        "--port",
-        &port_arg,
-        "--admin-token",
-        "secret",
-        "--log",
-        "warn",
-    ];
-    for line in &lines {
-        args.push("--worker");
-        args.push(line);
-    }
-    let _serve = Proc(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("kvroute serve runs"),
-    );
+    let (_serve, serve) = spawn_serve(&lines, &["--admin-token", "secret"]);
     eventually("serve answers /health", || {
         TcpStream::connect(&serve).is_ok() && request(&serve, "GET", "/health", None, None).0 == 200
     });

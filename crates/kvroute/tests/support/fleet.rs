@@ -125,3 +125,23 @@ pub fn start_two_rank_mocker(flavor: &str) -> (Proc, String) {
     );
     (child, lines.remove(0))
 }
+
+/// Runs `kvroute serve` on a free port with `--worker` for each of `lines`
+/// and `extra` flags; returns it and its `host:port` (not waited for).
+pub fn spawn_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
+    let port = free_port();
+    let port_arg = port.to_string();
+    let mut args = vec!["serve", "--port", &port_arg, "--log", "warn"];
+    for line in lines {
+        args.push("--worker");
+        args.push(line);
+    }
+    args.extend_from_slice(extra);
+    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        .args(&args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute serve runs");
+    (Proc(child), format!("127.0.0.1:{port}"))
+}

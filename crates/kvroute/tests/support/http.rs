@@ -61,3 +61,23 @@ pub fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
         body: body.to_owned(),
     }
 }
+
+/// [`super::fleet::spawn_serve`], then waits until every worker's every rank
+/// is connected.
+pub fn start_serve(lines: &[String], extra: &[&str]) -> (super::fleet::Proc, String) {
+    let (proc, serve) = super::fleet::spawn_serve(lines, extra);
+    let expected = lines.len();
+    super::fleet::eventually("serve up with every rank connected", || {
+        TcpStream::connect(&serve).is_ok() && {
+            let doc = request(&serve, "GET", "/workers", "").json();
+            let list = doc["workers"].as_array().cloned().unwrap_or_default();
+            list.len() == expected
+                && list.iter().all(|w| {
+                    w["ranks"]
+                        .as_array()
+                        .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+                })
+        }
+    });
+    (proc, serve)
+}
