@@ -289,11 +289,8 @@ const VLLM_GROUP_IDX: u64 = 0;
 /// `kv_cache_spec_kind` of that group.
 const VLLM_SPEC_KIND: &str = "full_attention";
 
-fn vllm_stored(w: &mut MsgpackWriter, e: &BlockStored) {
-    let f = EngineFlavor::Vllm;
-    // type + 7 required + extra_keys, group_idx, kv_cache_spec_kind + session_id.
-    let entries = 8 + usize::from(e.extra_keys.is_some()) + 2 + usize::from(e.session_id.is_some());
-    w.map16(entries);
+/// The fields both engines write first in a `BlockStored` map, in their order.
+fn stored_head(w: &mut MsgpackWriter, f: EngineFlavor, e: &BlockStored) {
     w.str("type");
     w.str("BlockStored");
     w.str("block_hashes");
@@ -306,6 +303,14 @@ fn vllm_stored(w: &mut MsgpackWriter, e: &BlockStored) {
     w.uint(u64::from(e.block_size));
     w.str("lora_id");
     opt_int(w, e.lora_id);
+}
+
+fn vllm_stored(w: &mut MsgpackWriter, e: &BlockStored) {
+    let f = EngineFlavor::Vllm;
+    // type + 7 required + extra_keys, group_idx, kv_cache_spec_kind + session_id.
+    let entries = 8 + usize::from(e.extra_keys.is_some()) + 2 + usize::from(e.session_id.is_some());
+    w.map16(entries);
+    stored_head(w, f, e);
     w.str("medium");
     w.opt_str(e.medium.as_deref());
     w.str("lora_name");
@@ -345,18 +350,7 @@ fn sglang_stored(w: &mut MsgpackWriter, e: &BlockStored) {
         e.lora_name.is_some(),
     ];
     w.map(6 + optional.iter().filter(|&&set| set).count());
-    w.str("type");
-    w.str("BlockStored");
-    w.str("block_hashes");
-    hashes(w, f, &e.block_hashes);
-    w.str("parent_block_hash");
-    parent(w, f, e.parent_block_hash);
-    w.str("token_ids");
-    tokens(w, &e.token_ids);
-    w.str("block_size");
-    w.uint(u64::from(e.block_size));
-    w.str("lora_id");
-    opt_int(w, e.lora_id);
+    stored_head(w, f, e);
     for (key, value) in [
         ("medium", &e.medium),
         ("cache_salt", &e.cache_salt),

@@ -270,7 +270,11 @@ impl Tokenizer {
     /// Ids at or above the vocabulary size are taken modulo it.
     pub fn decode(&self, ids: &[u32]) -> Option<String> {
         match &self.kind {
-            Kind::Builtin => None,
+            Kind::Builtin => {
+                // Only a Hugging Face tokenizer can decode (and read `ids`).
+                let _ = ids;
+                None
+            }
             #[cfg(feature = "hf-tokenizer")]
             Kind::Hf(tok) => {
                 let vocab = u32::try_from(tok.get_vocab_size(true)).ok()?.max(1);

@@ -6,7 +6,6 @@
 //! hashes the events' extra keys give), every event must decode, and the
 //! router's predictions must equal the engines' `cached_tokens`.
 
-
 use serde_json::{json, Value};
 
 #[path = "support/fleet.rs"]
