@@ -129,6 +129,49 @@ impl KvEvent {
     }
 }
 
+/// Which engine a worker runs. It decides the engine's wire dialect (vLLM:
+/// unsigned `sha256_cbor` hashes, one store per cached run; SGLang: signed
+/// page digests, coalesced stores, wide image pads), how the engine lays
+/// images out in its prompt tokens (and so how the router hashes a prompt with
+/// images for it), and how it is told a data-parallel rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum WorkerFlavor {
+    /// vLLM 0.33: placeholder ids in an image span, the item in each overlapping
+    /// block's extra keys.
+    #[default]
+    Vllm,
+    /// SGLang 0.5.23: the item's four wide pad values cycled over an image span.
+    Sglang,
+}
+
+impl WorkerFlavor {
+    /// The flavour's name in flags and documents (`vllm`, `sglang`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            WorkerFlavor::Vllm => "vllm",
+            WorkerFlavor::Sglang => "sglang",
+        }
+    }
+}
+
+impl std::fmt::Display for WorkerFlavor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for WorkerFlavor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "vllm" => Ok(WorkerFlavor::Vllm),
+            "sglang" => Ok(WorkerFlavor::Sglang),
+            _ => Err(format!("unknown flavor `{s}` (vllm, sglang)")),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,6 +16,7 @@ pub mod event;
 pub mod hash;
 pub mod index;
 pub mod multimodal;
+pub mod rng;
 pub mod scheduler;
 pub mod tokens;
 pub mod wire;

@@ -26,6 +26,8 @@
 
 use sha2::{Digest, Sha256};
 
+use crate::event::WorkerFlavor;
+
 use crate::hash::{
     local_block_hash_with_mm, local_block_hashes, mm_hash_from_identifier, LocalBlockHash,
 };
@@ -54,45 +56,6 @@ pub enum ImageError {
     /// An empty URL.
     #[error("image URL is empty")]
     Empty,
-}
-
-/// How an engine flavour lays images out in its prompt tokens, and so how the
-/// router must hash a prompt with images for a worker of that flavour.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum WorkerFlavor {
-    /// Placeholder ids in the span, the item in each overlapping block's extra keys.
-    #[default]
-    Vllm,
-    /// The item's four wide pad values cycled over the span.
-    Sglang,
-}
-
-impl WorkerFlavor {
-    /// The flavour's name in flags and documents (`vllm`, `sglang`).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            WorkerFlavor::Vllm => "vllm",
-            WorkerFlavor::Sglang => "sglang",
-        }
-    }
-}
-
-impl std::fmt::Display for WorkerFlavor {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for WorkerFlavor {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "vllm" => Ok(WorkerFlavor::Vllm),
-            "sglang" => Ok(WorkerFlavor::Sglang),
-            _ => Err(format!("unknown flavor `{s}` (vllm, sglang)")),
-        }
-    }
 }
 
 /// An image's identity in both forms the engines publish.

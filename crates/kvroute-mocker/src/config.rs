@@ -3,27 +3,10 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
 
+use kvroute_core::event::WorkerFlavor;
+
 use crate::engine::timing::TimingModel;
 use crate::faults::FaultConfig;
-
-/// Which engine the mocker imitates on the wire.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum EngineFlavor {
-    /// vLLM 0.33: u64 `sha256_cbor` hashes, one store per cached run, one removal per hash.
-    Vllm,
-    /// SGLang 0.5.23: i64 page-digest hashes, coalesced stores and removals, wide pads.
-    Sglang,
-}
-
-impl EngineFlavor {
-    /// `"vllm"` or `"sglang"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            EngineFlavor::Vllm => "vllm",
-            EngineFlavor::Sglang => "sglang",
-        }
-    }
-}
 
 /// The shape of events inside a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -61,7 +44,7 @@ pub enum TsSource {
 #[derive(Debug, Clone)]
 pub struct MockerConfig {
     /// Engine imitated on the wire (default vLLM).
-    pub flavor: EngineFlavor,
+    pub flavor: WorkerFlavor,
     /// Independent engines in this process (default 1).
     pub workers: u16,
     /// Address every socket binds (default 127.0.0.1).
@@ -107,7 +90,7 @@ pub struct MockerConfig {
 impl Default for MockerConfig {
     fn default() -> Self {
         MockerConfig {
-            flavor: EngineFlavor::Vllm,
+            flavor: WorkerFlavor::Vllm,
             workers: 1,
             host: IpAddr::V4(Ipv4Addr::LOCALHOST),
             port: 8100,

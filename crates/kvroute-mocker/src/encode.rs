@@ -21,130 +21,17 @@
 //! `block_size`, `lora_id` (always), then `medium`, `cache_salt`, `session_id`,
 //! `lora_name` when set.
 
-use crate::config::{EngineFlavor, EventFormat};
+use kvroute_core::wire::write as mp;
+
+use crate::config::EventFormat;
 use crate::event::{BlockRemoved, BlockStored, ExtraKey, KvCacheEvent};
+use kvroute_core::event::WorkerFlavor;
 
-/// A msgpack writer that always picks the shortest encoding, as msgspec does.
-#[derive(Debug, Default)]
-pub struct MsgpackWriter {
-    buf: Vec<u8>,
-}
-
-impl MsgpackWriter {
-    /// An empty writer.
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// The bytes written so far.
-    pub fn into_bytes(self) -> Vec<u8> {
-        self.buf
-    }
-
-    /// `nil`.
-    pub fn nil(&mut self) {
-        self.buf.push(0xc0);
-    }
-
-    /// A non-negative integer.
-    pub fn uint(&mut self, v: u64) {
-        match v {
-            0..=0x7f => self.buf.push(v as u8),
-            0x80..=0xff => self.buf.extend_from_slice(&[0xcc, v as u8]),
-            0x100..=0xffff => {
-                self.buf.push(0xcd);
-                self.buf.extend_from_slice(&(v as u16).to_be_bytes());
-            }
-            0x1_0000..=0xffff_ffff => {
-                self.buf.push(0xce);
-                self.buf.extend_from_slice(&(v as u32).to_be_bytes());
-            }
-            _ => {
-                self.buf.push(0xcf);
-                self.buf.extend_from_slice(&v.to_be_bytes());
-            }
-        }
-    }
-
-    /// A signed integer: non-negative values as unsigned, negative ones in the shortest signed form.
-    pub fn int(&mut self, v: i64) {
-        if v >= 0 {
-            self.uint(v as u64);
-        } else if v >= -32 {
-            self.buf.push(v as i8 as u8);
-        } else if v >= i64::from(i8::MIN) {
-            self.buf.extend_from_slice(&[0xd0, v as i8 as u8]);
-        } else if v >= i64::from(i16::MIN) {
-            self.buf.push(0xd1);
-            self.buf.extend_from_slice(&(v as i16).to_be_bytes());
-        } else if v >= i64::from(i32::MIN) {
-            self.buf.push(0xd2);
-            self.buf.extend_from_slice(&(v as i32).to_be_bytes());
-        } else {
-            self.buf.push(0xd3);
-            self.buf.extend_from_slice(&v.to_be_bytes());
-        }
-    }
-
-    /// A `float64` (msgspec always writes Python floats as 64-bit).
-    pub fn f64(&mut self, v: f64) {
-        self.buf.push(0xcb);
-        self.buf.extend_from_slice(&v.to_be_bytes());
-    }
-
-    /// A UTF-8 string.
-    pub fn str(&mut self, s: &str) {
-        let n = s.len();
-        match n {
-            0..=31 => self.buf.push(0xa0 | n as u8),
-            32..=0xff => self.buf.extend_from_slice(&[0xd9, n as u8]),
-            0x100..=0xffff => {
-                self.buf.push(0xda);
-                self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-            }
-            _ => {
-                self.buf.push(0xdb);
-                self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-            }
-        }
-        self.buf.extend_from_slice(s.as_bytes());
-    }
-
-    /// An array header for `n` elements.
-    pub fn array(&mut self, n: usize) {
-        match n {
-            0..=15 => self.buf.push(0x90 | n as u8),
-            16..=0xffff => {
-                self.buf.push(0xdc);
-                self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-            }
-            _ => {
-                self.buf.push(0xdd);
-                self.buf.extend_from_slice(&(n as u32).to_be_bytes());
-            }
-        }
-    }
-
-    /// A map header for `n` entries, shortest form.
-    pub fn map(&mut self, n: usize) {
-        if n <= 15 {
-            self.buf.push(0x80 | n as u8);
-        } else {
-            self.map16(n);
-        }
-    }
-
-    /// A `map16` header even for few entries (msgspec's header for large structs).
-    pub fn map16(&mut self, n: usize) {
-        self.buf.push(0xde);
-        self.buf.extend_from_slice(&(n as u16).to_be_bytes());
-    }
-
-    fn opt_str(&mut self, s: Option<&str>) {
-        match s {
-            Some(s) => self.str(s),
-            None => self.nil(),
-        }
+/// `s`, or `nil` when absent.
+fn opt_str(w: &mut Vec<u8>, s: Option<&str>) {
+    match s {
+        Some(s) => mp::str(w, s),
+        None => mp::nil(w),
     }
 }
 
@@ -152,7 +39,7 @@ impl MsgpackWriter {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct EncodeOptions {
     /// The engine whose format to write.
-    pub flavor: EngineFlavor,
+    pub flavor: WorkerFlavor,
     /// Tagged maps (current) or tagged arrays (legacy).
     pub format: EventFormat,
 }
@@ -170,51 +57,53 @@ pub fn encode_batch(
     dp_rank: Option<u32>,
     bad_event_at: Option<usize>,
 ) -> Vec<u8> {
-    let mut w = MsgpackWriter::new();
-    w.array(3);
-    w.f64(ts);
+    let mut out = Vec::new();
+    let w = &mut out;
+    mp::array(w, 3);
+    mp::f64(w, ts);
     let bad_at = bad_event_at.map(|i| i.min(events.len()));
-    w.array(events.len() + usize::from(bad_at.is_some()));
+    mp::array(w, events.len() + usize::from(bad_at.is_some()));
     for (i, event) in events.iter().enumerate() {
         if bad_at == Some(i) {
-            write_bad_event(&mut w, options);
+            write_bad_event(w, options);
         }
-        write_event(&mut w, options, event);
+        write_event(w, options, event);
     }
     if bad_at == Some(events.len()) {
-        write_bad_event(&mut w, options);
+        write_bad_event(w, options);
     }
     match dp_rank {
-        Some(rank) => w.uint(u64::from(rank)),
-        None => w.nil(),
+        Some(rank) => mp::uint(w, u64::from(rank)),
+        None => mp::nil(w),
     }
-    w.into_bytes()
+    out
 }
 
 /// Encodes one event on its own (tests and debugging).
 pub fn encode_event(options: EncodeOptions, event: &KvCacheEvent) -> Vec<u8> {
-    let mut w = MsgpackWriter::new();
-    write_event(&mut w, options, event);
-    w.into_bytes()
+    let mut out = Vec::new();
+    let w = &mut out;
+    write_event(w, options, event);
+    out
 }
 
-fn write_event(w: &mut MsgpackWriter, o: EncodeOptions, event: &KvCacheEvent) {
+fn write_event(w: &mut Vec<u8>, o: EncodeOptions, event: &KvCacheEvent) {
     match (o.flavor, o.format, event) {
         (_, _, KvCacheEvent::AllBlocksCleared) => {
             if o.format == EventFormat::Map {
-                w.map(1);
-                w.str("type");
+                mp::map(w, 1);
+                mp::str(w, "type");
             } else {
-                w.array(1);
+                mp::array(w, 1);
             }
-            w.str("AllBlocksCleared");
+            mp::str(w, "AllBlocksCleared");
         }
-        (EngineFlavor::Vllm, EventFormat::Map, KvCacheEvent::BlockStored(e)) => vllm_stored(w, e),
-        (EngineFlavor::Vllm, EventFormat::Map, KvCacheEvent::BlockRemoved(e)) => vllm_removed(w, e),
-        (EngineFlavor::Sglang, EventFormat::Map, KvCacheEvent::BlockStored(e)) => {
+        (WorkerFlavor::Vllm, EventFormat::Map, KvCacheEvent::BlockStored(e)) => vllm_stored(w, e),
+        (WorkerFlavor::Vllm, EventFormat::Map, KvCacheEvent::BlockRemoved(e)) => vllm_removed(w, e),
+        (WorkerFlavor::Sglang, EventFormat::Map, KvCacheEvent::BlockStored(e)) => {
             sglang_stored(w, e)
         }
-        (EngineFlavor::Sglang, EventFormat::Map, KvCacheEvent::BlockRemoved(e)) => {
+        (WorkerFlavor::Sglang, EventFormat::Map, KvCacheEvent::BlockRemoved(e)) => {
             sglang_removed(w, e)
         }
         (flavor, EventFormat::LegacyArray, KvCacheEvent::BlockStored(e)) => {
@@ -226,56 +115,56 @@ fn write_event(w: &mut MsgpackWriter, o: EncodeOptions, event: &KvCacheEvent) {
     }
 }
 
-fn hashes(w: &mut MsgpackWriter, flavor: EngineFlavor, hashes: &[u64]) {
-    w.array(hashes.len());
+fn hashes(w: &mut Vec<u8>, flavor: WorkerFlavor, hashes: &[u64]) {
+    mp::array(w, hashes.len());
     for &h in hashes {
         hash(w, flavor, h);
     }
 }
 
-fn hash(w: &mut MsgpackWriter, flavor: EngineFlavor, h: u64) {
+fn hash(w: &mut Vec<u8>, flavor: WorkerFlavor, h: u64) {
     match flavor {
-        EngineFlavor::Vllm => w.uint(h),
+        WorkerFlavor::Vllm => mp::uint(w, h),
         // SGLang's hashes are Python ints from a signed 64-bit conversion.
-        EngineFlavor::Sglang => w.int(h as i64),
+        WorkerFlavor::Sglang => mp::int(w, h as i64),
     }
 }
 
-fn parent(w: &mut MsgpackWriter, flavor: EngineFlavor, parent: Option<u64>) {
+fn parent(w: &mut Vec<u8>, flavor: WorkerFlavor, parent: Option<u64>) {
     match parent {
         Some(h) => hash(w, flavor, h),
-        None => w.nil(),
+        None => mp::nil(w),
     }
 }
 
-fn tokens(w: &mut MsgpackWriter, ids: &[u64]) {
-    w.array(ids.len());
+fn tokens(w: &mut Vec<u8>, ids: &[u64]) {
+    mp::array(w, ids.len());
     for &t in ids {
-        w.uint(t);
+        mp::uint(w, t);
     }
 }
 
-fn opt_int(w: &mut MsgpackWriter, v: Option<i64>) {
+fn opt_int(w: &mut Vec<u8>, v: Option<i64>) {
     match v {
-        Some(v) => w.int(v),
-        None => w.nil(),
+        Some(v) => mp::int(w, v),
+        None => mp::nil(w),
     }
 }
 
-fn extra_keys(w: &mut MsgpackWriter, keys: &[Option<Vec<ExtraKey>>]) {
-    w.array(keys.len());
+fn extra_keys(w: &mut Vec<u8>, keys: &[Option<Vec<ExtraKey>>]) {
+    mp::array(w, keys.len());
     for entry in keys {
         match entry {
-            None => w.nil(),
+            None => mp::nil(w),
             Some(items) => {
-                w.array(items.len());
+                mp::array(w, items.len());
                 for item in items {
                     match item {
-                        ExtraKey::Str(s) => w.str(s),
+                        ExtraKey::Str(s) => mp::str(w, s),
                         ExtraKey::Mm { identifier, offset } => {
-                            w.array(2);
-                            w.str(identifier);
-                            w.int(*offset);
+                            mp::array(w, 2);
+                            mp::str(w, identifier);
+                            mp::int(w, *offset);
                         }
                     }
                 }
@@ -290,66 +179,66 @@ const VLLM_GROUP_IDX: u64 = 0;
 const VLLM_SPEC_KIND: &str = "full_attention";
 
 /// The fields both engines write first in a `BlockStored` map, in their order.
-fn stored_head(w: &mut MsgpackWriter, f: EngineFlavor, e: &BlockStored) {
-    w.str("type");
-    w.str("BlockStored");
-    w.str("block_hashes");
+fn stored_head(w: &mut Vec<u8>, f: WorkerFlavor, e: &BlockStored) {
+    mp::str(w, "type");
+    mp::str(w, "BlockStored");
+    mp::str(w, "block_hashes");
     hashes(w, f, &e.block_hashes);
-    w.str("parent_block_hash");
+    mp::str(w, "parent_block_hash");
     parent(w, f, e.parent_block_hash);
-    w.str("token_ids");
+    mp::str(w, "token_ids");
     tokens(w, &e.token_ids);
-    w.str("block_size");
-    w.uint(u64::from(e.block_size));
-    w.str("lora_id");
+    mp::str(w, "block_size");
+    mp::uint(w, u64::from(e.block_size));
+    mp::str(w, "lora_id");
     opt_int(w, e.lora_id);
 }
 
-fn vllm_stored(w: &mut MsgpackWriter, e: &BlockStored) {
-    let f = EngineFlavor::Vllm;
+fn vllm_stored(w: &mut Vec<u8>, e: &BlockStored) {
+    let f = WorkerFlavor::Vllm;
     // type + 7 required + extra_keys, group_idx, kv_cache_spec_kind + session_id.
     let entries = 8 + usize::from(e.extra_keys.is_some()) + 2 + usize::from(e.session_id.is_some());
-    w.map16(entries);
+    mp::map16(w, entries as u16);
     stored_head(w, f, e);
-    w.str("medium");
-    w.opt_str(e.medium.as_deref());
-    w.str("lora_name");
-    w.opt_str(e.lora_name.as_deref());
+    mp::str(w, "medium");
+    opt_str(w, e.medium.as_deref());
+    mp::str(w, "lora_name");
+    opt_str(w, e.lora_name.as_deref());
     if let Some(keys) = &e.extra_keys {
-        w.str("extra_keys");
+        mp::str(w, "extra_keys");
         extra_keys(w, keys);
     }
-    w.str("group_idx");
-    w.uint(VLLM_GROUP_IDX);
-    w.str("kv_cache_spec_kind");
-    w.str(VLLM_SPEC_KIND);
+    mp::str(w, "group_idx");
+    mp::uint(w, VLLM_GROUP_IDX);
+    mp::str(w, "kv_cache_spec_kind");
+    mp::str(w, VLLM_SPEC_KIND);
     if let Some(session) = &e.session_id {
-        w.str("session_id");
-        w.str(session);
+        mp::str(w, "session_id");
+        mp::str(w, session);
     }
 }
 
-fn vllm_removed(w: &mut MsgpackWriter, e: &BlockRemoved) {
-    w.map(4);
-    w.str("type");
-    w.str("BlockRemoved");
-    w.str("block_hashes");
-    hashes(w, EngineFlavor::Vllm, &e.block_hashes);
-    w.str("medium");
-    w.opt_str(e.medium.as_deref());
-    w.str("group_idx");
-    w.uint(VLLM_GROUP_IDX);
+fn vllm_removed(w: &mut Vec<u8>, e: &BlockRemoved) {
+    mp::map(w, 4);
+    mp::str(w, "type");
+    mp::str(w, "BlockRemoved");
+    mp::str(w, "block_hashes");
+    hashes(w, WorkerFlavor::Vllm, &e.block_hashes);
+    mp::str(w, "medium");
+    opt_str(w, e.medium.as_deref());
+    mp::str(w, "group_idx");
+    mp::uint(w, VLLM_GROUP_IDX);
 }
 
-fn sglang_stored(w: &mut MsgpackWriter, e: &BlockStored) {
-    let f = EngineFlavor::Sglang;
+fn sglang_stored(w: &mut Vec<u8>, e: &BlockStored) {
+    let f = WorkerFlavor::Sglang;
     let optional = [
         e.medium.is_some(),
         e.cache_salt.is_some(),
         e.session_id.is_some(),
         e.lora_name.is_some(),
     ];
-    w.map(6 + optional.iter().filter(|&&set| set).count());
+    mp::map(w, 6 + optional.iter().filter(|&&set| set).count());
     stored_head(w, f, e);
     for (key, value) in [
         ("medium", &e.medium),
@@ -358,21 +247,21 @@ fn sglang_stored(w: &mut MsgpackWriter, e: &BlockStored) {
         ("lora_name", &e.lora_name),
     ] {
         if let Some(value) = value {
-            w.str(key);
-            w.str(value);
+            mp::str(w, key);
+            mp::str(w, value);
         }
     }
 }
 
-fn sglang_removed(w: &mut MsgpackWriter, e: &BlockRemoved) {
-    w.map(2 + usize::from(e.medium.is_some()));
-    w.str("type");
-    w.str("BlockRemoved");
-    w.str("block_hashes");
-    hashes(w, EngineFlavor::Sglang, &e.block_hashes);
+fn sglang_removed(w: &mut Vec<u8>, e: &BlockRemoved) {
+    mp::map(w, 2 + usize::from(e.medium.is_some()));
+    mp::str(w, "type");
+    mp::str(w, "BlockRemoved");
+    mp::str(w, "block_hashes");
+    hashes(w, WorkerFlavor::Sglang, &e.block_hashes);
     if let Some(medium) = &e.medium {
-        w.str("medium");
-        w.str(medium);
+        mp::str(w, "medium");
+        mp::str(w, medium);
     }
 }
 
@@ -380,67 +269,67 @@ fn sglang_removed(w: &mut MsgpackWriter, e: &BlockRemoved) {
 /// medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind]` (trailing
 /// `None` fields omitted). SGLang 0.5.18–0.5.19: `["BlockStored", hashes,
 /// parent, tokens, block_size, lora_id, medium]`.
-fn legacy_stored(w: &mut MsgpackWriter, flavor: EngineFlavor, e: &BlockStored) {
+fn legacy_stored(w: &mut Vec<u8>, flavor: WorkerFlavor, e: &BlockStored) {
     match flavor {
-        EngineFlavor::Vllm => w.array(11),
-        EngineFlavor::Sglang => w.array(7),
+        WorkerFlavor::Vllm => mp::array(w, 11),
+        WorkerFlavor::Sglang => mp::array(w, 7),
     }
-    w.str("BlockStored");
+    mp::str(w, "BlockStored");
     hashes(w, flavor, &e.block_hashes);
     parent(w, flavor, e.parent_block_hash);
     tokens(w, &e.token_ids);
-    w.uint(u64::from(e.block_size));
+    mp::uint(w, u64::from(e.block_size));
     opt_int(w, e.lora_id);
-    w.opt_str(e.medium.as_deref());
-    if flavor == EngineFlavor::Vllm {
-        w.opt_str(e.lora_name.as_deref());
+    opt_str(w, e.medium.as_deref());
+    if flavor == WorkerFlavor::Vllm {
+        opt_str(w, e.lora_name.as_deref());
         match &e.extra_keys {
             Some(keys) => extra_keys(w, keys),
-            None => w.nil(),
+            None => mp::nil(w),
         }
-        w.uint(VLLM_GROUP_IDX);
-        w.str(VLLM_SPEC_KIND);
+        mp::uint(w, VLLM_GROUP_IDX);
+        mp::str(w, VLLM_SPEC_KIND);
     }
 }
 
 /// vLLM ≤ 0.23: `["BlockRemoved", hashes, medium, group_idx]`;
 /// SGLang ≤ 0.5.19: `["BlockRemoved", hashes, medium]`.
-fn legacy_removed(w: &mut MsgpackWriter, flavor: EngineFlavor, e: &BlockRemoved) {
+fn legacy_removed(w: &mut Vec<u8>, flavor: WorkerFlavor, e: &BlockRemoved) {
     match flavor {
-        EngineFlavor::Vllm => w.array(4),
-        EngineFlavor::Sglang => w.array(3),
+        WorkerFlavor::Vllm => mp::array(w, 4),
+        WorkerFlavor::Sglang => mp::array(w, 3),
     }
-    w.str("BlockRemoved");
+    mp::str(w, "BlockRemoved");
     hashes(w, flavor, &e.block_hashes);
-    w.opt_str(e.medium.as_deref());
-    if flavor == EngineFlavor::Vllm {
-        w.uint(VLLM_GROUP_IDX);
+    opt_str(w, e.medium.as_deref());
+    if flavor == WorkerFlavor::Vllm {
+        mp::uint(w, VLLM_GROUP_IDX);
     }
 }
 
 /// The injected malformed event: valid msgpack, invalid as an event.
-fn write_bad_event(w: &mut MsgpackWriter, o: EncodeOptions) {
+fn write_bad_event(w: &mut Vec<u8>, o: EncodeOptions) {
     if o.format == EventFormat::Map {
-        w.map(5);
-        w.str("type");
-        w.str("BlockStored");
-        w.str("block_hashes");
-        w.str("corrupt");
-        w.str("parent_block_hash");
-        w.nil();
-        w.str("token_ids");
-        w.array(1);
-        w.int(-1);
-        w.str("block_size");
-        w.str("sixteen");
+        mp::map(w, 5);
+        mp::str(w, "type");
+        mp::str(w, "BlockStored");
+        mp::str(w, "block_hashes");
+        mp::str(w, "corrupt");
+        mp::str(w, "parent_block_hash");
+        mp::nil(w);
+        mp::str(w, "token_ids");
+        mp::array(w, 1);
+        mp::int(w, -1);
+        mp::str(w, "block_size");
+        mp::str(w, "sixteen");
     } else {
-        w.array(5);
-        w.str("BlockStored");
-        w.str("corrupt");
-        w.nil();
-        w.array(1);
-        w.int(-1);
-        w.str("sixteen");
+        mp::array(w, 5);
+        mp::str(w, "BlockStored");
+        mp::str(w, "corrupt");
+        mp::nil(w);
+        mp::array(w, 1);
+        mp::int(w, -1);
+        mp::str(w, "sixteen");
     }
 }
 
@@ -454,59 +343,9 @@ mod tests {
     }
 
     const VLLM_MAP: EncodeOptions = EncodeOptions {
-        flavor: EngineFlavor::Vllm,
+        flavor: WorkerFlavor::Vllm,
         format: EventFormat::Map,
     };
-
-    #[test]
-    fn integers_take_the_shortest_form() {
-        let mut w = MsgpackWriter::new();
-        for v in [
-            0u64,
-            127,
-            128,
-            255,
-            256,
-            65535,
-            65536,
-            u64::from(u32::MAX),
-            1 << 63,
-        ] {
-            w.uint(v);
-        }
-        for v in [
-            -1i64,
-            -32,
-            -33,
-            -128,
-            -129,
-            -32768,
-            -32769,
-            i64::from(i32::MIN) - 1,
-        ] {
-            w.int(v);
-        }
-        assert_eq!(
-            hex(&w.into_bytes()),
-            "007fcc80ccffcd0100cdffffce00010000ceffffffffcf8000000000000000\
-             ffe0d0dfd080d1ff7fd18000d2ffff7fffd3ffffffff7fffffff"
-        );
-    }
-
-    #[test]
-    fn strings_arrays_and_maps_switch_headers_at_msgpack_limits() {
-        let mut w = MsgpackWriter::new();
-        w.str(&"a".repeat(31));
-        w.str(&"b".repeat(32));
-        w.array(15);
-        w.array(16);
-        w.map(15);
-        w.map(16);
-        let b = w.into_bytes();
-        assert_eq!(b[0], 0xbf);
-        assert_eq!(&b[32..34], &[0xd9, 32]);
-        assert_eq!(&b[66..], &[0x9f, 0xdc, 0, 16, 0x8f, 0xde, 0, 16]);
-    }
 
     #[test]
     fn vllm_byte_examples_from_the_reference() {

@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use crate::config::ConfigError;
-use crate::rng::SplitMix64;
+use kvroute_core::rng::SplitMix64;
 
 /// The fault flags.
 #[derive(Debug, Clone, Default, PartialEq)]

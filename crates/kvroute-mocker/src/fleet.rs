@@ -14,7 +14,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::config::{ConfigError, EngineFlavor, MockerConfig};
+use crate::config::{ConfigError, MockerConfig};
 use crate::driver::{self, DriverOptions};
 use crate::encode::EncodeOptions;
 use crate::engine::{Engine, EngineConfig};
@@ -23,6 +23,7 @@ use crate::http::openai::PromptSettings;
 use crate::http::{self, EngineState, EventEndpoints};
 use crate::publisher::{PublisherError, PublisherHandle, PublisherSettings};
 use crate::tokenizer::{Tokenizer, TokenizerError};
+use kvroute_core::event::WorkerFlavor;
 
 /// How long shutdown waits for in-flight HTTP responses.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -67,7 +68,7 @@ pub struct WorkerInfo {
     /// Tokens per block.
     pub block_size: usize,
     /// The engine flavour (how its prompts lay out images; `flavor=` in the line).
-    pub flavor: EngineFlavor,
+    pub flavor: WorkerFlavor,
 }
 
 impl WorkerInfo {
@@ -379,7 +380,7 @@ mod tests {
             events: vec!["tcp://127.0.0.1:5559".into(), "tcp://127.0.0.1:5560".into()],
             replay: vec!["tcp://127.0.0.1:5659".into(), "tcp://127.0.0.1:5660".into()],
             block_size: 16,
-            flavor: EngineFlavor::Sglang,
+            flavor: WorkerFlavor::Sglang,
         };
         assert_eq!(
             w.worker_arg(),

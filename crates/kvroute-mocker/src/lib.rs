@@ -39,8 +39,7 @@ pub mod hashing;
 pub mod http;
 pub mod multimodal;
 pub mod publisher;
-pub mod rng;
 pub mod tokenizer;
 
-pub use config::{EngineFlavor, EventFormat, MockerConfig, ReplayFrames, TsSource};
+pub use config::{EventFormat, MockerConfig, ReplayFrames, TsSource};
 pub use fleet::{run, Fleet, MockerError, WorkerInfo};

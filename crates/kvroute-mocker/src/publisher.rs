@@ -465,13 +465,14 @@ impl Worker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{EngineFlavor, EventFormat};
+    use crate::config::EventFormat;
+    use kvroute_core::event::WorkerFlavor;
     use kvroute_core::wire::{decode_batch, DecoderConfig, SkipReason};
 
     fn sequencer(faults: FaultConfig, capacity: usize) -> Sequencer {
         Sequencer::new(
             EncodeOptions {
-                flavor: EngineFlavor::Vllm,
+                flavor: WorkerFlavor::Vllm,
                 format: EventFormat::Map,
             },
             2,

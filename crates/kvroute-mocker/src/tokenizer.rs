@@ -33,7 +33,7 @@ use std::path::Path;
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
-use crate::rng::SplitMix64;
+use kvroute_core::rng::SplitMix64;
 
 /// Built-in text ids lie in `0..TEXT_VOCAB`.
 pub const TEXT_VOCAB: u64 = 151_643;

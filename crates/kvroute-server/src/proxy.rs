@@ -21,9 +21,11 @@ use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use futures_util::Stream;
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::index::{RankMatch, SharedIndex, WorkerId, WorkerRank};
-use kvroute_core::multimodal::{RoutingPrompt, WorkerFlavor};
+use kvroute_core::multimodal::RoutingPrompt;
+use kvroute_core::rng::{mix, unit_f64, SplitMix64};
 use kvroute_core::scheduler::{ActiveSequences, CostWeights};
 use kvroute_core::tokens::fold_token_id;
 use serde_json::{json, Map, Value};
@@ -291,14 +293,11 @@ impl Router {
 
     /// A uniform number in `[0, 1)` (splitmix64 over an atomic counter).
     pub(crate) fn random(&self) -> f64 {
-        let mut z = self
+        let state = self
             .rng
-            .fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed)
-            .wrapping_add(0x9e37_79b9_7f4a_7c15);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
+            .fetch_add(SplitMix64::GAMMA, Ordering::Relaxed)
+            .wrapping_add(SplitMix64::GAMMA);
+        unit_f64(mix(state))
     }
 
     /// Whether a worker may be chosen: its breaker is closed, or open past

@@ -9,9 +9,9 @@ use std::sync::PoisonError;
 use axum::body::Bytes;
 use axum::extract::State;
 use axum::Json;
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::SharedIndex;
-use kvroute_core::multimodal::WorkerFlavor;
 use serde_json::{json, Map, Value};
 
 use crate::http::{ApiError, AppState};

@@ -4,9 +4,10 @@
 //!
 //! Nothing here touches a socket or a clock; `proxy` does the I/O.
 
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{namespace_seed, LocalBlockHash, SequenceHash};
 use kvroute_core::index::{RankMatch, WorkerId, WorkerRank};
-use kvroute_core::multimodal::{prompt_local_hashes, ImageSpan, WorkerFlavor};
+use kvroute_core::multimodal::{prompt_local_hashes, ImageSpan};
 use kvroute_core::scheduler::{pick, ActiveSequences, Candidate, CostBreakdown, CostWeights};
 use kvroute_core::tokens::fold_token_id;
 use serde_json::value::RawValue;

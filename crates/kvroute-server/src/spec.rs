@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-pub use kvroute_core::multimodal::WorkerFlavor;
+pub use kvroute_core::event::WorkerFlavor;
 
 /// Why a worker description was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

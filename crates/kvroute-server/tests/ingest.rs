@@ -16,28 +16,7 @@ use kvroute_server::spec::{RankEndpoints, WorkerSpec};
 
 const BS: usize = 4;
 
-/// Minimal msgpack writing for engine-shaped payloads.
-mod mp {
-    pub fn array(out: &mut Vec<u8>, n: usize) {
-        if n < 16 {
-            out.push(0x90 | n as u8);
-        } else {
-            out.push(0xdc);
-            out.extend_from_slice(&(n as u16).to_be_bytes());
-        }
-    }
-    pub fn map(out: &mut Vec<u8>, n: usize) {
-        out.push(0x80 | n as u8);
-    }
-    pub fn str(out: &mut Vec<u8>, s: &str) {
-        out.push(0xa0 | s.len() as u8);
-        out.extend_from_slice(s.as_bytes());
-    }
-    pub fn uint(out: &mut Vec<u8>, v: u64) {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
-}
+use kvroute_core::wire::write as mp;
 
 /// A store of `blocks` blocks of `BS` tokens starting at token `first`, chained to `parent`.
 fn stored(out: &mut Vec<u8>, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
@@ -47,20 +26,20 @@ fn stored(out: &mut Vec<u8>, hashes: &[u64], parent: Option<u64>, tokens: &[u32]
     mp::str(out, "block_hashes");
     mp::array(out, hashes.len());
     for &h in hashes {
-        mp::uint(out, h);
+        mp::uint64(out, h);
     }
     mp::str(out, "parent_block_hash");
     match parent {
-        Some(p) => mp::uint(out, p),
+        Some(p) => mp::uint64(out, p),
         None => out.push(0xc0),
     }
     mp::str(out, "token_ids");
     mp::array(out, tokens.len());
     for &t in tokens {
-        mp::uint(out, u64::from(t));
+        mp::uint64(out, u64::from(t));
     }
     mp::str(out, "block_size");
-    mp::uint(out, BS as u64);
+    mp::uint64(out, BS as u64);
 }
 
 fn batch(events: &[Vec<u8>], rank: u64) -> Vec<u8> {
@@ -70,7 +49,7 @@ fn batch(events: &[Vec<u8>], rank: u64) -> Vec<u8> {
     for e in events {
         out.extend_from_slice(e);
     }
-    mp::uint(&mut out, rank);
+    mp::uint64(&mut out, rank);
     out
 }
 

@@ -64,14 +64,9 @@ fn start_fleet(flavor: &str) -> (Proc, Proc, String) {
 /// A small deterministic "image": its bytes as a base64 data URL.
 fn image_url(k: u32) -> String {
     const DIGITS: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut state = 0x9e37_79b9_7f4a_7c15u64 ^ u64::from(k);
+    let mut rng = kvroute_core::rng::SplitMix64::new(u64::from(k));
     let b64: String = (0..400)
-        .map(|_| {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            DIGITS[(state >> 58) as usize] as char
-        })
+        .map(|_| DIGITS[(rng.next_u64() >> 58) as usize] as char)
         .collect();
     format!("data:image/png;base64,{b64}")
 }

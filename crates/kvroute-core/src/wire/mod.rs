@@ -24,6 +24,7 @@
 mod event;
 mod msgpack;
 mod normalize;
+pub mod write;
 
 use std::fmt;
 use std::sync::Arc;

@@ -182,7 +182,7 @@ fn one_bad_event_between_two_good_ones_costs_only_itself() {
     mp::str(&mut bad, "token_ids");
     mp::array(&mut bad, 4);
     for t in [5i64, -6, 7, 8] {
-        mp::int(&mut bad, t);
+        mp::int64(&mut bad, t);
     }
     mp::str(&mut bad, "block_size");
     mp::uint(&mut bad, 4);
@@ -299,13 +299,13 @@ fn hashes_decode_from_unsigned_negative_and_bin() {
     mp::str(&mut e, "block_hashes");
     mp::array(&mut e, 4);
     mp::uint(&mut e, u64::MAX - 1);
-    mp::int(&mut e, -3488128144981237669);
+    mp::int64(&mut e, -3488128144981237669);
     let digest32: Vec<u8> = (0u8..32).collect();
     mp::bin(&mut e, &digest32);
     let digest16: Vec<u8> = (100u8..116).collect();
     mp::bin(&mut e, &digest16);
     mp::str(&mut e, "parent_block_hash");
-    mp::int(&mut e, -1);
+    mp::int64(&mut e, -1);
     mp::str(&mut e, "token_ids");
     mp::uints(&mut e, &(0..16).collect::<Vec<u64>>());
     mp::str(&mut e, "block_size");

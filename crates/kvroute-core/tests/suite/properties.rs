@@ -18,9 +18,10 @@
 //! Failure persistence is off (no regression files are written into the tree);
 //! proptest prints the shrunk input of a failing case.
 
-use super::common::{mp, Rng};
+use super::common::mp;
 use kvroute_core::event::{KvEvent, Tier};
 use kvroute_core::hash::{local_block_hashes, namespace_seed};
+use kvroute_core::rng::{mix, SplitMix64};
 use kvroute_core::tokens::fold_token_id;
 use kvroute_core::wire::{decode_batch, DecodedBatch, DecoderConfig, SkipReason, Skipped};
 use proptest::prelude::*;
@@ -194,13 +195,6 @@ enum Envelope {
     Triple(u32),
     /// `{ts, events, attn_dp_rank}`.
     Map(u32),
-}
-
-/// A bijective 64-bit mix (the SplitMix64 finalizer): distinct inputs give distinct hashes.
-fn mix(mut z: u64) -> u64 {
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^ (z >> 31)
 }
 
 // ---------------------------------------------------------------------------
@@ -548,11 +542,11 @@ fn write_map(entries: &[(&str, Vec<u8>)]) -> Vec<u8> {
 }
 
 /// An event as a tagged map; with `shuffle`, its keys in a random order.
-fn event_map(e: &EventSpec, shuffle: Option<&mut Rng>) -> Vec<u8> {
+fn event_map(e: &EventSpec, shuffle: Option<&mut SplitMix64>) -> Vec<u8> {
     let mut entries = event_entries(e);
     if let Some(rng) = shuffle {
         for i in (1..entries.len()).rev() {
-            let j = rng.below(i as u64 + 1) as usize;
+            let j = rng.below(i + 1);
             entries.swap(i, j);
         }
     }
@@ -763,7 +757,7 @@ impl Corruption {
         };
         match self {
             Corruption::NegativeToken(v, at) => {
-                let tokens = tokens_with(at.index(kept_tokens), &|out| mp::int(out, *v));
+                let tokens = tokens_with(at.index(kept_tokens), &|out| mp::int64(out, *v));
                 set(&mut entries, "token_ids", tokens);
             }
             Corruption::FloatToken(v, at) => {
@@ -916,7 +910,7 @@ proptest! {
             }
         }
         let ts = f64::from(ts) + 0.5;
-        let mut rng = Rng(shuffle_seed | 1);
+        let mut rng = SplitMix64::new(shuffle_seed | 1);
         let encodings: [Vec<Vec<u8>>; 3] = [
             events.iter().map(|e| event_map(e, None)).collect(),
             events.iter().map(|e| event_map(e, Some(&mut rng))).collect(),
@@ -1013,8 +1007,8 @@ fn a_skipped_event_leaves_no_tokens_in_the_next_events_hash() {
             mp::array(out, pairs.len());
             for &(a, b) in &pairs {
                 mp::array(out, 2);
-                mp::int(out, a);
-                mp::int(out, b);
+                mp::int64(out, a);
+                mp::int64(out, b);
             }
         }
     };
@@ -1025,8 +1019,8 @@ fn a_skipped_event_leaves_no_tokens_in_the_next_events_hash() {
                 1,
                 &|out| {
                     mp::array(out, 2);
-                    mp::int(out, 5);
-                    mp::int(out, -1);
+                    mp::int64(out, 5);
+                    mp::int64(out, -1);
                 },
                 2,
                 &[],

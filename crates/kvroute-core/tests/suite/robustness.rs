@@ -3,7 +3,7 @@
 //! Every golden fixture plus a few synthetic payloads (built with
 //! `super::common::mp` to reach paths the fixtures do not: map envelopes, bin
 //! digests, `extra_keys` items, lookahead lists, 16-bit array headers) are
-//! mutated [`CASES`] times in total with a deterministic [`Rng`]: bit flips,
+//! mutated [`CASES`] times in total with a deterministic `SplitMix64`: bit flips,
 //! overwrites with interesting marker bytes, truncation, insertion, deletion,
 //! splicing two payloads, duplicating a slice, and lying length fields. Each
 //! mutant is decoded by a fresh `decode_batch`, by one `StreamDecoder` reused
@@ -21,7 +21,8 @@
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 use std::time::Instant;
 
-use super::common::{fixture_names, fixture_payload, mp, Rng};
+use super::common::{fixture_names, fixture_payload, mp};
+use kvroute_core::rng::SplitMix64;
 use kvroute_core::wire::{
     decode_batch, DecodedBatch, DecoderConfig, EnvelopeError, SkipReason, StreamDecoder,
 };
@@ -102,7 +103,7 @@ fn synthetic_map_batch() -> Vec<u8> {
     mp::str(&mut out, "BlockStored");
     kv(&mut out, "block_hashes");
     mp::array(&mut out, 1);
-    mp::int(&mut out, -5_416_570_876_986_654_169);
+    mp::int64(&mut out, -5_416_570_876_986_654_169);
     kv(&mut out, "parent_block_hash");
     mp::bin(&mut out, &[0xbb; 32]);
     kv(&mut out, "token_ids");
@@ -188,12 +189,12 @@ fn synthetic_positional_batch() -> Vec<u8> {
 }
 
 /// A position in `0..len`, or 0 for an empty buffer.
-fn pos(rng: &mut Rng, len: usize) -> usize {
-    rng.below(len as u64) as usize
+fn pos(rng: &mut SplitMix64, len: usize) -> usize {
+    rng.below(len)
 }
 
 /// Replaces the length of the first header at or after `from` with a huge one.
-fn lie_about_a_length(rng: &mut Rng, p: &mut Vec<u8>, from: usize) {
+fn lie_about_a_length(rng: &mut SplitMix64, p: &mut Vec<u8>, from: usize) {
     let huge = HUGE[pos(rng, HUGE.len())];
     let Some(at) =
         (from..p.len()).find(|&i| matches!(p[i], 0x80..=0xbf | 0xc4..=0xc6 | 0xd9..=0xdf))
@@ -226,7 +227,7 @@ fn lie_about_a_length(rng: &mut Rng, p: &mut Vec<u8>, from: usize) {
 }
 
 /// Applies one random mutation; `other` is a second payload to splice with.
-fn mutate(rng: &mut Rng, p: &mut Vec<u8>, other: &[u8]) {
+fn mutate(rng: &mut SplitMix64, p: &mut Vec<u8>, other: &[u8]) {
     let len = p.len();
     match rng.below(10) {
         0 => {
@@ -254,7 +255,7 @@ fn mutate(rng: &mut Rng, p: &mut Vec<u8>, other: &[u8]) {
         4 => {
             if len > 0 {
                 let i = pos(rng, len);
-                let n = (1 + rng.below(8) as usize).min(len - i);
+                let n = (1 + rng.below(8)).min(len - i);
                 p.drain(i..i + n);
             }
         }
@@ -267,7 +268,7 @@ fn mutate(rng: &mut Rng, p: &mut Vec<u8>, other: &[u8]) {
         6 => {
             if len > 0 {
                 let start = pos(rng, len);
-                let n = (1 + rng.below(64) as usize).min(len - start);
+                let n = (1 + rng.below(64)).min(len - start);
                 let slice = p[start..start + n].to_vec();
                 let at = pos(rng, len + 1);
                 p.splice(at..at, slice);
@@ -287,7 +288,7 @@ fn mutate(rng: &mut Rng, p: &mut Vec<u8>, other: &[u8]) {
             // A run of one interesting byte, as a corrupt frame would have.
             if len > 0 {
                 let i = pos(rng, len);
-                let n = (1 + rng.below(16) as usize).min(len - i);
+                let n = (1 + rng.below(16)).min(len - i);
                 let b = INTERESTING[pos(rng, INTERESTING.len())];
                 p[i..i + n].fill(b);
             }
@@ -374,7 +375,7 @@ fn mutated_payloads_never_panic_and_decode_consistently() {
         max_salted_blocks: 64,
     });
     let mut resettable = StreamDecoder::new(fresh.clone());
-    let mut rng = Rng(SEED);
+    let mut rng = SplitMix64::new(SEED);
     let mut envelope_errors = 0usize;
     let mut events = 0usize;
     let started = Instant::now();

@@ -41,20 +41,20 @@ use std::time::Duration;
 
 use rustc_hash::FxHashMap;
 
-use crate::config::EngineFlavor;
 use crate::event::{BlockRemoved, BlockStored, ExtraKey, KvCacheEvent, MEDIUM_GPU};
 use crate::hashing::{
     sglang_page_digest, sglang_published, vllm_block_digest, vllm_none_hash, vllm_published,
     Digest32, VllmHashKey,
 };
 use cache::{BlockId, BlockPool, CachedKey};
+use kvroute_core::event::WorkerFlavor;
 use timing::TimingModel;
 
 /// The parameters of one rank's engine.
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
     /// Hashing, caching points and event shapes.
-    pub flavor: EngineFlavor,
+    pub flavor: WorkerFlavor,
     /// Tokens per block.
     pub block_size: usize,
     /// Blocks in the KV cache.
@@ -207,7 +207,7 @@ pub struct EngineStats {
 /// Computes and publishes the flavour's block hashes.
 #[derive(Debug, Clone)]
 struct Hasher {
-    flavor: EngineFlavor,
+    flavor: WorkerFlavor,
     block_size: usize,
     none_hash: Digest32,
 }
@@ -217,7 +217,7 @@ impl Hasher {
         let start = block * self.block_size;
         let tokens = &r.tokens[start..start + self.block_size];
         match self.flavor {
-            EngineFlavor::Vllm => {
+            WorkerFlavor::Vllm => {
                 let keys: Vec<VllmHashKey> = r
                     .mm_in_block(block, self.block_size)
                     .map(|(identifier, offset)| VllmHashKey::Mm {
@@ -227,15 +227,15 @@ impl Hasher {
                     .collect();
                 vllm_block_digest(parent.unwrap_or(&self.none_hash), tokens, &keys)
             }
-            EngineFlavor::Sglang => sglang_page_digest(parent, tokens),
+            WorkerFlavor::Sglang => sglang_page_digest(parent, tokens),
         }
     }
 
     fn published(&self, digest: &Digest32) -> u64 {
         match self.flavor {
-            EngineFlavor::Vllm => vllm_published(digest),
+            WorkerFlavor::Vllm => vllm_published(digest),
             // The published i64, kept as its bits.
-            EngineFlavor::Sglang => sglang_published(digest) as u64,
+            WorkerFlavor::Sglang => sglang_published(digest) as u64,
         }
     }
 }
@@ -636,7 +636,7 @@ impl Engine {
                 });
             }
             let done = r.generated == r.output.len();
-            if self.config.flavor == EngineFlavor::Vllm || !decode {
+            if self.config.flavor == WorkerFlavor::Vllm || !decode {
                 self.register(id);
             }
             if done {
@@ -657,7 +657,7 @@ impl Engine {
 
     fn finish(&mut self, id: RequestId) {
         self.running.retain(|&r| r != id);
-        if self.config.flavor == EngineFlavor::Sglang {
+        if self.config.flavor == WorkerFlavor::Sglang {
             self.register(id);
         }
         let Some(r) = self.requests.remove(&id) else {
@@ -745,7 +745,7 @@ impl Engine {
     /// when its recorder would (a store continuing the previous store's chain
     /// with the same attributes, or consecutive removals of one medium).
     fn push_event(&mut self, event: KvCacheEvent) {
-        if self.config.flavor == EngineFlavor::Sglang {
+        if self.config.flavor == WorkerFlavor::Sglang {
             match (self.events.last_mut(), &event) {
                 (Some(KvCacheEvent::BlockStored(tail)), KvCacheEvent::BlockStored(new))
                     if new.parent_block_hash.is_some()
@@ -821,7 +821,7 @@ pub fn validate_request(r: &NewRequest, capacity_tokens: usize) -> Result<(), Su
 fn stored_event(hasher: &Hasher, r: &Request, start: usize, end: usize) -> BlockStored {
     let bs = hasher.block_size;
     let extra_keys = match hasher.flavor {
-        EngineFlavor::Vllm => Some(
+        WorkerFlavor::Vllm => Some(
             (start..end)
                 .map(|b| {
                     let items: Vec<ExtraKey> = r
@@ -835,7 +835,7 @@ fn stored_event(hasher: &Hasher, r: &Request, start: usize, end: usize) -> Block
                 })
                 .collect(),
         ),
-        EngineFlavor::Sglang => None,
+        WorkerFlavor::Sglang => None,
     };
     BlockStored {
         block_hashes: r.digests[start..end]

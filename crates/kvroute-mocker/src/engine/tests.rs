@@ -2,9 +2,9 @@
 
 use super::*;
 use crate::hashing::{sglang_page_digest, sglang_published, vllm_block_digest, vllm_none_hash};
-use crate::rng::SplitMix64;
+use kvroute_core::rng::SplitMix64;
 
-fn config(flavor: EngineFlavor, blocks: usize) -> EngineConfig {
+fn config(flavor: WorkerFlavor, blocks: usize) -> EngineConfig {
     EngineConfig {
         flavor,
         block_size: 4,
@@ -83,7 +83,7 @@ fn vllm_chain(tokens: &[u64], bs: usize) -> Vec<u64> {
 
 #[test]
 fn a_repeated_prompt_hits_every_full_block_but_the_last_token() {
-    let mut e = Engine::new(config(EngineFlavor::Vllm, 64));
+    let mut e = Engine::new(config(WorkerFlavor::Vllm, 64));
     e.submit(RequestId(1), request(1..=10, 3)).expect("valid");
     let (_, out) = drain(&mut e);
     assert_eq!(usage_of(&out, 1).cached_tokens, 0);
@@ -103,7 +103,7 @@ fn a_repeated_prompt_hits_every_full_block_but_the_last_token() {
 
 #[test]
 fn vllm_stores_prompt_and_generated_blocks_as_they_fill_with_real_hashes() {
-    let mut e = Engine::new(config(EngineFlavor::Vllm, 64));
+    let mut e = Engine::new(config(WorkerFlavor::Vllm, 64));
     e.submit(RequestId(1), request(1..=6, 7)).expect("valid");
     let (events, out) = drain(&mut e);
     let tokens: Vec<u64> = out
@@ -134,7 +134,7 @@ fn vllm_stores_prompt_and_generated_blocks_as_they_fill_with_real_hashes() {
 
 #[test]
 fn sglang_caches_prompt_pages_after_prefill_and_output_pages_at_finish() {
-    let mut e = Engine::new(config(EngineFlavor::Sglang, 64));
+    let mut e = Engine::new(config(WorkerFlavor::Sglang, 64));
     e.submit(RequestId(1), request(1..=8, 9)).expect("valid");
     let (events, out) = drain(&mut e);
     let stores = stored(&events);
@@ -158,7 +158,7 @@ fn sglang_caches_prompt_pages_after_prefill_and_output_pages_at_finish() {
 
 #[test]
 fn sglang_coalesces_a_chunked_prefill_into_one_store_per_step_and_merges_removals() {
-    let mut cfg = config(EngineFlavor::Sglang, 8);
+    let mut cfg = config(WorkerFlavor::Sglang, 8);
     cfg.max_num_batched_tokens = 8;
     let mut e = Engine::new(cfg);
     e.submit(RequestId(1), request(1..=20, 1)).expect("valid");
@@ -176,7 +176,7 @@ fn sglang_coalesces_a_chunked_prefill_into_one_store_per_step_and_merges_removal
 
 #[test]
 fn sglang_merges_consecutive_removals_into_one_event() {
-    let mut e = Engine::new(config(EngineFlavor::Sglang, 5));
+    let mut e = Engine::new(config(WorkerFlavor::Sglang, 5));
     e.submit(RequestId(1), request(1..=16, 1)).expect("valid");
     let (events, _) = drain(&mut e);
     let cached: Vec<u64> = stored(&events)[0].block_hashes.clone();
@@ -200,7 +200,7 @@ fn sglang_merges_consecutive_removals_into_one_event() {
 #[test]
 fn eviction_removes_exactly_the_least_recently_used_blocks_one_event_per_hash() {
     // 4 blocks of 4 tokens. Request A caches 2 blocks (prompt 9 tokens, 1 output).
-    let mut e = Engine::new(config(EngineFlavor::Vllm, 4));
+    let mut e = Engine::new(config(WorkerFlavor::Vllm, 4));
     e.submit(RequestId(1), request(1..=9, 1)).expect("valid");
     let (events_a, _) = drain(&mut e);
     let a_hashes: Vec<u64> = stored(&events_a)
@@ -226,7 +226,7 @@ fn eviction_removes_exactly_the_least_recently_used_blocks_one_event_per_hash() 
 #[test]
 fn pinned_blocks_are_never_evicted_and_memory_pressure_preempts() {
     // 6 blocks, two requests that each end up needing 4 blocks: one must be preempted.
-    let mut cfg = config(EngineFlavor::Vllm, 6);
+    let mut cfg = config(WorkerFlavor::Vllm, 6);
     cfg.max_num_batched_tokens = 64;
     let mut e = Engine::new(cfg);
     e.submit(RequestId(1), request(1..=5, 10)).expect("valid");
@@ -258,7 +258,7 @@ fn pinned_blocks_are_never_evicted_and_memory_pressure_preempts() {
 
 #[test]
 fn identical_concurrent_prompts_share_blocks_and_announce_them_once() {
-    let mut e = Engine::new(config(EngineFlavor::Vllm, 64));
+    let mut e = Engine::new(config(WorkerFlavor::Vllm, 64));
     e.submit(RequestId(1), request(1..=12, 2)).expect("valid");
     e.submit(RequestId(2), request(1..=12, 2)).expect("valid");
     let (events, out) = drain(&mut e);
@@ -280,7 +280,7 @@ fn identical_concurrent_prompts_share_blocks_and_announce_them_once() {
 
 #[test]
 fn reset_clears_the_cache_and_queues_all_blocks_cleared() {
-    let mut e = Engine::new(config(EngineFlavor::Vllm, 64));
+    let mut e = Engine::new(config(WorkerFlavor::Vllm, 64));
     e.submit(RequestId(1), request(1..=10, 1)).expect("valid");
     drain(&mut e);
     e.reset_prefix_cache();
@@ -295,7 +295,7 @@ fn reset_clears_the_cache_and_queues_all_blocks_cleared() {
 
 #[test]
 fn restart_fails_every_request_and_publishes_nothing() {
-    let mut e = Engine::new(config(EngineFlavor::Sglang, 64));
+    let mut e = Engine::new(config(WorkerFlavor::Sglang, 64));
     e.submit(RequestId(1), request(1..=10, 5)).expect("valid");
     e.submit(RequestId(2), request(1..=10, 5)).expect("valid");
     e.step();
@@ -308,7 +308,7 @@ fn restart_fails_every_request_and_publishes_nothing() {
 
 #[test]
 fn vllm_multimodal_blocks_carry_mm_extra_keys_with_relative_offsets() {
-    let mut e = Engine::new(config(EngineFlavor::Vllm, 64));
+    let mut e = Engine::new(config(WorkerFlavor::Vllm, 64));
     // An item of 6 placeholders at 2..8 spans blocks 0 and 1; block 2 is text.
     let mut r = request([1, 2, 7, 7, 7, 7, 7, 7, 3, 4, 5, 6, 9], 1);
     r.mm_items.push(MmPlacement {
@@ -341,7 +341,7 @@ fn vllm_multimodal_blocks_carry_mm_extra_keys_with_relative_offsets() {
 
 #[test]
 fn step_durations_follow_the_timing_model() {
-    let mut e = Engine::new(config(EngineFlavor::Vllm, 64));
+    let mut e = Engine::new(config(WorkerFlavor::Vllm, 64));
     e.submit(RequestId(1), request(1..=10, 2)).expect("valid");
     let prefill = e.step().expect("prefill");
     assert_eq!((prefill.prefill_tokens, prefill.decodes), (10, 0));
@@ -356,7 +356,7 @@ fn step_durations_follow_the_timing_model() {
 
 #[test]
 fn oversized_and_empty_requests_are_refused() {
-    let e = Engine::new(config(EngineFlavor::Vllm, 2));
+    let e = Engine::new(config(WorkerFlavor::Vllm, 2));
     assert_eq!(e.validate(&request([], 1)), Err(SubmitError::EmptyPrompt));
     assert_eq!(e.validate(&request([1], 0)), Err(SubmitError::NoOutput));
     assert!(matches!(
@@ -413,9 +413,9 @@ fn random_workloads_keep_every_invariant_and_finish_every_request() {
         };
         let mut rng = SplitMix64::new(seed);
         let flavor = if seed % 2 == 0 {
-            EngineFlavor::Vllm
+            WorkerFlavor::Vllm
         } else {
-            EngineFlavor::Sglang
+            WorkerFlavor::Sglang
         };
         let mut cfg = config(flavor, 6 + rng.below(20));
         cfg.max_num_seqs = 1 + rng.below(4);

@@ -35,11 +35,11 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::config::EngineFlavor;
 use crate::driver::{RankError, RankHandle};
 use crate::engine::Update;
 use crate::faults::FailureDice;
 use crate::tokenizer::{FillerToken, Tokenizer};
+use kvroute_core::event::WorkerFlavor;
 use openai::{ChunkPiece, Endpoint, ParsedRequest, PromptSettings, ResponseMeta};
 
 /// Largest request body accepted (images arrive inline as data URLs).
@@ -131,7 +131,7 @@ pub struct EngineState {
     /// The served model name.
     pub model: String,
     /// Which engine is imitated.
-    pub flavor: EngineFlavor,
+    pub flavor: WorkerFlavor,
     /// The data-parallel ranks.
     pub ranks: Vec<RankHandle>,
     /// Text to tokens.
@@ -215,7 +215,7 @@ async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
 }
 
 async fn server_info(State(state): State<Arc<EngineState>>) -> Result<Json<Value>, ApiError> {
-    if state.flavor != EngineFlavor::Sglang {
+    if state.flavor != WorkerFlavor::Sglang {
         return Err(not_found().await);
     }
     Ok(Json(json!({
@@ -681,12 +681,12 @@ fn render_metrics(state: &EngineState) -> String {
         ),
     ];
     let engine_metrics = match state.flavor {
-        EngineFlavor::Vllm => vllm,
-        EngineFlavor::Sglang => sglang,
+        WorkerFlavor::Vllm => vllm,
+        WorkerFlavor::Sglang => sglang,
     };
     let rank_label = match state.flavor {
-        EngineFlavor::Vllm => "engine",
-        EngineFlavor::Sglang => "dp_rank",
+        WorkerFlavor::Vllm => "engine",
+        WorkerFlavor::Sglang => "dp_rank",
     };
     let mut out = String::new();
     for (name, kind, help, value) in engine_metrics.iter().chain(own) {

@@ -5,10 +5,10 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::config::EngineFlavor;
 use crate::engine::{MmPlacement, NewRequest, Usage};
 use crate::multimodal::{sglang_padding, ImageIdentity, ImageSpan, ImageTokenRule};
 use crate::tokenizer::{FillerToken, Tokenizer};
+use kvroute_core::event::WorkerFlavor;
 
 use super::ApiError;
 
@@ -342,7 +342,7 @@ fn content_part(part: &Value, i: usize, j: usize) -> Result<Segment, ApiError> {
 #[derive(Debug, Clone, Copy)]
 pub struct PromptSettings {
     /// Pads (SGLang) or placeholders (vLLM).
-    pub flavor: EngineFlavor,
+    pub flavor: WorkerFlavor,
     /// Positions each image takes.
     pub mm_tokens_per_image: usize,
     /// Seed of the filler.
@@ -460,7 +460,7 @@ pub fn build(
     let mut mm_items = Vec::new();
     for image in images {
         match settings.flavor {
-            EngineFlavor::Sglang => {
+            WorkerFlavor::Sglang => {
                 let end = image.start + image.len;
                 if let Some(span) = prompt.get_mut(image.start..end) {
                     for (slot, pad) in span
@@ -471,7 +471,7 @@ pub fn build(
                     }
                 }
             }
-            EngineFlavor::Vllm => mm_items.push(MmPlacement {
+            WorkerFlavor::Vllm => mm_items.push(MmPlacement {
                 start: image.start,
                 len: image.len,
                 identifier: image.identity.identifier,
@@ -690,7 +690,7 @@ mod tests {
         let p = parse(Endpoint::Chat, body).expect("ok");
         let tok = Tokenizer::builtin();
         let settings = PromptSettings {
-            flavor: EngineFlavor::Sglang,
+            flavor: WorkerFlavor::Sglang,
             mm_tokens_per_image: 6,
             seed: 0,
         };
@@ -714,7 +714,7 @@ mod tests {
             &p,
             &tok,
             PromptSettings {
-                flavor: EngineFlavor::Vllm,
+                flavor: WorkerFlavor::Vllm,
                 ..settings
             },
         )
@@ -734,7 +734,7 @@ mod tests {
         let p = parse(Endpoint::Chat, body).expect("ok");
         assert_eq!(p.mm_hashes, Some(vec![255]));
         let settings = PromptSettings {
-            flavor: EngineFlavor::Sglang,
+            flavor: WorkerFlavor::Sglang,
             mm_tokens_per_image: 4,
             seed: 0,
         };
@@ -756,8 +756,9 @@ mod tests {
         use crate::engine::{Engine, EngineConfig, RequestId};
         use crate::EventFormat;
         use kvroute_core::event::KvEvent;
+        use kvroute_core::event::WorkerFlavor;
         use kvroute_core::hash::HASH_SEED;
-        use kvroute_core::multimodal::{prompt_local_hashes, WorkerFlavor};
+        use kvroute_core::multimodal::prompt_local_hashes;
         use kvroute_core::tokens::fold_token_id;
         use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 
@@ -766,8 +767,8 @@ mod tests {
         let tok = Tokenizer::builtin();
         let bs = 4;
         for (flavor, router_flavor) in [
-            (EngineFlavor::Sglang, WorkerFlavor::Sglang),
-            (EngineFlavor::Vllm, WorkerFlavor::Vllm),
+            (WorkerFlavor::Sglang, WorkerFlavor::Sglang),
+            (WorkerFlavor::Vllm, WorkerFlavor::Vllm),
         ] {
             let settings = PromptSettings {
                 flavor,

@@ -1,14 +1,15 @@
 //! The prefix cache as a client and a router see it: cached_tokens, eviction, reset.
 
 use kvroute_core::event::KvEvent;
-use kvroute_mocker::{EngineFlavor, ReplayFrames};
+use kvroute_core::event::WorkerFlavor;
+use kvroute_mocker::ReplayFrames;
 use serde_json::json;
 
 use super::common::*;
 
 #[test]
 fn cached_tokens_are_exact_on_repeated_and_shared_prompts() {
-    for flavor in [EngineFlavor::Vllm, EngineFlavor::Sglang] {
+    for flavor in [WorkerFlavor::Vllm, WorkerFlavor::Sglang] {
         let fleet = TestFleet::start(config(flavor));
         let addr = fleet.http(0);
         let prompt: Vec<u64> = (1..=100).collect();
@@ -37,7 +38,7 @@ fn cached_tokens_are_exact_on_repeated_and_shared_prompts() {
 
 #[test]
 fn text_prompts_hit_the_cache_through_the_builtin_tokenizer() {
-    let fleet = TestFleet::start(config(EngineFlavor::Vllm));
+    let fleet = TestFleet::start(config(WorkerFlavor::Vllm));
     let text = "The quick brown fox jumps over the lazy dog. ".repeat(8);
     let body = json!({"prompt": text, "max_tokens": 3});
     let first = post(fleet.http(0), "/v1/completions", &body).json();
@@ -49,7 +50,7 @@ fn text_prompts_hit_the_cache_through_the_builtin_tokenizer() {
 
 #[test]
 fn eviction_under_pressure_removes_exactly_the_evicted_blocks() {
-    let mut c = config(EngineFlavor::Vllm);
+    let mut c = config(WorkerFlavor::Vllm);
     c.num_gpu_blocks = 8;
     let fleet = TestFleet::start(c);
     let addr = fleet.http(0);
@@ -67,8 +68,8 @@ fn eviction_under_pressure_removes_exactly_the_evicted_blocks() {
 
     let payloads = replay(&fleet.replay(0, 0), 0, ReplayFrames::Four);
     let events = all_events(&payloads, 16);
-    let a_hashes = engine_chain(EngineFlavor::Vllm, &a, 16);
-    let b_hashes = engine_chain(EngineFlavor::Vllm, &b, 16);
+    let a_hashes = engine_chain(WorkerFlavor::Vllm, &a, 16);
+    let b_hashes = engine_chain(WorkerFlavor::Vllm, &b, 16);
     let mut stored = Vec::new();
     let mut removed = Vec::new();
     for e in &events {
@@ -92,7 +93,7 @@ fn eviction_under_pressure_removes_exactly_the_evicted_blocks() {
 
 #[test]
 fn sglang_eviction_coalesces_removals_of_one_step() {
-    let mut c = config(EngineFlavor::Sglang);
+    let mut c = config(WorkerFlavor::Sglang);
     c.num_gpu_blocks = 8;
     let fleet = TestFleet::start(c);
     let addr = fleet.http(0);
@@ -108,13 +109,13 @@ fn sglang_eviction_coalesces_removals_of_one_step() {
             _ => None,
         })
         .collect();
-    let a_hashes = engine_chain(EngineFlavor::Sglang, &a, 16);
+    let a_hashes = engine_chain(WorkerFlavor::Sglang, &a, 16);
     assert_eq!(removals, [vec![a_hashes[3], a_hashes[2], a_hashes[1]]]);
 }
 
 #[test]
 fn reset_prefix_cache_publishes_all_blocks_cleared_and_forgets_everything() {
-    let fleet = TestFleet::start(config(EngineFlavor::Vllm));
+    let fleet = TestFleet::start(config(WorkerFlavor::Vllm));
     let addr = fleet.http(0);
     let prompt: Vec<u64> = (1..=40).collect();
     post(addr, "/v1/completions", &ids_prompt(&prompt, 1));

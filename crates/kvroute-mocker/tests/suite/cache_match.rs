@@ -3,13 +3,13 @@
 
 use std::net::SocketAddr;
 
-use kvroute_mocker::EngineFlavor;
+use kvroute_core::event::WorkerFlavor;
 use serde_json::{json, Value};
 
 use super::common::{config, http, TestFleet};
 
 /// A fleet of one engine with `dp` ranks (simulated time off: requests run in real time).
-fn engine(flavor: EngineFlavor, dp: u16) -> TestFleet {
+fn engine(flavor: WorkerFlavor, dp: u16) -> TestFleet {
     TestFleet::start(kvroute_mocker::MockerConfig {
         dp_size: dp,
         ts_source: kvroute_mocker::TsSource::Wall,
@@ -39,7 +39,7 @@ fn matched(answer: &Value) -> Vec<u64> {
 
 #[test]
 fn cache_match_reports_each_rank_and_agrees_with_cached_tokens() {
-    for flavor in [EngineFlavor::Vllm, EngineFlavor::Sglang] {
+    for flavor in [WorkerFlavor::Vllm, WorkerFlavor::Sglang] {
         let engine = engine(flavor, 2);
         let addr = engine.http(0);
         let ids: Vec<u64> = (1000..1100).collect();
@@ -94,7 +94,7 @@ fn cache_match_reports_each_rank_and_agrees_with_cached_tokens() {
 
 #[test]
 fn chat_bodies_are_built_as_the_real_request_and_bad_bodies_are_refused() {
-    let engine = engine(EngineFlavor::Vllm, 1);
+    let engine = engine(WorkerFlavor::Vllm, 1);
     let addr = engine.http(0);
     let words: Vec<String> = (0..60).map(|i| format!("word{i}")).collect();
     let chat = json!({

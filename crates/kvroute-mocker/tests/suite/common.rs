@@ -6,8 +6,9 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::Duration;
 
 use kvroute_core::event::KvEvent;
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::wire::{decode_batch, DecodedBatch, DecoderConfig};
-use kvroute_mocker::{EngineFlavor, Fleet, MockerConfig, ReplayFrames, TsSource, WorkerInfo};
+use kvroute_mocker::{Fleet, MockerConfig, ReplayFrames, TsSource, WorkerInfo};
 use serde_json::Value;
 use sha2::{Digest, Sha256};
 
@@ -15,7 +16,7 @@ use sha2::{Digest, Sha256};
 pub const TS0: f64 = 1767225600.25;
 
 /// A small, fast fleet on ephemeral ports with deterministic timestamps.
-pub fn config(flavor: EngineFlavor) -> MockerConfig {
+pub fn config(flavor: WorkerFlavor) -> MockerConfig {
     let mut c = MockerConfig {
         flavor,
         port: 0,
@@ -359,17 +360,17 @@ pub fn sglang_int(d: &[u8; 32]) -> u64 {
 }
 
 /// The engine hashes of every full block of `tokens`, chained from the start.
-pub fn engine_chain(flavor: EngineFlavor, tokens: &[u64], bs: usize) -> Vec<u64> {
+pub fn engine_chain(flavor: WorkerFlavor, tokens: &[u64], bs: usize) -> Vec<u64> {
     let mut parent = None;
     tokens
         .chunks_exact(bs)
         .map(|block| {
             let (d, int) = match flavor {
-                EngineFlavor::Vllm => {
+                WorkerFlavor::Vllm => {
                     let d = vllm_digest(parent, block);
                     (d, vllm_int(&d))
                 }
-                EngineFlavor::Sglang => {
+                WorkerFlavor::Sglang => {
                     let d = sglang_digest(parent, block);
                     (d, sglang_int(&d))
                 }

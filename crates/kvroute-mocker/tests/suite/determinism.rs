@@ -1,12 +1,13 @@
 //! The same seed and the same requests give byte-identical event payloads.
 
-use kvroute_mocker::{EngineFlavor, ReplayFrames};
+use kvroute_core::event::WorkerFlavor;
+use kvroute_mocker::ReplayFrames;
 use serde_json::json;
 
 use super::common::*;
 
 /// Runs a fixed request sequence against a fresh fleet and returns every payload.
-fn run(flavor: EngineFlavor, seed: u64) -> (Vec<(u64, Vec<u8>)>, Vec<String>) {
+fn run(flavor: WorkerFlavor, seed: u64) -> (Vec<(u64, Vec<u8>)>, Vec<String>) {
     let mut c = config(flavor);
     c.seed = seed;
     c.num_gpu_blocks = 12;
@@ -38,7 +39,7 @@ fn run(flavor: EngineFlavor, seed: u64) -> (Vec<(u64, Vec<u8>)>, Vec<String>) {
 
 #[test]
 fn same_seed_same_requests_give_byte_identical_payloads() {
-    for flavor in [EngineFlavor::Vllm, EngineFlavor::Sglang] {
+    for flavor in [WorkerFlavor::Vllm, WorkerFlavor::Sglang] {
         let (a, text_a) = run(flavor, 7);
         let (b, text_b) = run(flavor, 7);
         assert!(a.len() >= 5, "{flavor:?}: {} batches", a.len());
@@ -54,7 +55,7 @@ fn same_seed_same_requests_give_byte_identical_payloads() {
 
 #[test]
 fn simulated_timestamps_start_at_the_configured_epoch_and_grow() {
-    let (payloads, _) = run(EngineFlavor::Vllm, 1);
+    let (payloads, _) = run(WorkerFlavor::Vllm, 1);
     let ts: Vec<f64> = payloads
         .iter()
         .map(|(_, p)| decode_clean(p, 16).ts.expect("ts"))

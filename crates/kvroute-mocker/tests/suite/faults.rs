@@ -2,8 +2,9 @@
 
 use std::time::Duration;
 
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::wire::{decode_batch, DecoderConfig, SkipReason};
-use kvroute_mocker::{EngineFlavor, ReplayFrames};
+use kvroute_mocker::ReplayFrames;
 
 use super::common::*;
 
@@ -17,7 +18,7 @@ fn send_requests(fleet: &TestFleet, n: u64) {
 
 #[test]
 fn drop_every_skips_live_batches_that_replay_still_has() {
-    let mut c = config(EngineFlavor::Vllm);
+    let mut c = config(WorkerFlavor::Vllm);
     c.faults.drop_every = Some(2);
     let fleet = TestFleet::start(c);
     let sub = subscribe(&fleet.events(0, 0));
@@ -39,7 +40,7 @@ fn drop_every_skips_live_batches_that_replay_still_has() {
 
 #[test]
 fn bad_event_every_puts_one_malformed_event_between_good_ones() {
-    for flavor in [EngineFlavor::Vllm, EngineFlavor::Sglang] {
+    for flavor in [WorkerFlavor::Vllm, WorkerFlavor::Sglang] {
         let mut c = config(flavor);
         c.faults.bad_event_every = Some(2);
         // A small cache, so later batches also carry removals.
@@ -69,7 +70,7 @@ fn bad_event_every_puts_one_malformed_event_between_good_ones() {
 
 #[test]
 fn restart_every_resets_seq_and_clears_the_cache() {
-    let mut c = config(EngineFlavor::Vllm);
+    let mut c = config(WorkerFlavor::Vllm);
     c.faults.restart_every = Some(Duration::from_millis(1000));
     let fleet = TestFleet::start(c);
     let prompt: Vec<u64> = (1..=40).collect();

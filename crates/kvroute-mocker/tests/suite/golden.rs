@@ -2,6 +2,7 @@
 //! (recomputed here from their definitions) and kvroute's local hashes.
 
 use kvroute_core::event::KvEvent;
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{local_block_hashes, HASH_SEED};
 use kvroute_core::tokens::fold_token_id;
 use kvroute_mocker::encode::EncodeOptions;
@@ -9,14 +10,14 @@ use kvroute_mocker::engine::timing::TimingModel;
 use kvroute_mocker::engine::{Engine, EngineConfig, NewRequest, RequestId};
 use kvroute_mocker::faults::FaultConfig;
 use kvroute_mocker::publisher::Sequencer;
-use kvroute_mocker::{EngineFlavor, EventFormat, ReplayFrames};
+use kvroute_mocker::{EventFormat, ReplayFrames};
 
 use super::common::*;
 
 const BS: usize = 16;
 
 /// Runs requests through a pure engine and publishes every step as a batch.
-fn run_engine(flavor: EngineFlavor, format: EventFormat, requests: &[NewRequest]) -> Vec<Vec<u8>> {
+fn run_engine(flavor: WorkerFlavor, format: EventFormat, requests: &[NewRequest]) -> Vec<Vec<u8>> {
     let mut engine = Engine::new(EngineConfig {
         flavor,
         block_size: BS,
@@ -65,7 +66,7 @@ fn requests() -> Vec<NewRequest> {
 }
 
 /// Checks every stored event: engine hashes chain from the definitions, local hashes match.
-fn check_golden(flavor: EngineFlavor, format: EventFormat) {
+fn check_golden(flavor: WorkerFlavor, format: EventFormat) {
     let reqs = requests();
     let payloads = run_engine(flavor, format, &reqs);
     assert!(!payloads.is_empty());
@@ -114,23 +115,23 @@ fn check_golden(flavor: EngineFlavor, format: EventFormat) {
 
 #[test]
 fn vllm_payloads_decode_with_sha256_cbor_hashes_and_local_hashes() {
-    check_golden(EngineFlavor::Vllm, EventFormat::Map);
+    check_golden(WorkerFlavor::Vllm, EventFormat::Map);
 }
 
 #[test]
 fn sglang_payloads_decode_with_page_digest_hashes_and_local_hashes() {
-    check_golden(EngineFlavor::Sglang, EventFormat::Map);
+    check_golden(WorkerFlavor::Sglang, EventFormat::Map);
 }
 
 #[test]
 fn legacy_array_payloads_decode_the_same_for_both_flavours() {
-    check_golden(EngineFlavor::Vllm, EventFormat::LegacyArray);
-    check_golden(EngineFlavor::Sglang, EventFormat::LegacyArray);
+    check_golden(WorkerFlavor::Vllm, EventFormat::LegacyArray);
+    check_golden(WorkerFlavor::Sglang, EventFormat::LegacyArray);
 }
 
 #[test]
 fn vllm_event_fields_appear_as_vllm_writes_them() {
-    let payloads = run_engine(EngineFlavor::Vllm, EventFormat::Map, &requests()[..1]);
+    let payloads = run_engine(WorkerFlavor::Vllm, EventFormat::Map, &requests()[..1]);
     let batch = super::msgpack::decode(&payloads[0]);
     let batch = batch.array();
     assert_eq!(batch.len(), 3, "[ts, events, dp_rank]");
@@ -165,7 +166,7 @@ fn vllm_event_fields_appear_as_vllm_writes_them() {
 
 #[test]
 fn sglang_event_fields_appear_as_sglang_writes_them() {
-    let payloads = run_engine(EngineFlavor::Sglang, EventFormat::Map, &requests()[..1]);
+    let payloads = run_engine(WorkerFlavor::Sglang, EventFormat::Map, &requests()[..1]);
     let batch = super::msgpack::decode(&payloads[0]);
     let event = &batch.array()[1].array()[0];
     assert_eq!(
@@ -184,7 +185,7 @@ fn sglang_event_fields_appear_as_sglang_writes_them() {
 
 #[test]
 fn events_over_http_and_zmq_carry_engine_and_local_hashes() {
-    let fleet = TestFleet::start(config(EngineFlavor::Vllm));
+    let fleet = TestFleet::start(config(WorkerFlavor::Vllm));
     let addr = fleet.http(0);
     let prompt: Vec<u64> = (300..340).collect();
     let r = post(addr, "/v1/completions", &ids_prompt(&prompt, 30));
@@ -208,5 +209,5 @@ fn events_over_http_and_zmq_carry_engine_and_local_hashes() {
         prompt.iter().map(|&t| t as u32).collect::<Vec<_>>()[..]
     );
     let wide: Vec<u64> = tokens.iter().map(|&t| u64::from(t)).collect();
-    assert_eq!(chain, engine_chain(EngineFlavor::Vllm, &wide, BS));
+    assert_eq!(chain, engine_chain(WorkerFlavor::Vllm, &wide, BS));
 }

@@ -2,14 +2,14 @@
 
 use std::time::{Duration, Instant};
 
-use kvroute_mocker::EngineFlavor;
+use kvroute_core::event::WorkerFlavor;
 use serde_json::json;
 
 use super::common::*;
 
 #[test]
 fn completions_and_chat_answer_in_openai_shape_and_honour_max_tokens() {
-    let fleet = TestFleet::start(config(EngineFlavor::Vllm));
+    let fleet = TestFleet::start(config(WorkerFlavor::Vllm));
     let addr = fleet.http(0);
     let r = post(
         addr,
@@ -38,7 +38,7 @@ fn completions_and_chat_answer_in_openai_shape_and_honour_max_tokens() {
 
 #[test]
 fn streaming_sends_one_chunk_per_token_then_usage_then_done() {
-    let fleet = TestFleet::start(config(EngineFlavor::Sglang));
+    let fleet = TestFleet::start(config(WorkerFlavor::Sglang));
     let body = json!({
         "messages": [{"role": "user", "content": "Stream please"}],
         "max_tokens": 4,
@@ -84,7 +84,7 @@ fn streaming_sends_one_chunk_per_token_then_usage_then_done() {
 
 #[test]
 fn malformed_requests_get_4xx_json_errors() {
-    let mut c = config(EngineFlavor::Vllm);
+    let mut c = config(WorkerFlavor::Vllm);
     c.num_gpu_blocks = 4;
     let fleet = TestFleet::start(c);
     let addr = fleet.http(0);
@@ -130,7 +130,7 @@ fn malformed_requests_get_4xx_json_errors() {
 
 #[test]
 fn models_health_and_metrics() {
-    let fleet = TestFleet::start(config(EngineFlavor::Vllm));
+    let fleet = TestFleet::start(config(WorkerFlavor::Vllm));
     let addr = fleet.http(0);
     let models = get(addr, "/v1/models").json();
     assert_eq!(models["data"][0]["id"], "mock-model");
@@ -148,7 +148,7 @@ fn models_health_and_metrics() {
 
 #[test]
 fn sglang_server_info_describes_the_event_sockets() {
-    let mut c = config(EngineFlavor::Sglang);
+    let mut c = config(WorkerFlavor::Sglang);
     c.dp_size = 2;
     let fleet = TestFleet::start(c);
     let info = get(fleet.http(0), "/server_info").json();
@@ -157,13 +157,13 @@ fn sglang_server_info_describes_the_event_sockets() {
     assert_eq!(kv["block_size"], 16);
     let port = kv["endpoint_port_base"].as_u64().expect("port");
     assert!(fleet.events(0, 0).ends_with(&format!(":{port}")));
-    let vllm = TestFleet::start(config(EngineFlavor::Vllm));
+    let vllm = TestFleet::start(config(WorkerFlavor::Vllm));
     assert_eq!(get(vllm.http(0), "/server_info").status, 404);
 }
 
 #[test]
 fn fail_rate_and_delay_flags_shape_responses() {
-    let mut c = config(EngineFlavor::Vllm);
+    let mut c = config(WorkerFlavor::Vllm);
     c.faults.fail_rate = 1.0;
     c.faults.delay = Duration::from_millis(200);
     let fleet = TestFleet::start(c);
@@ -177,7 +177,7 @@ fn fail_rate_and_delay_flags_shape_responses() {
     // Health is delayed but never failed.
     assert_eq!(get(fleet.http(0), "/health").status, 200);
 
-    let mut c = config(EngineFlavor::Vllm);
+    let mut c = config(WorkerFlavor::Vllm);
     c.faults.fail_rate = 0.5;
     c.seed = 3;
     let fleet = TestFleet::start(c);

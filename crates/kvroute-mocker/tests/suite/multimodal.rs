@@ -1,11 +1,12 @@
 //! Images in chat requests: SGLang's wide pad ids and vLLM's mm extra keys on the wire.
 
 use kvroute_core::event::KvEvent;
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{
     local_block_hash, local_block_hash_with_mm, mm_hash_from_identifier, HASH_SEED,
 };
 use kvroute_core::tokens::fold_token_id;
-use kvroute_mocker::{EngineFlavor, ReplayFrames};
+use kvroute_mocker::ReplayFrames;
 use serde_json::json;
 use sha2::{Digest, Sha256};
 
@@ -61,7 +62,7 @@ fn raw_stored_tokens(payloads: &[(u64, Vec<u8>)]) -> Vec<Vec<u64>> {
 
 #[test]
 fn sglang_image_pads_are_the_four_wide_values_cycled_and_decode_cleanly() {
-    let mut c = config(EngineFlavor::Sglang);
+    let mut c = config(WorkerFlavor::Sglang);
     c.mm_tokens_per_image = 24;
     let fleet = TestFleet::start(c);
     let r = post(fleet.http(0), "/v1/chat/completions", &chat_with_image());
@@ -97,7 +98,7 @@ fn sglang_image_pads_are_the_four_wide_values_cycled_and_decode_cleanly() {
     chain_tokens.extend(&tokens);
     assert_eq!(
         hashes,
-        engine_chain(EngineFlavor::Sglang, &chain_tokens, 16)
+        engine_chain(WorkerFlavor::Sglang, &chain_tokens, 16)
     );
     assert!(tokens.iter().any(|&t| t > u64::from(u32::MAX)));
     let folded_pad = fold_token_id(pads[0]);
@@ -111,7 +112,7 @@ fn sglang_image_pads_are_the_four_wide_values_cycled_and_decode_cleanly() {
 
 #[test]
 fn supplied_mm_hashes_choose_the_pads() {
-    let fleet = TestFleet::start(config(EngineFlavor::Sglang));
+    let fleet = TestFleet::start(config(WorkerFlavor::Sglang));
     let mut body = chat_with_image();
     body["mm_hashes"] = json!([15603577931234569631u64]);
     post(fleet.http(0), "/v1/chat/completions", &body);
@@ -124,7 +125,7 @@ fn supplied_mm_hashes_choose_the_pads() {
 
 #[test]
 fn vllm_images_are_placeholders_with_mm_extra_keys_per_block() {
-    let mut c = config(EngineFlavor::Vllm);
+    let mut c = config(WorkerFlavor::Vllm);
     c.mm_tokens_per_image = 30;
     let fleet = TestFleet::start(c);
     let r = post(fleet.http(0), "/v1/chat/completions", &chat_with_image());

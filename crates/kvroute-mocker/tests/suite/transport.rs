@@ -1,11 +1,12 @@
 //! Live batches over a real SUB socket and complete replays over a real DEALER.
 
-use kvroute_mocker::{EngineFlavor, ReplayFrames};
+use kvroute_core::event::WorkerFlavor;
+use kvroute_mocker::ReplayFrames;
 
 use super::common::*;
 
 fn live_then_replay(layout: ReplayFrames) {
-    let mut c = config(EngineFlavor::Vllm);
+    let mut c = config(WorkerFlavor::Vllm);
     c.replay_frames = layout;
     let fleet = TestFleet::start(c);
     let sub = subscribe(&fleet.events(0, 0));
@@ -43,7 +44,7 @@ fn sub_and_dealer_see_live_batches_and_a_three_frame_replay() {
 
 #[test]
 fn malformed_replay_requests_are_ignored_and_later_ones_answered() {
-    let fleet = TestFleet::start(config(EngineFlavor::Sglang));
+    let fleet = TestFleet::start(config(WorkerFlavor::Sglang));
     let r = post(fleet.http(0), "/v1/completions", &ids_prompt(&[1; 20], 1));
     assert_eq!(r.status, 200);
     let ctx = zmq::Context::new();
@@ -64,7 +65,7 @@ fn malformed_replay_requests_are_ignored_and_later_ones_answered() {
 
 #[test]
 fn each_rank_publishes_on_its_own_socket_with_its_rank_in_the_batch() {
-    let mut c = config(EngineFlavor::Sglang);
+    let mut c = config(WorkerFlavor::Sglang);
     c.dp_size = 2;
     c.workers = 2;
     let fleet = TestFleet::start(c);

@@ -7,9 +7,10 @@
 
 use std::path::PathBuf;
 
+use kvroute_core::event::WorkerFlavor;
 use kvroute_mocker::encode::{encode_batch, EncodeOptions};
 use kvroute_mocker::event::{BlockRemoved, BlockStored, ExtraKey, KvCacheEvent};
-use kvroute_mocker::{EngineFlavor, EventFormat};
+use kvroute_mocker::EventFormat;
 use serde_json::Value;
 
 fn fixture(name: &str) -> PathBuf {
@@ -119,7 +120,7 @@ fn event_from_json(e: &Value) -> KvCacheEvent {
     }
 }
 
-fn reencode(name: &str, flavor: EngineFlavor) {
+fn reencode(name: &str, flavor: WorkerFlavor) {
     let json = read_json(name);
     let events: Vec<KvCacheEvent> = json[1]
         .as_array()
@@ -144,37 +145,37 @@ fn reencode(name: &str, flavor: EngineFlavor) {
 
 #[test]
 fn vllm_text_chain_is_reproduced_byte_for_byte() {
-    reencode("vllm_0.33.0_text_chain", EngineFlavor::Vllm);
+    reencode("vllm_0.33.0_text_chain", WorkerFlavor::Vllm);
 }
 
 #[test]
 fn vllm_multimodal_lora_salt_is_reproduced_byte_for_byte() {
-    reencode("vllm_0.33.0_multimodal_lora_salt", EngineFlavor::Vllm);
+    reencode("vllm_0.33.0_multimodal_lora_salt", WorkerFlavor::Vllm);
 }
 
 #[test]
 fn vllm_rank_nil_batch_is_reproduced_byte_for_byte() {
-    reencode("vllm_0.33.0_dp_rank_nil", EngineFlavor::Vllm);
+    reencode("vllm_0.33.0_dp_rank_nil", WorkerFlavor::Vllm);
 }
 
 #[test]
 fn sglang_text_chain_is_reproduced_byte_for_byte() {
-    reencode("sglang_0.5.23_text_chain", EngineFlavor::Sglang);
+    reencode("sglang_0.5.23_text_chain", WorkerFlavor::Sglang);
 }
 
 #[test]
 fn sglang_wide_pads_are_reproduced_byte_for_byte() {
-    reencode("sglang_0.5.23_wide_mm_pad", EngineFlavor::Sglang);
+    reencode("sglang_0.5.23_wide_mm_pad", WorkerFlavor::Sglang);
 }
 
 #[test]
 fn sglang_salt_cpu_removal_and_clear_are_reproduced_byte_for_byte() {
     reencode(
         "sglang_0.5.23_lora_salt_cpu_removed_cleared",
-        EngineFlavor::Sglang,
+        WorkerFlavor::Sglang,
     );
     reencode(
         "sglang_0.5.23_dynamo_format_lora_salt",
-        EngineFlavor::Sglang,
+        WorkerFlavor::Sglang,
     );
 }

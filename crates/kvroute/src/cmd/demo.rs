@@ -13,9 +13,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
-use clap::{Args, ValueEnum};
+use clap::Args;
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::IndexConfig;
-use kvroute_mocker::{EngineFlavor, Fleet, MockerConfig};
+use kvroute_mocker::{Fleet, MockerConfig};
 use kvroute_server::ingest::IngestConfig;
 use kvroute_server::proxy::RouterConfig;
 use kvroute_server::routing::Policy;
@@ -33,24 +34,15 @@ use kvroute_mocker::tokenizer::Tokenizer;
 /// Positions each image takes, for the engines and the router alike.
 const MM_TOKENS_PER_IMAGE: usize = 64;
 
-/// Engine flavour of the demo fleet.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DemoFlavor {
-    /// vLLM 0.33-style events and multimodal extra keys.
-    Vllm,
-    /// SGLang 0.5.23-style events and wide image pads.
-    Sglang,
-}
-
 /// Arguments of `kvroute demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// The workload (see docs/bench.md).
     #[arg(long, value_enum, default_value_t = WorkloadKind::SharedPrefix)]
     workload: WorkloadKind,
-    /// Engine flavour of every mock worker.
-    #[arg(long, value_enum, default_value_t = DemoFlavor::Vllm)]
-    flavor: DemoFlavor,
+    /// Engine flavour of every mock worker: vllm or sglang.
+    #[arg(long, default_value_t = WorkerFlavor::Vllm)]
+    flavor: WorkerFlavor,
     /// A shorter run (under a minute) with the same report; what CI runs.
     #[arg(long)]
     quick: bool,
@@ -265,7 +257,7 @@ async fn reset_caches(client: &reqwest::Client, urls: &[String]) -> Result<()> {
 
 struct Plan {
     concurrency: usize,
-    flavor: EngineFlavor,
+    flavor: WorkerFlavor,
     workers: u16,
     requests: usize,
     contenders: Vec<(String, Contender)>,
@@ -302,10 +294,7 @@ fn plan(args: &DemoArgs) -> Result<Plan> {
     };
     Ok(Plan {
         concurrency,
-        flavor: match args.flavor {
-            DemoFlavor::Vllm => EngineFlavor::Vllm,
-            DemoFlavor::Sglang => EngineFlavor::Sglang,
-        },
+        flavor: args.flavor,
         workers,
         requests,
         contenders,

@@ -10,16 +10,17 @@ use std::time::Duration;
 
 use anyhow::Result;
 use clap::{Args, ValueEnum};
+use kvroute_core::event::WorkerFlavor;
 use kvroute_mocker::engine::timing::TimingModel;
 use kvroute_mocker::faults::FaultConfig;
-use kvroute_mocker::{EngineFlavor, EventFormat, MockerConfig, ReplayFrames, TsSource};
+use kvroute_mocker::{EventFormat, MockerConfig, ReplayFrames, TsSource};
 
 /// Arguments of `kvroute mocker`.
 #[derive(Debug, Args)]
 pub struct MockerArgs {
-    /// Engine imitated on the wire.
-    #[arg(long, value_enum, default_value_t = Flavor::Vllm)]
-    engine_flavor: Flavor,
+    /// Engine imitated on the wire: vllm or sglang.
+    #[arg(long, default_value_t = WorkerFlavor::Vllm)]
+    engine_flavor: WorkerFlavor,
     /// Independent engines in this process.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     workers: u16,
@@ -93,12 +94,6 @@ pub struct MockerArgs {
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
-enum Flavor {
-    Vllm,
-    Sglang,
-}
-
-#[derive(Debug, Clone, Copy, ValueEnum)]
 enum Format {
     Map,
     LegacyArray,
@@ -112,10 +107,7 @@ impl MockerArgs {
             Some(s) => anyhow::bail!("--restart-every-secs {s} must be a number above 0"),
         };
         let config = MockerConfig {
-            flavor: match self.engine_flavor {
-                Flavor::Vllm => EngineFlavor::Vllm,
-                Flavor::Sglang => EngineFlavor::Sglang,
-            },
+            flavor: self.engine_flavor,
             workers: self.workers,
             host: self.host,
             port: self.port,

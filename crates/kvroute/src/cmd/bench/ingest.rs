@@ -13,9 +13,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::{Index, IndexConfig, SharedIndex};
-use kvroute_mocker::config::{EngineFlavor, EventFormat, ReplayFrames};
+use kvroute_mocker::config::{EventFormat, ReplayFrames};
 use kvroute_mocker::encode::EncodeOptions;
 use kvroute_mocker::event::{BlockRemoved, BlockStored, KvCacheEvent, MEDIUM_GPU};
 use kvroute_mocker::faults::FaultConfig;
@@ -25,7 +26,7 @@ use kvroute_server::registry::Registry;
 use kvroute_server::spec::{RankEndpoints, WorkerSpec};
 use serde_json::json;
 
-use super::trace::Rng;
+use kvroute_core::rng::SplitMix64;
 
 /// Arguments of `kvroute bench ingest`.
 #[derive(Debug, Args)]
@@ -46,8 +47,8 @@ pub struct IngestBenchArgs {
     #[arg(long, default_value_t = 16)]
     block_size: u32,
     /// Wire format of the publishers: vllm or sglang.
-    #[arg(long, default_value = "vllm")]
-    flavor: String,
+    #[arg(long, default_value_t = WorkerFlavor::Vllm)]
+    flavor: WorkerFlavor,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
@@ -55,7 +56,7 @@ pub struct IngestBenchArgs {
 
 /// A batch of `events` stored events of `blocks` blocks (and removals of the previous ones).
 fn make_batch(
-    rng: &mut Rng,
+    rng: &mut SplitMix64,
     args: &IngestBenchArgs,
     previous: &mut Vec<u64>,
 ) -> (Vec<KvCacheEvent>, u64) {
@@ -66,7 +67,7 @@ fn make_batch(
             .map(|_| rng.next_u64() >> 1)
             .collect();
         let token_ids: Vec<u64> = (0..args.blocks_per_event * u64::from(args.block_size))
-            .map(|_| rng.below(150_000))
+            .map(|_| rng.below(150_000) as u64)
             .collect();
         block_ops += hashes.len() as u64;
         events.push(KvCacheEvent::BlockStored(BlockStored {
@@ -98,11 +99,7 @@ fn make_batch(
 
 /// Runs the benchmark and prints the figures.
 pub fn run(args: &IngestBenchArgs) -> Result<ExitCode> {
-    let flavor = match args.flavor.as_str() {
-        "vllm" => EngineFlavor::Vllm,
-        "sglang" => EngineFlavor::Sglang,
-        other => bail!("--flavor must be vllm or sglang, not {other:?}"),
-    };
+    let flavor = args.flavor;
     let progress = |msg: &str| eprintln!("[bench ingest] {msg}");
     let ctx = zmq::Context::new();
     let index = Arc::new(SharedIndex::new(Index::new(IndexConfig {
@@ -158,7 +155,7 @@ pub fn run(args: &IngestBenchArgs) -> Result<ExitCode> {
     }
 
     progress(&format!("generating {} batches per worker", args.batches));
-    let mut rng = Rng::new(7);
+    let mut rng = SplitMix64::new(7);
     let mut total_events = 0u64;
     let mut total_ops = 0u64;
     let mut plans: Vec<Vec<Vec<KvCacheEvent>>> = Vec::new();
@@ -223,7 +220,7 @@ pub fn run(args: &IngestBenchArgs) -> Result<ExitCode> {
     };
     let report = json!({
         "workers": args.workers,
-        "flavor": args.flavor,
+        "flavor": args.flavor.as_str(),
         "batches": args.batches * u64::from(args.workers),
         "events": total_events,
         "block_ops": total_ops,

@@ -16,37 +16,8 @@ use std::collections::BTreeMap;
 use kvroute_core::event::{ExternalHash, KvEvent, Removed, Stored, StoredBlock, Tier};
 use kvroute_core::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
 use kvroute_core::index::WorkerRank;
+use kvroute_core::rng::SplitMix64;
 use rustc_hash::FxHashMap;
-
-/// A small fast deterministic generator (SplitMix64).
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
-
-impl Rng {
-    /// A generator from a seed.
-    pub fn new(seed: u64) -> Self {
-        Rng(seed)
-    }
-
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (`n > 0`).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n.max(1)
-    }
-
-    /// Uniform in `[0, 1)`.
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-}
 
 /// Trace parameters.
 #[derive(Debug, Clone)]
@@ -77,7 +48,7 @@ struct WorkerCache {
 #[derive(Debug, Clone)]
 pub struct TraceGen {
     cfg: TraceConfig,
-    rng: Rng,
+    rng: SplitMix64,
     capacity: usize,
     prompts: Vec<Vec<u64>>,
     zipf_cdf: Vec<f64>,
@@ -100,13 +71,13 @@ fn ext_after(parent: Option<u64>, local: u64) -> u64 {
 impl TraceGen {
     /// A fleet with empty caches.
     pub fn new(cfg: TraceConfig) -> Self {
-        let mut rng = Rng::new(cfg.seed);
+        let mut rng = SplitMix64::new(cfg.seed);
         let workers = cfg.workers.max(1);
         let capacity = (cfg.residencies / u64::from(workers)).max(64) as usize;
         let prompt_count = 64 + (cfg.residencies / 10_000) as usize;
         let prompts: Vec<Vec<u64>> = (0..prompt_count)
             .map(|_| {
-                let len = 8 + rng.below(40) as usize;
+                let len = 8 + rng.below(40);
                 (0..len).map(|_| rng.next_u64()).collect()
             })
             .collect();
@@ -141,7 +112,7 @@ impl TraceGen {
     }
 
     fn pick_prompt(&mut self) -> usize {
-        let u = self.rng.unit();
+        let u = self.rng.next_f64();
         self.zipf_cdf
             .partition_point(|&c| c < u)
             .min(self.prompts.len() - 1)
@@ -150,13 +121,13 @@ impl TraceGen {
     fn new_conversation(&mut self) -> Conversation {
         let prompt = self.pick_prompt();
         let workers = u64::from(self.cfg.workers);
-        let worker = if self.rng.unit() < 0.1 {
-            self.rng.below(workers)
+        let worker = if self.rng.next_f64() < 0.1 {
+            self.rng.below(workers as usize) as u64
         } else {
             // One of four home workers of this prompt.
             (prompt as u64)
                 .wrapping_mul(0x9e37_79b9)
-                .wrapping_add(self.rng.below(4) * 7919)
+                .wrapping_add(self.rng.below(4) as u64 * 7919)
                 % workers
         } as u32;
         let locals = self.prompts[prompt].clone();
@@ -174,10 +145,10 @@ impl TraceGen {
     /// A 64-block query shaped like the next request of a random conversation,
     /// or (one in ten) of a conversation nobody has seen.
     pub fn query(&mut self, blocks: usize) -> Vec<LocalBlockHash> {
-        let mut q: Vec<u64> = if self.conversations.is_empty() || self.rng.unit() < 0.1 {
+        let mut q: Vec<u64> = if self.conversations.is_empty() || self.rng.next_f64() < 0.1 {
             Vec::new()
         } else {
-            let i = self.rng.below(self.conversations.len() as u64) as usize;
+            let i = self.rng.below(self.conversations.len());
             self.conversations[i]
                 .locals
                 .iter()
@@ -194,19 +165,19 @@ impl TraceGen {
     /// Simulates one request and appends the events it causes. Returns block operations.
     pub fn step(&mut self, out: &mut Vec<(WorkerRank, KvEvent)>) -> u64 {
         let pool = (self.cfg.workers as usize * 8).max(16);
-        let i = if self.conversations.len() < pool || self.rng.unit() < 0.3 {
+        let i = if self.conversations.len() < pool || self.rng.next_f64() < 0.3 {
             let c = self.new_conversation();
             if self.conversations.len() < pool {
                 self.conversations.push(c);
                 self.conversations.len() - 1
             } else {
-                let i = self.rng.below(pool as u64) as usize;
+                let i = self.rng.below(pool);
                 self.conversations[i] = c;
                 i
             }
         } else {
-            let i = self.rng.below(self.conversations.len() as u64) as usize;
-            let turn = 2 + self.rng.below(7) as usize;
+            let i = self.rng.below(self.conversations.len());
+            let turn = 2 + self.rng.below(7);
             let c = &mut self.conversations[i];
             if c.locals.len() + turn > 200 {
                 let fresh = self.new_conversation();
@@ -219,8 +190,8 @@ impl TraceGen {
                     c.exts.push(e);
                 }
             }
-            if self.rng.unit() < 0.1 {
-                self.conversations[i].worker = self.rng.below(u64::from(self.cfg.workers)) as u32;
+            if self.rng.next_f64() < 0.1 {
+                self.conversations[i].worker = self.rng.below(self.cfg.workers as usize) as u32;
             }
             i
         };

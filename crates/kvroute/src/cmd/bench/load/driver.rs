@@ -29,7 +29,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Result};
-use kvroute_mocker::rng::SplitMix64;
+use kvroute_core::rng::SplitMix64;
 use serde_json::Value;
 use tokio::task::JoinSet;
 

@@ -5,7 +5,7 @@
 //! reported value is one that was measured, and p100 is the maximum. An empty
 //! sample set gives 0 (the report's `requests` then says there was nothing).
 
-use kvroute_mocker::rng::SplitMix64;
+use kvroute_core::rng::SplitMix64;
 use serde::Serialize;
 
 /// The nearest-rank percentile `q` (0–1) of `sorted` (ascending); 0 when empty.

@@ -22,7 +22,7 @@
 
 use std::sync::Mutex;
 
-use kvroute_mocker::rng::SplitMix64;
+use kvroute_core::rng::SplitMix64;
 use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::Notify;
@@ -238,7 +238,7 @@ pub struct PlannedRequest {
 
 /// A mixing step, so seeds of neighbouring items are unrelated.
 fn mix(a: u64, b: u64) -> u64 {
-    SplitMix64::new(a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15)).next_u64()
+    SplitMix64::new(a ^ b.wrapping_mul(SplitMix64::GAMMA)).next_u64()
 }
 
 /// `n` token ids from `rng`.
