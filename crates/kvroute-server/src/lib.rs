@@ -1,18 +1,24 @@
 //! kvroute's shell: everything that waits on the outside world.
 //!
 //! Sockets, threads, timers and HTTP live here and hand plain data to
-//! `kvroute-core`: ZeroMQ frames to the cursor and decoder, decoded events to
-//! the index, HTTP requests to the registry. [`serve`] runs it all on a bound
-//! listener until a shutdown future completes.
+//! `kvroute-core`. Two paths run through it:
+//! * engine bytes → [`ingest`] (a thread per rank: ZeroMQ frames to the
+//!   core's cursor and decoder, events to the index);
+//! * HTTP → [`app`] → [`proxy`] (scan the body, tokenize, score with the
+//!   core's scheduler, forward, relay) → a worker.
+//!
+//! [`admin`] registers workers, [`query`] explains a decision without
+//! making it, [`metrics`] declares everything `/metrics` shows, and [`api`]
+//! holds the error every endpoint answers with. [`serve`] runs it all on a
+//! bound listener until a shutdown future completes.
 
-pub mod discover;
-pub mod http;
+pub mod admin;
+pub mod api;
+pub mod app;
 pub mod ingest;
+pub mod metrics;
 pub mod proxy;
 pub mod query;
-pub mod registry;
-pub mod routing;
-pub mod spec;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -22,9 +28,13 @@ use axum::serve::ListenerExt;
 use kvroute_core::index::{Index, IndexConfig, SharedIndex};
 use tracing::info;
 
-use ingest::IngestConfig;
-use registry::Registry;
-use spec::WorkerSpec;
+use app::AppState;
+use ingest::registry::Registry;
+use ingest::spec::WorkerSpec;
+use ingest::stream::IngestConfig;
+use metrics::{IngestCollector, Metrics};
+use proxy::active::ActiveCollector;
+use proxy::{Proxy, ProxyConfig};
 
 /// Everything `kvroute serve` needs, validated.
 #[derive(Debug, Clone)]
@@ -42,7 +52,7 @@ pub struct ServeConfig {
     /// Ingestion settings.
     pub ingest: IngestConfig,
     /// Routing and forwarding settings.
-    pub router: proxy::RouterConfig,
+    pub proxy: ProxyConfig,
     /// Largest request body accepted, in bytes (larger: 413).
     pub max_body_bytes: usize,
 }
@@ -57,7 +67,7 @@ pub enum ServeError {
         /// The worker.
         name: String,
         /// Why.
-        source: registry::RegistryError,
+        source: ingest::registry::RegistryError,
     },
     /// The HTTP server failed.
     #[error("http server: {0}")]
@@ -85,35 +95,45 @@ pub async fn serve(
             .register(spec)
             .map_err(|source| ServeError::Worker { name, source })?;
     }
-    let router = Arc::new(proxy::Router::new(config.router.clone())?);
-    router.refresh(&registry);
+    let proxy = Arc::new(Proxy::new(config.proxy.clone(), index.clone())?);
+    proxy.refresh(&registry);
+    let metrics = Arc::new(Metrics::new(
+        &proxy.metrics,
+        vec![
+            Box::new(IngestCollector::new(registry.clone(), index.clone())),
+            Box::new(ActiveCollector::new(proxy.clone())),
+        ],
+    ));
     let housekeeping = {
         let registry = registry.clone();
         let index = index.clone();
-        let router = router.clone();
+        let proxy = proxy.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             loop {
                 tick.tick().await;
                 let registry = registry.clone();
                 let index = index.clone();
-                let router = router.clone();
+                let proxy = proxy.clone();
                 let _ = tokio::task::spawn_blocking(move || {
                     registry.check_unreachable();
-                    router.refresh(&registry);
-                    router.expire_active();
-                    index.write().expire(router.now_ms());
+                    proxy.refresh(&registry);
+                    proxy.expire_active();
+                    index.write().expire(proxy.now_ms());
                 })
                 .await;
             }
         })
     };
-    let state = http::AppState {
-        registry: registry.clone(),
-        index,
-        admin_token: config.admin_token,
-        default_block_size: config.block_size,
-        router,
+    let state = AppState {
+        admin: admin::AdminState {
+            registry: registry.clone(),
+            proxy: proxy.clone(),
+            admin_token: config.admin_token,
+            default_block_size: config.block_size,
+        },
+        proxy,
+        metrics,
         max_body_bytes: config.max_body_bytes,
     };
     info!(addr = ?listener.local_addr().ok(), "kvroute listening");
@@ -125,7 +145,7 @@ pub async fn serve(
             tracing::debug!(error = %e, "cannot set TCP_NODELAY");
         }
     });
-    let result = axum::serve(listener, http::app(state))
+    let result = axum::serve(listener, app::app(state))
         .with_graceful_shutdown(shutdown)
         .await;
     housekeeping.abort();

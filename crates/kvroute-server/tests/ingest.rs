@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::hash::{local_block_hashes, HASH_SEED};
 use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
-use kvroute_server::ingest::IngestConfig;
-use kvroute_server::registry::Registry;
-use kvroute_server::spec::{RankEndpoints, WorkerSpec};
+use kvroute_server::ingest::registry::Registry;
+use kvroute_server::ingest::spec::{RankEndpoints, WorkerSpec};
+use kvroute_server::ingest::stream::IngestConfig;
 
 const BS: usize = 4;
 
@@ -262,7 +262,7 @@ fn device_depth(index: &SharedIndex, key: WorkerRank, tokens: &[u32]) -> u32 {
 }
 
 fn rank_field(registry: &Registry, name: &str, rank: u64, field: &str) -> u64 {
-    let doc = registry.describe();
+    let doc = serde_json::json!({"workers": registry.view()});
     doc["workers"]
         .as_array()
         .and_then(|ws| ws.iter().find(|w| w["name"] == name))
@@ -287,7 +287,7 @@ fn synced(registry: &Registry, name: &str) -> bool {
 }
 
 fn connected(registry: &Registry, name: &str) -> bool {
-    registry.describe()["workers"][0]["ranks"][0]["connected"]
+    serde_json::json!({"workers": registry.view()})["workers"][0]["ranks"][0]["connected"]
         .as_bool()
         .unwrap_or(false)
         && !name.is_empty()
@@ -437,7 +437,7 @@ fn two_ranks_stay_apart_and_unregistering_drops_the_workers_blocks() {
         .register(worker("w0", vec![rank0.endpoints(0), rank1.endpoints(1)]))
         .expect("register");
     eventually("connected", || {
-        let doc = f.registry.describe();
+        let doc = serde_json::json!({"workers": f.registry.view()});
         doc["workers"][0]["ranks"].as_array().is_some_and(|r| {
             r.iter().all(|r| {
                 r["connected"] == true
@@ -556,5 +556,5 @@ fn a_worker_unreachable_past_the_grace_period_loses_its_blocks() {
         registry.check_unreachable();
         device_depth(&index, key, &tokens_of(1, 2)) == 0
     });
-    assert_eq!(registry.workers().len(), 1, "the worker stays registered");
+    assert_eq!(registry.len(), 1, "the worker stays registered");
 }

@@ -1,16 +1,23 @@
 //! The cost of sending a request to one (worker, rank), in blocks of work.
 //!
 //! ```text
-//! prefill = prefill_load_scale × max(0, (active_prefill_tokens + request_tokens) / block_size
-//!                                        − overlap_credit)
-//! overlap_credit = credit × device_blocks + host_weight × host_only_blocks + disk_weight × disk_only_blocks
-//! cost = prefill + decode_blocks + active_request_weight × active_requests
+//! prefill = w.prefill_load_scale × max(0, (active_prefill_tokens + request_tokens) / block_size
+//!                                          − overlap_credit)
+//! overlap_credit = w.overlap_credit × device_blocks
+//!                + w.host_weight × host_only_blocks + w.disk_weight × disk_only_blocks
+//!                + w.active_prefix_weight × in_flight_only_blocks
+//! cost = prefill + decode_blocks + w.active_request_weight × active_requests
 //! ```
 //!
-//! `decode_blocks` is what the worker would hold active with this request:
+//! `w` are the [`CostWeights`]. `decode_blocks` is what the worker would hold active with this request:
 //! its current active blocks plus this request's blocks it does not already
-//! have active (blocks shared by requests count once). The defaults are
-//! Dynamo's current ones, so costs are comparable.
+//! have active (blocks shared by requests count once). `in_flight_only_blocks`
+//! are leading blocks that a request active there holds but the index does not
+//! show yet (the engine has not announced them). The defaults
+//! ([`CostWeights::default`]) are kvroute's, tuned on a mock fleet: prefill
+//! weighs 4, a cached block credits 2, a block in flight 1. Dynamo's KV
+//! router weighs prefill 1, credits a cached block 1 and ignores blocks in
+//! flight ([`CostWeights::DYNAMO`]), which the example below uses.
 //!
 //! ```
 //! use kvroute_core::scheduler::{Candidate, CostWeights};

@@ -1,14 +1,20 @@
 //! Choosing the (worker, rank) for a request: what each candidate would cost
-//! ([`cost`]), what each is already doing ([`active`]), and the pick itself.
+//! ([`cost`]), what each is already doing ([`active`]), each candidate priced
+//! ([`candidates`]), and the order they are tried in under each routing
+//! policy ([`policy`]).
 //!
 //! Pure: the caller passes the index's matches, the active-sequence state
 //! and a random number; nothing here reads a clock or a socket.
 
 pub mod active;
+pub mod candidates;
 pub mod cost;
+pub mod policy;
 
 pub use active::ActiveSequences;
+pub use candidates::{predicted_cached_tokens, BusyThresholds, Load, Pricing, Scored};
 pub use cost::{Candidate, CostBreakdown, CostWeights};
+pub use policy::{order, Policy};
 
 /// Picks the index of the cheapest cost, or samples one when `temperature > 0`.
 ///

@@ -16,11 +16,11 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::IndexConfig;
+use kvroute_core::scheduler::Policy;
 use kvroute_mocker::{Fleet, MockerConfig};
-use kvroute_server::ingest::IngestConfig;
-use kvroute_server::proxy::RouterConfig;
-use kvroute_server::routing::Policy;
-use kvroute_server::spec::WorkerSpec;
+use kvroute_server::ingest::spec::WorkerSpec;
+use kvroute_server::ingest::stream::IngestConfig;
+use kvroute_server::proxy::ProxyConfig;
 use kvroute_server::{serve, ServeConfig};
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
@@ -130,11 +130,11 @@ impl RunningRouter {
             .context("binding the router's port")?;
         let addr = listener.local_addr()?;
         let (stop, stopped) = oneshot::channel::<()>();
-        let router = RouterConfig {
+        let proxy = ProxyConfig {
             policy,
             // Text and chat requests are tokenized as the mock engines do.
             tokenizer: Some(prompt_tokenizer(Tokenizer::builtin(), mm_tokens_per_image)),
-            ..RouterConfig::default()
+            ..ProxyConfig::default()
         };
         let task = tokio::spawn(serve(
             ServeConfig {
@@ -144,7 +144,7 @@ impl RunningRouter {
                 unreachable_grace: Duration::from_secs(60),
                 index: IndexConfig::default(),
                 ingest: IngestConfig::default(),
-                router,
+                proxy,
                 max_body_bytes: 64 << 20,
             },
             listener,

@@ -10,13 +10,14 @@ use clap::Args;
 use kvroute_core::index::IndexConfig;
 use kvroute_core::multimodal::{ImageTokenRule, RoutingPrompt};
 use kvroute_core::scheduler::CostWeights;
+use kvroute_core::scheduler::{BusyThresholds, Policy};
 use kvroute_core::tokens::fold_token_id;
 use kvroute_mocker::http::openai::{self, Endpoint};
 use kvroute_mocker::tokenizer::Tokenizer;
-use kvroute_server::ingest::IngestConfig;
-use kvroute_server::proxy::{PromptTokenizer, RouterConfig};
-use kvroute_server::routing::{BusyThresholds, Policy};
-use kvroute_server::spec::{parse_config, WorkerSpec};
+use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
+use kvroute_server::ingest::stream::IngestConfig;
+use kvroute_server::proxy::scan::TextPrompt;
+use kvroute_server::proxy::{PromptTokenizer, ProxyConfig};
 use kvroute_server::{serve, ServeConfig};
 use std::sync::Arc;
 
@@ -165,7 +166,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             .build()
             .context("http client")?;
         for url in &args.discover_sglang {
-            let spec = kvroute_server::discover::discover_sglang(&client, url).await?;
+            let spec = kvroute_server::ingest::discover::discover_sglang(&client, url).await?;
             workers.push(spec);
         }
         let mut names = std::collections::BTreeSet::new();
@@ -192,7 +193,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 ..IndexConfig::default()
             },
             ingest: IngestConfig::default(),
-            router: router_config(args)?,
+            proxy: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
         };
         serve(config, listener, super::shutdown_signal()).await?;
@@ -210,25 +211,29 @@ struct ChatMlTokenizer {
     rule: ImageTokenRule,
 }
 
-impl ChatMlTokenizer {
-    fn layout(&self, body: &[u8], chat: bool) -> Option<openai::NeutralPrompt> {
-        let endpoint = if chat {
-            Endpoint::Chat
-        } else {
-            Endpoint::Completions
-        };
-        let parsed = openai::parse(endpoint, body).ok()?;
-        openai::layout(&parsed, &self.tokenizer, self.rule).ok()
-    }
-}
-
 impl PromptTokenizer for ChatMlTokenizer {
-    fn tokenize(&self, body: &[u8], chat: bool) -> Option<Vec<u64>> {
-        self.layout(body, chat).map(|p| p.tokens)
-    }
-
-    fn prompt(&self, body: &[u8], chat: bool) -> Option<RoutingPrompt> {
-        self.layout(body, chat).map(|p| RoutingPrompt {
+    fn prompt(
+        &self,
+        text: &TextPrompt,
+        mm_hashes: Option<&serde_json::Value>,
+        model: Option<&str>,
+    ) -> Option<RoutingPrompt> {
+        let (endpoint, key, value) = match text {
+            TextPrompt::Completion(p) => (Endpoint::Completions, "prompt", p),
+            TextPrompt::Chat(m) => (Endpoint::Chat, "messages", m),
+        };
+        let mut body = serde_json::Map::new();
+        body.insert(key.into(), value.clone());
+        if let Some(h) = mm_hashes {
+            body.insert("mm_hashes".into(), h.clone());
+        }
+        if let Some(m) = model {
+            body.insert("model".into(), m.into());
+        }
+        let body = serde_json::to_vec(&body).ok()?;
+        let parsed = openai::parse(endpoint, &body).ok()?;
+        let p = openai::layout(&parsed, &self.tokenizer, self.rule).ok()?;
+        Some(RoutingPrompt {
             tokens: p.tokens.into_iter().map(fold_token_id).collect(),
             images: p.images,
         })
@@ -247,7 +252,7 @@ pub fn prompt_tokenizer(
     })
 }
 
-fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
+fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
     let load = |tokenizer| prompt_tokenizer(tokenizer, args.mm_tokens_per_image as usize);
     let tokenizer: Option<Arc<dyn PromptTokenizer>> = match &args.tokenizer {
         None => None,
@@ -256,7 +261,7 @@ fn router_config(args: &ServeArgs) -> Result<RouterConfig> {
             Tokenizer::from_file(p).with_context(|| format!("--tokenizer {}", p.display()))?,
         )),
     };
-    Ok(RouterConfig {
+    Ok(ProxyConfig {
         policy: args.policy,
         weights: CostWeights {
             prefill_load_scale: args.prefill_load_scale,

@@ -21,9 +21,9 @@ use kvroute_mocker::encode::EncodeOptions;
 use kvroute_mocker::event::{BlockRemoved, BlockStored, KvCacheEvent, MEDIUM_GPU};
 use kvroute_mocker::faults::FaultConfig;
 use kvroute_mocker::publisher::{PublisherHandle, PublisherSettings};
-use kvroute_server::ingest::IngestConfig;
-use kvroute_server::registry::Registry;
-use kvroute_server::spec::{RankEndpoints, WorkerSpec};
+use kvroute_server::ingest::registry::Registry;
+use kvroute_server::ingest::spec::{RankEndpoints, WorkerSpec};
+use kvroute_server::ingest::stream::{IngestConfig, RankCounters};
 use serde_json::json;
 
 use kvroute_core::rng::SplitMix64;
@@ -144,9 +144,10 @@ pub fn run(args: &IngestBenchArgs) -> Result<ExitCode> {
         publishers.push(publisher);
     }
     let deadline = Instant::now() + Duration::from_secs(30);
-    while !registry.describe()["workers"]
-        .as_array()
-        .is_some_and(|ws| ws.iter().all(|w| w["ranks"][0]["connected"] == true))
+    while !registry
+        .view()
+        .iter()
+        .all(|w| w.ranks.iter().all(|r| r.connected))
     {
         if Instant::now() > deadline {
             bail!("the subscribers did not connect");
@@ -175,11 +176,12 @@ pub fn run(args: &IngestBenchArgs) -> Result<ExitCode> {
         "publishing {total_events} events ({total_ops} block ops)"
     ));
     let applied = || -> u64 {
-        registry.describe()["workers"].as_array().map_or(0, |ws| {
-            ws.iter()
-                .map(|w| w["ranks"][0]["events"].as_u64().unwrap_or(0))
-                .sum()
-        })
+        registry
+            .view()
+            .iter()
+            .flat_map(|w| &w.ranks)
+            .map(|r| r.counters.events)
+            .sum()
     };
     let started = Instant::now();
     let mut lookup_worst = Duration::ZERO;
@@ -210,13 +212,12 @@ pub fn run(args: &IngestBenchArgs) -> Result<ExitCode> {
         std::thread::sleep(Duration::from_millis(2));
     }
     let elapsed = started.elapsed().as_secs_f64();
-    let doc = registry.describe();
-    let sum = |field: &str| -> u64 {
-        doc["workers"].as_array().map_or(0, |ws| {
-            ws.iter()
-                .map(|w| w["ranks"][0][field].as_u64().unwrap_or(0))
-                .sum()
-        })
+    let view = registry.view();
+    let sum = |field: fn(&RankCounters) -> u64| -> u64 {
+        view.iter()
+            .flat_map(|w| &w.ranks)
+            .map(|r| field(&r.counters))
+            .sum()
     };
     let report = json!({
         "workers": args.workers,
@@ -228,10 +229,10 @@ pub fn run(args: &IngestBenchArgs) -> Result<ExitCode> {
         "events_per_s": (total_events as f64 / elapsed).round(),
         "block_ops_per_s": (total_ops as f64 / elapsed).round(),
         "batches_per_s": ((args.batches * u64::from(args.workers)) as f64 / elapsed).round(),
-        "decode_errors": sum("decode_errors"),
-        "gaps": sum("gaps"),
-        "replays_ok": sum("replays_ok"),
-        "clears": sum("clears"),
+        "decode_errors": sum(|c| c.decode_errors),
+        "gaps": sum(|c| c.gaps),
+        "replays_ok": sum(|c| c.replays_ok),
+        "clears": sum(|c| c.clears),
         "slowest_lookup_us": lookup_worst.as_secs_f64() * 1e6,
         "index_residencies": index.read().stats().residencies,
     });

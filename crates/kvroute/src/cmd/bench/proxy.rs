@@ -14,9 +14,9 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::index::IndexConfig;
 use kvroute_mocker::{Fleet, MockerConfig};
-use kvroute_server::ingest::IngestConfig;
-use kvroute_server::proxy::RouterConfig;
-use kvroute_server::spec::WorkerSpec;
+use kvroute_server::ingest::spec::WorkerSpec;
+use kvroute_server::ingest::stream::IngestConfig;
+use kvroute_server::proxy::ProxyConfig;
 use kvroute_server::{serve, ServeConfig};
 use serde_json::json;
 
@@ -224,7 +224,7 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ExitCode> {
                 unreachable_grace: Duration::from_secs(30),
                 index: IndexConfig::default(),
                 ingest: IngestConfig::default(),
-                router: RouterConfig::default(),
+                proxy: ProxyConfig::default(),
                 max_body_bytes: 32 << 20,
             },
             listener,

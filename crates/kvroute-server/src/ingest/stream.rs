@@ -20,7 +20,7 @@ use kvroute_core::index::{SharedIndex, WorkerRank};
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use tracing::{debug, info, warn};
 
-use crate::spec::RankEndpoints;
+use super::spec::RankEndpoints;
 
 /// The replay end marker's sequence number (`-1` as 8 big-endian bytes).
 const END_SEQ: [u8; 8] = [0xff; 8];
@@ -85,7 +85,58 @@ pub struct RankStats {
     pub stale: AtomicU64,
 }
 
+/// A snapshot of a rank's counters (see [`RankStats`] for their meaning).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RankCounters {
+    /// Batches received live.
+    pub batches: u64,
+    /// Events applied to the index.
+    pub events: u64,
+    /// Events skipped as malformed.
+    pub decode_errors: u64,
+    /// Events skipped on purpose.
+    pub events_filtered: u64,
+    /// Batches whose envelope could not be decoded.
+    pub envelope_errors: u64,
+    /// Messages that were not `[topic, seq, payload]`.
+    pub bad_frames: u64,
+    /// Gaps detected.
+    pub gaps: u64,
+    /// Replays asked for on (re)connection.
+    pub resyncs: u64,
+    /// Replays that filled their gap.
+    pub replays_ok: u64,
+    /// Replays that could not.
+    pub replays_incomplete: u64,
+    /// Engine restarts seen.
+    pub restarts: u64,
+    /// Times the rank was cleared.
+    pub clears: u64,
+    /// Stale batches dropped.
+    pub stale: u64,
+}
+
 impl RankStats {
+    /// The counters as they are now.
+    pub fn counters(&self) -> RankCounters {
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        RankCounters {
+            batches: get(&self.batches),
+            events: get(&self.events),
+            decode_errors: get(&self.decode_errors),
+            events_filtered: get(&self.events_filtered),
+            envelope_errors: get(&self.envelope_errors),
+            bad_frames: get(&self.bad_frames),
+            gaps: get(&self.gaps),
+            resyncs: get(&self.resyncs),
+            replays_ok: get(&self.replays_ok),
+            replays_incomplete: get(&self.replays_incomplete),
+            restarts: get(&self.restarts),
+            clears: get(&self.clears),
+            stale: get(&self.stale),
+        }
+    }
+
     fn copy_cursor(&self, s: &CursorStats) {
         self.gaps.store(s.gaps, Ordering::Relaxed);
         self.resyncs.store(s.resyncs, Ordering::Relaxed);

@@ -7,12 +7,13 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::{SharedIndex, WorkerId, WorkerRank};
-use serde_json::{json, Value};
+use serde::Serialize;
 use tracing::{info, warn};
 
-use crate::ingest::{IngestConfig, RankIngest, RankStats, RankTarget};
-use crate::spec::{RankEndpoints, WorkerSpec};
+use super::spec::{RankEndpoints, WorkerSpec};
+use super::stream::{IngestConfig, RankCounters, RankIngest, RankStats, RankTarget};
 
 /// Why a registration was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -222,72 +223,49 @@ impl Registry {
         }
     }
 
-    /// Registered workers: name, index id, HTTP URL and block size.
-    pub fn workers(&self) -> Vec<(String, WorkerId, String, u32)> {
-        self.lock()
+    /// Every registered worker as it is now: its spec, and each rank's
+    /// connection, position in its stream, counters and blocks per tier.
+    /// Routing, `/workers` and `/metrics` all read this one view.
+    pub fn view(&self) -> Vec<WorkerView> {
+        let stats = self.index.read().stats();
+        let workers = self.lock();
+        workers
             .values()
-            .map(|w| {
-                (
-                    w.spec.name.clone(),
-                    w.id,
-                    w.spec.url.clone(),
-                    w.spec.block_size,
-                )
+            .map(|w| WorkerView {
+                name: w.spec.name.clone(),
+                id: w.id,
+                url: w.spec.url.clone(),
+                model: w.spec.model.clone(),
+                block_size: w.spec.block_size,
+                flavor: w.spec.flavor,
+                ranks: w
+                    .ranks
+                    .iter()
+                    .map(|r| {
+                        let key = WorkerRank {
+                            worker: w.id,
+                            rank: r.endpoints.rank,
+                        };
+                        let tiers = stats
+                            .per_rank
+                            .iter()
+                            .find(|(k, _)| *k == key)
+                            .map_or([0; 4], |(_, t)| *t);
+                        rank_view(&r.endpoints, &r.ingest.stats, tiers)
+                    })
+                    .collect(),
             })
             .collect()
     }
 
-    /// The `/workers` document.
-    pub fn describe(&self) -> Value {
-        let stats = self.index.read().stats();
-        let workers = self.lock();
-        let list: Vec<Value> = workers
-            .values()
-            .map(|w| {
-                let ranks: Vec<Value> = w
-                    .ranks
-                    .iter()
-                    .map(|r| {
-                        let s = &r.ingest.stats;
-                        let key = WorkerRank { worker: w.id, rank: r.endpoints.rank };
-                        let tiers = stats.per_rank.iter().find(|(k, _)| *k == key).map_or([0; 4], |(_, t)| *t);
-                        let next = s.next_seq.load(Ordering::Relaxed);
-                        let get = |c: &std::sync::atomic::AtomicU64| c.load(Ordering::Relaxed);
-                        json!({
-                            "dp_rank": r.endpoints.rank,
-                            "events_endpoint": r.endpoints.events,
-                            "replay_endpoint": r.endpoints.replay,
-                            "connected": s.connected.load(Ordering::Relaxed),
-                            "last_seq": next.checked_sub(1),
-                            "lag_ms": get(&s.lag_ms),
-                            "batches": get(&s.batches),
-                            "events": get(&s.events),
-                            "blocks": {"device": tiers[0], "host": tiers[1], "disk": tiers[2], "external": tiers[3]},
-                            "decode_errors": get(&s.decode_errors),
-                            "events_filtered": get(&s.events_filtered),
-                            "envelope_errors": get(&s.envelope_errors),
-                            "bad_frames": get(&s.bad_frames),
-                            "gaps": get(&s.gaps),
-                            "resyncs": get(&s.resyncs),
-                            "replays_ok": get(&s.replays_ok),
-                            "replays_incomplete": get(&s.replays_incomplete),
-                            "restarts": get(&s.restarts),
-                            "clears": get(&s.clears),
-                            "stale": get(&s.stale),
-                        })
-                    })
-                    .collect();
-                json!({
-                    "name": w.spec.name,
-                    "url": w.spec.url,
-                    "model": w.spec.model,
-                    "block_size": w.spec.block_size,
-                    "flavor": w.spec.flavor.as_str(),
-                    "ranks": ranks,
-                })
-            })
-            .collect();
-        json!({ "workers": list })
+    /// How many workers are registered.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    /// Whether no worker is registered.
+    pub fn is_empty(&self) -> bool {
+        self.lock().is_empty()
     }
 
     /// Stops every rank thread.
@@ -298,5 +276,80 @@ impl Registry {
                 rank.ingest.stop();
             }
         }
+    }
+}
+
+/// One registered worker, as [`Registry::view`] sees it; serialized, the
+/// entries of `GET /workers`.
+#[derive(Debug, Clone, Serialize)]
+pub struct WorkerView {
+    /// Unique name.
+    pub name: String,
+    /// Its id in the index.
+    #[serde(skip)]
+    pub id: WorkerId,
+    /// HTTP base URL.
+    pub url: String,
+    /// Model the engine serves, if known.
+    pub model: Option<String>,
+    /// Tokens per KV block.
+    pub block_size: u32,
+    /// The engine flavour.
+    #[serde(with = "super::spec::flavor_name")]
+    pub flavor: WorkerFlavor,
+    /// Its data-parallel ranks.
+    pub ranks: Vec<RankView>,
+}
+
+/// One rank of a worker, as [`Registry::view`] sees it.
+#[derive(Debug, Clone, Serialize)]
+pub struct RankView {
+    /// The rank.
+    pub dp_rank: u32,
+    /// Its event publisher.
+    pub events_endpoint: String,
+    /// Its replay socket, if any.
+    pub replay_endpoint: Option<String>,
+    /// The event socket is connected.
+    pub connected: bool,
+    /// The last sequence number applied.
+    pub last_seq: Option<u64>,
+    /// Milliseconds between the last batch's timestamp and its application.
+    pub lag_ms: u64,
+    /// Blocks in the index per tier.
+    pub blocks: TierBlocks,
+    /// The stream's counters.
+    #[serde(flatten)]
+    pub counters: RankCounters,
+}
+
+/// A rank's residencies in the index, per tier.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct TierBlocks {
+    /// On the GPU.
+    pub device: u64,
+    /// In host memory.
+    pub host: u64,
+    /// On local disk.
+    pub disk: u64,
+    /// In an external pool.
+    pub external: u64,
+}
+
+fn rank_view(endpoints: &RankEndpoints, stats: &RankStats, tiers: [u64; 4]) -> RankView {
+    RankView {
+        dp_rank: endpoints.rank,
+        events_endpoint: endpoints.events.clone(),
+        replay_endpoint: endpoints.replay.clone(),
+        connected: stats.connected.load(Ordering::Relaxed),
+        last_seq: stats.next_seq.load(Ordering::Relaxed).checked_sub(1),
+        lag_ms: stats.lag_ms.load(Ordering::Relaxed),
+        blocks: TierBlocks {
+            device: tiers[0],
+            host: tiers[1],
+            disk: tiers[2],
+            external: tiers[3],
+        },
+        counters: stats.counters(),
     }
 }

@@ -200,15 +200,17 @@ impl WorkerSpec {
     }
 }
 
-/// A [`WorkerFlavor`] in serialized specs: its name (`vllm`, `sglang`).
-mod flavor_name {
+/// A [`WorkerFlavor`] in serialized specs and views: its name (`vllm`, `sglang`).
+pub(crate) mod flavor_name {
     use super::WorkerFlavor;
     use serde::{Deserialize, Deserializer, Serializer};
 
+    /// Writes the flavour's name.
     pub fn serialize<S: Serializer>(f: &WorkerFlavor, s: S) -> Result<S::Ok, S::Error> {
         s.serialize_str(f.as_str())
     }
 
+    /// Reads a flavour's name.
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<WorkerFlavor, D::Error> {
         let name = String::deserialize(d)?;
         name.parse().map_err(serde::de::Error::custom)

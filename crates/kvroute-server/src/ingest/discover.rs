@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use crate::spec::{WorkerFlavor, WorkerSpec};
+use super::spec::{WorkerFlavor, WorkerSpec};
 
 /// The engine flavour of every discovered worker: `/server_info` with a
 /// `kv_events` descriptor is SGLang's, so its prompts carry SGLang's image pads.

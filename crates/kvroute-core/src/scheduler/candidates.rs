@@ -1,0 +1,194 @@
+//! One request's candidates: each (worker, rank) it could go to, with what
+//! that rank holds of the request, what it is already doing, and the cost.
+//!
+//! The caller walks its own list of workers (with their addresses and
+//! circuit breakers, which the core knows nothing about) and asks
+//! [`Scored::rank`] for each rank; the result refers back to the caller's
+//! list by position.
+
+use crate::event::WorkerFlavor;
+use crate::hash::SequenceHash;
+use crate::index::{RankMatch, WorkerRank};
+
+use super::active::ActiveSequences;
+use super::cost::{Candidate, CostBreakdown, CostWeights};
+
+/// Busy thresholds: a candidate at or over either is skipped.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct BusyThresholds {
+    /// Active prefill tokens.
+    pub prefill_tokens: Option<u64>,
+    /// Active decode blocks.
+    pub decode_blocks: Option<u64>,
+}
+
+impl BusyThresholds {
+    /// Whether a candidate with this load is overloaded.
+    pub fn overloaded(&self, c: &Candidate) -> bool {
+        self.prefill_tokens
+            .is_some_and(|t| c.active_prefill_tokens >= t)
+            || self
+                .decode_blocks
+                .is_some_and(|t| c.active_decode_blocks >= t)
+    }
+}
+
+/// A rank's load as the cost needs it, for one request.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Load {
+    /// Prompt tokens in prefill.
+    pub prefill_tokens: u64,
+    /// Distinct active blocks.
+    pub decode_blocks: u64,
+    /// Of the request's blocks, those not active there.
+    pub new_blocks: u64,
+    /// Leading blocks of the request held by active requests.
+    pub active_prefix: u32,
+    /// Active requests.
+    pub requests: u64,
+}
+
+impl Load {
+    /// The load of `active` (or of an idle rank) for a request with blocks `seqs`.
+    pub fn of(active: Option<&ActiveSequences>, seqs: &[SequenceHash]) -> Load {
+        match active {
+            None => Load {
+                new_blocks: seqs.len() as u64,
+                ..Load::default()
+            },
+            Some(a) => Load {
+                prefill_tokens: a.active_prefill_tokens(),
+                decode_blocks: a.active_blocks(),
+                new_blocks: a.new_blocks(seqs),
+                active_prefix: a.active_prefix(seqs),
+                requests: a.active_requests(),
+            },
+        }
+    }
+}
+
+/// What is being scored: the request's size and the rules that price it.
+#[derive(Debug, Clone, Copy)]
+pub struct Pricing<'a> {
+    /// The request's prompt tokens.
+    pub request_tokens: u64,
+    /// The cost's weights.
+    pub weights: &'a CostWeights,
+    /// Ranks at or over these are marked overloaded.
+    pub busy: &'a BusyThresholds,
+}
+
+/// One (worker, rank) a request could go to.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scored {
+    /// Position of the worker in the caller's list.
+    pub worker: usize,
+    /// Index key.
+    pub key: WorkerRank,
+    /// Tokens per block at this worker.
+    pub block_size: u32,
+    /// The worker's engine flavour (which hashes of the request it was scored on).
+    pub flavor: WorkerFlavor,
+    /// Cache and load facts.
+    pub candidate: Candidate,
+    /// The cost.
+    pub cost: CostBreakdown,
+    /// Over a busy threshold.
+    pub overloaded: bool,
+}
+
+impl Scored {
+    /// Scores rank `key` of the caller's worker number `worker`, given what
+    /// the index matched there (`None`: nothing) and the rank's load.
+    pub fn rank(
+        worker: usize,
+        key: WorkerRank,
+        (block_size, flavor): (u32, WorkerFlavor),
+        matched: Option<&RankMatch>,
+        load: Load,
+        pricing: Pricing<'_>,
+    ) -> Scored {
+        let candidate = Candidate {
+            device_blocks: matched.map_or(0, |m| m.device),
+            host_blocks: matched.map_or(0, |m| m.host),
+            any_blocks: matched.map_or(0, |m| m.any),
+            active_prefix_blocks: load.active_prefix,
+            active_prefill_tokens: load.prefill_tokens,
+            active_decode_blocks: load.decode_blocks,
+            new_active_blocks: load.new_blocks,
+            active_requests: load.requests,
+        };
+        Scored {
+            worker,
+            key,
+            block_size,
+            flavor,
+            cost: candidate.cost(pricing.request_tokens, block_size, pricing.weights),
+            overloaded: pricing.busy.overloaded(&candidate),
+            candidate,
+        }
+    }
+
+    /// The prompt tokens the engine will report cached if this candidate is
+    /// chosen for a `prompt_tokens`-token prompt.
+    pub fn predicted_cached_tokens(&self, prompt_tokens: u64) -> u64 {
+        predicted_cached_tokens(self.candidate.device_blocks, self.block_size, prompt_tokens)
+    }
+}
+
+/// The prompt tokens an engine will report as cached if the first
+/// `device_blocks` blocks are on its device: engines always compute the last
+/// prompt token, so a fully cached prompt reports one block less when its
+/// length is a multiple of the block size.
+pub fn predicted_cached_tokens(device_blocks: u32, block_size: u32, prompt_tokens: u64) -> u64 {
+    let bs = u64::from(block_size.max(1));
+    let limit = prompt_tokens.saturating_sub(1) / bs * bs;
+    (u64::from(device_blocks) * bs).min(limit)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn predictions_follow_the_engines_last_token_rule() {
+        assert_eq!(predicted_cached_tokens(4, 16, 64), 48);
+        assert_eq!(predicted_cached_tokens(4, 16, 100), 64);
+        assert_eq!(predicted_cached_tokens(0, 16, 100), 0);
+    }
+
+    #[test]
+    fn a_rank_is_priced_on_its_match_and_load() {
+        let weights = CostWeights::DYNAMO;
+        let busy = BusyThresholds {
+            prefill_tokens: Some(100),
+            decode_blocks: None,
+        };
+        let pricing = Pricing {
+            request_tokens: 64,
+            weights: &weights,
+            busy: &busy,
+        };
+        let key = WorkerRank::new(1, 0);
+        let hit = RankMatch {
+            worker_rank: key,
+            device: 3,
+            host: 3,
+            any: 3,
+        };
+        let idle = Load {
+            new_blocks: 4,
+            ..Load::default()
+        };
+        let s = Scored::rank(2, key, (16, WorkerFlavor::Vllm), Some(&hit), idle, pricing);
+        assert_eq!((s.worker, s.cost.total, s.overloaded), (2, 5.0, false));
+        assert_eq!(s.predicted_cached_tokens(64), 48);
+        let loaded = Load {
+            prefill_tokens: 100,
+            ..idle
+        };
+        let s = Scored::rank(0, key, (16, WorkerFlavor::Vllm), None, loaded, pricing);
+        assert!(s.overloaded);
+        assert_eq!(s.candidate.device_blocks, 0);
+    }
+}

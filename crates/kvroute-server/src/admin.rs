@@ -1,0 +1,262 @@
+//! The admin surface: health, the worker listing, and the endpoints that
+//! register and unregister workers (shaped after Dynamo's standalone indexer
+//! API so its tooling works against kvroute).
+
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::Json;
+use serde_json::{json, Value};
+
+use crate::api::{ApiError, Body};
+use crate::ingest::registry::Registry;
+use crate::ingest::spec::{parse_flavor, RankEndpoints, WorkerFlavor, WorkerSpec};
+use crate::proxy::Proxy;
+
+/// What the admin endpoints share.
+#[derive(Debug, Clone)]
+pub struct AdminState {
+    /// Registered workers.
+    pub registry: Arc<Registry>,
+    /// The proxy, told when the workers change.
+    pub proxy: Arc<Proxy>,
+    /// Bearer token required by the admin endpoints, when set.
+    pub admin_token: Option<String>,
+    /// Block size for registrations that do not give one.
+    pub default_block_size: u32,
+}
+
+/// `GET /health`.
+pub async fn health(State(state): State<AdminState>) -> Json<Value> {
+    Json(json!({"status": "ok", "workers": state.registry.len()}))
+}
+
+/// `GET /workers`: every worker and rank with its stream's state.
+pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
+    Json(json!({ "workers": state.registry.view() }))
+}
+
+fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), ApiError> {
+    let Some(token) = &state.admin_token else {
+        return Ok(());
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    if given == Some(token.as_str()) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid admin bearer token is required",
+        ))
+    }
+}
+
+/// Parses a JSON body, answering 400 with serde's message when it is not JSON.
+fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request("the body must be a JSON object"));
+    }
+    Ok(value)
+}
+
+fn str_field<'a>(v: &'a Value, key: &str) -> Result<Option<&'a str>, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(Value::Number(n)) => Err(ApiError::bad_request(format!(
+            "`{key}` must be a string, found {n}"
+        ))),
+        Some(_) => Err(ApiError::bad_request(format!("`{key}` must be a string"))),
+    }
+}
+
+fn u32_field(v: &Value, key: &str) -> Result<Option<u32>, ApiError> {
+    match v.get(key) {
+        None | Some(Value::Null) => Ok(None),
+        Some(value) => value
+            .as_u64()
+            .and_then(|n| u32::try_from(n).ok())
+            .map(Some)
+            .ok_or_else(|| {
+                ApiError::bad_request(format!("`{key}` must be a non-negative integer"))
+            }),
+    }
+}
+
+/// A worker from a registration body: kvroute's own fields (`name`, `url`,
+/// `events`, `replay`, `dp`, `block_size`, `topic`, `model`) or Dynamo's
+/// standalone-indexer fields (`instance_id`, `endpoint`, `replay_endpoint`,
+/// `dp_rank`, `block_size`, `model_name`), which register one rank.
+fn spec_from_body(v: &Value, default_block_size: u32) -> Result<WorkerSpec, ApiError> {
+    let block_size = u32_field(v, "block_size")?.unwrap_or(default_block_size);
+    if let Some(events) = str_field(v, "events")? {
+        let name =
+            str_field(v, "name")?.ok_or_else(|| ApiError::bad_request("`name` is required"))?;
+        let url = str_field(v, "url")?.ok_or_else(|| ApiError::bad_request("`url` is required"))?;
+        let mut spec = WorkerSpec::with_base_endpoints(
+            name.to_owned(),
+            url.to_owned(),
+            events,
+            str_field(v, "replay")?,
+            u32_field(v, "dp")?.unwrap_or(1),
+            block_size,
+        )
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        spec.topic = str_field(v, "topic")?.unwrap_or_default().to_owned();
+        spec.model = str_field(v, "model")?.map(str::to_owned);
+        spec.flavor = flavor_from_body(v)?;
+        return Ok(spec);
+    }
+    if let Some(endpoint) = str_field(v, "endpoint")? {
+        let name = match v.get("instance_id") {
+            Some(Value::String(s)) => s.clone(),
+            Some(Value::Number(n)) => n.to_string(),
+            _ => {
+                return Err(ApiError::bad_request(
+                    "`instance_id` is required with `endpoint`",
+                ))
+            }
+        };
+        if block_size == 0 {
+            return Err(ApiError::bad_request("`block_size` must be at least 1"));
+        }
+        let rank = u32_field(v, "dp_rank")?.unwrap_or(0);
+        return Ok(WorkerSpec {
+            url: str_field(v, "url")?.unwrap_or_default().to_owned(),
+            name,
+            ranks: vec![RankEndpoints {
+                rank,
+                events: endpoint.to_owned(),
+                replay: str_field(v, "replay_endpoint")?.map(str::to_owned),
+            }],
+            block_size,
+            topic: String::new(),
+            model: str_field(v, "model_name")?.map(str::to_owned),
+            flavor: flavor_from_body(v)?,
+        });
+    }
+    Err(ApiError::bad_request(
+        "give `name`, `url` and `events` (or Dynamo's `instance_id` and `endpoint`)",
+    ))
+}
+
+/// A registration's `flavor` (`vllm` or `sglang`; absent: `vllm`).
+fn flavor_from_body(v: &Value) -> Result<WorkerFlavor, ApiError> {
+    parse_flavor(str_field(v, "flavor")?).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// `POST /register`: a worker in kvroute's or Dynamo's fields.
+pub async fn register(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Body(body): Body,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let body = parse_body(&body)?;
+    let spec = spec_from_body(&body, state.default_block_size)?;
+    let flavor = spec.flavor;
+    let name = spec.name.clone();
+    let registry = state.registry.clone();
+    let id = tokio::task::spawn_blocking(move || registry.register(spec))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()))?;
+    state.proxy.refresh(&state.registry);
+    Ok(Json(
+        json!({"status": "registered", "name": name, "worker_id": id.0, "flavor": flavor.as_str()}),
+    ))
+}
+
+/// `POST /unregister`: a worker by `name` (or Dynamo's `instance_id`).
+pub async fn unregister(
+    State(state): State<AdminState>,
+    headers: HeaderMap,
+    Body(body): Body,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&state, &headers)?;
+    let body = parse_body(&body)?;
+    let name = match (body.get("name"), body.get("instance_id")) {
+        (Some(Value::String(s)), _) | (None, Some(Value::String(s))) => s.clone(),
+        (None, Some(Value::Number(n))) => n.to_string(),
+        _ => {
+            return Err(ApiError::bad_request(
+                "`name` (or `instance_id`) is required",
+            ))
+        }
+    };
+    let registry = state.registry.clone();
+    let lookup = name.clone();
+    let removed = tokio::task::spawn_blocking(move || registry.unregister(&lookup))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    state.proxy.refresh(&state.registry);
+    if removed {
+        Ok(Json(json!({"status": "unregistered", "name": name})))
+    } else {
+        Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no worker named `{name}`"),
+        ))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registrations_accept_kvroute_and_dynamo_shapes() {
+        let ours = json!({"name": "w0", "url": "http://h:1", "events": "tcp://h:5557", "replay": "tcp://h:5657", "dp": 2});
+        let spec = spec_from_body(&ours, 16).expect("valid");
+        assert_eq!(spec.ranks.len(), 2);
+        assert_eq!(spec.block_size, 16);
+        let dynamo = json!({"instance_id": 7, "endpoint": "tcp://h:6000", "dp_rank": 1, "block_size": 32, "model_name": "m"});
+        let spec = spec_from_body(&dynamo, 16).expect("valid");
+        assert_eq!(
+            (spec.name.as_str(), spec.ranks[0].rank, spec.block_size),
+            ("7", 1, 32)
+        );
+    }
+
+    #[test]
+    fn bad_registrations_get_clear_messages() {
+        let err = |v: Value| {
+            spec_from_body(&v, 16)
+                .expect_err("invalid")
+                .message()
+                .to_owned()
+        };
+        assert!(err(json!({"url": "x"})).contains("give `name`"));
+        assert!(err(json!({"name": "a", "events": "tcp://h:1"})).contains("`url` is required"));
+        assert!(
+            err(json!({"name": "a", "url": "u", "events": "tcp://h:1", "dp": -1})).contains("`dp`")
+        );
+        assert!(err(json!({"name": 5, "url": "u", "events": "tcp://h:1"}))
+            .contains("`name` must be a string"));
+        assert!(flavor_from_body(&json!({"flavor": "tgi"}))
+            .expect_err("unknown")
+            .message()
+            .contains("vllm or sglang"));
+        assert_eq!(
+            flavor_from_body(&json!({"flavor": "sglang"})).expect("valid"),
+            WorkerFlavor::Sglang
+        );
+        assert_eq!(
+            flavor_from_body(&json!({})).expect("valid"),
+            WorkerFlavor::Vllm
+        );
+        assert!(parse_body(b"[1]").is_err());
+        assert!(parse_body(b"{")
+            .expect_err("not json")
+            .message()
+            .contains("invalid JSON"));
+    }
+}

@@ -1,0 +1,785 @@
+//! Every metric `kvroute serve` exposes, declared once, and the one
+//! `prometheus-client` registry that `GET /metrics` encodes.
+//!
+//! [`CATALOGUE`] names each metric as a scraper sees it, with its type,
+//! labels and help text; `docs/metrics.md` is generated from it (a test keeps
+//! the two equal). Counters the proxy bumps per request are
+//! `prometheus-client` counters held in [`ProxyMetrics`]; figures that other
+//! parts already keep (each rank's stream counters, the index's sizes, the
+//! load in flight) are read at scrape time by collectors, so there is one
+//! source for each number. The exposition is the Prometheus text format,
+//! which the engines use too, or OpenMetrics when the scraper asks for it.
+
+use std::fmt::Write as _;
+use std::sync::Arc;
+
+use kvroute_core::index::SharedIndex;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
+use crate::ingest::registry::{RankView, Registry as Workers};
+use crate::ingest::stream::RankCounters;
+
+/// The kind of a metric.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    /// Only goes up; its samples end in `_total`.
+    Counter,
+    /// Goes up and down.
+    Gauge,
+    /// Buckets, sum and count.
+    Histogram,
+}
+
+impl Kind {
+    /// The name Prometheus gives the kind.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Counter => "counter",
+            Kind::Gauge => "gauge",
+            Kind::Histogram => "histogram",
+        }
+    }
+
+    fn metric_type(self) -> MetricType {
+        match self {
+            Kind::Counter => MetricType::Counter,
+            Kind::Gauge => MetricType::Gauge,
+            Kind::Histogram => MetricType::Histogram,
+        }
+    }
+}
+
+/// One metric: its name as scraped, kind, labels and meaning.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MetricInfo {
+    /// The name in the exposition (counters with their `_total`).
+    pub name: &'static str,
+    /// Its kind.
+    pub kind: Kind,
+    /// Its label names.
+    pub labels: &'static [&'static str],
+    /// What it counts or measures.
+    pub help: &'static str,
+}
+
+impl MetricInfo {
+    /// The name `prometheus-client` registers: counters without `_total`,
+    /// which the encoder appends to their samples.
+    pub fn family(&self) -> &'static str {
+        match self.kind {
+            Kind::Counter => self.name.strip_suffix("_total").unwrap_or(self.name),
+            Kind::Gauge | Kind::Histogram => self.name,
+        }
+    }
+}
+
+const RANK: &[&str] = &["worker", "dp_rank"];
+const NONE: &[&str] = &[];
+
+macro_rules! metric {
+    ($id:ident, $name:literal, $kind:ident, $labels:expr, $help:literal) => {
+        #[doc = $help]
+        pub const $id: MetricInfo = MetricInfo {
+            name: $name,
+            kind: Kind::$kind,
+            labels: $labels,
+            help: $help,
+        };
+    };
+}
+
+metric!(
+    INGEST_BATCHES,
+    "kvroute_ingest_batches_total",
+    Counter,
+    RANK,
+    "Event batches received live."
+);
+metric!(
+    INGEST_EVENTS,
+    "kvroute_ingest_events_total",
+    Counter,
+    RANK,
+    "Events applied to the index."
+);
+metric!(
+    INGEST_DECODE_ERRORS,
+    "kvroute_ingest_decode_errors_total",
+    Counter,
+    RANK,
+    "Malformed events skipped."
+);
+metric!(
+    INGEST_EVENTS_FILTERED,
+    "kvroute_ingest_events_filtered_total",
+    Counter,
+    RANK,
+    "Events dropped on purpose (tier, placement, block size)."
+);
+metric!(
+    INGEST_ENVELOPE_ERRORS,
+    "kvroute_ingest_envelope_errors_total",
+    Counter,
+    RANK,
+    "Batches whose envelope could not be decoded."
+);
+metric!(
+    INGEST_BAD_FRAMES,
+    "kvroute_ingest_bad_frames_total",
+    Counter,
+    RANK,
+    "Messages that were not [topic, seq, payload]."
+);
+metric!(
+    INGEST_GAPS,
+    "kvroute_ingest_gaps_total",
+    Counter,
+    RANK,
+    "Sequence gaps detected."
+);
+metric!(
+    INGEST_REPLAYS_OK,
+    "kvroute_ingest_replays_ok_total",
+    Counter,
+    RANK,
+    "Replays that filled their gap."
+);
+metric!(
+    INGEST_REPLAYS_INCOMPLETE,
+    "kvroute_ingest_replays_incomplete_total",
+    Counter,
+    RANK,
+    "Replays that could not fill their gap."
+);
+metric!(
+    INGEST_ENGINE_RESTARTS,
+    "kvroute_ingest_engine_restarts_total",
+    Counter,
+    RANK,
+    "Engine restarts seen (sequence went back)."
+);
+metric!(
+    INGEST_RANK_CLEARS,
+    "kvroute_ingest_rank_clears_total",
+    Counter,
+    RANK,
+    "Times a rank's blocks were dropped."
+);
+metric!(
+    INGEST_STALE_BATCHES,
+    "kvroute_ingest_stale_batches_total",
+    Counter,
+    RANK,
+    "Batches dropped as already applied."
+);
+metric!(
+    INGEST_CONNECTED,
+    "kvroute_ingest_connected",
+    Gauge,
+    RANK,
+    "Whether the rank's event socket is connected."
+);
+metric!(
+    INDEX_NODES,
+    "kvroute_index_nodes",
+    Gauge,
+    NONE,
+    "Distinct block prefixes in the index."
+);
+metric!(
+    INDEX_RESIDENCIES,
+    "kvroute_index_residencies",
+    Gauge,
+    NONE,
+    "(block, rank, tier) residencies in the index."
+);
+metric!(
+    INDEX_HEAP_BYTES,
+    "kvroute_index_heap_bytes",
+    Gauge,
+    NONE,
+    "Heap bytes held by the index."
+);
+metric!(
+    INDEX_BLOCKS_STORED,
+    "kvroute_index_blocks_stored_total",
+    Counter,
+    NONE,
+    "Blocks stored in the index."
+);
+metric!(
+    INDEX_BLOCKS_REMOVED,
+    "kvroute_index_blocks_removed_total",
+    Counter,
+    NONE,
+    "Blocks removed from the index."
+);
+metric!(
+    INDEX_DUPLICATE_BLOCKS,
+    "kvroute_index_duplicate_blocks_total",
+    Counter,
+    NONE,
+    "Stored blocks a rank already held."
+);
+metric!(
+    INDEX_PARENT_MISSING,
+    "kvroute_index_parent_missing_total",
+    Counter,
+    NONE,
+    "Stored events dropped because their parent block was unknown."
+);
+metric!(
+    INDEX_UNKNOWN_REMOVALS,
+    "kvroute_index_unknown_removals_total",
+    Counter,
+    NONE,
+    "Removals of blocks the rank did not hold."
+);
+metric!(
+    INDEX_EVICTED_OVER_CAPACITY,
+    "kvroute_index_evicted_over_capacity_total",
+    Counter,
+    NONE,
+    "Residencies dropped because a rank was over its cap."
+);
+metric!(
+    INDEX_HASH_CONFLICTS,
+    "kvroute_index_hash_conflicts_total",
+    Counter,
+    NONE,
+    "Engine hashes a rank bound to another block than the shared binding."
+);
+metric!(
+    INDEX_APPROX_EXPIRED,
+    "kvroute_index_approx_expired_total",
+    Counter,
+    NONE,
+    "Approximate residencies that expired."
+);
+metric!(
+    PROXY_REQUESTS,
+    "kvroute_proxy_requests_total",
+    Counter,
+    NONE,
+    "Completion requests received."
+);
+metric!(
+    PROXY_BAD_REQUESTS,
+    "kvroute_proxy_bad_requests_total",
+    Counter,
+    NONE,
+    "Requests refused as malformed."
+);
+metric!(
+    PROXY_UPSTREAM_ERRORS,
+    "kvroute_proxy_upstream_errors_total",
+    Counter,
+    NONE,
+    "Connection errors and 5xx answers from workers."
+);
+metric!(
+    PROXY_RETRIES,
+    "kvroute_proxy_retries_total",
+    Counter,
+    NONE,
+    "Attempts on a further candidate after a failure."
+);
+metric!(
+    PROXY_OVERLOADED,
+    "kvroute_proxy_overloaded_total",
+    Counter,
+    NONE,
+    "Requests refused because every candidate was busy."
+);
+metric!(
+    PROXY_QUEUED,
+    "kvroute_proxy_queued_total",
+    Counter,
+    NONE,
+    "Requests that waited in the overload queue."
+);
+metric!(
+    PROXY_QUEUE_TIMEOUTS,
+    "kvroute_proxy_queue_timeouts_total",
+    Counter,
+    NONE,
+    "Queued requests refused when their wait ran out."
+);
+metric!(
+    PROXY_NO_WORKERS,
+    "kvroute_proxy_no_workers_total",
+    Counter,
+    NONE,
+    "Requests refused because no worker was available."
+);
+metric!(
+    PROXY_LOAD_ONLY,
+    "kvroute_proxy_load_only_total",
+    Counter,
+    NONE,
+    "Text requests routed on load alone (no tokenizer)."
+);
+metric!(
+    PROXY_ROUTED,
+    "kvroute_proxy_routed_total",
+    Counter,
+    RANK,
+    "Requests forwarded per (worker, rank)."
+);
+metric!(
+    ACCURACY_COMPARISONS,
+    "kvroute_accuracy_comparisons_total",
+    Counter,
+    NONE,
+    "Responses whose cached_tokens were compared with the prediction."
+);
+metric!(
+    ACCURACY_EXACT,
+    "kvroute_accuracy_exact_total",
+    Counter,
+    NONE,
+    "Comparisons where prediction and cached_tokens agreed exactly."
+);
+metric!(
+    ACCURACY_DIFFERENCE,
+    "kvroute_accuracy_difference_tokens",
+    Histogram,
+    NONE,
+    "|predicted cached tokens - engine cached_tokens|."
+);
+metric!(
+    ACTIVE_REQUESTS,
+    "kvroute_active_requests",
+    Gauge,
+    RANK,
+    "Requests in flight per (worker, rank)."
+);
+metric!(
+    ACTIVE_PREFILL_TOKENS,
+    "kvroute_active_prefill_tokens",
+    Gauge,
+    RANK,
+    "Prompt tokens still to prefill per (worker, rank)."
+);
+metric!(
+    ACTIVE_DECODE_BLOCKS,
+    "kvroute_active_decode_blocks",
+    Gauge,
+    RANK,
+    "Distinct blocks held by requests in flight per (worker, rank)."
+);
+
+/// Every metric, in exposition order.
+pub const CATALOGUE: &[MetricInfo] = &[
+    INGEST_BATCHES,
+    INGEST_EVENTS,
+    INGEST_DECODE_ERRORS,
+    INGEST_EVENTS_FILTERED,
+    INGEST_ENVELOPE_ERRORS,
+    INGEST_BAD_FRAMES,
+    INGEST_GAPS,
+    INGEST_REPLAYS_OK,
+    INGEST_REPLAYS_INCOMPLETE,
+    INGEST_ENGINE_RESTARTS,
+    INGEST_RANK_CLEARS,
+    INGEST_STALE_BATCHES,
+    INGEST_CONNECTED,
+    INDEX_NODES,
+    INDEX_RESIDENCIES,
+    INDEX_HEAP_BYTES,
+    INDEX_BLOCKS_STORED,
+    INDEX_BLOCKS_REMOVED,
+    INDEX_DUPLICATE_BLOCKS,
+    INDEX_PARENT_MISSING,
+    INDEX_UNKNOWN_REMOVALS,
+    INDEX_EVICTED_OVER_CAPACITY,
+    INDEX_HASH_CONFLICTS,
+    INDEX_APPROX_EXPIRED,
+    PROXY_REQUESTS,
+    PROXY_BAD_REQUESTS,
+    PROXY_UPSTREAM_ERRORS,
+    PROXY_RETRIES,
+    PROXY_OVERLOADED,
+    PROXY_QUEUED,
+    PROXY_QUEUE_TIMEOUTS,
+    PROXY_NO_WORKERS,
+    PROXY_LOAD_ONLY,
+    PROXY_ROUTED,
+    ACCURACY_COMPARISONS,
+    ACCURACY_EXACT,
+    ACCURACY_DIFFERENCE,
+    ACTIVE_REQUESTS,
+    ACTIVE_PREFILL_TOKENS,
+    ACTIVE_DECODE_BLOCKS,
+];
+
+/// The catalogue as the Markdown table of `docs/metrics.md`.
+pub fn catalogue_table() -> String {
+    let mut out = String::from("| metric | type | labels | meaning |\n| --- | --- | --- | --- |\n");
+    for m in CATALOGUE {
+        let labels = if m.labels.is_empty() {
+            "-".to_owned()
+        } else {
+            m.labels.join(", ")
+        };
+        let help = m.help.replace('|', "\\|");
+        let _ = writeln!(
+            out,
+            "| `{}` | {} | {labels} | {help} |",
+            m.name,
+            m.kind.as_str()
+        );
+    }
+    out
+}
+
+/// The labels of a per-rank metric: `{worker="…",dp_rank="…"}`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct RankLabels {
+    /// The worker's name.
+    pub worker: Arc<str>,
+    /// The rank.
+    pub dp_rank: u32,
+}
+
+impl EncodeLabelSet for RankLabels {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeLabel as _;
+        ("worker", &*self.worker).encode(encoder.encode_label())?;
+        ("dp_rank", self.dp_rank.to_string()).encode(encoder.encode_label())
+    }
+}
+
+/// Upper bounds (tokens) of the accuracy histogram's buckets.
+const ACCURACY_BUCKETS: [f64; 7] = [0.0, 1.0, 16.0, 64.0, 256.0, 1024.0, 4096.0];
+
+/// The counters the proxy bumps as requests go through it.
+#[derive(Debug)]
+pub struct ProxyMetrics {
+    /// [`PROXY_REQUESTS`].
+    pub requests: Counter,
+    /// [`PROXY_BAD_REQUESTS`].
+    pub bad_requests: Counter,
+    /// [`PROXY_UPSTREAM_ERRORS`].
+    pub upstream_errors: Counter,
+    /// [`PROXY_RETRIES`].
+    pub retries: Counter,
+    /// [`PROXY_OVERLOADED`].
+    pub overloaded: Counter,
+    /// [`PROXY_QUEUED`].
+    pub queued: Counter,
+    /// [`PROXY_QUEUE_TIMEOUTS`].
+    pub queue_timeouts: Counter,
+    /// [`PROXY_NO_WORKERS`].
+    pub no_workers: Counter,
+    /// [`PROXY_LOAD_ONLY`].
+    pub load_only: Counter,
+    /// [`PROXY_ROUTED`].
+    pub routed: Family<RankLabels, Counter>,
+    /// [`ACCURACY_COMPARISONS`].
+    pub comparisons: Counter,
+    /// [`ACCURACY_EXACT`].
+    pub exact: Counter,
+    /// [`ACCURACY_DIFFERENCE`].
+    pub difference: Histogram,
+}
+
+impl Default for ProxyMetrics {
+    fn default() -> Self {
+        ProxyMetrics {
+            requests: Counter::default(),
+            bad_requests: Counter::default(),
+            upstream_errors: Counter::default(),
+            retries: Counter::default(),
+            overloaded: Counter::default(),
+            queued: Counter::default(),
+            queue_timeouts: Counter::default(),
+            no_workers: Counter::default(),
+            load_only: Counter::default(),
+            routed: Family::default(),
+            comparisons: Counter::default(),
+            exact: Counter::default(),
+            difference: Histogram::new(ACCURACY_BUCKETS),
+        }
+    }
+}
+
+impl ProxyMetrics {
+    /// Records the index's prediction of a response's cached tokens against
+    /// what the engine reported.
+    pub fn compare(&self, predicted: u64, reported: u64) {
+        let diff = predicted.abs_diff(reported);
+        self.comparisons.inc();
+        if diff == 0 {
+            self.exact.inc();
+        }
+        self.difference.observe(diff as f64);
+    }
+
+    fn register(&self, registry: &mut Registry) {
+        let counters = [
+            (PROXY_REQUESTS, &self.requests),
+            (PROXY_BAD_REQUESTS, &self.bad_requests),
+            (PROXY_UPSTREAM_ERRORS, &self.upstream_errors),
+            (PROXY_RETRIES, &self.retries),
+            (PROXY_OVERLOADED, &self.overloaded),
+            (PROXY_QUEUED, &self.queued),
+            (PROXY_QUEUE_TIMEOUTS, &self.queue_timeouts),
+            (PROXY_NO_WORKERS, &self.no_workers),
+            (PROXY_LOAD_ONLY, &self.load_only),
+            (ACCURACY_COMPARISONS, &self.comparisons),
+            (ACCURACY_EXACT, &self.exact),
+        ];
+        for (info, counter) in counters {
+            registry.register(info.family(), info.help, counter.clone());
+        }
+        registry.register(
+            PROXY_ROUTED.family(),
+            PROXY_ROUTED.help,
+            self.routed.clone(),
+        );
+        registry.register(
+            ACCURACY_DIFFERENCE.family(),
+            ACCURACY_DIFFERENCE.help,
+            self.difference.clone(),
+        );
+    }
+}
+
+/// Writes one per-rank family: a descriptor, then one sample per rank.
+pub fn encode_rank_family<'a>(
+    encoder: &mut DescriptorEncoder,
+    info: &MetricInfo,
+    rows: impl IntoIterator<Item = (&'a RankLabels, u64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family =
+        encoder.encode_descriptor(info.family(), info.help, None, info.kind.metric_type())?;
+    for (labels, value) in rows {
+        let sample = family.encode_family(labels)?;
+        match info.kind {
+            Kind::Counter => ConstCounter::new(value).encode(sample)?,
+            Kind::Gauge | Kind::Histogram => {
+                ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(sample)?
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes one unlabelled counter or gauge.
+fn encode_single(
+    encoder: &mut DescriptorEncoder,
+    info: &MetricInfo,
+    value: u64,
+) -> Result<(), std::fmt::Error> {
+    let metric =
+        encoder.encode_descriptor(info.family(), info.help, None, info.kind.metric_type())?;
+    match info.kind {
+        Kind::Counter => ConstCounter::new(value).encode(metric),
+        Kind::Gauge | Kind::Histogram => {
+            ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(metric)
+        }
+    }
+}
+
+/// Reads each rank's stream counters and connection from the worker
+/// registry, and the index's sizes and counters, at scrape time.
+#[derive(Debug)]
+pub struct IngestCollector {
+    workers: Arc<Workers>,
+    index: Arc<SharedIndex>,
+}
+
+impl IngestCollector {
+    /// A collector over these workers and this index.
+    pub fn new(workers: Arc<Workers>, index: Arc<SharedIndex>) -> Self {
+        IngestCollector { workers, index }
+    }
+}
+
+type CounterField = fn(&RankCounters) -> u64;
+
+const RANK_COUNTERS: [(MetricInfo, CounterField); 12] = [
+    (INGEST_BATCHES, |c| c.batches),
+    (INGEST_EVENTS, |c| c.events),
+    (INGEST_DECODE_ERRORS, |c| c.decode_errors),
+    (INGEST_EVENTS_FILTERED, |c| c.events_filtered),
+    (INGEST_ENVELOPE_ERRORS, |c| c.envelope_errors),
+    (INGEST_BAD_FRAMES, |c| c.bad_frames),
+    (INGEST_GAPS, |c| c.gaps),
+    (INGEST_REPLAYS_OK, |c| c.replays_ok),
+    (INGEST_REPLAYS_INCOMPLETE, |c| c.replays_incomplete),
+    (INGEST_ENGINE_RESTARTS, |c| c.restarts),
+    (INGEST_RANK_CLEARS, |c| c.clears),
+    (INGEST_STALE_BATCHES, |c| c.stale),
+];
+
+impl Collector for IngestCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let ranks: Vec<(RankLabels, RankView)> = self
+            .workers
+            .view()
+            .into_iter()
+            .flat_map(|w| {
+                let worker: Arc<str> = Arc::from(w.name.as_str());
+                w.ranks.into_iter().map(move |r| {
+                    let labels = RankLabels {
+                        worker: worker.clone(),
+                        dp_rank: r.dp_rank,
+                    };
+                    (labels, r)
+                })
+            })
+            .collect();
+        for (info, field) in RANK_COUNTERS {
+            let rows = ranks.iter().map(|(l, r)| (l, field(&r.counters)));
+            encode_rank_family(&mut encoder, &info, rows)?;
+        }
+        let connected = ranks.iter().map(|(l, r)| (l, u64::from(r.connected)));
+        encode_rank_family(&mut encoder, &INGEST_CONNECTED, connected)?;
+        let (counters, stats) = {
+            let index = self.index.read();
+            (index.counters(), index.stats())
+        };
+        let singles = [
+            (INDEX_NODES, stats.nodes),
+            (INDEX_RESIDENCIES, stats.residencies),
+            (INDEX_HEAP_BYTES, stats.heap_bytes),
+            (INDEX_BLOCKS_STORED, counters.blocks_stored),
+            (INDEX_BLOCKS_REMOVED, counters.blocks_removed),
+            (INDEX_DUPLICATE_BLOCKS, counters.duplicate_blocks),
+            (INDEX_PARENT_MISSING, counters.parent_missing),
+            (INDEX_UNKNOWN_REMOVALS, counters.unknown_removals),
+            (INDEX_EVICTED_OVER_CAPACITY, counters.evicted_over_capacity),
+            (INDEX_HASH_CONFLICTS, counters.hash_conflicts),
+            (INDEX_APPROX_EXPIRED, counters.approx_expired),
+        ];
+        for (info, value) in singles {
+            encode_single(&mut encoder, &info, value)?;
+        }
+        Ok(())
+    }
+}
+
+/// The router's metrics registry: the proxy's counters and every collector.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+}
+
+/// The `Content-Type` of OpenMetrics text.
+const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+impl Metrics {
+    /// A registry with `proxy`'s counters and the given collectors.
+    pub fn new(proxy: &ProxyMetrics, collectors: Vec<Box<dyn Collector>>) -> Self {
+        let mut registry = Registry::default();
+        for collector in collectors {
+            registry.register_collector(collector);
+        }
+        proxy.register(&mut registry);
+        Metrics { registry }
+    }
+
+    /// The exposition and its content type: OpenMetrics when `accept`
+    /// asks for it, the Prometheus text format otherwise.
+    pub fn render(&self, accept: Option<&str>) -> (&'static str, String) {
+        let mut out = String::new();
+        let openmetrics = accept.is_some_and(|a| a.contains("application/openmetrics-text"));
+        // Writing into a String cannot fail; an encoder error would be a bug
+        // in a collector, and then the exposition is cut where it happened.
+        if openmetrics {
+            let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+            (OPENMETRICS, out)
+        } else {
+            let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
+            (
+                prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
+                out,
+            )
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_docs_list_the_catalogue() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/metrics.md");
+        let doc = std::fs::read_to_string(path).expect("docs/metrics.md");
+        let table = catalogue_table();
+        assert!(
+            doc.contains(&table),
+            "docs/metrics.md must contain the catalogue table as generated:\n\n{table}"
+        );
+    }
+
+    #[test]
+    fn every_name_is_unique_and_counters_end_in_total() {
+        let mut names: Vec<&str> = CATALOGUE.iter().map(|m| m.name).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), CATALOGUE.len());
+        for m in CATALOGUE {
+            assert_eq!(
+                m.kind == Kind::Counter,
+                m.name.ends_with("_total"),
+                "{}",
+                m.name
+            );
+            assert!(m.name.starts_with("kvroute_"), "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn the_accuracy_histogram_is_cumulative() {
+        let proxy = ProxyMetrics::default();
+        proxy.compare(48, 48);
+        proxy.compare(64, 48);
+        let (_, text) = Metrics::new(&proxy, Vec::new()).render(None);
+        assert!(text.contains("kvroute_accuracy_comparisons_total 2"));
+        assert!(text.contains("kvroute_accuracy_exact_total 1"));
+        assert!(text.contains("kvroute_accuracy_difference_tokens_bucket{le=\"0\"} 1"));
+        assert!(text.contains("kvroute_accuracy_difference_tokens_bucket{le=\"16\"} 2"));
+    }
+
+    #[test]
+    fn routed_requests_are_counted_per_rank_in_both_formats() {
+        let proxy = ProxyMetrics::default();
+        let w0: Arc<str> = Arc::from("w0");
+        let labels = RankLabels {
+            worker: w0,
+            dp_rank: 1,
+        };
+        proxy.routed.get_or_create(&labels).inc();
+        proxy.routed.get_or_create(&labels).inc();
+        let metrics = Metrics::new(&proxy, Vec::new());
+        let (kind, text) = metrics.render(Some("text/plain"));
+        assert!(kind.starts_with("text/plain"));
+        assert!(
+            text.contains("# TYPE kvroute_proxy_routed_total counter"),
+            "{text}"
+        );
+        assert!(text.contains("kvroute_proxy_routed_total{worker=\"w0\",dp_rank=\"1\"} 2"));
+        let (kind, text) = metrics.render(Some("application/openmetrics-text;version=1.0.0"));
+        assert!(kind.starts_with("application/openmetrics-text"));
+        assert!(
+            text.contains("# TYPE kvroute_proxy_routed counter"),
+            "{text}"
+        );
+        assert!(text.contains("kvroute_proxy_routed_total{worker=\"w0\",dp_rank=\"1\"} 2"));
+        assert!(text.ends_with("# EOF\n"));
+    }
+}

@@ -1,0 +1,159 @@
+//! The load this router has put on each (worker, rank): requests sent there
+//! and not yet finished. A request holds an [`ActiveGuard`] from the moment
+//! it is sent; the guard marks its prefill done at the first byte back and
+//! frees its place when dropped, whether the request ended, failed or the
+//! client went away.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use kvroute_core::hash::SequenceHash;
+use kvroute_core::index::WorkerRank;
+use kvroute_core::scheduler::{ActiveSequences, Load};
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
+
+use super::Proxy;
+use crate::metrics::{
+    encode_rank_family, RankLabels, ACTIVE_DECODE_BLOCKS, ACTIVE_PREFILL_TOKENS, ACTIVE_REQUESTS,
+};
+
+/// The active requests of every rank.
+#[derive(Debug, Default)]
+pub struct ActiveTable {
+    ranks: Mutex<HashMap<WorkerRank, ActiveSequences>>,
+}
+
+impl ActiveTable {
+    fn lock(&self) -> MutexGuard<'_, HashMap<WorkerRank, ActiveSequences>> {
+        self.ranks.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Runs `f` with every rank's load readable at once (one lock for a
+    /// whole scoring pass).
+    pub fn with_loads<T>(
+        &self,
+        f: impl FnOnce(&dyn Fn(WorkerRank, &[SequenceHash]) -> Load) -> T,
+    ) -> T {
+        let ranks = self.lock();
+        f(&|key, seqs| Load::of(ranks.get(&key), seqs))
+    }
+
+    /// Drops requests started more than `max_ms` before `now_ms`.
+    pub fn expire(&self, now_ms: u64, max_ms: u64) {
+        for a in self.lock().values_mut() {
+            a.expire(now_ms, max_ms);
+        }
+    }
+
+    /// (rank, requests, prefill tokens, decode blocks) of every rank seen.
+    pub fn snapshot(&self) -> Vec<(WorkerRank, u64, u64, u64)> {
+        let mut rows: Vec<_> = self
+            .lock()
+            .iter()
+            .map(|(k, a)| {
+                (
+                    *k,
+                    a.active_requests(),
+                    a.active_prefill_tokens(),
+                    a.active_blocks(),
+                )
+            })
+            .collect();
+        rows.sort_unstable();
+        rows
+    }
+}
+
+/// A request's place in its rank's load, freed when dropped.
+#[derive(Debug)]
+pub struct ActiveGuard {
+    proxy: Arc<Proxy>,
+    key: WorkerRank,
+    id: u64,
+}
+
+impl ActiveGuard {
+    /// Adds a request with these blocks and uncached prompt tokens to `key`'s load.
+    pub fn add(proxy: &Arc<Proxy>, key: WorkerRank, blocks: &[SequenceHash], prefill: u64) -> Self {
+        let id = proxy.next_id.fetch_add(1, Ordering::Relaxed);
+        let now = proxy.now_ms();
+        proxy
+            .active
+            .lock()
+            .entry(key)
+            .or_default()
+            .add(id, blocks, prefill, now);
+        ActiveGuard {
+            proxy: proxy.clone(),
+            key,
+            id,
+        }
+    }
+
+    /// The proxy the request runs in.
+    pub fn proxy(&self) -> &Proxy {
+        &self.proxy
+    }
+
+    /// The request's prefill is over (its first byte came back).
+    pub fn prefill_done(&self) {
+        if let Some(a) = self.proxy.active.lock().get_mut(&self.key) {
+            a.prefill_done(self.id);
+        }
+        self.proxy.load_dropped.notify_waiters();
+    }
+}
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        if let Some(a) = self.proxy.active.lock().get_mut(&self.key) {
+            a.free(self.id);
+        }
+        self.proxy.load_dropped.notify_waiters();
+    }
+}
+
+/// The load gauges (`kvroute_active_*`), read from the table at scrape time.
+#[derive(Debug)]
+pub struct ActiveCollector {
+    proxy: Arc<Proxy>,
+}
+
+impl ActiveCollector {
+    /// A collector over `proxy`'s load.
+    pub fn new(proxy: Arc<Proxy>) -> Self {
+        ActiveCollector { proxy }
+    }
+}
+
+impl Collector for ActiveCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        let targets = self.proxy.targets();
+        let rows: Vec<(RankLabels, [u64; 3])> = self
+            .proxy
+            .active
+            .snapshot()
+            .into_iter()
+            .map(|(key, requests, prefill, blocks)| {
+                let worker = targets
+                    .iter()
+                    .find(|t| t.id == key.worker)
+                    .map_or_else(|| Arc::from(""), |t| t.name.clone());
+                let labels = RankLabels {
+                    worker,
+                    dp_rank: key.rank,
+                };
+                (labels, [requests, prefill, blocks])
+            })
+            .collect();
+        for (i, info) in [ACTIVE_REQUESTS, ACTIVE_PREFILL_TOKENS, ACTIVE_DECODE_BLOCKS]
+            .iter()
+            .enumerate()
+        {
+            encode_rank_family(&mut encoder, info, rows.iter().map(|(l, v)| (l, v[i])))?;
+        }
+        Ok(())
+    }
+}

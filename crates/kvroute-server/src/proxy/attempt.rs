@@ -1,0 +1,335 @@
+//! Getting a request to a worker: admission (the candidates in the policy's
+//! order, or a bounded wait while every rank is over its busy thresholds),
+//! then attempts on the candidates in that order. A connection error or a
+//! 5xx before any byte moves on to the next candidate and counts against
+//! the worker's circuit breaker; anything else is the answer.
+
+use std::borrow::Cow;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use kvroute_core::event::WorkerFlavor;
+use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
+use kvroute_core::scheduler::{order, Policy, Scored};
+use tracing::debug;
+
+use super::active::ActiveGuard;
+use super::candidates::{request_hashes, Candidates, Target};
+use super::relay::{reported_cached_tokens, Passthrough, Prediction};
+use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
+use super::scan::RoutingRequest;
+use super::{Endpoint, Proxy};
+use crate::api::ApiError;
+use crate::metrics::RankLabels;
+
+/// A request's candidates, in the order they will be tried.
+#[derive(Debug)]
+pub struct Admitted {
+    candidates: Candidates,
+    ordered: Vec<usize>,
+}
+
+/// Scores the request and orders its candidates; when every rank is busy,
+/// waits (woken as load drops) in the bounded queue, or refuses with 503.
+pub async fn admit(proxy: &Proxy, req: &RoutingRequest) -> Result<Admitted, ApiError> {
+    let config = proxy.config();
+    let queued_until = tokio::time::Instant::now() + config.queue_timeout;
+    let mut place_in_queue = None;
+    loop {
+        let candidates = proxy.candidates_for(req);
+        if candidates.scored.is_empty() {
+            proxy.metrics.no_workers.inc();
+            return Err(ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "no_workers",
+                "no worker is available (none registered, or all failing)",
+            ));
+        }
+        let turn = proxy
+            .turn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ordered = order(
+            &candidates.scored,
+            config.policy,
+            config.temperature,
+            proxy.random(),
+            turn,
+        );
+        if !ordered.is_empty() {
+            return Ok(Admitted {
+                candidates,
+                ordered,
+            });
+        }
+        if place_in_queue.is_none() {
+            place_in_queue = proxy.queue.try_acquire().ok();
+            if place_in_queue.is_some() {
+                proxy.metrics.queued.inc();
+            }
+        }
+        let queued = place_in_queue.is_some();
+        if !queued || tokio::time::Instant::now() >= queued_until {
+            proxy.metrics.overloaded.inc();
+            if queued {
+                proxy.metrics.queue_timeouts.inc();
+            }
+            return Err(overloaded(proxy, candidates.scored.len(), queued));
+        }
+        // Woken when a prefill or a request ends; re-checked at least every
+        // 100 ms in case a wake-up came between scoring and waiting.
+        let recheck = (tokio::time::Instant::now() + Duration::from_millis(100)).min(queued_until);
+        let _ = tokio::time::timeout_at(recheck, proxy.load_dropped.notified()).await;
+    }
+}
+
+/// The 503 for a request no rank can take.
+fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ApiError {
+    let config = proxy.config();
+    let wait = if queued {
+        format!(
+            " after {} ms in the queue",
+            config.queue_timeout.as_millis()
+        )
+    } else if config.queue_capacity > 0 {
+        " and the queue is full".to_owned()
+    } else {
+        String::new()
+    };
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "overloaded",
+        format!(
+            "all {ranks} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}){wait}; retry later",
+            config.busy.prefill_tokens, config.busy.decode_blocks,
+        ),
+    )
+}
+
+/// What one attempt sends, besides the client's headers.
+struct Outgoing {
+    payload: Bytes,
+    /// The rank goes in the `X-data-parallel-rank` header.
+    rank_header: Option<u32>,
+    /// The proxy asked for the usage chunk on the client's behalf.
+    added_usage: bool,
+}
+
+/// The body for candidate `s` of worker `target`, with the rewrites it needs.
+fn outgoing(
+    proxy: &Proxy,
+    req: &RoutingRequest,
+    s: &Scored,
+    target: &Target,
+    body: &Bytes,
+) -> Result<Outgoing, ApiError> {
+    let bad = |e: super::scan::ParseError| ApiError::bad_request(e.0);
+    let multi_rank = target.ranks.len() > 1;
+    let rank_in_body = proxy.config().dp_rank_in_body || s.flavor == WorkerFlavor::Sglang;
+    let mut payload = body.clone();
+    if multi_rank && rank_in_body {
+        payload = Bytes::from(inject_dp_rank(&payload, s.key.rank).map_err(bad)?);
+    }
+    let added_usage = req.stream && !req.include_usage && req.tokens.is_some();
+    if added_usage {
+        payload = Bytes::from(inject_include_usage(&payload).map_err(bad)?);
+    }
+    if s.flavor == WorkerFlavor::Sglang && !req.images.is_empty() && req.mm_hashes.is_none() {
+        let hashes: Vec<u64> = req.images.iter().map(|i| i.identity.hash).collect();
+        payload = Bytes::from(inject_mm_hashes(&payload, &hashes).map_err(bad)?);
+    }
+    Ok(Outgoing {
+        payload,
+        rank_header: (multi_rank && !rank_in_body).then_some(s.key.rank),
+        added_usage,
+    })
+}
+
+/// Tries the admitted candidates in order; the first worker that answers
+/// (anything but a connection error or a 5xx) gives the response.
+pub async fn forward(
+    proxy: &Arc<Proxy>,
+    req: &RoutingRequest,
+    admitted: Admitted,
+    headers: &HeaderMap,
+    body: &Bytes,
+    endpoint: Endpoint,
+) -> Response {
+    let Admitted {
+        candidates,
+        ordered,
+    } = admitted;
+    let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
+    let mut last_error = String::new();
+    let max_attempts = proxy.config().max_attempts.max(1);
+    for (attempt, &i) in ordered.iter().take(max_attempts).enumerate() {
+        let s = &candidates.scored[i];
+        let Some(target) = candidates.targets.get(s.worker) else {
+            continue;
+        };
+        if !proxy.breakers.begin_attempt(&target.name) {
+            continue;
+        }
+        if attempt > 0 {
+            proxy.metrics.retries.inc();
+        }
+        let (locals, seqs) = hashes_for(&candidates, req, s);
+        let cached = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
+        let guard = ActiveGuard::add(proxy, s.key, &seqs, request_tokens.saturating_sub(cached));
+        let out = match outgoing(proxy, req, s, target, body) {
+            Ok(out) => out,
+            Err(e) => return e.into_response(),
+        };
+        let added_usage = out.added_usage;
+        let resp = match send(proxy, target, endpoint, out, headers).await {
+            Ok(resp) => resp,
+            Err(message) => {
+                last_error = message;
+                continue;
+            }
+        };
+        if proxy.config().policy == Policy::Approx && !locals.is_empty() {
+            let now = proxy.now_ms();
+            proxy
+                .index()
+                .write()
+                .record_routing_decision(s.key, &locals, now);
+        }
+        return respond(proxy, req, s, target, resp, guard, added_usage).await;
+    }
+    ApiError::new(
+        StatusCode::BAD_GATEWAY,
+        "upstream_error",
+        format!("no worker answered: {last_error}"),
+    )
+    .into_response()
+}
+
+/// The request's local and sequence hashes for candidate `s`'s block size
+/// and flavour, as scoring computed them (or computed now if it did not).
+fn hashes_for<'a>(
+    candidates: &'a Candidates,
+    req: &RoutingRequest,
+    s: &Scored,
+) -> (Cow<'a, [LocalBlockHash]>, Cow<'a, [SequenceHash]>) {
+    match candidates.hashes.get(s.block_size, s.flavor) {
+        Some(set) => (Cow::Borrowed(&set.locals), Cow::Borrowed(&set.seqs)),
+        None => {
+            let locals = request_hashes(req, s.block_size, s.flavor);
+            let seqs = sequence_hashes(&locals);
+            (Cow::Owned(locals), Cow::Owned(seqs))
+        }
+    }
+}
+
+/// Sends one attempt; `Err` (with why) when the worker could not be reached
+/// or answered 5xx, which the caller retries elsewhere.
+async fn send(
+    proxy: &Proxy,
+    target: &Target,
+    endpoint: Endpoint,
+    out: Outgoing,
+    headers: &HeaderMap,
+) -> Result<reqwest::Response, String> {
+    let mut upstream = proxy
+        .client
+        .post(format!("{}{}", target.url, endpoint.path()))
+        .timeout(proxy.config().request_timeout)
+        .header(header::CONTENT_TYPE, "application/json")
+        .body(out.payload);
+    if let Some(rank) = out.rank_header {
+        upstream = upstream.header("X-data-parallel-rank", rank.to_string());
+    }
+    if let Some(auth) = headers.get(header::AUTHORIZATION) {
+        upstream = upstream.header(header::AUTHORIZATION, auth.clone());
+    }
+    let failed = |message: String| {
+        proxy.metrics.upstream_errors.inc();
+        proxy.breakers.record_outcome(&target.name, false);
+        Err(message)
+    };
+    match upstream.send().await {
+        Err(e) => {
+            debug!(worker = %target.name, error = %e, "upstream request failed");
+            failed(format!("worker `{}`: {e}", target.name))
+        }
+        Ok(resp) if resp.status().is_server_error() => failed(format!(
+            "worker `{}` answered {}",
+            target.name,
+            resp.status()
+        )),
+        Ok(resp) => {
+            proxy.breakers.record_outcome(&target.name, true);
+            Ok(resp)
+        }
+    }
+}
+
+/// The client's response from the worker's: streams relayed as they come,
+/// whole bodies read, and in both the engine's `cached_tokens` compared
+/// with the prediction.
+async fn respond(
+    proxy: &Proxy,
+    req: &RoutingRequest,
+    s: &Scored,
+    target: &Target,
+    resp: reqwest::Response,
+    guard: ActiveGuard,
+    added_usage: bool,
+) -> Response {
+    let labels = RankLabels {
+        worker: target.name.clone(),
+        dp_rank: s.key.rank,
+    };
+    proxy.metrics.routed.get_or_create(&labels).inc();
+    let status = resp.status();
+    let prediction = req
+        .tokens
+        .as_ref()
+        .filter(|_| status.is_success())
+        .map(|t| Prediction {
+            predicted: s.predicted_cached_tokens(t.len() as u64),
+        });
+    let mut builder = Response::builder()
+        .status(status.as_u16())
+        .header("x-kvroute-worker", &*target.name)
+        .header("x-kvroute-dp-rank", s.key.rank);
+    let content_type = resp.headers().get(header::CONTENT_TYPE);
+    if let Some(v) = content_type.and_then(|ct| HeaderValue::from_bytes(ct.as_bytes()).ok()) {
+        builder = builder.header(header::CONTENT_TYPE, v);
+    }
+    let streaming =
+        req.stream || content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let body = if streaming {
+        let strip = added_usage && status.is_success();
+        Body::from_stream(Passthrough::new(
+            Box::pin(resp.bytes_stream()),
+            guard,
+            prediction,
+            strip,
+        ))
+    } else {
+        guard.prefill_done();
+        let bytes = match resp.bytes().await {
+            Ok(b) => b,
+            Err(e) => {
+                return ApiError::new(
+                    StatusCode::BAD_GATEWAY,
+                    "upstream_error",
+                    format!("worker `{}`: reading the response: {e}", target.name),
+                )
+                .into_response()
+            }
+        };
+        drop(guard);
+        if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
+            proxy.metrics.compare(p.predicted, reported);
+        }
+        Body::from(bytes)
+    };
+    builder
+        .body(body)
+        .unwrap_or_else(|e| ApiError::internal(e.to_string()).into_response())
+}

@@ -1,0 +1,322 @@
+//! The routing proxy: OpenAI requests in, the chosen worker's response out.
+//!
+//! A request flows through one module per step:
+//! 1. [`scan`] reads the body once for what routing needs;
+//! 2. the prompt tokenizer turns a text prompt or chat messages into token
+//!    ids (requests with ids skip it; without a tokenizer they are routed on
+//!    load alone);
+//! 3. [`candidates`] hashes the prompt per block size and engine flavour,
+//!    matches the index and prices every rank with the core's scheduler;
+//! 4. [`attempt`] orders the candidates by the policy, waits in the bounded
+//!    overload queue if every rank is busy, and sends the request to the
+//!    first, then the next on a connection error or a 5xx before any byte,
+//!    skipping workers whose circuit [`breaker`] is open; [`rewrite`] adds the
+//!    rank, image hashes or `include_usage` to the body on the way;
+//! 5. [`relay`] passes the answer back (streams chunk by chunk) and compares
+//!    the engine's `cached_tokens` with the prediction;
+//! 6. [`active`] holds the request's place in its rank's load until it ends.
+
+pub mod active;
+pub mod attempt;
+pub mod breaker;
+pub mod candidates;
+pub mod relay;
+pub mod rewrite;
+pub mod scan;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use kvroute_core::index::SharedIndex;
+use kvroute_core::multimodal::RoutingPrompt;
+use kvroute_core::rng::{mix, unit_f64, SplitMix64};
+use kvroute_core::scheduler::{BusyThresholds, CostWeights, Policy};
+use serde_json::{json, Map, Value};
+
+use crate::api::{ApiError, Body};
+use crate::ingest::registry::Registry;
+use crate::metrics::ProxyMetrics;
+use active::ActiveTable;
+use breaker::Breakers;
+use candidates::Target;
+use scan::{RoutingRequest, TextPrompt};
+
+/// Turns a prompt given as text (a completion's `prompt`, a chat's
+/// `messages`) into the token ids the engine will cache, with its images.
+pub trait PromptTokenizer: Send + Sync + std::fmt::Debug {
+    /// The prompt with its images: folded token ids with the placeholder id
+    /// in every image position, and each image's span and identity, from
+    /// which the router builds each worker flavour's block hashes. `None`
+    /// when the prompt cannot be rendered (the request is then routed on
+    /// load alone and the engine judges it).
+    fn prompt(
+        &self,
+        text: &TextPrompt,
+        mm_hashes: Option<&Value>,
+        model: Option<&str>,
+    ) -> Option<RoutingPrompt>;
+}
+
+/// How requests are routed and forwarded.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Routing policy.
+    pub policy: Policy,
+    /// Cost weights.
+    pub weights: CostWeights,
+    /// 0: lowest cost; > 0: softmax sampling.
+    pub temperature: f64,
+    /// Busy thresholds.
+    pub busy: BusyThresholds,
+    /// Candidates tried per request at most.
+    pub max_attempts: usize,
+    /// Time allowed for a whole upstream request.
+    pub request_timeout: Duration,
+    /// Time allowed to connect to a worker.
+    pub connect_timeout: Duration,
+    /// Consecutive failures that open a worker's circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker keeps the worker out.
+    pub breaker_open: Duration,
+    /// Active requests older than this are dropped from the load.
+    pub active_expiry: Duration,
+    /// Name the rank in the body as `data_parallel_rank` for every worker;
+    /// otherwise only SGLang-flavour workers get the body field and vLLM
+    /// workers the `X-data-parallel-rank` header.
+    pub dp_rank_in_body: bool,
+    /// Tokenizes text prompts and chat messages; without it they are routed on load only.
+    pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
+    /// Requests that may wait for a rank to drop below its busy thresholds
+    /// when every rank is over them; 0: refuse at once with 503.
+    pub queue_capacity: usize,
+    /// Longest wait in that queue before the 503.
+    pub queue_timeout: Duration,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            policy: Policy::Kv,
+            weights: CostWeights::default(),
+            temperature: 0.0,
+            busy: BusyThresholds::default(),
+            max_attempts: 3,
+            request_timeout: Duration::from_secs(600),
+            connect_timeout: Duration::from_secs(2),
+            breaker_failures: 3,
+            breaker_open: Duration::from_secs(10),
+            active_expiry: Duration::from_secs(600),
+            dp_rank_in_body: false,
+            tokenizer: None,
+            queue_capacity: 0,
+            queue_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// The routing state every request shares.
+#[derive(Debug)]
+pub struct Proxy {
+    config: ProxyConfig,
+    index: Arc<SharedIndex>,
+    client: reqwest::Client,
+    /// Shared, not copied, by each request.
+    targets: RwLock<Arc<Vec<Target>>>,
+    active: ActiveTable,
+    breakers: Breakers,
+    /// The counters requests bump.
+    pub metrics: ProxyMetrics,
+    next_id: AtomicU64,
+    turn: AtomicU64,
+    rng: AtomicU64,
+    started: Instant,
+    /// Places in the overload queue.
+    queue: tokio::sync::Semaphore,
+    /// Woken whenever a rank's load drops (a prefill ends or a request ends).
+    load_dropped: tokio::sync::Notify,
+}
+
+impl Proxy {
+    /// A proxy over `index` with no workers yet (see [`Proxy::refresh`]).
+    pub fn new(config: ProxyConfig, index: Arc<SharedIndex>) -> Result<Self, reqwest::Error> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(config.connect_timeout)
+            .pool_max_idle_per_host(256)
+            .build()?;
+        let seed = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
+        Ok(Proxy {
+            queue: tokio::sync::Semaphore::new(config.queue_capacity),
+            load_dropped: tokio::sync::Notify::new(),
+            breakers: Breakers::new(config.breaker_failures, config.breaker_open),
+            config,
+            index,
+            client,
+            targets: RwLock::new(Arc::new(Vec::new())),
+            active: ActiveTable::default(),
+            metrics: ProxyMetrics::default(),
+            next_id: AtomicU64::new(1),
+            turn: AtomicU64::new(0),
+            rng: AtomicU64::new(seed | 1),
+            started: Instant::now(),
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ProxyConfig {
+        &self.config
+    }
+
+    /// The index routing reads.
+    pub fn index(&self) -> &SharedIndex {
+        &self.index
+    }
+
+    /// The workers requests can go to now.
+    pub fn targets(&self) -> Arc<Vec<Target>> {
+        self.targets
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Milliseconds since the proxy started: the clock of the approximate index.
+    pub fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Re-reads the workers from the registry.
+    pub fn refresh(&self, registry: &Registry) {
+        let targets: Vec<Target> = registry
+            .view()
+            .iter()
+            .filter_map(Target::from_view)
+            .collect();
+        *self.targets.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(targets);
+    }
+
+    /// Drops active requests older than the expiry.
+    pub fn expire_active(&self) {
+        let max = self.config.active_expiry.as_millis() as u64;
+        self.active.expire(self.now_ms(), max);
+    }
+
+    /// A uniform number in `[0, 1)` (SplitMix64 over an atomic state).
+    pub fn random(&self) -> f64 {
+        let state = self
+            .rng
+            .fetch_add(SplitMix64::GAMMA, Ordering::Relaxed)
+            .wrapping_add(SplitMix64::GAMMA);
+        unit_f64(mix(state))
+    }
+
+    /// Fills in `req.tokens` and `req.images` from its text with the
+    /// tokenizer, if there is one. Requests with token ids keep them as given.
+    pub fn tokenize(&self, req: &mut RoutingRequest) {
+        if req.tokens.is_some() {
+            return;
+        }
+        let (Some(tokenizer), Some(text)) = (&self.config.tokenizer, &req.text) else {
+            return;
+        };
+        if let Some(prompt) = tokenizer.prompt(text, req.mm_hashes.as_ref(), req.model.as_deref()) {
+            req.tokens = Some(prompt.tokens);
+            req.images = prompt.images;
+        }
+    }
+}
+
+/// Which OpenAI endpoint a request came in on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/completions`.
+    Completions,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+impl Endpoint {
+    /// The path forwarded to the worker.
+    pub fn path(self) -> &'static str {
+        match self {
+            Endpoint::Completions => "/v1/completions",
+            Endpoint::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// `POST /v1/completions`.
+pub async fn completions(
+    State(proxy): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    Body(body): Body,
+) -> Response {
+    handle(proxy, headers, body, Endpoint::Completions).await
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(proxy): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    Body(body): Body,
+) -> Response {
+    handle(proxy, headers, body, Endpoint::Chat).await
+}
+
+async fn handle(
+    proxy: Arc<Proxy>,
+    headers: HeaderMap,
+    body: axum::body::Bytes,
+    endpoint: Endpoint,
+) -> Response {
+    proxy.metrics.requests.inc();
+    let mut req = match scan::parse_request(&body, endpoint == Endpoint::Chat) {
+        Ok(r) => r,
+        Err(e) => {
+            proxy.metrics.bad_requests.inc();
+            return ApiError::bad_request(e.0).into_response();
+        }
+    };
+    proxy.tokenize(&mut req);
+    if req.tokens.is_none() {
+        proxy.metrics.load_only.inc();
+    }
+    let admitted = match attempt::admit(&proxy, &req).await {
+        Ok(a) => a,
+        Err(e) => return e.into_response(),
+    };
+    attempt::forward(&proxy, &req, admitted, &headers, &body, endpoint).await
+}
+
+/// `GET /v1/models`: the union of every worker's models.
+pub async fn models(State(proxy): State<Arc<Proxy>>) -> Response {
+    let targets = proxy.targets();
+    let mut seen = Map::new();
+    for t in targets.iter() {
+        let Ok(resp) = proxy
+            .client
+            .get(format!("{}/v1/models", t.url))
+            .timeout(Duration::from_secs(5))
+            .send()
+            .await
+        else {
+            continue;
+        };
+        let Ok(doc) = resp.json::<Value>().await else {
+            continue;
+        };
+        for m in doc["data"].as_array().into_iter().flatten() {
+            if let Some(id) = m["id"].as_str() {
+                seen.entry(id.to_owned()).or_insert_with(|| m.clone());
+            }
+        }
+    }
+    let data: Vec<Value> = seen.into_iter().map(|(_, v)| v).collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}

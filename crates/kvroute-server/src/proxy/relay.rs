@@ -1,0 +1,313 @@
+//! Relaying a worker's answer to the client: SSE streams chunk by chunk
+//! (holding the request's place in the load until the stream ends), and on
+//! the way reading the engine's `cached_tokens` for the accuracy metric and
+//! removing the usage chunk that the proxy asked for on the client's behalf.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Bytes;
+use futures_util::Stream;
+use serde_json::Value;
+
+use super::active::ActiveGuard;
+
+/// What the accuracy check needs after the response.
+#[derive(Debug, Clone, Copy)]
+pub struct Prediction {
+    /// The cached tokens the index predicted.
+    pub predicted: u64,
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of a JSON document.
+fn cached_tokens(doc: &Value) -> Option<u64> {
+    doc.get("usage")?
+        .get("prompt_tokens_details")?
+        .get("cached_tokens")?
+        .as_u64()
+}
+
+#[derive(serde::Deserialize)]
+struct UsageDoc {
+    usage: Option<UsageOnly>,
+}
+
+#[derive(serde::Deserialize)]
+struct UsageOnly {
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(serde::Deserialize)]
+struct Details {
+    cached_tokens: Option<u64>,
+}
+
+/// `usage.prompt_tokens_details.cached_tokens` of a response body, read
+/// without building the rest of the document.
+pub fn reported_cached_tokens(body: &[u8]) -> Option<u64> {
+    serde_json::from_slice::<UsageDoc>(body)
+        .ok()?
+        .usage?
+        .prompt_tokens_details?
+        .cached_tokens
+}
+
+/// The cached tokens reported in an SSE chunk's usage, if it has one.
+fn cached_tokens_in_sse(chunk: &[u8]) -> Option<u64> {
+    let text = std::str::from_utf8(chunk).ok()?;
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| d.contains("cached_tokens"))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .find_map(|d| cached_tokens(&d))
+}
+
+/// The end of the first complete SSE event in `buf` (after its blank line).
+fn sse_event_end(buf: &[u8]) -> Option<usize> {
+    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
+    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
+    match (lf, crlf) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// Whether JSON text has `"choices"` followed by an empty array.
+fn has_empty_choices(text: &[u8]) -> bool {
+    let key = b"\"choices\"";
+    let mut from = 0;
+    while let Some(i) = text[from..].windows(key.len()).position(|w| w == key) {
+        let rest = text[from + i + key.len()..]
+            .iter()
+            .copied()
+            .filter(|b| !b.is_ascii_whitespace());
+        let mut rest = rest.take(3);
+        if rest.next() == Some(b':') && rest.next() == Some(b'[') && rest.next() == Some(b']') {
+            return true;
+        }
+        from += i + key.len();
+    }
+    false
+}
+
+/// If one SSE event is a usage-only chunk (`"choices": []` and a `usage`
+/// object, what an engine sends last for `include_usage`), its usage's
+/// `cached_tokens` (`Some(None)` when it has none); otherwise `None`.
+fn usage_only_event(event: &[u8]) -> Option<Option<u64>> {
+    if !has_empty_choices(event) {
+        return None;
+    }
+    let text = std::str::from_utf8(event).ok()?;
+    let data: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(|d| d.strip_prefix(' ').unwrap_or(d))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let doc: Value = serde_json::from_str(&data).ok()?;
+    let empty = doc.get("choices")?.as_array()?.is_empty();
+    (empty && doc.get("usage")?.is_object()).then(|| cached_tokens(&doc))
+}
+
+/// Removes usage-only chunks from an SSE stream that kvroute asked for
+/// (`stream_options.include_usage` added by the proxy), reading their
+/// `cached_tokens` first. Holds at most one incomplete event: every complete
+/// event is passed on as soon as its blank line arrives.
+#[derive(Debug, Default)]
+pub struct UsageStripper {
+    pending: Vec<u8>,
+}
+
+impl UsageStripper {
+    /// Takes the next upstream bytes; returns what to pass on now and the
+    /// `cached_tokens` of a usage chunk removed from them, if any.
+    pub fn feed(&mut self, chunk: &[u8]) -> (Vec<u8>, Option<u64>) {
+        self.pending.extend_from_slice(chunk);
+        let mut out = Vec::with_capacity(self.pending.len());
+        let mut reported = None;
+        let mut start = 0;
+        while let Some(len) = sse_event_end(&self.pending[start..]) {
+            let event = &self.pending[start..start + len];
+            match usage_only_event(event) {
+                Some(cached) => reported = reported.or(cached),
+                None => out.extend_from_slice(event),
+            }
+            start += len;
+        }
+        self.pending.drain(..start);
+        (out, reported)
+    }
+
+    /// What is left when the upstream ends (an unterminated event), passed on as is.
+    pub fn finish(&mut self) -> Vec<u8> {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+/// The upstream body, passed through chunk by chunk; holds the active entry.
+pub struct Passthrough<S> {
+    inner: S,
+    guard: Option<ActiveGuard>,
+    first: bool,
+    prediction: Option<Prediction>,
+    /// Set when the proxy added `include_usage`: drop the usage-only chunk.
+    strip: Option<UsageStripper>,
+    done: bool,
+}
+
+impl<S> Passthrough<S> {
+    /// Relays `inner`, holding `guard` until it ends; compares `prediction`
+    /// with the engine's `cached_tokens`; removes the usage-only chunk when
+    /// `strip_usage` (the client did not ask for it).
+    pub fn new(
+        inner: S,
+        guard: ActiveGuard,
+        prediction: Option<Prediction>,
+        strip_usage: bool,
+    ) -> Self {
+        Passthrough {
+            inner,
+            guard: Some(guard),
+            first: true,
+            prediction,
+            strip: strip_usage.then(UsageStripper::default),
+            done: false,
+        }
+    }
+}
+
+impl<S> Passthrough<S> {
+    fn report(&mut self, reported: Option<u64>) {
+        if let (Some(p), Some(g), Some(reported)) = (self.prediction, &self.guard, reported) {
+            g.proxy().metrics.compare(p.predicted, reported);
+            self.prediction = None;
+        }
+    }
+}
+
+impl<S> Stream for Passthrough<S>
+where
+    S: Stream<Item = Result<Bytes, reqwest::Error>> + Unpin,
+{
+    type Item = Result<Bytes, reqwest::Error>;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let this = &mut *self;
+        if this.done {
+            return Poll::Ready(None);
+        }
+        loop {
+            match Pin::new(&mut this.inner).poll_next(cx) {
+                Poll::Ready(Some(Ok(chunk))) => {
+                    if this.first {
+                        this.first = false;
+                        if let Some(g) = &this.guard {
+                            g.prefill_done();
+                        }
+                    }
+                    let (out, reported) = match &mut this.strip {
+                        Some(strip) => {
+                            let (out, reported) = strip.feed(&chunk);
+                            (Bytes::from(out), reported)
+                        }
+                        None => {
+                            let reported =
+                                this.prediction.and_then(|_| cached_tokens_in_sse(&chunk));
+                            (chunk, reported)
+                        }
+                    };
+                    this.report(reported);
+                    if out.is_empty() {
+                        continue;
+                    }
+                    return Poll::Ready(Some(Ok(out)));
+                }
+                Poll::Ready(Some(Err(e))) => {
+                    this.guard = None;
+                    this.done = true;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                Poll::Ready(None) => {
+                    this.guard = None;
+                    this.done = true;
+                    let rest = this.strip.as_mut().map(UsageStripper::finish);
+                    return match rest {
+                        Some(rest) if !rest.is_empty() => Poll::Ready(Some(Ok(Bytes::from(rest)))),
+                        _ => Poll::Ready(None),
+                    };
+                }
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn usage_is_found_in_documents_and_sse_chunks() {
+        let doc = json!({"usage": {"prompt_tokens_details": {"cached_tokens": 48}}});
+        assert_eq!(cached_tokens(&doc), Some(48));
+        assert_eq!(reported_cached_tokens(doc.to_string().as_bytes()), Some(48));
+        assert_eq!(reported_cached_tokens(b"{\"id\":1}"), None);
+        let chunk = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
+        assert_eq!(cached_tokens_in_sse(chunk), Some(32));
+        assert_eq!(cached_tokens_in_sse(b"data: {\"choices\":[]}\n\n"), None);
+    }
+
+    const ROLE: &[u8] =
+        b"data: {\"id\":\"c\",\"choices\":[{\"index\":0,\"text\":\"a\"}],\"usage\":null}\n\n";
+    const USAGE: &[u8] = b"data: {\"id\":\"c\",\"choices\":[],\"usage\":{\"prompt_tokens\":64,\"prompt_tokens_details\":{\"cached_tokens\":48}}}\n\n";
+    const DONE: &[u8] = b"data: [DONE]\n\n";
+
+    #[test]
+    fn the_usage_chunk_is_removed_whatever_the_chunk_boundaries() {
+        let stream: Vec<u8> = [ROLE, ROLE, USAGE, DONE].concat();
+        let expected: Vec<u8> = [ROLE, ROLE, DONE].concat();
+        // Every way of cutting the stream in two, and byte by byte.
+        for cut in 0..=stream.len() {
+            let mut f = UsageStripper::default();
+            let (mut out, a) = f.feed(&stream[..cut]);
+            let (rest, b) = f.feed(&stream[cut..]);
+            out.extend(rest);
+            out.extend(f.finish());
+            assert_eq!(out, expected, "cut at {cut}");
+            assert_eq!(a.or(b), Some(48), "cut at {cut}");
+        }
+        let mut f = UsageStripper::default();
+        let mut out = Vec::new();
+        let mut reported = None;
+        for byte in &stream {
+            let (o, r) = f.feed(std::slice::from_ref(byte));
+            // Nothing is held beyond the event in progress.
+            assert!(f.pending.len() <= USAGE.len());
+            out.extend(o);
+            reported = reported.or(r);
+        }
+        assert_eq!((out, reported), (expected, Some(48)));
+    }
+
+    #[test]
+    fn complete_events_pass_at_once_and_other_chunks_stay() {
+        let mut f = UsageStripper::default();
+        // A whole event and half of the next: the whole one passes now.
+        let (out, _) = f.feed(&[ROLE, &ROLE[..10]].concat());
+        assert_eq!(out, ROLE);
+        let (out, _) = f.feed(&ROLE[10..]);
+        assert_eq!(out, ROLE);
+        // CRLF framing, and a chunk with choices and usage is kept.
+        let crlf = b"data: {\"choices\": [ ], \"usage\": {\"prompt_tokens_details\": {\"cached_tokens\": 16}}}\r\n\r\n";
+        assert_eq!(f.feed(crlf), (Vec::new(), Some(16)));
+        let with_choices =
+            b"data: {\"choices\":[{\"text\":\"\"}],\"usage\":{\"prompt_tokens\":1}}\n\n";
+        assert_eq!(f.feed(with_choices).0, with_choices);
+        // An unterminated tail is passed on at the end.
+        assert_eq!(f.feed(b"data: [DO").0, b"");
+        assert_eq!(f.finish(), b"data: [DO");
+        assert!(has_empty_choices(b"{\"choices\" :\n[]}"));
+        assert!(!has_empty_choices(b"{\"choices\":[1]}"));
+    }
+}
