@@ -73,3 +73,125 @@ async fn metrics(State(metrics): State<Arc<Metrics>>, headers: HeaderMap) -> Res
     let (content_type, text) = metrics.render(accept);
     ([(header::CONTENT_TYPE, content_type)], text).into_response()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::body::Body;
+    use axum::http::{Method, Request, StatusCode};
+    use kvroute_core::index::{Index, IndexConfig, SharedIndex};
+    use serde_json::Value;
+    use std::time::Duration;
+    use tower::ServiceExt as _;
+
+    use crate::ingest::registry::Registry;
+    use crate::ingest::stream::IngestConfig;
+    use crate::proxy::ProxyConfig;
+
+    /// The app with no workers and a 1 KiB body limit.
+    fn test_app() -> axum::Router {
+        let index = Arc::new(SharedIndex::new(Index::new(IndexConfig::default())));
+        let registry = Arc::new(Registry::new(
+            index.clone(),
+            IngestConfig::default(),
+            Duration::from_secs(30),
+        ));
+        let proxy = Arc::new(Proxy::new(ProxyConfig::default(), index).expect("client"));
+        let metrics = Arc::new(Metrics::new(&proxy.metrics, Vec::new()));
+        app(AppState {
+            admin: AdminState {
+                registry,
+                proxy: proxy.clone(),
+                admin_token: None,
+                default_block_size: 16,
+            },
+            proxy,
+            metrics,
+            max_body_bytes: 1024,
+        })
+    }
+
+    /// Sends one request through the app; the status and the JSON body.
+    async fn call(method: Method, uri: &str, body: impl Into<Body>) -> (StatusCode, Value) {
+        let request = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("content-type", "application/json")
+            .body(body.into())
+            .expect("request");
+        let response = test_app().oneshot(request).await.expect("infallible");
+        let status = response.status();
+        let bytes = axum::body::to_bytes(response.into_body(), usize::MAX)
+            .await
+            .expect("body");
+        let json = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+            panic!("not JSON: {}", String::from_utf8_lossy(&bytes));
+        });
+        (status, json)
+    }
+
+    /// The OpenAI error body: every field present, `code` the status.
+    fn assert_openai_error(status: StatusCode, body: &Value, kind: &str, says: &str) {
+        let error = &body["error"];
+        assert_eq!(error["type"], kind, "{body}");
+        assert_eq!(error["code"], status.as_u16(), "{body}");
+        assert!(error["param"].is_null(), "{body}");
+        let message = error["message"].as_str().unwrap_or_default();
+        assert!(message.contains(says), "{message:?} should say {says:?}");
+    }
+
+    #[tokio::test]
+    async fn malformed_json_is_a_400_with_the_openai_error_body() {
+        let (status, body) = call(Method::POST, "/v1/completions", "{").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_openai_error(status, &body, "invalid_request_error", "invalid JSON");
+        let (status, body) = call(Method::POST, "/register", "[1]").await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_openai_error(status, &body, "invalid_request_error", "JSON object");
+    }
+
+    #[tokio::test]
+    async fn fields_of_the_wrong_type_are_a_400_naming_the_field() {
+        let (status, body) = call(
+            Method::POST,
+            "/v1/completions",
+            r#"{"prompt":[1],"stream":"yes"}"#,
+        )
+        .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_openai_error(status, &body, "invalid_request_error", "`stream`");
+        let (status, body) = call(Method::POST, "/v1/chat/completions", r#"{"messages":5}"#).await;
+        assert_openai_error(status, &body, "invalid_request_error", "`messages`");
+        let (status, body) = call(Method::POST, "/query", r#"{"token_ids":[1,-2]}"#).await;
+        assert_openai_error(status, &body, "invalid_request_error", "`token_ids`");
+        let (status, body) = call(Method::POST, "/register", r#"{"name":5}"#).await;
+        assert_openai_error(status, &body, "invalid_request_error", "give `name`");
+    }
+
+    #[tokio::test]
+    async fn unknown_routes_and_wrong_methods_answer_in_json() {
+        let (status, body) = call(Method::GET, "/v2/nothing", Body::empty()).await;
+        assert_eq!(status, StatusCode::NOT_FOUND);
+        assert_openai_error(status, &body, "not_found", "no such route");
+        let (status, body) = call(Method::GET, "/v1/completions", Body::empty()).await;
+        assert_eq!(status, StatusCode::METHOD_NOT_ALLOWED);
+        assert_openai_error(status, &body, "method_not_allowed", "method not allowed");
+    }
+
+    #[tokio::test]
+    async fn a_body_over_the_limit_is_a_413_in_json() {
+        let big = format!(r#"{{"prompt":"{}"}}"#, "x".repeat(2048));
+        for path in ["/v1/completions", "/query", "/register"] {
+            let (status, body) = call(Method::POST, path, big.clone()).await;
+            assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{path}");
+            assert_openai_error(status, &body, "request_too_large", "length limit");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_valid_request_with_no_workers_is_a_503_in_json() {
+        let (status, body) = call(Method::POST, "/v1/completions", r#"{"prompt":[1,2]}"#).await;
+        assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_openai_error(status, &body, "no_workers", "no worker");
+    }
+}

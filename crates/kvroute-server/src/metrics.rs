@@ -83,342 +83,66 @@ impl MetricInfo {
 const RANK: &[&str] = &["worker", "dp_rank"];
 const NONE: &[&str] = &[];
 
-macro_rules! metric {
-    ($id:ident, $name:literal, $kind:ident, $labels:expr, $help:literal) => {
-        #[doc = $help]
-        pub const $id: MetricInfo = MetricInfo {
-            name: $name,
-            kind: Kind::$kind,
-            labels: $labels,
-            help: $help,
-        };
+/// Declares each metric as a constant (documented by its help text) and
+/// lists them all, in exposition order, as [`CATALOGUE`].
+macro_rules! catalogue {
+    ($($id:ident: $name:ident $kind:ident $labels:ident $help:literal;)*) => {
+        $(
+            #[doc = $help]
+            pub const $id: MetricInfo = MetricInfo {
+                name: stringify!($name),
+                kind: Kind::$kind,
+                labels: $labels,
+                help: $help,
+            };
+        )*
+        /// Every metric, in exposition order.
+        pub const CATALOGUE: &[MetricInfo] = &[$($id),*];
     };
 }
 
-metric!(
-    INGEST_BATCHES,
-    "kvroute_ingest_batches_total",
-    Counter,
-    RANK,
-    "Event batches received live."
-);
-metric!(
-    INGEST_EVENTS,
-    "kvroute_ingest_events_total",
-    Counter,
-    RANK,
-    "Events applied to the index."
-);
-metric!(
-    INGEST_DECODE_ERRORS,
-    "kvroute_ingest_decode_errors_total",
-    Counter,
-    RANK,
-    "Malformed events skipped."
-);
-metric!(
-    INGEST_EVENTS_FILTERED,
-    "kvroute_ingest_events_filtered_total",
-    Counter,
-    RANK,
-    "Events dropped on purpose (tier, placement, block size)."
-);
-metric!(
-    INGEST_ENVELOPE_ERRORS,
-    "kvroute_ingest_envelope_errors_total",
-    Counter,
-    RANK,
-    "Batches whose envelope could not be decoded."
-);
-metric!(
-    INGEST_BAD_FRAMES,
-    "kvroute_ingest_bad_frames_total",
-    Counter,
-    RANK,
-    "Messages that were not [topic, seq, payload]."
-);
-metric!(
-    INGEST_GAPS,
-    "kvroute_ingest_gaps_total",
-    Counter,
-    RANK,
-    "Sequence gaps detected."
-);
-metric!(
-    INGEST_REPLAYS_OK,
-    "kvroute_ingest_replays_ok_total",
-    Counter,
-    RANK,
-    "Replays that filled their gap."
-);
-metric!(
-    INGEST_REPLAYS_INCOMPLETE,
-    "kvroute_ingest_replays_incomplete_total",
-    Counter,
-    RANK,
-    "Replays that could not fill their gap."
-);
-metric!(
-    INGEST_ENGINE_RESTARTS,
-    "kvroute_ingest_engine_restarts_total",
-    Counter,
-    RANK,
-    "Engine restarts seen (sequence went back)."
-);
-metric!(
-    INGEST_RANK_CLEARS,
-    "kvroute_ingest_rank_clears_total",
-    Counter,
-    RANK,
-    "Times a rank's blocks were dropped."
-);
-metric!(
-    INGEST_STALE_BATCHES,
-    "kvroute_ingest_stale_batches_total",
-    Counter,
-    RANK,
-    "Batches dropped as already applied."
-);
-metric!(
-    INGEST_CONNECTED,
-    "kvroute_ingest_connected",
-    Gauge,
-    RANK,
-    "Whether the rank's event socket is connected."
-);
-metric!(
-    INDEX_NODES,
-    "kvroute_index_nodes",
-    Gauge,
-    NONE,
-    "Distinct block prefixes in the index."
-);
-metric!(
-    INDEX_RESIDENCIES,
-    "kvroute_index_residencies",
-    Gauge,
-    NONE,
-    "(block, rank, tier) residencies in the index."
-);
-metric!(
-    INDEX_HEAP_BYTES,
-    "kvroute_index_heap_bytes",
-    Gauge,
-    NONE,
-    "Heap bytes held by the index."
-);
-metric!(
-    INDEX_BLOCKS_STORED,
-    "kvroute_index_blocks_stored_total",
-    Counter,
-    NONE,
-    "Blocks stored in the index."
-);
-metric!(
-    INDEX_BLOCKS_REMOVED,
-    "kvroute_index_blocks_removed_total",
-    Counter,
-    NONE,
-    "Blocks removed from the index."
-);
-metric!(
-    INDEX_DUPLICATE_BLOCKS,
-    "kvroute_index_duplicate_blocks_total",
-    Counter,
-    NONE,
-    "Stored blocks a rank already held."
-);
-metric!(
-    INDEX_PARENT_MISSING,
-    "kvroute_index_parent_missing_total",
-    Counter,
-    NONE,
-    "Stored events dropped because their parent block was unknown."
-);
-metric!(
-    INDEX_UNKNOWN_REMOVALS,
-    "kvroute_index_unknown_removals_total",
-    Counter,
-    NONE,
-    "Removals of blocks the rank did not hold."
-);
-metric!(
-    INDEX_EVICTED_OVER_CAPACITY,
-    "kvroute_index_evicted_over_capacity_total",
-    Counter,
-    NONE,
-    "Residencies dropped because a rank was over its cap."
-);
-metric!(
-    INDEX_HASH_CONFLICTS,
-    "kvroute_index_hash_conflicts_total",
-    Counter,
-    NONE,
-    "Engine hashes a rank bound to another block than the shared binding."
-);
-metric!(
-    INDEX_APPROX_EXPIRED,
-    "kvroute_index_approx_expired_total",
-    Counter,
-    NONE,
-    "Approximate residencies that expired."
-);
-metric!(
-    PROXY_REQUESTS,
-    "kvroute_proxy_requests_total",
-    Counter,
-    NONE,
-    "Completion requests received."
-);
-metric!(
-    PROXY_BAD_REQUESTS,
-    "kvroute_proxy_bad_requests_total",
-    Counter,
-    NONE,
-    "Requests refused as malformed."
-);
-metric!(
-    PROXY_UPSTREAM_ERRORS,
-    "kvroute_proxy_upstream_errors_total",
-    Counter,
-    NONE,
-    "Connection errors and 5xx answers from workers."
-);
-metric!(
-    PROXY_RETRIES,
-    "kvroute_proxy_retries_total",
-    Counter,
-    NONE,
-    "Attempts on a further candidate after a failure."
-);
-metric!(
-    PROXY_OVERLOADED,
-    "kvroute_proxy_overloaded_total",
-    Counter,
-    NONE,
-    "Requests refused because every candidate was busy."
-);
-metric!(
-    PROXY_QUEUED,
-    "kvroute_proxy_queued_total",
-    Counter,
-    NONE,
-    "Requests that waited in the overload queue."
-);
-metric!(
-    PROXY_QUEUE_TIMEOUTS,
-    "kvroute_proxy_queue_timeouts_total",
-    Counter,
-    NONE,
-    "Queued requests refused when their wait ran out."
-);
-metric!(
-    PROXY_NO_WORKERS,
-    "kvroute_proxy_no_workers_total",
-    Counter,
-    NONE,
-    "Requests refused because no worker was available."
-);
-metric!(
-    PROXY_LOAD_ONLY,
-    "kvroute_proxy_load_only_total",
-    Counter,
-    NONE,
-    "Text requests routed on load alone (no tokenizer)."
-);
-metric!(
-    PROXY_ROUTED,
-    "kvroute_proxy_routed_total",
-    Counter,
-    RANK,
-    "Requests forwarded per (worker, rank)."
-);
-metric!(
-    ACCURACY_COMPARISONS,
-    "kvroute_accuracy_comparisons_total",
-    Counter,
-    NONE,
-    "Responses whose cached_tokens were compared with the prediction."
-);
-metric!(
-    ACCURACY_EXACT,
-    "kvroute_accuracy_exact_total",
-    Counter,
-    NONE,
-    "Comparisons where prediction and cached_tokens agreed exactly."
-);
-metric!(
-    ACCURACY_DIFFERENCE,
-    "kvroute_accuracy_difference_tokens",
-    Histogram,
-    NONE,
-    "|predicted cached tokens - engine cached_tokens|."
-);
-metric!(
-    ACTIVE_REQUESTS,
-    "kvroute_active_requests",
-    Gauge,
-    RANK,
-    "Requests in flight per (worker, rank)."
-);
-metric!(
-    ACTIVE_PREFILL_TOKENS,
-    "kvroute_active_prefill_tokens",
-    Gauge,
-    RANK,
-    "Prompt tokens still to prefill per (worker, rank)."
-);
-metric!(
-    ACTIVE_DECODE_BLOCKS,
-    "kvroute_active_decode_blocks",
-    Gauge,
-    RANK,
-    "Distinct blocks held by requests in flight per (worker, rank)."
-);
-
-/// Every metric, in exposition order.
-pub const CATALOGUE: &[MetricInfo] = &[
-    INGEST_BATCHES,
-    INGEST_EVENTS,
-    INGEST_DECODE_ERRORS,
-    INGEST_EVENTS_FILTERED,
-    INGEST_ENVELOPE_ERRORS,
-    INGEST_BAD_FRAMES,
-    INGEST_GAPS,
-    INGEST_REPLAYS_OK,
-    INGEST_REPLAYS_INCOMPLETE,
-    INGEST_ENGINE_RESTARTS,
-    INGEST_RANK_CLEARS,
-    INGEST_STALE_BATCHES,
-    INGEST_CONNECTED,
-    INDEX_NODES,
-    INDEX_RESIDENCIES,
-    INDEX_HEAP_BYTES,
-    INDEX_BLOCKS_STORED,
-    INDEX_BLOCKS_REMOVED,
-    INDEX_DUPLICATE_BLOCKS,
-    INDEX_PARENT_MISSING,
-    INDEX_UNKNOWN_REMOVALS,
-    INDEX_EVICTED_OVER_CAPACITY,
-    INDEX_HASH_CONFLICTS,
-    INDEX_APPROX_EXPIRED,
-    PROXY_REQUESTS,
-    PROXY_BAD_REQUESTS,
-    PROXY_UPSTREAM_ERRORS,
-    PROXY_RETRIES,
-    PROXY_OVERLOADED,
-    PROXY_QUEUED,
-    PROXY_QUEUE_TIMEOUTS,
-    PROXY_NO_WORKERS,
-    PROXY_LOAD_ONLY,
-    PROXY_ROUTED,
-    ACCURACY_COMPARISONS,
-    ACCURACY_EXACT,
-    ACCURACY_DIFFERENCE,
-    ACTIVE_REQUESTS,
-    ACTIVE_PREFILL_TOKENS,
-    ACTIVE_DECODE_BLOCKS,
-];
+catalogue! {
+    INGEST_BATCHES:               kvroute_ingest_batches_total                 Counter   RANK "Event batches received live.";
+    INGEST_EVENTS:                kvroute_ingest_events_total                  Counter   RANK "Events applied to the index.";
+    INGEST_DECODE_ERRORS:         kvroute_ingest_decode_errors_total           Counter   RANK "Malformed events skipped.";
+    INGEST_EVENTS_FILTERED:       kvroute_ingest_events_filtered_total         Counter   RANK "Events dropped on purpose (tier, placement, block size).";
+    INGEST_ENVELOPE_ERRORS:       kvroute_ingest_envelope_errors_total         Counter   RANK "Batches whose envelope could not be decoded.";
+    INGEST_BAD_FRAMES:            kvroute_ingest_bad_frames_total              Counter   RANK "Messages that were not [topic, seq, payload].";
+    INGEST_GAPS:                  kvroute_ingest_gaps_total                    Counter   RANK "Sequence gaps detected.";
+    INGEST_REPLAYS_OK:            kvroute_ingest_replays_ok_total              Counter   RANK "Replays that filled their gap.";
+    INGEST_REPLAYS_INCOMPLETE:    kvroute_ingest_replays_incomplete_total      Counter   RANK "Replays that could not fill their gap.";
+    INGEST_ENGINE_RESTARTS:       kvroute_ingest_engine_restarts_total         Counter   RANK "Engine restarts seen (sequence went back).";
+    INGEST_RANK_CLEARS:           kvroute_ingest_rank_clears_total             Counter   RANK "Times a rank's blocks were dropped.";
+    INGEST_STALE_BATCHES:         kvroute_ingest_stale_batches_total           Counter   RANK "Batches dropped as already applied.";
+    INGEST_CONNECTED:             kvroute_ingest_connected                     Gauge     RANK "Whether the rank's event socket is connected.";
+    INDEX_NODES:                  kvroute_index_nodes                          Gauge     NONE "Distinct block prefixes in the index.";
+    INDEX_RESIDENCIES:            kvroute_index_residencies                    Gauge     NONE "(block, rank, tier) residencies in the index.";
+    INDEX_HEAP_BYTES:             kvroute_index_heap_bytes                     Gauge     NONE "Heap bytes held by the index.";
+    INDEX_BLOCKS_STORED:          kvroute_index_blocks_stored_total            Counter   NONE "Blocks stored in the index.";
+    INDEX_BLOCKS_REMOVED:         kvroute_index_blocks_removed_total           Counter   NONE "Blocks removed from the index.";
+    INDEX_DUPLICATE_BLOCKS:       kvroute_index_duplicate_blocks_total         Counter   NONE "Stored blocks a rank already held.";
+    INDEX_PARENT_MISSING:         kvroute_index_parent_missing_total           Counter   NONE "Stored events dropped because their parent block was unknown.";
+    INDEX_UNKNOWN_REMOVALS:       kvroute_index_unknown_removals_total         Counter   NONE "Removals of blocks the rank did not hold.";
+    INDEX_EVICTED_OVER_CAPACITY:  kvroute_index_evicted_over_capacity_total    Counter   NONE "Residencies dropped because a rank was over its cap.";
+    INDEX_HASH_CONFLICTS:         kvroute_index_hash_conflicts_total           Counter   NONE "Engine hashes a rank bound to another block than the shared binding.";
+    INDEX_APPROX_EXPIRED:         kvroute_index_approx_expired_total           Counter   NONE "Approximate residencies that expired.";
+    PROXY_REQUESTS:               kvroute_proxy_requests_total                 Counter   NONE "Completion requests received.";
+    PROXY_BAD_REQUESTS:           kvroute_proxy_bad_requests_total             Counter   NONE "Requests refused as malformed.";
+    PROXY_UPSTREAM_ERRORS:        kvroute_proxy_upstream_errors_total          Counter   NONE "Connection errors and 5xx answers from workers.";
+    PROXY_RETRIES:                kvroute_proxy_retries_total                  Counter   NONE "Attempts on a further candidate after a failure.";
+    PROXY_OVERLOADED:             kvroute_proxy_overloaded_total               Counter   NONE "Requests refused because every candidate was busy.";
+    PROXY_QUEUED:                 kvroute_proxy_queued_total                   Counter   NONE "Requests that waited in the overload queue.";
+    PROXY_QUEUE_TIMEOUTS:         kvroute_proxy_queue_timeouts_total           Counter   NONE "Queued requests refused when their wait ran out.";
+    PROXY_NO_WORKERS:             kvroute_proxy_no_workers_total               Counter   NONE "Requests refused because no worker was available.";
+    PROXY_LOAD_ONLY:              kvroute_proxy_load_only_total                Counter   NONE "Text requests routed on load alone (no tokenizer).";
+    PROXY_ROUTED:                 kvroute_proxy_routed_total                   Counter   RANK "Requests forwarded per (worker, rank).";
+    ACCURACY_COMPARISONS:         kvroute_accuracy_comparisons_total           Counter   NONE "Responses whose cached_tokens were compared with the prediction.";
+    ACCURACY_EXACT:               kvroute_accuracy_exact_total                 Counter   NONE "Comparisons where prediction and cached_tokens agreed exactly.";
+    ACCURACY_DIFFERENCE:          kvroute_accuracy_difference_tokens           Histogram NONE "|predicted cached tokens - engine cached_tokens|.";
+    ACTIVE_REQUESTS:              kvroute_active_requests                      Gauge     RANK "Requests in flight per (worker, rank).";
+    ACTIVE_PREFILL_TOKENS:        kvroute_active_prefill_tokens                Gauge     RANK "Prompt tokens still to prefill per (worker, rank).";
+    ACTIVE_DECODE_BLOCKS:         kvroute_active_decode_blocks                 Gauge     RANK "Distinct blocks held by requests in flight per (worker, rank).";
+}
 
 /// The catalogue as the Markdown table of `docs/metrics.md`.
 pub fn catalogue_table() -> String {

@@ -182,31 +182,28 @@ impl Index {
     /// Rebuilds an index from [`Index::dump`] output.
     pub fn restore(bytes: &[u8]) -> Result<Index, SnapshotError> {
         let mut r = Reader { buf: bytes };
-        if r.take(8).map_err(|_| SnapshotError::BadMagic)? != MAGIC {
-            return Err(SnapshotError::BadMagic);
-        }
-        let version = r.u32()?;
-        if version != VERSION {
-            return Err(SnapshotError::UnsupportedVersion { found: version });
-        }
-        let config = IndexConfig {
-            default_capacity: from_opt(r.u64()?),
-            approx_ttl_ms: r.u64()?,
-        };
-        let words = r.u32()? as usize;
-        if words == 0 || words > 1 << 16 {
-            return Err(SnapshotError::Corrupt("bitmap width"));
-        }
-        let slot_count = r.u32()? as usize;
-        if slot_count > words * 64 || slot_count > r.buf.len() {
-            return Err(SnapshotError::Corrupt("rank count"));
-        }
+        let (config, words, slot_count) = read_header(&mut r)?;
         let mut index = Index::new(config);
         index.nodes = NodeStore::new(words);
+        index.restore_ranks(&mut r, slot_count)?;
+        index.restore_nodes(&mut r, words)?;
+        index.restore_bindings(&mut r)?;
+        if !r.buf.is_empty() {
+            return Err(SnapshotError::Corrupt("trailing bytes"));
+        }
+        index.counters = IndexCounters::default();
+        Ok(index)
+    }
+
+    fn restore_ranks(
+        &mut self,
+        r: &mut Reader<'_>,
+        slot_count: usize,
+    ) -> Result<(), SnapshotError> {
         for i in 0..slot_count {
             if r.u8()? == 0 {
-                index.slots.push(None);
-                index.free_slots.push(i as SlotId);
+                self.slots.push(None);
+                self.free_slots.push(i as SlotId);
                 continue;
             }
             let key = WorkerRank {
@@ -214,11 +211,15 @@ impl Index {
                 rank: r.u32()?,
             };
             let capacity = from_opt(r.u64()?);
-            if index.slot_of.insert(key, i as SlotId).is_some() {
+            if self.slot_of.insert(key, i as SlotId).is_some() {
                 return Err(SnapshotError::Corrupt("a rank appears twice"));
             }
-            index.slots.push(Some(Slot::new(key, capacity)));
+            self.slots.push(Some(Slot::new(key, capacity)));
         }
+        Ok(())
+    }
+
+    fn restore_nodes(&mut self, r: &mut Reader<'_>, words: usize) -> Result<(), SnapshotError> {
         let node_count = r.count(9 + 8 * words)?;
         let mut lower = vec![0u64; 3 * words];
         let mut device = vec![0u64; words];
@@ -233,51 +234,67 @@ impl Index {
             for word in lower.iter_mut() {
                 *word = if has_lower { r.u64()? } else { 0 };
             }
-            if index.nodes.find_seq(seq).is_some() {
+            if self.nodes.find_seq(seq).is_some() {
                 return Err(SnapshotError::Corrupt("a node appears twice"));
             }
-            let node = index.nodes.insert_seq(seq);
+            let node = self.nodes.insert_seq(seq);
             if let Some(ext) = ext {
-                index.nodes.bind_ext(node, ext);
+                self.nodes.bind_ext(node, ext);
             }
             let bitmaps = std::iter::once(&device[..]).chain(lower.chunks(words));
             for (tier, bitmap) in super::TIERS.iter().zip(bitmaps) {
-                for (w, &word) in bitmap.iter().enumerate() {
-                    let mut bits = word;
-                    while bits != 0 {
-                        let slot = (w * 64 + bits.trailing_zeros() as usize) as SlotId;
-                        bits &= bits - 1;
-                        if index
-                            .slots
-                            .get(slot as usize)
-                            .and_then(Option::as_ref)
-                            .is_none()
-                        {
-                            return Err(SnapshotError::Corrupt("a node names an unknown rank"));
-                        }
-                        index.add_residency(slot, node, *tier);
-                    }
-                }
+                self.restore_residencies(node, *tier, bitmap)?;
             }
-            if index.nodes.occupancy(node) == 0 {
+            if self.nodes.occupancy(node) == 0 {
                 return Err(SnapshotError::Corrupt("a node nobody holds"));
             }
         }
+        Ok(())
+    }
+
+    /// Adds a residency in `tier` for every rank whose bit `bitmap` sets.
+    fn restore_residencies(
+        &mut self,
+        node: super::NodeId,
+        tier: super::Tier,
+        bitmap: &[u64],
+    ) -> Result<(), SnapshotError> {
+        for (w, &word) in bitmap.iter().enumerate() {
+            let mut bits = word;
+            while bits != 0 {
+                let slot = (w * 64 + bits.trailing_zeros() as usize) as SlotId;
+                bits &= bits - 1;
+                if self
+                    .slots
+                    .get(slot as usize)
+                    .and_then(Option::as_ref)
+                    .is_none()
+                {
+                    return Err(SnapshotError::Corrupt("a node names an unknown rank"));
+                }
+                self.add_residency(slot, node, tier);
+            }
+        }
+        Ok(())
+    }
+
+    /// Engine-hash aliases, private bindings and approximate deadlines.
+    fn restore_bindings(&mut self, r: &mut Reader<'_>) -> Result<(), SnapshotError> {
         for _ in 0..r.count(16)? {
             let (ext, seq) = (r.u64()?, r.u64()?);
-            let node = index
+            let node = self
                 .nodes
                 .find_seq(seq)
                 .ok_or(SnapshotError::Corrupt("alias of an unknown node"))?;
-            index.nodes.bind_ext(node, ext);
+            self.nodes.bind_ext(node, ext);
         }
         for _ in 0..r.count(20)? {
             let (slot, ext, seq) = (r.u32()?, r.u64()?, r.u64()?);
-            let node = index
+            let node = self
                 .nodes
                 .find_seq(seq)
                 .ok_or(SnapshotError::Corrupt("binding of an unknown node"))?;
-            let s = index
+            let s = self
                 .slot_mut(slot)
                 .ok_or(SnapshotError::Corrupt("binding of an unknown rank"))?;
             s.private_ext.insert(ext, (node, seq));
@@ -285,7 +302,7 @@ impl Index {
         let mut approx: Vec<(u64, SlotId, super::NodeId)> = Vec::new();
         for _ in 0..r.count(20)? {
             let (slot, seq, deadline) = (r.u32()?, r.u64()?, r.u64()?);
-            let node = index
+            let node = self
                 .nodes
                 .find_seq(seq)
                 .ok_or(SnapshotError::Corrupt("deadline of an unknown node"))?;
@@ -293,16 +310,37 @@ impl Index {
         }
         approx.sort_unstable();
         for (deadline, slot, node) in approx {
-            let s = index
+            let s = self
                 .slot_mut(slot)
                 .ok_or(SnapshotError::Corrupt("deadline of an unknown rank"))?;
             s.approx_deadline.insert(node, deadline);
             s.approx_queue.push_back((deadline, node));
         }
-        if !r.buf.is_empty() {
-            return Err(SnapshotError::Corrupt("trailing bytes"));
-        }
-        index.counters = IndexCounters::default();
-        Ok(index)
+        Ok(())
     }
+}
+
+/// The snapshot's magic, version and configuration: the index settings, the
+/// bitmap width in words and the number of rank slots.
+fn read_header(r: &mut Reader<'_>) -> Result<(IndexConfig, usize, usize), SnapshotError> {
+    if r.take(8).map_err(|_| SnapshotError::BadMagic)? != MAGIC {
+        return Err(SnapshotError::BadMagic);
+    }
+    let version = r.u32()?;
+    if version != VERSION {
+        return Err(SnapshotError::UnsupportedVersion { found: version });
+    }
+    let config = IndexConfig {
+        default_capacity: from_opt(r.u64()?),
+        approx_ttl_ms: r.u64()?,
+    };
+    let words = r.u32()? as usize;
+    if words == 0 || words > 1 << 16 {
+        return Err(SnapshotError::Corrupt("bitmap width"));
+    }
+    let slot_count = r.u32()? as usize;
+    if slot_count > words * 64 || slot_count > r.buf.len() {
+        return Err(SnapshotError::Corrupt("rank count"));
+    }
+    Ok((config, words, slot_count))
 }

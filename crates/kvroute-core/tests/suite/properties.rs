@@ -972,35 +972,28 @@ proptest! {
 /// Before the fix, event 0 of `[0, [bad, good]]` with `bad` =
 /// `{"type": "BlockStored", "block_hashes": [1], "token_ids": [5, -1], "block_size": 2}`
 /// left token 5 behind, and `good` (`[7]`, block size 1) hashed `[5, 7]`.
-#[test]
-fn a_skipped_event_leaves_no_tokens_in_the_next_events_hash() {
-    use kvroute_core::hash::{local_block_hash, HASH_SEED};
-    use kvroute_core::wire::StreamDecoder;
-
-    /// `{"type": "BlockStored", "block_hashes": [hash], "token_ids": tokens,
-    /// "block_size": bs}` plus any extra entries.
-    fn stored(
-        hash: u64,
-        tokens: &dyn Fn(&mut Vec<u8>),
-        bs: u64,
-        extra: &[(&str, Vec<u8>)],
-    ) -> Vec<u8> {
-        let mut out = Vec::new();
-        mp::map(&mut out, 4 + extra.len());
-        mp::str(&mut out, "type");
-        mp::str(&mut out, "BlockStored");
-        mp::str(&mut out, "block_hashes");
-        mp::uints(&mut out, &[hash]);
-        mp::str(&mut out, "token_ids");
-        tokens(&mut out);
-        mp::str(&mut out, "block_size");
-        mp::uint(&mut out, bs);
-        for (key, value) in extra {
-            mp::str(&mut out, key);
-            out.extend_from_slice(value);
-        }
-        out
+/// `{"type": "BlockStored", "block_hashes": [hash], "token_ids": tokens,
+/// "block_size": bs}` plus any extra entries.
+fn stored(hash: u64, tokens: &dyn Fn(&mut Vec<u8>), bs: u64, extra: &[(&str, Vec<u8>)]) -> Vec<u8> {
+    let mut out = Vec::new();
+    mp::map(&mut out, 4 + extra.len());
+    mp::str(&mut out, "type");
+    mp::str(&mut out, "BlockStored");
+    mp::str(&mut out, "block_hashes");
+    mp::uints(&mut out, &[hash]);
+    mp::str(&mut out, "token_ids");
+    tokens(&mut out);
+    mp::str(&mut out, "block_size");
+    mp::uint(&mut out, bs);
+    for (key, value) in extra {
+        mp::str(&mut out, key);
+        out.extend_from_slice(value);
     }
+    out
+}
+
+/// Stored events that fail half-way through a block, each with what is wrong.
+fn events_failing_mid_block() -> [(&'static str, Vec<u8>); 4] {
     let pairs = |pairs: &[(i64, i64)]| {
         let pairs = pairs.to_vec();
         move |out: &mut Vec<u8>| {
@@ -1012,7 +1005,7 @@ fn a_skipped_event_leaves_no_tokens_in_the_next_events_hash() {
             }
         }
     };
-    let bad_events: [(&str, Vec<u8>); 4] = [
+    [
         (
             "a negative id after a good one",
             stored(
@@ -1052,7 +1045,15 @@ fn a_skipped_event_leaves_no_tokens_in_the_next_events_hash() {
                 &[("lookahead_token_ids", vec![0x90])],
             ),
         ),
-    ];
+    ]
+}
+
+#[test]
+fn a_skipped_event_leaves_no_tokens_in_the_next_events_hash() {
+    use kvroute_core::hash::{local_block_hash, HASH_SEED};
+    use kvroute_core::wire::StreamDecoder;
+
+    let bad_events = events_failing_mid_block();
     let good = stored(2, &|out| mp::uints(out, &[7]), 1, &[]);
     let expected = local_block_hash(&[7], HASH_SEED);
     let local_of_last = |batch: &DecodedBatch| match batch.decoded().last() {
