@@ -25,112 +25,124 @@ use std::sync::Arc;
 #[derive(Debug, Args)]
 pub struct ServeArgs {
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1")]
+    #[arg(long, default_value = "127.0.0.1", env = "KVROUTE_HOST")]
     host: String,
     /// Port to listen on.
-    #[arg(long, default_value_t = 8000)]
+    #[arg(long, default_value_t = 8000, env = "KVROUTE_PORT")]
     port: u16,
     /// Tokens per KV block, for workers that do not give their own.
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_BLOCK_SIZE")]
     block_size: u32,
     /// A worker: `name=w0,url=http://…,events=tcp://…:5557,replay=tcp://…:5657,dp=2,block_size=16,flavor=vllm`
     /// (repeatable; `replay`, `dp`, `block_size`, `topic`, `model`, `flavor` optional;
     /// `flavor=sglang` for SGLang engines, whose image pads differ from vLLM's).
-    #[arg(long = "worker", value_name = "SPEC")]
+    /// In the environment, specs are separated by `;`.
+    #[arg(
+        long = "worker",
+        value_name = "SPEC",
+        env = "KVROUTE_WORKERS",
+        value_delimiter = ';'
+    )]
     workers: Vec<String>,
     /// A TOML file with `[[worker]]` tables using the same keys as `--worker`.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE", env = "KVROUTE_CONFIG")]
     config: Option<PathBuf>,
-    /// An SGLang worker URL whose `/server_info` describes its event sockets (repeatable).
-    #[arg(long, value_name = "URL")]
+    /// An SGLang worker URL whose `/server_info` describes its event sockets
+    /// (repeatable; in the environment, URLs separated by `;`).
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "KVROUTE_DISCOVER_SGLANG",
+        value_delimiter = ';'
+    )]
     discover_sglang: Vec<String>,
-    /// Bearer token required by `/register` and `/unregister` (also `KVROUTE_ADMIN_TOKEN`).
-    #[arg(long)]
+    /// Bearer token required by `/register` and `/unregister`.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
     admin_token: Option<String>,
     /// Seconds a worker may stay unreachable before its blocks leave the index.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, env = "KVROUTE_UNREACHABLE_GRACE_SECS")]
     unreachable_grace_secs: u64,
     /// Residencies kept per (worker, rank) at most.
-    #[arg(long, default_value_t = 4 << 20)]
+    #[arg(long, default_value_t = 4 << 20, env = "KVROUTE_MAX_BLOCKS_PER_RANK")]
     max_blocks_per_rank: u64,
     /// Routing policy: kv, approx (no events: the index learns from routing
     /// decisions), round-robin, random or least-loaded.
-    #[arg(long, default_value = "kv")]
+    #[arg(long, default_value = "kv", env = "KVROUTE_POLICY")]
     policy: Policy,
     /// Multiplies the prefill term of the cost (Dynamo's default: 1; see
     /// docs/serving.md for why kvroute's is 4).
-    #[arg(long, default_value_t = CostWeights::default().prefill_load_scale)]
+    #[arg(long, default_value_t = CostWeights::default().prefill_load_scale, env = "KVROUTE_PREFILL_LOAD_SCALE")]
     prefill_load_scale: f64,
     /// Credit per block cached on the device (Dynamo's default: 1).
-    #[arg(long, default_value_t = CostWeights::default().overlap_credit)]
+    #[arg(long, default_value_t = CostWeights::default().overlap_credit, env = "KVROUTE_OVERLAP_CREDIT")]
     overlap_credit: f64,
     /// Credit per block cached only in host memory.
-    #[arg(long, default_value_t = 0.75)]
+    #[arg(long, default_value_t = 0.75, env = "KVROUTE_HOST_CACHE_WEIGHT")]
     host_cache_weight: f64,
     /// Credit per block cached only on disk or an external pool.
-    #[arg(long, default_value_t = 0.25)]
+    #[arg(long, default_value_t = 0.25, env = "KVROUTE_DISK_CACHE_WEIGHT")]
     disk_cache_weight: f64,
     /// Cost per request already active on the worker.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, env = "KVROUTE_ACTIVE_REQUEST_WEIGHT")]
     active_request_weight: f64,
     /// Credit per leading block that a request active on the worker holds
     /// (a prefix in flight, not yet announced by the engine's events).
-    #[arg(long, default_value_t = CostWeights::default().active_prefix_weight)]
+    #[arg(long, default_value_t = CostWeights::default().active_prefix_weight, env = "KVROUTE_ACTIVE_PREFIX_WEIGHT")]
     active_prefix_weight: f64,
     /// 0: lowest cost wins; > 0: softmax sampling over normalised costs.
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, env = "KVROUTE_TEMPERATURE")]
     temperature: f64,
     /// A rank with this many prompt tokens in prefill is skipped (busy).
-    #[arg(long, value_name = "TOKENS")]
+    #[arg(long, value_name = "TOKENS", env = "KVROUTE_BUSY_PREFILL_TOKENS")]
     busy_prefill_tokens: Option<u64>,
     /// A rank with this many active decode blocks is skipped (busy).
-    #[arg(long, value_name = "BLOCKS")]
+    #[arg(long, value_name = "BLOCKS", env = "KVROUTE_BUSY_DECODE_BLOCKS")]
     busy_decode_blocks: Option<u64>,
     /// Workers tried per request at most (connection errors and 5xx before the first byte).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MAX_ATTEMPTS")]
     max_attempts: u32,
     /// Seconds allowed for a whole upstream request, streaming included.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, env = "KVROUTE_REQUEST_TIMEOUT_SECS")]
     request_timeout_secs: u64,
     /// Milliseconds allowed to connect to a worker.
-    #[arg(long, default_value_t = 2000)]
+    #[arg(long, default_value_t = 2000, env = "KVROUTE_CONNECT_TIMEOUT_MS")]
     connect_timeout_ms: u64,
     /// Consecutive failures that take a worker out of rotation.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_BREAKER_FAILURES")]
     breaker_failures: u32,
     /// Seconds a failing worker stays out before one request probes it.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = 10, env = "KVROUTE_BREAKER_OPEN_SECS")]
     breaker_open_secs: u64,
     /// Seconds after which a request still counted as active is dropped from the load.
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 600, env = "KVROUTE_ACTIVE_EXPIRY_SECS")]
     active_expiry_secs: u64,
     /// Name the chosen rank of every multi-rank worker in the body as
     /// `data_parallel_rank`. Without it, `flavor=sglang` workers get the body
     /// field and vLLM workers the `X-data-parallel-rank` header.
-    #[arg(long)]
+    #[arg(long, env = "KVROUTE_DP_RANK_IN_BODY")]
     dp_rank_in_body: bool,
     /// Requests that may wait (rather than get a 503) while every rank is
     /// over its busy thresholds; 0: no queue.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, env = "KVROUTE_QUEUE_CAPACITY")]
     queue_capacity: usize,
     /// Longest wait in that queue, in milliseconds, before the 503.
-    #[arg(long, default_value_t = 30_000)]
+    #[arg(long, default_value_t = 30_000, env = "KVROUTE_QUEUE_TIMEOUT_MS")]
     queue_timeout_ms: u64,
     /// A Hugging Face `tokenizer.json` for text prompts and chat messages
     /// (ChatML template, as Qwen models and `kvroute mocker` use), or `builtin`
     /// for the mocker's built-in tokenizer. Without it, text requests are
     /// routed on load alone.
-    #[arg(long, value_name = "FILE|builtin")]
+    #[arg(long, value_name = "FILE|builtin", env = "KVROUTE_TOKENIZER")]
     tokenizer: Option<PathBuf>,
     /// Prompt positions each image takes (the model's image token count; the
     /// same setting as `kvroute mocker --mm-tokens-per-image`).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MM_TOKENS_PER_IMAGE")]
     mm_tokens_per_image: u32,
     /// Largest request body accepted, in MiB (larger: 413).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, env = "KVROUTE_MAX_BODY_MIB")]
     max_body_mib: usize,
     /// Log level: error, warn, info, debug or trace.
-    #[arg(long, default_value = "info")]
+    #[arg(long, default_value = "info", env = "KVROUTE_LOG")]
     log: tracing::Level,
 }
 
@@ -154,11 +166,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 .with_context(|| format!("--config {}", path.display()))?,
         );
     }
-    let admin_token = args
-        .admin_token
-        .clone()
-        .or_else(|| std::env::var("KVROUTE_ADMIN_TOKEN").ok())
-        .filter(|t| !t.is_empty());
+    let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
     let runtime = crate::cmd::runtime()?;
     runtime.block_on(async {
         let client = reqwest::Client::builder()
