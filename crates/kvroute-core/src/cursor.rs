@@ -24,6 +24,10 @@
 //! A batch whose envelope cannot be decoded is treated as a gap once (the
 //! shell reports it with [`StreamCursor::undecodable`] and it is replayed);
 //! if its replayed copy fails too, it is skipped.
+//!
+//! Sequence numbers above [`MAX_SEQ`] cannot come from an engine counting
+//! from 0 (and `u64::MAX` is the replay's end marker): such a batch is
+//! counted as `invalid_seq` and dropped, so `seq + 1` never overflows.
 
 use std::collections::VecDeque;
 
@@ -89,7 +93,13 @@ pub struct CursorStats {
     pub undecodable_skipped: u64,
     /// Replays asked for on (re)connection.
     pub resyncs: u64,
+    /// Batches dropped because their sequence number was above [`MAX_SEQ`].
+    pub invalid_seq: u64,
 }
+
+/// The largest sequence number a batch may carry (engines number batches
+/// from 0 in a signed 64-bit integer).
+pub const MAX_SEQ: u64 = i64::MAX as u64;
 
 /// The cursor of one stream; `T` is the payload type the shell carries.
 #[derive(Debug, Clone)]
@@ -168,6 +178,10 @@ impl<T> StreamCursor<T> {
 
     /// A batch from the live subscription.
     pub fn live(&mut self, seq: u64, payload: T, out: &mut Vec<Action<T>>) {
+        if seq > MAX_SEQ {
+            self.stats.invalid_seq += 1;
+            return;
+        }
         if self.replaying {
             if self.buffer.len() < self.max_buffered {
                 self.buffer.push_back((seq, payload));
@@ -208,6 +222,10 @@ impl<T> StreamCursor<T> {
 
     /// A batch from the replay socket, in the order received.
     pub fn replayed(&mut self, seq: u64, payload: T, out: &mut Vec<Action<T>>) {
+        if seq > MAX_SEQ {
+            self.stats.invalid_seq += 1;
+            return;
+        }
         let next = self.next.unwrap_or(0);
         if seq < next {
             self.stats.stale += 1;
@@ -306,6 +324,20 @@ mod tests {
 
     fn apply(seq: u64) -> Action<u64> {
         Action::Apply { seq, payload: seq }
+    }
+
+    #[test]
+    fn sequence_numbers_past_the_engines_range_are_dropped_without_overflow() {
+        let mut c = StreamCursor::new(16, |p| *p);
+        assert_eq!(live(&mut c, 0), [apply(0)]);
+        assert!(live(&mut c, u64::MAX).is_empty());
+        assert!(replayed(&mut c, MAX_SEQ + 1).is_empty());
+        assert_eq!(c.stats().invalid_seq, 2);
+        assert_eq!(live(&mut c, 1), [apply(1)], "the stream goes on");
+        let mut c = StreamCursor::new(16, |p| *p);
+        assert_eq!(live(&mut c, MAX_SEQ), [Action::Replay { from: 0 }]);
+        assert_eq!(finished(&mut c, false).len(), 2, "clear, then apply");
+        assert_eq!(c.next_seq(), Some(MAX_SEQ + 1));
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use kvroute_core::cursor::{Action, CursorStats, StreamCursor};
+use kvroute_core::cursor::{Action, CursorStats, StreamCursor, MAX_SEQ};
 use kvroute_core::index::{SharedIndex, WorkerRank};
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use tracing::{debug, info, warn};
@@ -500,13 +500,16 @@ fn fingerprint(payload: &Vec<u8>) -> u64 {
 }
 
 /// `[topic, seq (8 bytes BE), payload]` → `(seq, payload)`.
+/// `[topic, seq, payload]` with a sequence number an engine can publish
+/// (at most [`MAX_SEQ`]; `u64::MAX` is the replay's end marker).
 fn split_live(mut frames: Vec<Vec<u8>>) -> Option<(u64, Vec<u8>)> {
     if frames.len() != 3 {
         return None;
     }
     let payload = frames.pop()?;
     let seq = <[u8; 8]>::try_from(frames.pop()?.as_slice()).ok()?;
-    Some((u64::from_be_bytes(seq), payload))
+    let seq = u64::from_be_bytes(seq);
+    (seq <= MAX_SEQ).then_some((seq, payload))
 }
 
 enum Replayed {
@@ -539,6 +542,7 @@ mod tests {
             Some((7, vec![1]))
         );
         assert_eq!(split_live(vec![vec![], vec![1, 2], vec![1]]), None);
+        assert_eq!(split_live(vec![vec![], vec![0xff; 8], vec![1]]), None);
         assert_eq!(split_live(vec![vec![], 7u64.to_be_bytes().to_vec()]), None);
     }
 
