@@ -10,9 +10,85 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::api::{ApiError, Body};
-use crate::ingest::registry::Registry;
+use crate::ingest::registry::{Registry, RegistryError};
 use crate::ingest::spec::{parse_flavor, RankEndpoints, WorkerFlavor, WorkerSpec};
 use crate::proxy::Proxy;
+
+/// Who may do what. Without an admin token the admin API (everything that
+/// changes which workers exist) is closed; with one, it takes that bearer
+/// token, and so do the endpoints that show the fleet's addresses and the
+/// index's contents (`/workers`, `/query`, `/query_by_hash`) unless they are
+/// made public. `/health` and `/metrics` are always open.
+#[derive(Debug, Clone, Default)]
+pub struct Access {
+    /// The admin bearer token, if the admin API is enabled.
+    pub admin_token: Option<String>,
+    /// Introspection without the token, even when one is set.
+    pub public_introspection: bool,
+}
+
+impl Access {
+    /// Whether the request may change the fleet.
+    pub fn admin(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(token) = &self.admin_token else {
+            return Err(ApiError::new(
+                StatusCode::FORBIDDEN,
+                "forbidden",
+                "the admin API is disabled: start kvroute serve with --admin-token \
+                 (or KVROUTE_ADMIN_TOKEN) to register and unregister workers",
+            ));
+        };
+        check_bearer(token, headers)
+    }
+
+    /// Whether the request may see the fleet's addresses and the index.
+    pub fn introspection(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        match &self.admin_token {
+            Some(token) if !self.public_introspection => check_bearer(token, headers),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The credentials of an `Authorization: Bearer …` header (the scheme is
+/// case-insensitive, RFC 9110).
+fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
+    let value = headers.get(header::AUTHORIZATION)?.as_bytes();
+    let (scheme, rest) = value.split_at_checked(6)?;
+    if !scheme.eq_ignore_ascii_case(b"bearer") || rest.first() != Some(&b' ') {
+        return None;
+    }
+    Some(rest.trim_ascii())
+}
+
+/// 401 unless the request carries `token`, compared in constant time.
+fn check_bearer(token: &str, headers: &HeaderMap) -> Result<(), ApiError> {
+    use subtle::ConstantTimeEq as _;
+    let given = bearer(headers).unwrap_or_default();
+    if bool::from(given.ct_eq(token.as_bytes())) {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            "a valid admin bearer token is required",
+        ))
+    }
+}
+
+/// Answers 401 for an introspection request without the token.
+pub async fn require_introspection(
+    State(access): State<Access>,
+    headers: HeaderMap,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    match access.introspection(&headers) {
+        Ok(()) => next.run(request).await,
+        Err(e) => e.into_response(),
+    }
+}
 
 /// What the admin endpoints share.
 #[derive(Debug, Clone)]
@@ -21,8 +97,8 @@ pub struct AdminState {
     pub registry: Arc<Registry>,
     /// The proxy, told when the workers change.
     pub proxy: Arc<Proxy>,
-    /// Bearer token required by the admin endpoints, when set.
-    pub admin_token: Option<String>,
+    /// Who may use the admin endpoints.
+    pub access: Access,
     /// Block size for registrations that do not give one.
     pub default_block_size: u32,
 }
@@ -35,25 +111,6 @@ pub async fn health(State(state): State<AdminState>) -> Json<Value> {
 /// `GET /workers`: every worker and rank with its stream's state.
 pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
     Json(json!({ "workers": state.registry.view() }))
-}
-
-fn authorize(state: &AdminState, headers: &HeaderMap) -> Result<(), ApiError> {
-    let Some(token) = &state.admin_token else {
-        return Ok(());
-    };
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
-    if given == Some(token.as_str()) {
-        Ok(())
-    } else {
-        Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "a valid admin bearer token is required",
-        ))
-    }
 }
 
 /// Parses a JSON body, answering 400 with serde's message when it is not JSON.
@@ -158,7 +215,7 @@ pub async fn register(
     headers: HeaderMap,
     Body(body): Body,
 ) -> Result<Json<Value>, ApiError> {
-    authorize(&state, &headers)?;
+    state.access.admin(&headers)?;
     let body = parse_body(&body)?;
     let spec = spec_from_body(&body, state.default_block_size)?;
     let flavor = spec.flavor;
@@ -167,7 +224,12 @@ pub async fn register(
     let id = tokio::task::spawn_blocking(move || registry.register(spec))
         .await
         .map_err(|e| ApiError::internal(e.to_string()))?
-        .map_err(|e| ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()))?;
+        .map_err(|e| match e {
+            RegistryError::Address(_) | RegistryError::HostNotAllowed { .. } => {
+                ApiError::bad_request(e.to_string())
+            }
+            _ => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+        })?;
     state.proxy.refresh(&state.registry);
     Ok(Json(
         json!({"status": "registered", "name": name, "worker_id": id.0, "flavor": flavor.as_str()}),
@@ -180,7 +242,7 @@ pub async fn unregister(
     headers: HeaderMap,
     Body(body): Body,
 ) -> Result<Json<Value>, ApiError> {
-    authorize(&state, &headers)?;
+    state.access.admin(&headers)?;
     let body = parse_body(&body)?;
     let name = match (body.get("name"), body.get("instance_id")) {
         (Some(Value::String(s)), _) | (None, Some(Value::String(s))) => s.clone(),

@@ -50,14 +50,20 @@ impl FromRef<AppState> for Arc<Metrics> {
 /// over the limit are answered with OpenAI's error body.
 pub fn app(state: AppState) -> axum::Router {
     let limit = state.max_body_bytes;
+    let introspection = axum::Router::new()
+        .route("/query", post(query::query))
+        .route("/query_by_hash", post(query::query_by_hash))
+        .route("/workers", get(admin::workers))
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.admin.access.clone(),
+            admin::require_introspection,
+        ));
     axum::Router::new()
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/v1/models", get(proxy::models))
-        .route("/query", post(query::query))
-        .route("/query_by_hash", post(query::query_by_hash))
+        .merge(introspection)
         .route("/health", get(admin::health))
-        .route("/workers", get(admin::workers))
         .route("/metrics", get(metrics))
         .route("/register", post(admin::register))
         .route("/unregister", post(admin::unregister))
@@ -102,7 +108,7 @@ mod tests {
             admin: AdminState {
                 registry,
                 proxy: proxy.clone(),
-                admin_token: None,
+                access: admin::Access::default(),
                 default_block_size: 16,
             },
             proxy,

@@ -26,9 +26,10 @@ use std::time::Duration;
 
 use axum::serve::ListenerExt;
 use kvroute_core::index::{Index, IndexConfig, SharedIndex};
-use tracing::info;
+use tracing::{info, warn};
 
 use app::AppState;
+use ingest::address::AllowedHosts;
 use ingest::registry::Registry;
 use ingest::spec::WorkerSpec;
 use ingest::stream::IngestConfig;
@@ -43,8 +44,10 @@ pub struct ServeConfig {
     pub block_size: u32,
     /// Workers known at start.
     pub workers: Vec<WorkerSpec>,
-    /// Bearer token for `/register` and `/unregister`.
-    pub admin_token: Option<String>,
+    /// Who may use the admin and introspection endpoints.
+    pub access: admin::Access,
+    /// Where workers may point (`--allow-worker-hosts`; empty: anywhere).
+    pub allowed_worker_hosts: AllowedHosts,
     /// How long a worker may stay unreachable before its blocks are dropped.
     pub unreachable_grace: Duration,
     /// Index settings.
@@ -55,6 +58,22 @@ pub struct ServeConfig {
     pub proxy: ProxyConfig,
     /// Largest request body accepted, in bytes (larger: 413).
     pub max_body_bytes: usize,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            block_size: 16,
+            workers: Vec::new(),
+            access: admin::Access::default(),
+            allowed_worker_hosts: AllowedHosts::default(),
+            unreachable_grace: Duration::from_secs(30),
+            index: IndexConfig::default(),
+            ingest: IngestConfig::default(),
+            proxy: ProxyConfig::default(),
+            max_body_bytes: 32 << 20,
+        }
+    }
 }
 
 /// Why the server stopped with an error.
@@ -84,11 +103,14 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let index = Arc::new(SharedIndex::new(Index::new(config.index.clone())));
-    let registry = Arc::new(Registry::new(
-        index.clone(),
-        config.ingest.clone(),
-        config.unreachable_grace,
-    ));
+    let registry = Arc::new(
+        Registry::new(
+            index.clone(),
+            config.ingest.clone(),
+            config.unreachable_grace,
+        )
+        .with_allowed_hosts(config.allowed_worker_hosts.clone()),
+    );
     for spec in config.workers {
         let name = spec.name.clone();
         registry
@@ -129,7 +151,7 @@ pub async fn serve(
         admin: admin::AdminState {
             registry: registry.clone(),
             proxy: proxy.clone(),
-            admin_token: config.admin_token,
+            access: config.access.clone(),
             default_block_size: config.block_size,
         },
         proxy,
@@ -137,6 +159,7 @@ pub async fn serve(
         max_body_bytes: config.max_body_bytes,
     };
     info!(addr = ?listener.local_addr().ok(), "kvroute listening");
+    log_access(&config.access, &config.allowed_worker_hosts);
     // Without TCP_NODELAY, a streamed token written after the response head
     // on a kept-alive connection waits for the client's delayed ACK (up to
     // 40 ms on Linux): every small SSE write must leave at once.
@@ -151,4 +174,25 @@ pub async fn serve(
     housekeeping.abort();
     let _ = tokio::task::spawn_blocking(move || registry.shutdown()).await;
     result.map_err(ServeError::Http)
+}
+
+/// One line at start saying what the admin and introspection endpoints
+/// accept, so an operator sees an exposed or a closed API at once.
+fn log_access(access: &admin::Access, allowed: &AllowedHosts) {
+    match (&access.admin_token, access.public_introspection) {
+        (None, _) => warn!(
+            "admin API disabled (/register and /unregister answer 403): set --admin-token or \
+             KVROUTE_ADMIN_TOKEN to enable it; /workers and /query are open"
+        ),
+        (Some(_), false) => {
+            info!("admin API enabled; /register, /unregister, /workers and /query need the bearer token")
+        }
+        (Some(_), true) => info!(
+            "admin API enabled; /register and /unregister need the bearer token, \
+             /workers and /query are public (--public-introspection)"
+        ),
+    }
+    if allowed.is_unrestricted() && access.admin_token.is_some() {
+        warn!("workers may be registered at any host: limit them with --allow-worker-hosts");
+    }
 }

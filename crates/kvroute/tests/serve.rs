@@ -58,7 +58,7 @@ fn url_of(line: &str) -> String {
 }
 
 fn device_blocks(serve: &str, worker: &str) -> u64 {
-    let (status, body) = request(serve, "GET", "/workers", None, None);
+    let (status, body) = request(serve, "GET", "/workers", None, Some("secret"));
     if status != 200 {
         return 0;
     }
@@ -79,7 +79,7 @@ fn serve_ingests_mocker_events_and_manages_workers() {
         TcpStream::connect(&serve).is_ok() && request(&serve, "GET", "/health", None, None).0 == 200
     });
     eventually("both ranks connected", || {
-        let (_, body) = request(&serve, "GET", "/workers", None, None);
+        let (_, body) = request(&serve, "GET", "/workers", None, Some("secret"));
         let doc = json_body(&body);
         doc["workers"].as_array().is_some_and(|ws| {
             ws.len() == 2 && ws.iter().all(|w| w["ranks"][0]["connected"] == true)
@@ -135,7 +135,7 @@ fn serve_ingests_mocker_events_and_manages_workers() {
         Some("secret"),
     );
     assert_eq!(status, 200);
-    let (_, body) = request(&serve, "GET", "/workers", None, None);
+    let (_, body) = request(&serve, "GET", "/workers", None, Some("secret"));
     let names: Vec<String> = json_body(&body)["workers"]
         .as_array()
         .expect("list")

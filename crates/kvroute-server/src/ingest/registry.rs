@@ -12,7 +12,8 @@ use kvroute_core::index::{SharedIndex, WorkerId, WorkerRank};
 use serde::Serialize;
 use tracing::{info, warn};
 
-use super::spec::{RankEndpoints, WorkerSpec};
+use super::address::{worker_hosts, AllowedHosts};
+use super::spec::{RankEndpoints, SpecError, WorkerSpec};
 use super::stream::{IngestConfig, RankCounters, RankIngest, RankStats, RankTarget};
 
 /// Why a registration was refused.
@@ -33,6 +34,17 @@ pub enum RegistryError {
     /// The rank thread could not start.
     #[error("could not start ingestion: {0}")]
     Start(String),
+    /// A URL or socket address is not of a form a worker may have.
+    #[error("{0}")]
+    Address(#[from] SpecError),
+    /// An address names a host outside `--allow-worker-hosts`.
+    #[error("worker `{name}`: host `{host}` is not in --allow-worker-hosts")]
+    HostNotAllowed {
+        /// The worker.
+        name: String,
+        /// The host.
+        host: String,
+    },
 }
 
 struct Rank {
@@ -57,6 +69,7 @@ pub struct Registry {
     zmq: zmq::Context,
     ingest: IngestConfig,
     grace: Duration,
+    allowed: AllowedHosts,
 }
 
 impl std::fmt::Debug for Registry {
@@ -83,7 +96,28 @@ impl Registry {
             zmq: zmq::Context::new(),
             ingest,
             grace,
+            allowed: AllowedHosts::default(),
         }
+    }
+
+    /// Limits the hosts that registered workers' addresses may name.
+    pub fn with_allowed_hosts(mut self, allowed: AllowedHosts) -> Self {
+        self.allowed = allowed;
+        self
+    }
+
+    /// Checks the form of every address of `spec` and that each names an
+    /// allowed host.
+    fn check_addresses(&self, spec: &WorkerSpec) -> Result<(), RegistryError> {
+        for host in worker_hosts(spec)? {
+            if !self.allowed.allows(&host) {
+                return Err(RegistryError::HostNotAllowed {
+                    name: spec.name.clone(),
+                    host,
+                });
+            }
+        }
+        Ok(())
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Worker>> {
@@ -118,6 +152,7 @@ impl Registry {
     /// name, URL and block size) and starts ingesting its ranks. Registering
     /// the same worker twice is a no-op.
     pub fn register(&self, spec: WorkerSpec) -> Result<WorkerId, RegistryError> {
+        self.check_addresses(&spec)?;
         let mut workers = self.lock();
         if let Some(existing) = workers.get_mut(&spec.name) {
             if existing.spec.url != spec.url || existing.spec.block_size != spec.block_size {

@@ -140,12 +140,12 @@ impl RunningRouter {
             ServeConfig {
                 block_size,
                 workers: specs.to_vec(),
-                admin_token: None,
                 unreachable_grace: Duration::from_secs(60),
                 index: IndexConfig::default(),
                 ingest: IngestConfig::default(),
                 proxy,
                 max_body_bytes: 64 << 20,
+                ..ServeConfig::default()
             },
             listener,
             async move {

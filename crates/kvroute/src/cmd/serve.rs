@@ -18,6 +18,8 @@ use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::ingest::stream::IngestConfig;
 use kvroute_server::proxy::scan::TextPrompt;
 use kvroute_server::proxy::{PromptTokenizer, ProxyConfig};
+use kvroute_server::admin::Access;
+use kvroute_server::ingest::address::AllowedHosts;
 use kvroute_server::{serve, ServeConfig};
 use std::sync::Arc;
 
@@ -56,9 +58,17 @@ pub struct ServeArgs {
         value_delimiter = ';'
     )]
     discover_sglang: Vec<String>,
-    /// Bearer token required by `/register` and `/unregister`.
-    #[arg(long, env = "KVROUTE_ADMIN_TOKEN")]
+    /// Bearer token of the admin API (`/register`, `/unregister`), which is
+    /// closed without one; `/workers`, `/query` and `/query_by_hash` need it too.
+    #[arg(long, env = "KVROUTE_ADMIN_TOKEN", hide_env_values = true)]
     admin_token: Option<String>,
+    /// Let `/workers`, `/query` and `/query_by_hash` answer without the admin token.
+    #[arg(long, env = "KVROUTE_PUBLIC_INTROSPECTION")]
+    public_introspection: bool,
+    /// Hosts, addresses and CIDR networks (comma-separated) that workers'
+    /// URLs and sockets may name; default: any.
+    #[arg(long, value_name = "LIST", env = "KVROUTE_ALLOW_WORKER_HOSTS")]
+    allow_worker_hosts: Option<AllowedHosts>,
     /// Seconds a worker may stay unreachable before its blocks leave the index.
     #[arg(long, default_value_t = 30, env = "KVROUTE_UNREACHABLE_GRACE_SECS")]
     unreachable_grace_secs: u64,
@@ -194,7 +204,11 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         let config = ServeConfig {
             block_size: args.block_size,
             workers,
-            admin_token,
+            access: Access {
+                admin_token,
+                public_introspection: args.public_introspection,
+            },
+            allowed_worker_hosts: args.allow_worker_hosts.clone().unwrap_or_default(),
             unreachable_grace: Duration::from_secs(args.unreachable_grace_secs),
             index: IndexConfig {
                 default_capacity: Some(args.max_blocks_per_rank),

@@ -220,12 +220,12 @@ pub fn run(args: &ProxyBenchArgs) -> Result<ExitCode> {
             ServeConfig {
                 block_size: 16,
                 workers: specs,
-                admin_token: None,
                 unreachable_grace: Duration::from_secs(30),
                 index: IndexConfig::default(),
                 ingest: IngestConfig::default(),
                 proxy: ProxyConfig::default(),
                 max_body_bytes: 32 << 20,
+                ..ServeConfig::default()
             },
             listener,
             async move {
