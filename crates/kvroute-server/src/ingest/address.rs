@@ -56,7 +56,13 @@ pub fn endpoint_host(key: &'static str, endpoint: &str) -> Result<String, SpecEr
         .ok_or_else(|| bad(key, endpoint, "expected tcp://host:port"))?;
     match port.parse::<u16>() {
         Ok(p) if p > 0 => {}
-        _ => return Err(bad(key, endpoint, "the port must be a number from 1 to 65535")),
+        _ => {
+            return Err(bad(
+                key,
+                endpoint,
+                "the port must be a number from 1 to 65535",
+            ))
+        }
     }
     if let Some(v6) = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
         return v6
@@ -125,7 +131,9 @@ impl FromStr for AllowedHosts {
             {
                 Allowed::Name(item.to_ascii_lowercase())
             } else {
-                return Err(format!("`{item}` is not a host name, an address or a CIDR network"));
+                return Err(format!(
+                    "`{item}` is not a host name, an address or a CIDR network"
+                ));
             };
             entries.push(entry);
         }
@@ -180,7 +188,10 @@ mod tests {
     #[test]
     fn socket_endpoints_are_tcp_host_and_port() {
         assert_eq!(endpoint_host("events", "tcp://h:5557").as_deref(), Ok("h"));
-        assert_eq!(endpoint_host("events", "tcp://[::1]:5557").as_deref(), Ok("::1"));
+        assert_eq!(
+            endpoint_host("events", "tcp://[::1]:5557").as_deref(),
+            Ok("::1")
+        );
         for bad in [
             "tcp://*:5557",
             "tcp://h:0",

@@ -1,8 +1,16 @@
 //! Getting a request to a worker: admission (the candidates in the policy's
 //! order, or a bounded wait while every rank is over its busy thresholds),
-//! then attempts on the candidates in that order. A connection error or a
-//! 5xx before any byte moves on to the next candidate and counts against
-//! the worker's circuit breaker; anything else is the answer.
+//! then attempts on the candidates in that order.
+//!
+//! A request moves on to the next candidate only when it provably did not
+//! reach the worker, or the worker refused it before doing any work: the
+//! connection could not be made (refused, timed out), or the answer was 503
+//! or 429. A worker that took the request and then failed (the connection
+//! dropped, the answer cut off) may have failed *because of* the request, so
+//! it is never sent to another worker, which it could take down too: the
+//! client gets a 502 naming the request id, and the worker's breaker opens.
+//! Any other answer, a 500 included, is the worker's answer and goes back
+//! to the client (a 5xx still counts against the worker's breaker).
 
 use std::borrow::Cow;
 use std::sync::Arc;
@@ -14,16 +22,19 @@ use axum::response::{IntoResponse, Response};
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::scheduler::{order, Policy, Scored};
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::active::ActiveGuard;
 use super::candidates::{request_hashes, Candidates, Target};
-use super::relay::{reported_cached_tokens, Passthrough, Prediction};
+use super::relay::{reported_cached_tokens, Passthrough, Prediction, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
 use super::scan::RoutingRequest;
 use super::{Endpoint, Proxy};
 use crate::api::ApiError;
 use crate::metrics::RankLabels;
+
+/// The header naming a request in logs, upstream and in the answer.
+pub const REQUEST_ID: &str = "x-request-id";
 
 /// A request's candidates, in the order they will be tried.
 #[derive(Debug)]
@@ -156,6 +167,7 @@ pub async fn forward(
     headers: &HeaderMap,
     body: &Bytes,
     endpoint: Endpoint,
+    request_id: &str,
 ) -> Response {
     let Admitted {
         candidates,
@@ -183,12 +195,13 @@ pub async fn forward(
             Err(e) => return e.into_response(),
         };
         let added_usage = out.added_usage;
-        let resp = match send(proxy, target, endpoint, out, headers).await {
-            Ok(resp) => resp,
-            Err(message) => {
+        let resp = match send(proxy, target, endpoint, out, headers, request_id).await {
+            Sent::Answer(resp) => resp,
+            Sent::Refused(message) => {
                 last_error = message;
                 continue;
             }
+            Sent::Failed(error) => return error.into_response(),
         };
         if proxy.config().policy == Policy::Approx && !locals.is_empty() {
             let now = proxy.now_ms();
@@ -197,7 +210,12 @@ pub async fn forward(
                 .write()
                 .record_routing_decision(s.key, &locals, now);
         }
-        return respond(proxy, req, s, target, resp, guard, added_usage).await;
+        let relay = Relay {
+            guard,
+            added_usage,
+            request_id,
+        };
+        return respond(proxy, req, s, target, resp, relay).await;
     }
     ApiError::new(
         StatusCode::BAD_GATEWAY,
@@ -224,20 +242,40 @@ fn hashes_for<'a>(
     }
 }
 
-/// Sends one attempt; `Err` (with why) when the worker could not be reached
-/// or answered 5xx, which the caller retries elsewhere.
+/// What relaying the chosen worker's answer needs besides the answer.
+struct Relay<'a> {
+    guard: ActiveGuard,
+    /// The proxy asked for the usage chunk on the client's behalf.
+    added_usage: bool,
+    request_id: &'a str,
+}
+
+/// How one attempt ended.
+enum Sent {
+    /// The worker answered (any status but 503 and 429).
+    Answer(reqwest::Response),
+    /// The request never reached the worker, or the worker refused it
+    /// before doing any work: try the next candidate.
+    Refused(String),
+    /// The worker took the request and failed: answer the client, try no one else.
+    Failed(ApiError),
+}
+
+/// Sends one attempt and sorts out how it ended (see the module docs).
 async fn send(
     proxy: &Proxy,
     target: &Target,
     endpoint: Endpoint,
     out: Outgoing,
     headers: &HeaderMap,
-) -> Result<reqwest::Response, String> {
+    request_id: &str,
+) -> Sent {
     let mut upstream = proxy
         .client
         .post(format!("{}{}", target.url, endpoint.path()))
         .timeout(proxy.config().request_timeout)
         .header(header::CONTENT_TYPE, "application/json")
+        .header(REQUEST_ID, request_id)
         .body(out.payload);
     if let Some(rank) = out.rank_header {
         upstream = upstream.header("X-data-parallel-rank", rank.to_string());
@@ -245,24 +283,45 @@ async fn send(
     if let Some(auth) = headers.get(header::AUTHORIZATION) {
         upstream = upstream.header(header::AUTHORIZATION, auth.clone());
     }
-    let failed = |message: String| {
+    let refused = |message: String| {
         proxy.metrics.upstream_errors.inc();
         proxy.breakers.record_outcome(&target.name, false);
-        Err(message)
+        Sent::Refused(message)
     };
     match upstream.send().await {
-        Err(e) => {
-            debug!(worker = %target.name, error = %e, "upstream request failed");
-            failed(format!("worker `{}`: {e}", target.name))
+        Err(e) if e.is_connect() => {
+            debug!(worker = %target.name, request_id, error = %e, "worker unreachable");
+            refused(format!("worker `{}`: {e}", target.name))
         }
-        Ok(resp) if resp.status().is_server_error() => failed(format!(
+        Err(e) => {
+            proxy.metrics.upstream_errors.inc();
+            proxy.breakers.trip(&target.name);
+            warn!(
+                worker = %target.name, request_id, error = %e,
+                "the worker failed a request it had received; not retried elsewhere"
+            );
+            Sent::Failed(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream_error",
+                format!(
+                    "worker `{}` failed request {request_id} after receiving it ({e}); \
+                     it was not sent to another worker",
+                    target.name
+                ),
+            ))
+        }
+        Ok(resp) if matches!(resp.status().as_u16(), 503 | 429) => refused(format!(
             "worker `{}` answered {}",
             target.name,
             resp.status()
         )),
         Ok(resp) => {
-            proxy.breakers.record_outcome(&target.name, true);
-            Ok(resp)
+            let ok = !resp.status().is_server_error();
+            if !ok {
+                proxy.metrics.upstream_errors.inc();
+            }
+            proxy.breakers.record_outcome(&target.name, ok);
+            Sent::Answer(resp)
         }
     }
 }
@@ -276,9 +335,13 @@ async fn respond(
     s: &Scored,
     target: &Target,
     resp: reqwest::Response,
-    guard: ActiveGuard,
-    added_usage: bool,
+    relay: Relay<'_>,
 ) -> Response {
+    let Relay {
+        guard,
+        added_usage,
+        request_id,
+    } = relay;
     let labels = RankLabels {
         worker: target.name.clone(),
         dp_rank: s.key.rank,
@@ -300,15 +363,20 @@ async fn respond(
     if let Some(v) = content_type.and_then(|ct| HeaderValue::from_bytes(ct.as_bytes()).ok()) {
         builder = builder.header(header::CONTENT_TYPE, v);
     }
-    let streaming =
-        req.stream || content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
-    let body = if streaming {
+    let sse = content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let body = if req.stream || sse {
         let strip = added_usage && status.is_success();
+        let origin = StreamOrigin {
+            worker: target.name.clone(),
+            request_id: request_id.to_owned(),
+            sse,
+        };
         Body::from_stream(Passthrough::new(
             Box::pin(resp.bytes_stream()),
             guard,
             prediction,
             strip,
+            origin,
         ))
     } else {
         guard.prefill_done();

@@ -101,6 +101,22 @@ impl Breakers {
     }
 }
 
+impl Breakers {
+    /// Opens a worker's breaker at once: it failed in a way that may hurt
+    /// whatever is sent to it next.
+    pub fn trip(&self, name: &str) {
+        let mut breakers = self.lock();
+        let b = match breakers.get_mut(name) {
+            Some(b) => b,
+            None => breakers.entry(name.to_owned()).or_default(),
+        };
+        b.failures = b.failures.max(self.failures);
+        b.probe_until = None;
+        b.open_until = Some(Instant::now() + self.open);
+        warn!(worker = name, "circuit breaker open");
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,6 +130,11 @@ mod tests {
         assert!(!breakers.available("w0"));
         breakers.record_outcome("w0", true);
         assert!(breakers.available("w0"));
+        breakers.trip("w1");
+        assert!(
+            !breakers.available("w1"),
+            "one failure that may hurt opens it"
+        );
     }
 
     #[test]

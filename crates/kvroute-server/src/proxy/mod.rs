@@ -29,7 +29,7 @@ use std::sync::{Arc, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
-use axum::http::HeaderMap;
+use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvroute_core::index::SharedIndex;
@@ -216,6 +216,22 @@ impl Proxy {
         unit_f64(mix(state))
     }
 
+    /// The request's id: the client's `x-request-id` when it is a short
+    /// printable token, else a new one.
+    pub fn request_id(&self, headers: &HeaderMap) -> String {
+        let given = headers
+            .get(attempt::REQUEST_ID)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| (1..=128).contains(&v.len()) && v.bytes().all(|b| b.is_ascii_graphic()));
+        match given {
+            Some(id) => id.to_owned(),
+            None => format!(
+                "kvroute-{:016x}",
+                mix(self.rng.load(Ordering::Relaxed) ^ self.next_id.fetch_add(1, Ordering::Relaxed))
+            ),
+        }
+    }
+
     /// Fills in `req.tokens` and `req.images` from its text with the
     /// tokenizer, if there is one. Requests with token ids keep them as given.
     pub fn tokenize(&self, req: &mut RoutingRequest) {
@@ -276,7 +292,22 @@ async fn handle(
     endpoint: Endpoint,
 ) -> Response {
     proxy.metrics.requests.inc();
-    let mut req = match scan::parse_request(&body, endpoint == Endpoint::Chat) {
+    let request_id = proxy.request_id(&headers);
+    let mut response = route(&proxy, &headers, &body, endpoint, &request_id).await;
+    if let Ok(id) = HeaderValue::from_str(&request_id) {
+        response.headers_mut().insert(attempt::REQUEST_ID, id);
+    }
+    response
+}
+
+async fn route(
+    proxy: &Arc<Proxy>,
+    headers: &HeaderMap,
+    body: &axum::body::Bytes,
+    endpoint: Endpoint,
+    request_id: &str,
+) -> Response {
+    let mut req = match scan::parse_request(body, endpoint == Endpoint::Chat) {
         Ok(r) => r,
         Err(e) => {
             proxy.metrics.bad_requests.inc();
@@ -287,11 +318,11 @@ async fn handle(
     if req.tokens.is_none() {
         proxy.metrics.load_only.inc();
     }
-    let admitted = match attempt::admit(&proxy, &req).await {
+    let admitted = match attempt::admit(proxy, &req).await {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
-    attempt::forward(&proxy, &req, admitted, &headers, &body, endpoint).await
+    attempt::forward(proxy, &req, admitted, headers, body, endpoint, request_id).await
 }
 
 /// `GET /v1/models`: the union of every worker's models.

@@ -4,11 +4,13 @@
 //! removing the usage chunk that the proxy asked for on the client's behalf.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use axum::body::Bytes;
 use futures_util::Stream;
 use serde_json::Value;
+use tracing::warn;
 
 use super::active::ActiveGuard;
 
@@ -144,6 +146,17 @@ impl UsageStripper {
     }
 }
 
+/// Which request a relayed stream answers, for its failure event and logs.
+#[derive(Debug, Clone)]
+pub struct StreamOrigin {
+    /// The worker streaming.
+    pub worker: Arc<str>,
+    /// The request's id.
+    pub request_id: String,
+    /// The stream is SSE, so a failure can be told to the client in-band.
+    pub sse: bool,
+}
+
 /// The upstream body, passed through chunk by chunk; holds the active entry.
 pub struct Passthrough<S> {
     inner: S,
@@ -152,18 +165,23 @@ pub struct Passthrough<S> {
     prediction: Option<Prediction>,
     /// Set when the proxy added `include_usage`: drop the usage-only chunk.
     strip: Option<UsageStripper>,
+    origin: StreamOrigin,
+    /// What was passed on so far ends an SSE event (or nothing was).
+    at_boundary: bool,
     done: bool,
 }
 
 impl<S> Passthrough<S> {
     /// Relays `inner`, holding `guard` until it ends; compares `prediction`
     /// with the engine's `cached_tokens`; removes the usage-only chunk when
-    /// `strip_usage` (the client did not ask for it).
+    /// `strip_usage` (the client did not ask for it). If the worker fails
+    /// mid-stream, an SSE stream ends with an `error` event and `[DONE]`.
     pub fn new(
         inner: S,
         guard: ActiveGuard,
         prediction: Option<Prediction>,
         strip_usage: bool,
+        origin: StreamOrigin,
     ) -> Self {
         Passthrough {
             inner,
@@ -171,8 +189,39 @@ impl<S> Passthrough<S> {
             first: true,
             prediction,
             strip: strip_usage.then(UsageStripper::default),
+            origin,
+            at_boundary: true,
             done: false,
         }
+    }
+
+    /// The worker failed mid-stream: its breaker opens, and an SSE client
+    /// gets a last `data: {"error": …}` event and `data: [DONE]`.
+    fn failed(&mut self, error: &reqwest::Error) -> Option<Bytes> {
+        let origin = &self.origin;
+        warn!(
+            worker = %origin.worker, request_id = %origin.request_id, error = %error,
+            "the worker failed mid-stream"
+        );
+        if let Some(g) = self.guard.take() {
+            g.proxy().breakers.trip(&origin.worker);
+        }
+        if !origin.sse {
+            return None;
+        }
+        let event = serde_json::json!({"error": {
+            "message": format!(
+                "worker `{}` failed mid-stream on request {}: {error}",
+                origin.worker, origin.request_id
+            ),
+            "type": "upstream_error",
+            "param": null,
+            "code": 502,
+        }});
+        let lead = if self.at_boundary { "" } else { "\n\n" };
+        Some(Bytes::from(format!(
+            "{lead}data: {event}\n\ndata: [DONE]\n\n"
+        )))
     }
 }
 
@@ -220,12 +269,12 @@ where
                     if out.is_empty() {
                         continue;
                     }
+                    this.at_boundary = out.ends_with(b"\n\n") || out.ends_with(b"\r\n\r\n");
                     return Poll::Ready(Some(Ok(out)));
                 }
                 Poll::Ready(Some(Err(e))) => {
-                    this.guard = None;
                     this.done = true;
-                    return Poll::Ready(Some(Err(e)));
+                    return Poll::Ready(this.failed(&e).map(Ok));
                 }
                 Poll::Ready(None) => {
                     this.guard = None;

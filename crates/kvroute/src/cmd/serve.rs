@@ -14,12 +14,12 @@ use kvroute_core::scheduler::{BusyThresholds, Policy};
 use kvroute_core::tokens::fold_token_id;
 use kvroute_mocker::http::openai::{self, Endpoint};
 use kvroute_mocker::tokenizer::Tokenizer;
+use kvroute_server::admin::Access;
+use kvroute_server::ingest::address::AllowedHosts;
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::ingest::stream::IngestConfig;
 use kvroute_server::proxy::scan::TextPrompt;
 use kvroute_server::proxy::{PromptTokenizer, ProxyConfig};
-use kvroute_server::admin::Access;
-use kvroute_server::ingest::address::AllowedHosts;
 use kvroute_server::{serve, ServeConfig};
 use std::sync::Arc;
 
