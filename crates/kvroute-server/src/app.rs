@@ -92,6 +92,7 @@ mod tests {
 
     use crate::ingest::registry::Registry;
     use crate::ingest::stream::IngestConfig;
+    use crate::listen::ConnectionMetrics;
     use crate::proxy::ProxyConfig;
 
     /// The app with no workers and a 1 KiB body limit.
@@ -103,12 +104,15 @@ mod tests {
             Duration::from_secs(30),
         ));
         let proxy = Arc::new(Proxy::new(ProxyConfig::default(), index).expect("client"));
-        let metrics = Arc::new(Metrics::new(&proxy.metrics, Vec::new()));
+        let metrics = Arc::new(Metrics::new(&proxy.metrics, &ConnectionMetrics::default(), Vec::new()));
         app(AppState {
             admin: AdminState {
                 registry,
                 proxy: proxy.clone(),
-                access: admin::Access::default(),
+                access: admin::Access {
+                    admin_token: Some("token".into()),
+                    public_introspection: false,
+                },
                 default_block_size: 16,
             },
             proxy,
@@ -123,6 +127,7 @@ mod tests {
             .method(method)
             .uri(uri)
             .header("content-type", "application/json")
+            .header("authorization", "Bearer token")
             .body(body.into())
             .expect("request");
         let response = test_app().oneshot(request).await.expect("infallible");

@@ -16,6 +16,7 @@ pub mod admin;
 pub mod api;
 pub mod app;
 pub mod ingest;
+pub mod listen;
 pub mod metrics;
 pub mod proxy;
 pub mod query;
@@ -24,7 +25,6 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::serve::ListenerExt;
 use kvroute_core::index::{Index, IndexConfig, SharedIndex};
 use tracing::{info, warn};
 
@@ -33,6 +33,7 @@ use ingest::address::AllowedHosts;
 use ingest::registry::Registry;
 use ingest::spec::WorkerSpec;
 use ingest::stream::IngestConfig;
+use listen::{serve_bounded, ConnectionMetrics, HttpLimits};
 use metrics::{IngestCollector, Metrics};
 use proxy::active::ActiveCollector;
 use proxy::{Proxy, ProxyConfig};
@@ -58,6 +59,8 @@ pub struct ServeConfig {
     pub proxy: ProxyConfig,
     /// Largest request body accepted, in bytes (larger: 413).
     pub max_body_bytes: usize,
+    /// Connections, and how long a connection may take or idle.
+    pub http: HttpLimits,
 }
 
 impl Default for ServeConfig {
@@ -72,6 +75,7 @@ impl Default for ServeConfig {
             ingest: IngestConfig::default(),
             proxy: ProxyConfig::default(),
             max_body_bytes: 32 << 20,
+            http: HttpLimits::default(),
         }
     }
 }
@@ -119,8 +123,10 @@ pub async fn serve(
     }
     let proxy = Arc::new(Proxy::new(config.proxy.clone(), index.clone())?);
     proxy.refresh(&registry);
+    let connections = ConnectionMetrics::default();
     let metrics = Arc::new(Metrics::new(
         &proxy.metrics,
+        &connections,
         vec![
             Box::new(IngestCollector::new(registry.clone(), index.clone())),
             Box::new(ActiveCollector::new(proxy.clone())),
@@ -160,17 +166,17 @@ pub async fn serve(
     };
     info!(addr = ?listener.local_addr().ok(), "kvroute listening");
     log_access(&config.access, &config.allowed_worker_hosts);
-    // Without TCP_NODELAY, a streamed token written after the response head
-    // on a kept-alive connection waits for the client's delayed ACK (up to
-    // 40 ms on Linux): every small SSE write must leave at once.
-    let listener = listener.tap_io(|tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "cannot set TCP_NODELAY");
-        }
-    });
-    let result = axum::serve(listener, app::app(state))
-        .with_graceful_shutdown(shutdown)
-        .await;
+    // Every accepted connection gets TCP_NODELAY: without it, a streamed
+    // token written after the response head on a kept-alive connection waits
+    // for the client's delayed ACK (up to 40 ms on Linux).
+    let result = serve_bounded(
+        listener,
+        app::app(state),
+        config.http,
+        connections,
+        shutdown,
+    )
+    .await;
     housekeeping.abort();
     let _ = tokio::task::spawn_blocking(move || registry.shutdown()).await;
     result.map_err(ServeError::Http)

@@ -25,6 +25,7 @@ use prometheus_client::registry::Registry;
 
 use crate::ingest::registry::{RankView, Registry as Workers};
 use crate::ingest::stream::RankCounters;
+use crate::listen::ConnectionMetrics;
 
 /// The kind of a metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -141,6 +142,10 @@ catalogue! {
     ACCURACY_DIFFERENCE:          kvroute_accuracy_difference_tokens           Histogram NONE "|predicted cached tokens - engine cached_tokens|.";
     ACTIVE_REQUESTS:              kvroute_active_requests                      Gauge     RANK "Requests in flight per (worker, rank).";
     ACTIVE_PREFILL_TOKENS:        kvroute_active_prefill_tokens                Gauge     RANK "Prompt tokens still to prefill per (worker, rank).";
+    HTTP_CONNECTIONS:             kvroute_http_connections                     Gauge     NONE "Client connections open.";
+    HTTP_CONNECTIONS_REFUSED:     kvroute_http_connections_refused_total       Counter   NONE "Connections closed on arrival because --max-connections were open.";
+    HTTP_HEADER_TIMEOUTS:         kvroute_http_header_timeouts_total           Counter   NONE "Connections closed because a request head took longer than --header-timeout-secs.";
+    HTTP_IDLE_TIMEOUTS:           kvroute_http_idle_timeouts_total             Counter   NONE "Kept-alive connections closed after --idle-timeout-secs without a request.";
     ACTIVE_DECODE_BLOCKS:         kvroute_active_decode_blocks                 Gauge     RANK "Distinct blocks held by requests in flight per (worker, rank).";
 }
 
@@ -405,13 +410,26 @@ pub struct Metrics {
 const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 impl Metrics {
-    /// A registry with `proxy`'s counters and the given collectors.
-    pub fn new(proxy: &ProxyMetrics, collectors: Vec<Box<dyn Collector>>) -> Self {
+    /// A registry with `proxy`'s counters, the HTTP server's and the given collectors.
+    pub fn new(
+        proxy: &ProxyMetrics,
+        http: &ConnectionMetrics,
+        collectors: Vec<Box<dyn Collector>>,
+    ) -> Self {
         let mut registry = Registry::default();
         for collector in collectors {
             registry.register_collector(collector);
         }
         proxy.register(&mut registry);
+        registry.register(HTTP_CONNECTIONS.family(), HTTP_CONNECTIONS.help, http.open.clone());
+        let counters = [
+            (HTTP_CONNECTIONS_REFUSED, &http.refused),
+            (HTTP_HEADER_TIMEOUTS, &http.header_timeouts),
+            (HTTP_IDLE_TIMEOUTS, &http.idle_timeouts),
+        ];
+        for (info, counter) in counters {
+            registry.register(info.family(), info.help, counter.clone());
+        }
         Metrics { registry }
     }
 
@@ -439,14 +457,26 @@ impl Metrics {
 mod tests {
     use super::*;
 
+    /// `UPDATE_DOCS=1 cargo test -p kvroute-server the_docs` rewrites the
+    /// table in place after a change to the catalogue.
     #[test]
     fn the_docs_list_the_catalogue() {
         let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/metrics.md");
         let doc = std::fs::read_to_string(path).expect("docs/metrics.md");
         let table = catalogue_table();
+        if std::env::var_os("UPDATE_DOCS").is_some() {
+            let start = doc.find("| metric |").unwrap_or(doc.len());
+            let end = doc[start..]
+                .find("\n\n")
+                .map_or(doc.len(), |i| start + i + 1);
+            let updated = format!("{}{table}{}", &doc[..start], &doc[end..]);
+            std::fs::write(path, updated).expect("write docs/metrics.md");
+            return;
+        }
         assert!(
             doc.contains(&table),
-            "docs/metrics.md must contain the catalogue table as generated:\n\n{table}"
+            "docs/metrics.md must contain the catalogue table as generated \
+             (UPDATE_DOCS=1 rewrites it):\n\n{table}"
         );
     }
 
@@ -472,7 +502,7 @@ mod tests {
         let proxy = ProxyMetrics::default();
         proxy.compare(48, 48);
         proxy.compare(64, 48);
-        let (_, text) = Metrics::new(&proxy, Vec::new()).render(None);
+        let (_, text) = Metrics::new(&proxy, &ConnectionMetrics::default(), Vec::new()).render(None);
         assert!(text.contains("kvroute_accuracy_comparisons_total 2"));
         assert!(text.contains("kvroute_accuracy_exact_total 1"));
         assert!(text.contains("kvroute_accuracy_difference_tokens_bucket{le=\"0\"} 1"));
@@ -489,7 +519,7 @@ mod tests {
         };
         proxy.routed.get_or_create(&labels).inc();
         proxy.routed.get_or_create(&labels).inc();
-        let metrics = Metrics::new(&proxy, Vec::new());
+        let metrics = Metrics::new(&proxy, &ConnectionMetrics::default(), Vec::new());
         let (kind, text) = metrics.render(Some("text/plain"));
         assert!(kind.starts_with("text/plain"));
         assert!(

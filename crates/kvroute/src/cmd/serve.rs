@@ -16,6 +16,7 @@ use kvroute_mocker::http::openai::{self, Endpoint};
 use kvroute_mocker::tokenizer::Tokenizer;
 use kvroute_server::admin::Access;
 use kvroute_server::ingest::address::AllowedHosts;
+use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::ingest::stream::IngestConfig;
 use kvroute_server::proxy::scan::TextPrompt;
@@ -151,6 +152,17 @@ pub struct ServeArgs {
     /// Largest request body accepted, in MiB (larger: 413).
     #[arg(long, default_value_t = 32, env = "KVROUTE_MAX_BODY_MIB")]
     max_body_mib: usize,
+    /// Client connections served at once; more are closed as they arrive.
+    /// Default: half the open-file limit (raised to its hard limit at start)
+    /// after a reserve for sockets to the engines.
+    #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
+    max_connections: Option<usize>,
+    /// Seconds a client may take to send a request's head, from its first byte.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_HEADER_TIMEOUT_SECS")]
+    header_timeout_secs: u64,
+    /// Seconds a kept-alive connection may wait for its next request.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_IDLE_TIMEOUT_SECS")]
+    idle_timeout_secs: u64,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info", env = "KVROUTE_LOG")]
     log: tracing::Level,
@@ -177,6 +189,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         );
     }
     let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
+    let fd_limit = raise_fd_limit();
     let runtime = crate::cmd::runtime()?;
     runtime.block_on(async {
         let client = reqwest::Client::builder()
@@ -217,6 +230,14 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             ingest: IngestConfig::default(),
             proxy: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
+            http: HttpLimits {
+                max_connections: args
+                    .max_connections
+                    .unwrap_or_else(|| default_max_connections(fd_limit)),
+                header_timeout: Duration::from_secs(args.header_timeout_secs),
+                idle_timeout: Duration::from_secs(args.idle_timeout_secs),
+                ..HttpLimits::default()
+            },
         };
         serve(config, listener, super::shutdown_signal()).await?;
         Ok(())
