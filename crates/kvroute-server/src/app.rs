@@ -13,7 +13,7 @@ use crate::admin::{self, AdminState};
 use crate::api;
 use crate::metrics::Metrics;
 use crate::proxy::{self, Proxy};
-use crate::query;
+use crate::query::{self, QueryLimits};
 
 /// Everything the handlers share; each handler takes only its part.
 #[derive(Debug, Clone)]
@@ -26,6 +26,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     /// Largest request body accepted, in bytes (larger: 413).
     pub max_body_bytes: usize,
+    /// Bounds of `/query` and `/query_by_hash`.
+    pub query: QueryLimits,
 }
 
 impl FromRef<AppState> for Arc<Proxy> {
@@ -50,9 +52,17 @@ impl FromRef<AppState> for Arc<Metrics> {
 /// over the limit are answered with OpenAI's error body.
 pub fn app(state: AppState) -> axum::Router {
     let limit = state.max_body_bytes;
-    let introspection = axum::Router::new()
+    let query_slots = Arc::new(tokio::sync::Semaphore::new(state.query.concurrency.max(1)));
+    let queries = axum::Router::new()
         .route("/query", post(query::query))
         .route("/query_by_hash", post(query::query_by_hash))
+        .layer(DefaultBodyLimit::max(state.query.max_body_bytes.min(limit)))
+        .route_layer(axum::middleware::from_fn_with_state(
+            query_slots,
+            query::limit_concurrency,
+        ));
+    let introspection = axum::Router::new()
+        .merge(queries)
         .route("/workers", get(admin::workers))
         .route_layer(axum::middleware::from_fn_with_state(
             state.admin.access.clone(),
@@ -104,7 +114,11 @@ mod tests {
             Duration::from_secs(30),
         ));
         let proxy = Arc::new(Proxy::new(ProxyConfig::default(), index).expect("client"));
-        let metrics = Arc::new(Metrics::new(&proxy.metrics, &ConnectionMetrics::default(), Vec::new()));
+        let metrics = Arc::new(Metrics::new(
+            &proxy.metrics,
+            &ConnectionMetrics::default(),
+            Vec::new(),
+        ));
         app(AppState {
             admin: AdminState {
                 registry,
@@ -118,6 +132,7 @@ mod tests {
             proxy,
             metrics,
             max_body_bytes: 1024,
+            query: QueryLimits::default(),
         })
     }
 

@@ -37,6 +37,7 @@ use listen::{serve_bounded, ConnectionMetrics, HttpLimits};
 use metrics::{IngestCollector, Metrics};
 use proxy::active::ActiveCollector;
 use proxy::{Proxy, ProxyConfig};
+use query::QueryLimits;
 
 /// Everything `kvroute serve` needs, validated.
 #[derive(Debug, Clone)]
@@ -61,6 +62,8 @@ pub struct ServeConfig {
     pub max_body_bytes: usize,
     /// Connections, and how long a connection may take or idle.
     pub http: HttpLimits,
+    /// Bounds of `/query` and `/query_by_hash`.
+    pub query: QueryLimits,
 }
 
 impl Default for ServeConfig {
@@ -76,6 +79,7 @@ impl Default for ServeConfig {
             proxy: ProxyConfig::default(),
             max_body_bytes: 32 << 20,
             http: HttpLimits::default(),
+            query: QueryLimits::default(),
         }
     }
 }
@@ -163,6 +167,7 @@ pub async fn serve(
         proxy,
         metrics,
         max_body_bytes: config.max_body_bytes,
+        query: config.query,
     };
     info!(addr = ?listener.local_addr().ok(), "kvroute listening");
     log_access(&config.access, &config.allowed_worker_hosts);

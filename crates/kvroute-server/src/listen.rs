@@ -118,12 +118,9 @@ impl Activity {
     fn bytes_read(&self) {
         if self.in_flight.load(Ordering::Acquire) == 0 {
             let now = self.now_ms() + 1;
-            let _ = self.head_started_ms.compare_exchange(
-                0,
-                now,
-                Ordering::AcqRel,
-                Ordering::Relaxed,
-            );
+            let _ =
+                self.head_started_ms
+                    .compare_exchange(0, now, Ordering::AcqRel, Ordering::Relaxed);
         }
     }
 
@@ -147,7 +144,8 @@ impl Activity {
             0 => (now.saturating_sub(self.idle_since_ms.load(Ordering::Acquire))
                 >= limits.idle_timeout.as_millis() as u64)
                 .then_some(Expiry::Idle),
-            started => (now.saturating_sub(started - 1) >= limits.header_timeout.as_millis() as u64)
+            started => (now.saturating_sub(started - 1)
+                >= limits.header_timeout.as_millis() as u64)
                 .then_some(Expiry::Header),
         }
     }
@@ -289,7 +287,13 @@ pub async fn serve_bounded(
         if let Err(e) = stream.set_nodelay(true) {
             debug!(error = %e, "cannot set TCP_NODELAY");
         }
-        let connection = serve_connection(stream, app.clone(), limits, metrics.clone(), stop_rx.clone());
+        let connection = serve_connection(
+            stream,
+            app.clone(),
+            limits,
+            metrics.clone(),
+            stop_rx.clone(),
+        );
         tokio::spawn(async move {
             let _permit = permit;
             connection.await;
@@ -389,16 +393,32 @@ mod tests {
     #[test]
     fn an_idle_connection_expires_after_the_idle_time_and_a_slow_head_after_the_header_time() {
         let a = Activity::new();
-        assert_eq!(a.expired(&limits(50, 10_000)), None, "idle, within the idle time");
+        assert_eq!(
+            a.expired(&limits(50, 10_000)),
+            None,
+            "idle, within the idle time"
+        );
         assert_eq!(a.expired(&limits(50, 0)), Some(Expiry::Idle));
         a.bytes_read();
         assert_eq!(a.expired(&limits(0, 10_000)), Some(Expiry::Header));
-        assert_eq!(a.expired(&limits(10_000, 0)), None, "a head in progress is not idle");
+        assert_eq!(
+            a.expired(&limits(10_000, 0)),
+            None,
+            "a head in progress is not idle"
+        );
         a.request_started();
-        assert_eq!(a.expired(&limits(0, 0)), None, "a request in progress never expires");
+        assert_eq!(
+            a.expired(&limits(0, 0)),
+            None,
+            "a request in progress never expires"
+        );
         a.bytes_read();
         a.request_finished();
-        assert_eq!(a.expired(&limits(0, 10_000)), None, "body bytes start no head");
+        assert_eq!(
+            a.expired(&limits(0, 10_000)),
+            None,
+            "body bytes start no head"
+        );
         assert_eq!(a.expired(&limits(10_000, 0)), Some(Expiry::Idle));
     }
 }

@@ -421,7 +421,11 @@ impl Metrics {
             registry.register_collector(collector);
         }
         proxy.register(&mut registry);
-        registry.register(HTTP_CONNECTIONS.family(), HTTP_CONNECTIONS.help, http.open.clone());
+        registry.register(
+            HTTP_CONNECTIONS.family(),
+            HTTP_CONNECTIONS.help,
+            http.open.clone(),
+        );
         let counters = [
             (HTTP_CONNECTIONS_REFUSED, &http.refused),
             (HTTP_HEADER_TIMEOUTS, &http.header_timeouts),
@@ -502,7 +506,8 @@ mod tests {
         let proxy = ProxyMetrics::default();
         proxy.compare(48, 48);
         proxy.compare(64, 48);
-        let (_, text) = Metrics::new(&proxy, &ConnectionMetrics::default(), Vec::new()).render(None);
+        let (_, text) =
+            Metrics::new(&proxy, &ConnectionMetrics::default(), Vec::new()).render(None);
         assert!(text.contains("kvroute_accuracy_comparisons_total 2"));
         assert!(text.contains("kvroute_accuracy_exact_total 1"));
         assert!(text.contains("kvroute_accuracy_difference_tokens_bucket{le=\"0\"} 1"));

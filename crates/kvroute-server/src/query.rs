@@ -84,26 +84,31 @@ fn query_answer(
     json!({"scores": scores, "workers": workers, "chosen": chosen})
 }
 
-/// `POST /query`: what each (worker, rank) holds of a request and what it would cost.
+/// `POST /query`: what each (worker, rank) holds of a request and what it
+/// would cost. The work (parsing, tokenizing, hashing, the index walk) runs
+/// on the blocking pool, so a large body never holds up other requests.
 pub async fn query(
     State(proxy): State<Arc<Proxy>>,
     Body(body): Body,
 ) -> Result<Json<Value>, ApiError> {
-    let mut req: RoutingRequest = parse_query(&body).map_err(|e| ApiError::bad_request(e.0))?;
-    proxy.tokenize(&mut req);
-    let Some(tokens) = &req.tokens else {
-        proxy.metrics.load_only.inc();
-        return Err(ApiError::bad_request(
-            "text prompts need `kvroute serve --tokenizer`; give `token_ids`",
-        ));
-    };
-    let n = tokens.len() as u64;
-    Ok(Json(query_answer(
-        &proxy,
-        &mut |bs, flavor| request_hashes(&req, bs, flavor),
-        &|_| n,
-        !req.images.is_empty(),
-    )))
+    off_runtime(move || {
+        let mut req: RoutingRequest = parse_query(&body).map_err(|e| ApiError::bad_request(e.0))?;
+        proxy.tokenize(&mut req);
+        let Some(tokens) = &req.tokens else {
+            proxy.metrics.load_only.inc();
+            return Err(ApiError::bad_request(
+                "text prompts need `kvroute serve --tokenizer`; give `token_ids`",
+            ));
+        };
+        let n = tokens.len() as u64;
+        Ok(Json(query_answer(
+            &proxy,
+            &mut |bs, flavor| request_hashes(&req, bs, flavor),
+            &|_| n,
+            !req.images.is_empty(),
+        )))
+    })
+    .await
 }
 
 /// `POST /query_by_hash`: `/query` for precomputed `local_hashes`.
@@ -111,12 +116,65 @@ pub async fn query_by_hash(
     State(proxy): State<Arc<Proxy>>,
     Body(body): Body,
 ) -> Result<Json<Value>, ApiError> {
-    let locals = parse_hash_query(&body).map_err(|e| ApiError::bad_request(e.0))?;
-    let n = locals.len() as u64;
-    Ok(Json(query_answer(
-        &proxy,
-        &mut |_, _| locals.clone(),
-        &|bs| n * u64::from(bs),
-        false,
-    )))
+    off_runtime(move || {
+        let locals = parse_hash_query(&body).map_err(|e| ApiError::bad_request(e.0))?;
+        let n = locals.len() as u64;
+        Ok(Json(query_answer(
+            &proxy,
+            &mut |_, _| locals.clone(),
+            &|bs| n * u64::from(bs),
+            false,
+        )))
+    })
+    .await
+}
+
+/// Runs `work` on the blocking pool.
+async fn off_runtime<T: Send + 'static>(
+    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("the query failed: {e}")))?
+}
+
+/// How many queries may run at once and how large a query body may be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueryLimits {
+    /// Largest `/query` or `/query_by_hash` body, in bytes (larger: 413).
+    pub max_body_bytes: usize,
+    /// Queries computed at once; more get 429 with `Retry-After`.
+    pub concurrency: usize,
+}
+
+impl Default for QueryLimits {
+    fn default() -> Self {
+        QueryLimits {
+            max_body_bytes: 4 << 20,
+            concurrency: std::thread::available_parallelism().map_or(2, |n| n.get()),
+        }
+    }
+}
+
+/// Answers 429 with `Retry-After: 1` when `concurrency` queries are running.
+pub async fn limit_concurrency(
+    State(slots): State<Arc<tokio::sync::Semaphore>>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    let Ok(_permit) = slots.try_acquire() else {
+        let busy = ApiError::new(
+            axum::http::StatusCode::TOO_MANY_REQUESTS,
+            "rate_limit_exceeded",
+            "too many /query requests at once; retry in a second",
+        );
+        let mut response = busy.into_response();
+        response.headers_mut().insert(
+            axum::http::header::RETRY_AFTER,
+            axum::http::HeaderValue::from_static("1"),
+        );
+        return response;
+    };
+    next.run(request).await
 }

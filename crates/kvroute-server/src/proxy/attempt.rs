@@ -29,7 +29,7 @@ use super::candidates::{request_hashes, Candidates, Target};
 use super::relay::{reported_cached_tokens, Passthrough, Prediction, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
 use super::scan::RoutingRequest;
-use super::{Endpoint, Proxy};
+use super::{on_cpu, Endpoint, Proxy};
 use crate::api::ApiError;
 use crate::metrics::RankLabels;
 
@@ -45,12 +45,19 @@ pub struct Admitted {
 
 /// Scores the request and orders its candidates; when every rank is busy,
 /// waits (woken as load drops) in the bounded queue, or refuses with 503.
-pub async fn admit(proxy: &Proxy, req: &RoutingRequest) -> Result<Admitted, ApiError> {
+pub async fn admit(
+    proxy: &Arc<Proxy>,
+    req: &Arc<RoutingRequest>,
+    large: bool,
+) -> Result<Admitted, ApiError> {
     let config = proxy.config();
     let queued_until = tokio::time::Instant::now() + config.queue_timeout;
     let mut place_in_queue = None;
     loop {
-        let candidates = proxy.candidates_for(req);
+        let candidates = {
+            let (proxy, req) = (proxy.clone(), req.clone());
+            on_cpu(large, move || proxy.candidates_for(&req)).await?
+        };
         if candidates.scored.is_empty() {
             proxy.metrics.no_workers.inc();
             return Err(ApiError::new(
@@ -128,17 +135,18 @@ struct Outgoing {
     added_usage: bool,
 }
 
-/// The body for candidate `s` of worker `target`, with the rewrites it needs.
+/// The body for candidate `s` of a worker with `ranks` ranks, with the
+/// rewrites it needs (`dp_rank_in_body`: the rank always goes in the body).
 fn outgoing(
-    proxy: &Proxy,
+    dp_rank_in_body: bool,
     req: &RoutingRequest,
     s: &Scored,
-    target: &Target,
+    ranks: usize,
     body: &Bytes,
 ) -> Result<Outgoing, ApiError> {
     let bad = |e: super::scan::ParseError| ApiError::bad_request(e.0);
-    let multi_rank = target.ranks.len() > 1;
-    let rank_in_body = proxy.config().dp_rank_in_body || s.flavor == WorkerFlavor::Sglang;
+    let multi_rank = ranks > 1;
+    let rank_in_body = dp_rank_in_body || s.flavor == WorkerFlavor::Sglang;
     let mut payload = body.clone();
     if multi_rank && rank_in_body {
         payload = Bytes::from(inject_dp_rank(&payload, s.key.rank).map_err(bad)?);
@@ -158,21 +166,38 @@ fn outgoing(
     })
 }
 
+/// A request being forwarded: what the client sent and what was read of it.
+#[derive(Debug, Clone, Copy)]
+pub struct Request<'a> {
+    /// What routing read of the body.
+    pub req: &'a Arc<RoutingRequest>,
+    /// The client's headers.
+    pub headers: &'a HeaderMap,
+    /// The client's body.
+    pub body: &'a Bytes,
+    /// The endpoint it came in on.
+    pub endpoint: Endpoint,
+    /// Its id in logs and answers.
+    pub request_id: &'a str,
+    /// Its body is large: rewrites run on the blocking pool.
+    pub large: bool,
+}
+
 /// Tries the admitted candidates in order; the first worker that answers
-/// (anything but a connection error or a 5xx) gives the response.
-pub async fn forward(
-    proxy: &Arc<Proxy>,
-    req: &RoutingRequest,
-    admitted: Admitted,
-    headers: &HeaderMap,
-    body: &Bytes,
-    endpoint: Endpoint,
-    request_id: &str,
-) -> Response {
+/// (see the module docs for which failures move on) gives the response.
+pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_>) -> Response {
     let Admitted {
         candidates,
         ordered,
     } = admitted;
+    let Request {
+        req,
+        headers,
+        body,
+        endpoint,
+        request_id,
+        large,
+    } = request;
     let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
     let mut last_error = String::new();
     let max_attempts = proxy.config().max_attempts.max(1);
@@ -190,7 +215,12 @@ pub async fn forward(
         let (locals, seqs) = hashes_for(&candidates, req, s);
         let cached = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
         let guard = ActiveGuard::add(proxy, s.key, &seqs, request_tokens.saturating_sub(cached));
-        let out = match outgoing(proxy, req, s, target, body) {
+        let rewritten = {
+            let (req, s, body) = (req.clone(), s.clone(), body.clone());
+            let (in_body, ranks) = (proxy.config().dp_rank_in_body, target.ranks.len());
+            on_cpu(large, move || outgoing(in_body, &req, &s, ranks, &body)).await
+        };
+        let out = match rewritten.and_then(|r| r) {
             Ok(out) => out,
             Err(e) => return e.into_response(),
         };

@@ -307,22 +307,57 @@ async fn route(
     endpoint: Endpoint,
     request_id: &str,
 ) -> Response {
-    let mut req = match scan::parse_request(body, endpoint == Endpoint::Chat) {
-        Ok(r) => r,
-        Err(e) => {
-            proxy.metrics.bad_requests.inc();
-            return ApiError::bad_request(e.0).into_response();
-        }
+    let large = body.len() > LARGE_BODY;
+    let read = {
+        let (proxy, body) = (proxy.clone(), body.clone());
+        on_cpu(large, move || {
+            let mut req = scan::parse_request(&body, endpoint == Endpoint::Chat).map_err(|e| {
+                proxy.metrics.bad_requests.inc();
+                ApiError::bad_request(e.0)
+            })?;
+            proxy.tokenize(&mut req);
+            Ok(req)
+        })
+        .await
     };
-    proxy.tokenize(&mut req);
+    let req = match read.and_then(|r| r) {
+        Ok(req) => Arc::new(req),
+        Err(e) => return e.into_response(),
+    };
     if req.tokens.is_none() {
         proxy.metrics.load_only.inc();
     }
-    let admitted = match attempt::admit(proxy, &req).await {
+    let admitted = match attempt::admit(proxy, &req, large).await {
         Ok(a) => a,
         Err(e) => return e.into_response(),
     };
-    attempt::forward(proxy, &req, admitted, headers, body, endpoint, request_id).await
+    let request = attempt::Request {
+        req: &req,
+        headers,
+        body,
+        endpoint,
+        request_id,
+        large,
+    };
+    attempt::forward(proxy, admitted, request).await
+}
+
+/// Bodies longer than this (bytes) are read, tokenized, hashed and
+/// rewritten on the blocking pool, so a huge prompt never holds up the
+/// runtime's other requests; shorter ones are quicker inline.
+pub const LARGE_BODY: usize = 256 << 10;
+
+/// Runs `work` inline, or on the blocking pool when `large`.
+pub async fn on_cpu<T: Send + 'static>(
+    large: bool,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> Result<T, ApiError> {
+    if !large {
+        return Ok(work());
+    }
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| ApiError::internal(format!("request processing failed: {e}")))
 }
 
 /// `GET /v1/models`: the union of every worker's models.

@@ -16,11 +16,12 @@ use kvroute_mocker::http::openai::{self, Endpoint};
 use kvroute_mocker::tokenizer::Tokenizer;
 use kvroute_server::admin::Access;
 use kvroute_server::ingest::address::AllowedHosts;
-use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::ingest::stream::IngestConfig;
+use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
 use kvroute_server::proxy::scan::TextPrompt;
 use kvroute_server::proxy::{PromptTokenizer, ProxyConfig};
+use kvroute_server::query::QueryLimits;
 use kvroute_server::{serve, ServeConfig};
 use std::sync::Arc;
 
@@ -152,6 +153,13 @@ pub struct ServeArgs {
     /// Largest request body accepted, in MiB (larger: 413).
     #[arg(long, default_value_t = 32, env = "KVROUTE_MAX_BODY_MIB")]
     max_body_mib: usize,
+    /// Largest `/query` or `/query_by_hash` body, in MiB (larger: 413).
+    #[arg(long, default_value_t = 4, env = "KVROUTE_QUERY_MAX_BODY_MIB")]
+    query_max_body_mib: usize,
+    /// `/query` and `/query_by_hash` requests computed at once (more: 429);
+    /// default: the number of cores.
+    #[arg(long, env = "KVROUTE_QUERY_CONCURRENCY")]
+    query_concurrency: Option<usize>,
     /// Client connections served at once; more are closed as they arrive.
     /// Default: half the open-file limit (raised to its hard limit at start)
     /// after a reserve for sockets to the engines.
@@ -230,6 +238,12 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             ingest: IngestConfig::default(),
             proxy: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
+            query: QueryLimits {
+                max_body_bytes: args.query_max_body_mib.saturating_mul(1 << 20),
+                concurrency: args
+                    .query_concurrency
+                    .unwrap_or(QueryLimits::default().concurrency),
+            },
             http: HttpLimits {
                 max_connections: args
                     .max_connections
