@@ -136,6 +136,16 @@ pub async fn serve(
             Box::new(ActiveCollector::new(proxy.clone())),
         ],
     ));
+    let context_lengths = {
+        let proxy = proxy.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(10));
+            loop {
+                tick.tick().await;
+                proxy.learn_context_lengths().await;
+            }
+        })
+    };
     let housekeeping = {
         let registry = registry.clone();
         let index = index.clone();
@@ -183,6 +193,7 @@ pub async fn serve(
     )
     .await;
     housekeeping.abort();
+    context_lengths.abort();
     let _ = tokio::task::spawn_blocking(move || registry.shutdown()).await;
     result.map_err(ServeError::Http)
 }

@@ -28,6 +28,7 @@ use super::active::ActiveGuard;
 use super::candidates::{request_hashes, Candidates, Target};
 use super::relay::{reported_cached_tokens, Passthrough, Prediction, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
+use super::sampling::check_context;
 use super::scan::RoutingRequest;
 use super::{on_cpu, Endpoint, Proxy};
 use crate::api::ApiError;
@@ -208,6 +209,12 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
         };
         if !proxy.breakers.begin_attempt(&target.name) {
             continue;
+        }
+        if let Some(limit) = proxy.context_length(target) {
+            if let Err(message) = check_context(request_tokens, req.max_tokens, limit) {
+                proxy.metrics.bad_requests.inc();
+                return ApiError::bad_request(message).into_response();
+            }
         }
         if attempt > 0 {
             proxy.metrics.retries.inc();

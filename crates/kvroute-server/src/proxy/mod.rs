@@ -20,8 +20,10 @@ pub mod active;
 pub mod attempt;
 pub mod breaker;
 pub mod candidates;
+pub mod context;
 pub mod relay;
 pub mod rewrite;
+pub mod sampling;
 pub mod scan;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -44,6 +46,7 @@ use crate::metrics::ProxyMetrics;
 use active::ActiveTable;
 use breaker::Breakers;
 use candidates::Target;
+use context::ContextLengths;
 use scan::{RoutingRequest, TextPrompt};
 
 /// Turns a prompt given as text (a completion's `prompt`, a chat's
@@ -96,6 +99,8 @@ pub struct ProxyConfig {
     pub queue_capacity: usize,
     /// Longest wait in that queue before the 503.
     pub queue_timeout: Duration,
+    /// The context length of workers that do not report theirs.
+    pub max_model_len: Option<u64>,
 }
 
 impl Default for ProxyConfig {
@@ -115,6 +120,7 @@ impl Default for ProxyConfig {
             tokenizer: None,
             queue_capacity: 0,
             queue_timeout: Duration::from_secs(30),
+            max_model_len: None,
         }
     }
 }
@@ -129,6 +135,7 @@ pub struct Proxy {
     targets: RwLock<Arc<Vec<Target>>>,
     active: ActiveTable,
     breakers: Breakers,
+    context: ContextLengths,
     /// The counters requests bump.
     pub metrics: ProxyMetrics,
     next_id: AtomicU64,
@@ -155,6 +162,7 @@ impl Proxy {
             queue: tokio::sync::Semaphore::new(config.queue_capacity),
             load_dropped: tokio::sync::Notify::new(),
             breakers: Breakers::new(config.breaker_failures, config.breaker_open),
+            context: ContextLengths::default(),
             config,
             index,
             client,

@@ -10,6 +10,8 @@ use kvroute_core::tokens::fold_token_id;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
+use super::sampling::{self, SamplingFields};
+
 /// Why a request body cannot be routed (answered with a 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -51,6 +53,8 @@ pub struct RoutingRequest {
     pub mm_hashes: Option<Value>,
     /// `stream_options.include_usage: true`: the client wants the usage chunk.
     pub include_usage: bool,
+    /// The output budget asked for (`max_completion_tokens` or `max_tokens`).
+    pub max_tokens: Option<u64>,
 }
 
 fn token_list(items: &[Value], key: &str) -> Result<Vec<u32>, ParseError> {
@@ -108,6 +112,28 @@ struct RawFields<'a> {
     /// `/query` only: the prompt as token ids.
     #[serde(borrow, default)]
     token_ids: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    max_completion_tokens: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    n: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    temperature: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    logprobs: Option<&'a RawValue>,
+}
+
+impl<'a> RawFields<'a> {
+    fn sampling(&self) -> SamplingFields<'a> {
+        SamplingFields {
+            max_tokens: self.max_tokens,
+            max_completion_tokens: self.max_completion_tokens,
+            n: self.n,
+            temperature: self.temperature,
+            logprobs: self.logprobs,
+        }
+    }
 }
 
 /// `stream_options.include_usage`, read leniently (anything but `true` is false;
@@ -304,6 +330,11 @@ fn scan_fields(body: &[u8]) -> Option<(RawFields<'_>, Option<Vec<u32>>)> {
                 b"mm_hashes" => Some((6, &mut raw.mm_hashes)),
                 b"stream_options" => Some((7, &mut raw.stream_options)),
                 b"token_ids" => Some((8, &mut raw.token_ids)),
+                b"max_tokens" => Some((9, &mut raw.max_tokens)),
+                b"max_completion_tokens" => Some((10, &mut raw.max_completion_tokens)),
+                b"n" => Some((11, &mut raw.n)),
+                b"temperature" => Some((12, &mut raw.temperature)),
+                b"logprobs" => Some((13, &mut raw.logprobs)),
                 _ => None,
             };
             if let Some((bit, _)) = slot {
@@ -384,6 +415,7 @@ fn request_of(
             .filter(|r| r.get() != "null")
             .and_then(|r| serde_json::from_str(r.get()).ok()),
         include_usage: raw_include_usage(raw.stream_options),
+        max_tokens: sampling::check(&raw.sampling(), chat).map_err(bad)?,
         ..RoutingRequest::default()
     };
     if chat {

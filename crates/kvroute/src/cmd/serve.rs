@@ -153,6 +153,11 @@ pub struct ServeArgs {
     /// Largest request body accepted, in MiB (larger: 413).
     #[arg(long, default_value_t = 32, env = "KVROUTE_MAX_BODY_MIB")]
     max_body_mib: usize,
+    /// Context length (prompt + output tokens) of workers that do not report
+    /// `max_model_len` in their `/v1/models`; requests that cannot fit are
+    /// refused with 400 before they are sent.
+    #[arg(long, value_name = "TOKENS", env = "KVROUTE_MAX_MODEL_LEN")]
+    max_model_len: Option<u64>,
     /// Largest `/query` or `/query_by_hash` body, in MiB (larger: 413).
     #[arg(long, default_value_t = 4, env = "KVROUTE_QUERY_MAX_BODY_MIB")]
     query_max_body_mib: usize,
@@ -342,6 +347,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         dp_rank_in_body: args.dp_rank_in_body,
         queue_capacity: args.queue_capacity,
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
+        max_model_len: args.max_model_len,
         tokenizer,
     })
 }
