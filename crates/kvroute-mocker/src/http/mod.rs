@@ -38,8 +38,9 @@ use tokio::sync::mpsc;
 use crate::driver::{RankError, RankHandle};
 use crate::engine::Update;
 use crate::faults::FailureDice;
-use crate::tokenizer::{FillerToken, Tokenizer};
+use crate::filler::{Filler, FillerToken};
 use kvroute_core::event::WorkerFlavor;
+use kvroute_prompt::Renderer;
 use openai::{ChunkPiece, Endpoint, ParsedRequest, PromptSettings, ResponseMeta};
 
 /// Largest request body accepted (images arrive inline as data URLs).
@@ -134,8 +135,10 @@ pub struct EngineState {
     pub flavor: WorkerFlavor,
     /// The data-parallel ranks.
     pub ranks: Vec<RankHandle>,
-    /// Text to tokens.
-    pub tokenizer: Arc<Tokenizer>,
+    /// Prompts to token ids (shared with the router's request side).
+    pub renderer: Arc<Renderer>,
+    /// The text generated tokens are drawn from.
+    pub filler: Arc<Filler>,
     /// Prompt building settings.
     pub prompt: PromptSettings,
     /// Tokens per block.
@@ -273,7 +276,7 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
     let parsed = openai::parse(endpoint, &body)?;
-    if let Some(model) = &parsed.model {
+    if let Some(model) = &parsed.prompt.model {
         if model != &state.model {
             return Err(ApiError::new(
                 StatusCode::NOT_FOUND,
@@ -291,10 +294,10 @@ async fn generate(
         return Err(ApiError::internal("injected failure (--fail-rate)"));
     }
     // Tokenizing and hashing images is CPU work: keep it off the async workers.
-    let tokenizer = state.tokenizer.clone();
+    let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
     let settings = state.prompt;
     let (request, filler, parsed) = tokio::task::spawn_blocking(move || {
-        openai::build(&parsed, &tokenizer, settings).map(|(r, f)| (r, f, parsed))
+        openai::build(&parsed, &renderer, &filler, settings).map(|(r, f)| (r, f, parsed))
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
@@ -354,10 +357,10 @@ async fn cache_match(
         }
     };
     let parsed = openai::parse(endpoint, &body)?;
-    let tokenizer = state.tokenizer.clone();
+    let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
     let settings = state.prompt;
     let (request, _) =
-        tokio::task::spawn_blocking(move || openai::build(&parsed, &tokenizer, settings))
+        tokio::task::spawn_blocking(move || openai::build(&parsed, &renderer, &filler, settings))
             .await
             .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
     let mut ranks = Vec::with_capacity(state.ranks.len());

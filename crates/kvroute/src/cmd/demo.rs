@@ -29,7 +29,7 @@ use crate::cmd::bench::load::{
     self, Arrival, Endpoint, LoadOptions, PolicyReport, Report, WorkloadKind, WorkloadSpec,
 };
 use crate::cmd::serve::prompt_tokenizer;
-use kvroute_mocker::tokenizer::Tokenizer;
+use kvroute_prompt::Tokenizer;
 
 /// Positions each image takes, for the engines and the router alike.
 const MM_TOKENS_PER_IMAGE: usize = 64;

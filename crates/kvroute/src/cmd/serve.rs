@@ -10,9 +10,7 @@ use clap::Args;
 use kvroute_core::index::IndexConfig;
 use kvroute_core::multimodal::{ImageTokenRule, RoutingPrompt};
 use kvroute_core::scheduler::CostWeights;
-use kvroute_core::tokens::fold_token_id;
-use kvroute_mocker::http::openai::{self, Endpoint};
-use kvroute_mocker::tokenizer::Tokenizer;
+use kvroute_prompt::{NeutralPrompt, Prompt, PromptFields, PromptSource, Renderer, Tokenizer};
 use kvroute_server::ingest::IngestConfig;
 use kvroute_server::proxy::{PromptTokenizer, RouterConfig};
 use kvroute_server::routing::{BusyThresholds, Policy};
@@ -115,10 +113,11 @@ pub struct ServeArgs {
     /// Longest wait in that queue, in milliseconds, before the 503.
     #[arg(long, default_value_t = 30_000)]
     queue_timeout_ms: u64,
-    /// A Hugging Face `tokenizer.json` for text prompts and chat messages
-    /// (ChatML template, as Qwen models and `kvroute mocker` use), or `builtin`
-    /// for the mocker's built-in tokenizer. Without it, text requests are
-    /// routed on load alone.
+    /// A Hugging Face `tokenizer.json` for text prompts and chat messages, or
+    /// `builtin` for the mocker's built-in tokenizer. Chats are rendered with
+    /// the model's own chat template when a `tokenizer_config.json` with one
+    /// sits beside the file, else in the ChatML layout. Without it, text
+    /// requests are routed on load alone.
     #[arg(long, value_name = "FILE|builtin")]
     tokenizer: Option<PathBuf>,
     /// Prompt positions each image takes (the model's image token count; the
@@ -201,37 +200,53 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Tokenizes requests exactly as `kvroute mocker` renders them: its
-/// completion and chat parsing, ChatML template and tokenizer, and its image
-/// layout (identity from `mm_hashes` or the image URL, `rule` positions each).
-#[derive(Debug)]
-struct ChatMlTokenizer {
-    tokenizer: Tokenizer,
-    rule: ImageTokenRule,
+/// The prompt fields of a request body; everything else is ignored.
+#[derive(Debug, serde::Deserialize)]
+struct PromptBody {
+    #[serde(default)]
+    prompt: Option<serde_json::Value>,
+    #[serde(default)]
+    messages: Option<serde_json::Value>,
+    #[serde(default)]
+    mm_hashes: Option<serde_json::Value>,
+    #[serde(default)]
+    model: Option<serde_json::Value>,
 }
 
-impl ChatMlTokenizer {
-    fn layout(&self, body: &[u8], chat: bool) -> Option<openai::NeutralPrompt> {
-        let endpoint = if chat {
-            Endpoint::Chat
+/// Tokenizes requests exactly as `kvroute mocker` renders them: with
+/// `kvroute_prompt`'s [`Renderer`] (chat template or ChatML layout,
+/// tokenizer, image identity from `mm_hashes` or the URL and `rule`
+/// positions each).
+#[derive(Debug)]
+struct RenderingTokenizer {
+    renderer: Renderer,
+}
+
+impl RenderingTokenizer {
+    fn render(&self, body: &[u8], chat: bool) -> Option<NeutralPrompt> {
+        let body: PromptBody = serde_json::from_slice(body).ok()?;
+        let source = if chat {
+            PromptSource::Chat(body.messages.as_ref())
         } else {
-            Endpoint::Completions
+            PromptSource::Completion(body.prompt.as_ref())
         };
-        let parsed = openai::parse(endpoint, body).ok()?;
-        openai::layout(&parsed, &self.tokenizer, self.rule).ok()
+        let prompt = Prompt::from_fields(&PromptFields {
+            source,
+            mm_hashes: body.mm_hashes.as_ref(),
+            model: body.model.as_ref().and_then(serde_json::Value::as_str),
+        })
+        .ok()?;
+        self.renderer.render(&prompt).ok()
     }
 }
 
-impl PromptTokenizer for ChatMlTokenizer {
+impl PromptTokenizer for RenderingTokenizer {
     fn tokenize(&self, body: &[u8], chat: bool) -> Option<Vec<u64>> {
-        self.layout(body, chat).map(|p| p.tokens)
+        self.render(body, chat).map(|p| p.tokens)
     }
 
     fn prompt(&self, body: &[u8], chat: bool) -> Option<RoutingPrompt> {
-        self.layout(body, chat).map(|p| RoutingPrompt {
-            tokens: p.tokens.into_iter().map(fold_token_id).collect(),
-            images: p.images,
-        })
+        self.render(body, chat).map(NeutralPrompt::into_routing)
     }
 }
 
@@ -241,9 +256,8 @@ pub fn prompt_tokenizer(
     tokenizer: Tokenizer,
     mm_tokens_per_image: usize,
 ) -> Arc<dyn PromptTokenizer> {
-    Arc::new(ChatMlTokenizer {
-        tokenizer,
-        rule: ImageTokenRule::fixed(mm_tokens_per_image),
+    Arc::new(RenderingTokenizer {
+        renderer: Renderer::new(tokenizer, ImageTokenRule::fixed(mm_tokens_per_image)),
     })
 }
 
