@@ -64,4 +64,4 @@ pub use error::PromptError;
 pub use kvroute_core::multimodal::{ImageSpan, ImageTokenRule, RoutingPrompt};
 pub use prompt::{Prompt, PromptFields, PromptSource, Segment, SpecialToken};
 pub use render::{NeutralPrompt, Renderer};
-pub use tokenizer::{Piece, Specials, Tokenizer, TokenizerError};
+pub use tokenizer::{Piece, Specials, TextPath, Tokenizer, TokenizerError};

@@ -33,6 +33,8 @@ struct Case {
     specials: Vec<&'static str>,
     /// Whether cutting is expected to be provable.
     cuts: bool,
+    /// Whether long pieces are expected to be cut between words too.
+    words: bool,
     /// Chats alternate user and assistant (Mistral's template demands it).
     alternating: bool,
 }
@@ -58,6 +60,7 @@ fn cases() -> Vec<Case> {
             template: template(chatml()),
             specials: vec!["<|endoftext|>", "<|im_start|>"],
             cuts: true,
+            words: true,
             alternating: false,
         },
         Case {
@@ -66,6 +69,7 @@ fn cases() -> Vec<Case> {
             template: template(chatml()),
             specials: vec!["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
             cuts: true,
+            words: true,
             alternating: false,
         },
         Case {
@@ -74,6 +78,7 @@ fn cases() -> Vec<Case> {
             template: template(llama()),
             specials: vec!["<s>", "</s>", "<unk>"],
             cuts: true,
+            words: false,
             alternating: true,
         },
         Case {
@@ -82,6 +87,7 @@ fn cases() -> Vec<Case> {
             template: template(llama()),
             specials: vec!["<s>", "</s>", "[INST]", "[/INST]"],
             cuts: true,
+            words: false,
             alternating: true,
         },
         Case {
@@ -90,6 +96,7 @@ fn cases() -> Vec<Case> {
             template: template(llama()),
             specials: vec!["<s>", "</s>", "<mask>"],
             cuts: false,
+            words: false,
             alternating: true,
         },
     ]
@@ -265,13 +272,17 @@ fn the_fast_path_matches_hugging_face_on_every_text() {
         let json = case.json.to_string();
         let reference = tokenizers::Tokenizer::from_str(&json).expect("reference loads");
         let fast = Tokenizer::from_json(&json, None, 8 << 20).expect("loads");
+        let path = fast.text_path().expect("a Hugging Face tokenizer");
         assert_eq!(
-            fast.whole_text_reason().is_none(),
+            path.whole_text_reason.is_none(),
             case.cuts,
-            "{}: {:?}",
-            case.name,
-            fast.whole_text_reason()
+            "{}: {path:?}",
+            case.name
         );
+        // The byte-level pipelines take the word cuts and the lean encoder.
+        assert_eq!(path.between_words, case.words, "{}", case.name);
+        assert_eq!(path.lean_byte_level, case.words, "{}", case.name);
+        assert!(path.cached);
         let texts = texts(&case, 0x5eed);
         // Twice: the second round is answered from the cache.
         for round in 0..2 {

@@ -12,8 +12,9 @@ use std::str::FromStr;
 
 use serde_json::Value;
 
+use super::byte_level::ByteLevelPath;
 use super::split::{never_prepend, Cut, Plan};
-use super::Piece;
+use super::{Piece, TextPath};
 use crate::cache::{CacheStats, SegmentCache};
 
 /// A loaded `tokenizer.json` with its cutting plan and cache.
@@ -27,6 +28,9 @@ pub(super) struct HfTokenizer {
     plan: Option<Plan>,
     /// Why cutting is off, for diagnostics.
     unprovable: Option<String>,
+    /// The lean encoder for pieces of a byte-level pipeline (only with a plan:
+    /// it must never see an added token).
+    byte_level: Option<ByteLevelPath>,
     /// Ids of pieces seen before; `None`: the model is not deterministic.
     cache: Option<SegmentCache>,
 }
@@ -65,11 +69,15 @@ impl HfTokenizer {
             _ => None,
         };
         let cache = (cache_bytes > 0 && !samples(&value)).then(|| SegmentCache::new(cache_bytes));
+        let byte_level = plan
+            .as_ref()
+            .and_then(|p| ByteLevelPath::analyse(&value, p.hidden_tokens));
         Ok(HfTokenizer {
             full,
             not_first,
             plan,
             unprovable,
+            byte_level,
             cache,
         })
     }
@@ -98,24 +106,36 @@ impl HfTokenizer {
     /// One piece, from the cache or the tokenizer.
     fn encode_piece(&self, piece: &str, at_start: bool, out: &mut Vec<u64>) -> Result<(), String> {
         // Only a `Metaspace` that prepends at offset 0 alone tells first pieces apart.
-        let (tokenizer, variant) = match &self.not_first {
-            Some(not_first) if !at_start => (not_first, true),
-            _ => (&self.full, false),
-        };
-        let Some(cache) = &self.cache else {
-            return self.encode_with(tokenizer, piece, out);
-        };
-        if let Some(ids) = cache.get(piece, variant) {
+        let variant = !at_start && self.not_first.is_some();
+        if let Some(ids) = self.cache.as_ref().and_then(|c| c.get(piece, variant)) {
             out.extend(ids.iter().map(|&id| u64::from(id)));
             return Ok(());
         }
+        let ids = self.encode_uncached(piece, variant)?;
+        out.extend(ids.iter().map(|&id| u64::from(id)));
+        if let Some(cache) = &self.cache {
+            cache.insert(piece, variant, &ids);
+        }
+        Ok(())
+    }
+
+    /// A piece's ids by the lean byte-level encoder when it applies, else by
+    /// `tokenizers` (the pipeline for pieces not at offset 0 if `variant`).
+    fn encode_uncached(&self, piece: &str, variant: bool) -> Result<Vec<u32>, String> {
+        let mut ids = Vec::new();
+        if let (Some(lean), Some(_)) = (&self.byte_level, &self.plan) {
+            if lean.encode(self.full.get_model(), piece, &mut ids)? {
+                return Ok(ids);
+            }
+        }
+        let tokenizer = match &self.not_first {
+            Some(not_first) if variant => not_first,
+            _ => &self.full,
+        };
         let encoding = tokenizer
             .encode_fast(piece, false)
             .map_err(|e| e.to_string())?;
-        let ids = encoding.get_ids();
-        out.extend(ids.iter().map(|&id| u64::from(id)));
-        cache.insert(piece, variant, ids);
-        Ok(())
+        Ok(encoding.get_ids().to_vec())
     }
 
     fn encode_with(
@@ -159,8 +179,13 @@ impl HfTokenizer {
         self.cache.as_ref().map(SegmentCache::stats)
     }
 
-    /// Why texts are not cut at added tokens, if they are not.
-    pub(super) fn unprovable(&self) -> Option<&str> {
-        self.unprovable.as_deref()
+    /// How texts are encoded.
+    pub(super) fn text_path(&self) -> TextPath {
+        TextPath {
+            whole_text_reason: self.unprovable.clone(),
+            between_words: self.plan.as_ref().is_some_and(|p| p.between_words),
+            lean_byte_level: self.byte_level.is_some(),
+            cached: self.cache.is_some(),
+        }
     }
 }

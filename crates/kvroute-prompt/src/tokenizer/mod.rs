@@ -23,6 +23,8 @@
 
 mod builtin;
 #[cfg(feature = "hf")]
+mod byte_level;
+#[cfg(feature = "hf")]
 mod hf;
 #[cfg(feature = "hf")]
 mod split;
@@ -102,6 +104,24 @@ pub struct Piece {
     pub id: u64,
     /// Its text (special tokens included as written).
     pub text: String,
+}
+
+/// How a Hugging Face tokenizer encodes text (see `split.rs` and
+/// `byte_level.rs` for when each step is exact).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TextPath {
+    /// Why texts are tokenized whole instead of cut at added tokens (a
+    /// configuration under which the cut cannot be proved exact); `None`
+    /// when they are cut.
+    pub whole_text_reason: Option<String>,
+    /// Long pieces are also cut between words, so that prompts sharing a
+    /// prefix share its cached chunks.
+    pub between_words: bool,
+    /// Pieces are encoded by the lean byte-level encoder rather than
+    /// `tokenizers`' full pipeline.
+    pub lean_byte_level: bool,
+    /// Pieces' ids are cached.
+    pub cached: bool,
 }
 
 #[derive(Debug)]
@@ -251,14 +271,13 @@ impl Tokenizer {
         }
     }
 
-    /// Why texts are tokenized whole instead of cut at added tokens (a
-    /// configuration under which the cut cannot be proved exact); `None`
-    /// when they are cut, and for the built-in tokenizer.
-    pub fn whole_text_reason(&self) -> Option<&str> {
+    /// How a Hugging Face tokenizer's text path runs (for start-up logs and
+    /// tests); `None` for the built-in tokenizer.
+    pub fn text_path(&self) -> Option<TextPath> {
         match &self.kind {
             Kind::Builtin => None,
             #[cfg(feature = "hf")]
-            Kind::Hf(tok) => tok.unprovable(),
+            Kind::Hf(tok) => Some(tok.text_path()),
         }
     }
 

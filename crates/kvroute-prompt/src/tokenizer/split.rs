@@ -25,6 +25,26 @@
 //! tokens stay inside their piece, where `tokenizers` finds them itself.
 //! [`Plan::analyse`] checks all of this on the loaded tokenizer and its JSON,
 //! and says why when a cut cannot be proved (then the whole text is one piece).
+//!
+//! **Between words, for byte-level BPE.** A long piece (a completion prompt
+//! has no added tokens at all) is also cut into chunks of about
+//! [`CHUNK_BYTES`], so that prompts sharing a prefix share its chunks, when
+//! the pipeline is one whose pre-tokenizer is known to split there:
+//! GPT-2's `ByteLevel` regex, or a `Split` with Qwen2's or Llama 3's
+//! (cl100k) regex followed by a regex-less `ByteLevel`, neither adding a
+//! prefix space; a normaliser of only NFC/NFD/NFKC/NFKD/Lowercase (or none);
+//! no `normalized: true` added token left inside pieces. A chunk ends before
+//! a space that has an ASCII letter on each side (`"word| word"`). Why that
+//! is exact: those regexes have no look-behind, anchors or word boundaries, so
+//! a match at a position depends only on the text after it; the match holding
+//! the letter before the space is a letter run (or a contraction ending in
+//! that letter) and ends at the space, since no alternative crosses from a
+//! letter into a space; every look-ahead inside the first chunk (`\s+(?!\S)`
+//! ends on whitespace, followed by a character of the chunk) sees the same
+//! character alone as in context; and from the space on, `" word"` is
+//! matched the same way in both. The normalisers listed map an ASCII letter
+//! or space to itself (or a letter) and compose nothing across them, and the
+//! model runs per pre-token. Other pipelines are cut at added tokens only.
 
 use daachorse::{DoubleArrayAhoCorasick, DoubleArrayAhoCorasickBuilder, MatchKind};
 use serde_json::Value;
@@ -43,6 +63,21 @@ const PER_PIECE_PRE_TOKENIZERS: &[&str] = &[
     "Whitespace",
     "WhitespaceSplit",
 ];
+
+/// Bytes a chunk of a long piece reaches before it may end (between words).
+pub(super) const CHUNK_BYTES: usize = 256;
+
+/// Pre-tokenizer regexes after which text splits before `" word"` (module docs).
+const WORD_SPLITTING_REGEXES: &[&str] = &[
+    // Qwen2 / Qwen2.5 / Qwen3.
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    // Llama 3 and cl100k.
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+];
+
+/// Normalisers that keep an ASCII letter or space what it is and compose
+/// nothing across them.
+const LOCAL_NORMALIZERS: &[&str] = &["NFC", "NFD", "NFKC", "NFKD", "Lowercase"];
 
 /// One piece of a cut text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +102,11 @@ pub(super) struct Plan {
     normalized: Option<DoubleArrayAhoCorasick<u32>>,
     /// A piece not at offset 0 needs the `prepend_scheme: "never"` pipeline.
     pub(super) first_only_prefix: bool,
+    /// Long pieces may be cut between words (module docs).
+    pub(super) between_words: bool,
+    /// Added tokens may hide inside pieces (`normalized: true` with a
+    /// normaliser): only the full pipeline finds them.
+    pub(super) hidden_tokens: bool,
 }
 
 impl std::fmt::Debug for Plan {
@@ -75,6 +115,7 @@ impl std::fmt::Debug for Plan {
             .field("raw", &self.raw.is_some())
             .field("normalized", &self.normalized.is_some())
             .field("first_only_prefix", &self.first_only_prefix)
+            .field("between_words", &self.between_words)
             .finish()
     }
 }
@@ -114,6 +155,78 @@ fn pre_tokenizer_is_per_piece(value: &Value, first_only: &mut bool) -> Result<()
         },
         _ => Err("the pre-tokenizer is not an object".into()),
     }
+}
+
+fn is_type(value: &Value, t: &str) -> bool {
+    value.get("type").and_then(Value::as_str) == Some(t)
+}
+
+/// A `ByteLevel` pre-tokenizer without a prefix space, using its own regex
+/// or not.
+fn is_byte_level(value: &Value, regex: bool) -> bool {
+    is_type(value, "ByteLevel")
+        && value.get("add_prefix_space").and_then(Value::as_bool) == Some(false)
+        && value
+            .get("use_regex")
+            .and_then(Value::as_bool)
+            .unwrap_or(true)
+            == regex
+}
+
+/// Whether the normaliser and pre-tokenizer (JSON) split text before `" word"`.
+fn splits_between_words(json: &Value) -> bool {
+    let normalizer_is_local = |n: &Value| match n.get("type").and_then(Value::as_str) {
+        Some("Sequence") => n
+            .get("normalizers")
+            .and_then(Value::as_array)
+            .is_some_and(|list| {
+                list.iter().all(|n| {
+                    n.get("type")
+                        .and_then(Value::as_str)
+                        .is_some_and(|t| LOCAL_NORMALIZERS.contains(&t))
+                })
+            }),
+        Some(t) => LOCAL_NORMALIZERS.contains(&t),
+        None => false,
+    };
+    let normalizer = json.get("normalizer").unwrap_or(&Value::Null);
+    if !normalizer.is_null() && !normalizer_is_local(normalizer) {
+        return false;
+    }
+    let pre = json.get("pre_tokenizer").unwrap_or(&Value::Null);
+    if is_byte_level(pre, true) {
+        return true;
+    }
+    let Some([split, byte_level]) = pre
+        .get("pretokenizers")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+    else {
+        return false;
+    };
+    is_type(pre, "Sequence")
+        && is_type(split, "Split")
+        && split.get("behavior").and_then(Value::as_str) == Some("Isolated")
+        && split.get("invert").and_then(Value::as_bool) == Some(false)
+        && split
+            .pointer("/pattern/Regex")
+            .and_then(Value::as_str)
+            .is_some_and(|r| WORD_SPLITTING_REGEXES.contains(&r))
+        && is_byte_level(byte_level, false)
+}
+
+/// The end of the chunk of `piece` that starts at `start`: the first
+/// `"word| word"` boundary at least [`CHUNK_BYTES`] on, else the piece's end.
+fn chunk_end(piece: &str, start: usize) -> usize {
+    let bytes = piece.as_bytes();
+    let from = start.saturating_add(CHUNK_BYTES).max(1);
+    (from..bytes.len().saturating_sub(1))
+        .find(|&p| {
+            bytes[p] == b' '
+                && bytes[p - 1].is_ascii_alphabetic()
+                && bytes[p + 1].is_ascii_alphabetic()
+        })
+        .unwrap_or(bytes.len())
 }
 
 /// `json` with every `Metaspace` pre-tokenizer's scheme set to `"never"`:
@@ -172,10 +285,17 @@ impl Plan {
                 normalized.push((token.content, id));
             }
         }
+        let hidden_normalized_tokens = !no_normalizer
+            && tokenizer
+                .get_added_tokens_decoder()
+                .values()
+                .any(|t| t.normalized);
         Ok(Plan {
             raw: trie(raw)?,
             normalized: trie(normalized)?,
             first_only_prefix,
+            between_words: !hidden_normalized_tokens && splits_between_words(json),
+            hidden_tokens: hidden_normalized_tokens,
         })
     }
 
@@ -210,23 +330,45 @@ impl Plan {
         offset: usize,
         f: &mut impl FnMut(Cut<'t>) -> Result<(), E>,
     ) -> Result<(), E> {
-        let text = |text: &'t str, start: usize| Cut::Text {
-            text,
-            at_start: start == 0,
-        };
         let Some(normalized) = &self.normalized else {
-            return f(text(piece, offset));
+            return self.chunks(piece, offset, f);
         };
         let mut at = 0;
         for m in normalized.leftmost_find_iter(piece) {
             if at < m.start() {
-                f(text(&piece[at..m.start()], offset + at))?;
+                self.chunks(&piece[at..m.start()], offset + at, f)?;
             }
             f(Cut::Added(m.value()))?;
             at = m.end();
         }
         if at < piece.len() {
-            f(text(&piece[at..], offset + at))?;
+            self.chunks(&piece[at..], offset + at, f)?;
+        }
+        Ok(())
+    }
+
+    /// A text piece between added tokens, in chunks when cutting between
+    /// words is exact.
+    fn chunks<'t, E>(
+        &self,
+        piece: &'t str,
+        offset: usize,
+        f: &mut impl FnMut(Cut<'t>) -> Result<(), E>,
+    ) -> Result<(), E> {
+        if !self.between_words {
+            return f(Cut::Text {
+                text: piece,
+                at_start: offset == 0,
+            });
+        }
+        let mut start = 0;
+        while start < piece.len() {
+            let end = chunk_end(piece, start);
+            f(Cut::Text {
+                text: &piece[start..end],
+                at_start: offset + start == 0,
+            })?;
+            start = end;
         }
         Ok(())
     }
@@ -321,6 +463,66 @@ mod tests {
         assert!(Plan::analyse(&tok, &json)
             .expect_err("truncation")
             .contains("truncation"));
+    }
+
+    #[test]
+    fn long_pieces_are_chunked_before_a_space_between_ascii_letters() {
+        let pre = json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true});
+        let (tok, json) = tokenizer(json!([added(5, "<a>", false)]), Value::Null, pre);
+        let plan = Plan::analyse(&tok, &json).expect("provable");
+        assert!(plan.between_words);
+        let text = format!("{}x{} tail", "ab ".repeat(100), "é".repeat(3));
+        let got = pieces(&tok, &plan, &format!("{text}<a>{text}"));
+        assert_eq!(got.concat().replace('^', ""), format!("{text}#<a>{text}"));
+        // Two chunks per piece: the first ends at the first " ab" past
+        // CHUNK_BYTES, the second starts with that space.
+        assert_eq!(got.len(), 5, "{got:?}");
+        assert_eq!(got[0].len() - 1, CHUNK_BYTES + 1);
+        assert!(got[1].starts_with(" ab") && got[4].starts_with(" ab"));
+        assert_eq!((got[2].as_str(), got[3].len()), ("#<a>", CHUNK_BYTES + 1));
+        assert_eq!(chunk_end("short text", 0), 10);
+        let long = "a".repeat(300);
+        assert_eq!(chunk_end(&long, 0), 300, "no boundary: one chunk");
+    }
+
+    #[test]
+    fn only_known_word_splitting_pipelines_are_chunked() {
+        let byte_level = |prefix: bool, regex: bool| json!({"type": "ByteLevel", "add_prefix_space": prefix, "trim_offsets": false, "use_regex": regex});
+        let split = |regex: &str| json!({"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": false});
+        let with =
+            |normalizer: Value, pre: Value| json!({"normalizer": normalizer, "pre_tokenizer": pre});
+        assert!(splits_between_words(&with(
+            Value::Null,
+            byte_level(false, true)
+        )));
+        assert!(!splits_between_words(&with(
+            Value::Null,
+            byte_level(true, true)
+        )));
+        let seq = |regex: &str, bl: Value| json!({"type": "Sequence", "pretokenizers": [split(regex), bl]});
+        let qwen = WORD_SPLITTING_REGEXES[0];
+        assert!(splits_between_words(&with(
+            json!({"type": "NFC"}),
+            seq(qwen, byte_level(false, false))
+        )));
+        assert!(!splits_between_words(&with(
+            json!({"type": "NFC"}),
+            seq(r"\w+", byte_level(false, false))
+        )));
+        assert!(!splits_between_words(&with(
+            json!({"type": "NFC"}),
+            seq(qwen, byte_level(false, true))
+        )));
+        let prepend = json!({"type": "Prepend", "prepend": "▁"});
+        assert!(!splits_between_words(&with(
+            prepend,
+            byte_level(false, true)
+        )));
+        let nested =
+            json!({"type": "Sequence", "normalizers": [{"type": "NFKC"}, {"type": "Lowercase"}]});
+        assert!(splits_between_words(&with(nested, byte_level(false, true))));
+        let metaspace = json!({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": true});
+        assert!(!splits_between_words(&with(Value::Null, metaspace)));
     }
 
     #[test]
