@@ -26,10 +26,14 @@
 //!   the ChatML layout ([`fields::chat_segments`]).
 //! * **Tokenizers**: the documented built-in tokenizer always; a Hugging Face
 //!   `tokenizer.json` with the cargo feature `hf`, whose ids are exactly those
-//!   of `tokenizers::Tokenizer::encode(text, false)`. The text is cut at added
-//!   tokens where that provably changes nothing, and the ids of each piece are
-//!   kept in a bounded cache shared by all threads, so a repeated system
-//!   prompt or earlier chat turn costs a hash lookup.
+//!   of `tokenizers::Tokenizer::encode(text, false)` (`tests/parity.rs`
+//!   checks that on real vocabularies). The text is cut where that provably
+//!   changes nothing — at added tokens, and for byte-level BPE pipelines
+//!   (GPT-2, Qwen2, Llama 3) also between words of long pieces — and the ids
+//!   of each piece are kept in a bounded cache shared by all threads, so a
+//!   repeated system prompt, an earlier chat turn or a shared document prefix
+//!   costs a hash lookup. New byte-level pieces skip `tokenizers`' offset
+//!   bookkeeping ([`Tokenizer::text_path`] tells which steps apply).
 //! * **Pure and synchronous**: no runtime, sockets or I/O besides loading the
 //!   tokenizer files. Tokenizing a long prompt is CPU work: async callers run
 //!   it off their executor.

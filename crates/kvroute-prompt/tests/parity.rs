@@ -1,4 +1,5 @@
-//! The fast text path (cuts at added tokens, segment cache) gives exactly the
+//! The fast text path (cuts at added tokens and, for byte-level BPE, between
+//! words; the lean byte-level encoder; the segment cache) gives exactly the
 //! ids of `tokenizers::Tokenizer::encode(whole_text, false)`, on real
 //! tokenizer files (see `tests/data/README.md`) in the configurations their
 //! models ship with: byte-level BPE (GPT-2 as shipped; GPT-2's vocabulary
@@ -10,7 +11,9 @@
 //!
 //! Texts: random chats rendered through each model family's chat template,
 //! texts with added tokens at odd places (start, end, doubled, inside words,
-//! truncated), unicode (combining marks, CJK, emoji, ZWJ) and whitespace runs.
+//! truncated), unicode (combining marks, CJK, emoji, ZWJ), whitespace runs,
+//! long prompts sharing prefixes, and every kind of character around a cut
+//! between words. Each text is encoded twice, the second time from the cache.
 
 #![cfg(feature = "hf")]
 

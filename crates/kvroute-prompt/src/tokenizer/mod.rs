@@ -15,11 +15,12 @@
 //!
 //! **A Hugging Face `tokenizer.json`** (cargo feature `hf`): text is encoded
 //! as `tokenizers::Tokenizer::encode(text, false)` would encode it (no
-//! special tokens added), through a cache of the pieces between added tokens
-//! (see `hf.rs` for when that is exact); the special ids are looked up by
-//! their strings and fall back to the constants below. A
-//! `tokenizer_config.json` beside the file supplies the model's chat
-//! template ([`crate::chat_template`]).
+//! special tokens added), through a cache of its pieces: `split.rs` says
+//! where a text may be cut and why that is exact, `byte_level.rs` how new
+//! pieces of byte-level BPE pipelines are encoded, `hf.rs` puts them
+//! together. The special ids are looked up by their strings and fall back
+//! to the constants below. A `tokenizer_config.json` beside the file supplies
+//! the model's chat template ([`crate::chat_template`]).
 
 mod builtin;
 #[cfg(feature = "hf")]
