@@ -221,6 +221,13 @@ mod tests {
     }
 
     #[test]
+    fn a_renderer_is_shared_across_threads() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<Renderer>();
+        shareable::<Prompt>();
+    }
+
+    #[test]
     fn a_prompt_with_no_tokens_is_refused() {
         let p = Prompt {
             segments: vec![Segment::Tokens(Vec::new())],

@@ -355,3 +355,51 @@ fn the_fixtures_reproduce_the_models_ids() {
         [1, 6056, 13, 2000, 13, 1798, 28709]
     );
 }
+
+/// The whole router path: chat messages as JSON, through the model's
+/// template and the renderer, give the ids `tokenizers` gives the rendered
+/// text; from several threads sharing one renderer (and its cache).
+#[test]
+fn rendered_chats_match_hugging_face_from_many_threads() {
+    use kvroute_prompt::{ImageTokenRule, Prompt, Renderer};
+    let json = qwen_style().to_string();
+    let reference = tokenizers::Tokenizer::from_str(&json).expect("reference loads");
+    let template = || {
+        ChatTemplate::new(QWEN2_TEMPLATE.into(), String::new(), "<|im_end|>".into())
+            .expect("template compiles")
+    };
+    let tokenizer = Tokenizer::from_json(&json, Some(template()), 1 << 20).expect("loads");
+    let renderer = Renderer::new(tokenizer, ImageTokenRule::fixed(4));
+    let system = fixtures::words(3, 300);
+    std::thread::scope(|scope| {
+        for thread in 0..4u64 {
+            let (renderer, reference, system) = (&renderer, &reference, &system);
+            scope.spawn(move || {
+                let template = template();
+                for turn in 0..40u64 {
+                    let messages = json!([
+                        {"role": "system", "content": system},
+                        {"role": "user", "content": fixtures::words(thread * 100 + turn % 7, 30)},
+                        {"role": "assistant", "content": fixtures::words(turn, 10)},
+                        {"role": "user", "content": fixtures::words(thread * 1000 + turn, 12)},
+                    ]);
+                    let got = renderer
+                        .render(&Prompt::chat(Some(&messages)).expect("valid"))
+                        .expect("renders");
+                    let text = template.render(&messages, true).expect("renders");
+                    let expected: Vec<u64> = reference
+                        .encode(text.as_str(), false)
+                        .expect("encodes")
+                        .get_ids()
+                        .iter()
+                        .map(|&id| u64::from(id))
+                        .collect();
+                    assert_eq!(got.tokens, expected, "thread {thread} turn {turn}");
+                    assert!(got.images.is_empty());
+                }
+            });
+        }
+    });
+    let stats = renderer.tokenizer().cache_stats().expect("a cache");
+    assert!(stats.hits > stats.misses, "{stats:?}");
+}
