@@ -19,11 +19,12 @@ use crate::driver::{self, DriverOptions};
 use crate::encode::EncodeOptions;
 use crate::engine::{Engine, EngineConfig};
 use crate::faults::FailureDice;
+use crate::filler::{Filler, FillerError};
 use crate::http::openai::PromptSettings;
 use crate::http::{self, EngineState, EventEndpoints};
 use crate::publisher::{PublisherError, PublisherHandle, PublisherSettings};
-use crate::tokenizer::{Tokenizer, TokenizerError};
 use kvroute_core::event::WorkerFlavor;
+use kvroute_prompt::{ImageTokenRule, Renderer, Tokenizer, TokenizerError};
 
 /// How long shutdown waits for in-flight HTTP responses.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(5);
@@ -38,6 +39,9 @@ pub enum MockerError {
     /// The tokenizer could not be loaded.
     #[error(transparent)]
     Tokenizer(#[from] TokenizerError),
+    /// The tokenizer cannot generate the filler text.
+    #[error(transparent)]
+    Filler(#[from] FillerError),
     /// A ZeroMQ socket could not be set up.
     #[error(transparent)]
     Publisher(#[from] PublisherError),
@@ -50,6 +54,12 @@ pub enum MockerError {
         #[source]
         source: std::io::Error,
     },
+}
+
+/// What every engine of a fleet renders prompts and generates text with.
+struct Prompts {
+    renderer: Arc<Renderer>,
+    filler: Arc<Filler>,
 }
 
 /// One engine as `kvroute serve` needs to know it.
@@ -145,10 +155,17 @@ impl Fleet {
     /// Must run inside a multi-threaded tokio runtime.
     pub async fn start(config: MockerConfig) -> Result<Fleet, MockerError> {
         config.validate()?;
-        let tokenizer = Arc::new(match &config.tokenizer {
+        let tokenizer = match &config.tokenizer {
             Some(path) => Tokenizer::from_file(path)?,
             None => Tokenizer::builtin(),
-        });
+        };
+        let prompts = Prompts {
+            filler: Arc::new(Filler::new(&tokenizer)?),
+            renderer: Arc::new(Renderer::new(
+                tokenizer,
+                ImageTokenRule::fixed(config.mm_tokens_per_image),
+            )),
+        };
         let (shutdown, shutdown_rx) = watch::channel(false);
         let mut fleet = Fleet {
             engines: Vec::new(),
@@ -156,10 +173,7 @@ impl Fleet {
             shutdown,
         };
         for k in 0..config.workers {
-            if let Err(e) = fleet
-                .start_engine(&config, k, &tokenizer, &shutdown_rx)
-                .await
-            {
+            if let Err(e) = fleet.start_engine(&config, k, &prompts, &shutdown_rx).await {
                 fleet.shutdown().await;
                 return Err(e);
             }
@@ -171,7 +185,7 @@ impl Fleet {
         &mut self,
         config: &MockerConfig,
         k: u16,
-        tokenizer: &Arc<Tokenizer>,
+        prompts: &Prompts,
         shutdown_rx: &watch::Receiver<bool>,
     ) -> Result<(), MockerError> {
         let ctx = zmq::Context::new();
@@ -249,10 +263,10 @@ impl Fleet {
             model: config.model.clone(),
             flavor: config.flavor,
             ranks,
-            tokenizer: tokenizer.clone(),
+            renderer: prompts.renderer.clone(),
+            filler: prompts.filler.clone(),
             prompt: PromptSettings {
                 flavor: config.flavor,
-                mm_tokens_per_image: config.mm_tokens_per_image,
                 seed: config.seed,
             },
             block_size: config.block_size,

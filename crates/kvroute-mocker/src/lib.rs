@@ -10,8 +10,9 @@
 //!
 //! Pure core, thin shell:
 //! * [`engine`] (pure, synchronous, no clock): cache, scheduler, timing, events;
-//! * [`hashing`], [`encode`], [`multimodal`], [`tokenizer`] (pure): the engines'
-//!   hashes, their msgpack bytes, image pads, prompts and filler;
+//! * [`hashing`], [`encode`], [`multimodal`], [`filler`] (pure): the engines'
+//!   hashes, their msgpack bytes, image pads and generated text; prompts are
+//!   rendered by `kvroute_prompt`, which the router shares;
 //! * [`publisher`] (one OS thread per rank: ZeroMQ PUB + replay ROUTER),
 //!   [`driver`] (one tokio task per rank: gives the engine real time),
 //!   [`http`] (axum), [`fleet`] (start, print `--worker` lines, stop).
@@ -27,19 +28,18 @@
 
 #![forbid(unsafe_code)]
 
-pub mod chat_template;
 pub mod config;
 pub mod driver;
 pub mod encode;
 pub mod engine;
 pub mod event;
 pub mod faults;
+pub mod filler;
 pub mod fleet;
 pub mod hashing;
 pub mod http;
 pub mod multimodal;
 pub mod publisher;
-pub mod tokenizer;
 
 pub use config::{EventFormat, MockerConfig, ReplayFrames, TsSource};
 pub use fleet::{run, Fleet, MockerError, WorkerInfo};

@@ -14,8 +14,8 @@ use serde_json::{json, Map, Value};
 
 use crate::api::{ApiError, Body};
 use crate::proxy::candidates::request_hashes;
-use crate::proxy::scan::{parse_hash_query, parse_query, RoutingRequest};
 use crate::proxy::Proxy;
+use kvroute_prompt::body::{parse_hash_query, parse_query, RoutingRequest};
 
 /// The `/query` answer for a request's local hashes at each block size and
 /// worker flavour (`flavor_matters`: the request has images).

@@ -6,7 +6,7 @@
 //! | `POST /v1/chat/completions` | messages with text and `image_url` parts; JSON or SSE |
 //! | `GET /v1/models` | the served model |
 //! | `GET /health` | 200 with an empty body |
-//! | `GET /metrics` | Prometheus text: the engine's gauges and counters per rank |
+//! | `GET /metrics` | the engine's gauges and counters per rank: Prometheus text, or OpenMetrics when `Accept` asks for it |
 //! | `POST /reset_prefix_cache` (also SGLang's `/flush_cache`) | clear every rank's cache → `AllBlocksCleared` |
 //! | `GET /server_info` (SGLang flavour) | SGLang's `kv_events` descriptor |
 //! | `POST /internal/cache_match` | internal: cached prefix tokens of a request body on every rank (the bench's oracle) |
@@ -16,10 +16,10 @@
 //! in flight. Every error is an OpenAI-style JSON body `{"error": {"message",
 //! "type", "param", "code"}}`; bodies up to [`BODY_LIMIT`] are accepted.
 
+mod metrics;
 pub mod openai;
 
 use std::convert::Infallible;
-use std::fmt::Write as _;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -38,8 +38,9 @@ use tokio::sync::mpsc;
 use crate::driver::{RankError, RankHandle};
 use crate::engine::Update;
 use crate::faults::FailureDice;
-use crate::tokenizer::{FillerToken, Tokenizer};
+use crate::filler::{Filler, FillerToken};
 use kvroute_core::event::WorkerFlavor;
+use kvroute_prompt::Renderer;
 use openai::{ChunkPiece, Endpoint, ParsedRequest, PromptSettings, ResponseMeta};
 
 /// Largest request body accepted (images arrive inline as data URLs).
@@ -134,8 +135,10 @@ pub struct EngineState {
     pub flavor: WorkerFlavor,
     /// The data-parallel ranks.
     pub ranks: Vec<RankHandle>,
-    /// Text to tokens.
-    pub tokenizer: Arc<Tokenizer>,
+    /// Prompts to token ids (shared with the router's request side).
+    pub renderer: Arc<Renderer>,
+    /// The text generated tokens are drawn from.
+    pub filler: Arc<Filler>,
     /// Prompt building settings.
     pub prompt: PromptSettings,
     /// Tokens per block.
@@ -273,7 +276,7 @@ async fn generate(
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
     let parsed = openai::parse(endpoint, &body)?;
-    if let Some(model) = &parsed.model {
+    if let Some(model) = &parsed.prompt.model {
         if model != &state.model {
             return Err(ApiError::new(
                 StatusCode::NOT_FOUND,
@@ -291,10 +294,10 @@ async fn generate(
         return Err(ApiError::internal("injected failure (--fail-rate)"));
     }
     // Tokenizing and hashing images is CPU work: keep it off the async workers.
-    let tokenizer = state.tokenizer.clone();
+    let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
     let settings = state.prompt;
     let (request, filler, parsed) = tokio::task::spawn_blocking(move || {
-        openai::build(&parsed, &tokenizer, settings).map(|(r, f)| (r, f, parsed))
+        openai::build(&parsed, &renderer, &filler, settings).map(|(r, f)| (r, f, parsed))
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
@@ -354,10 +357,10 @@ async fn cache_match(
         }
     };
     let parsed = openai::parse(endpoint, &body)?;
-    let tokenizer = state.tokenizer.clone();
+    let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
     let settings = state.prompt;
     let (request, _) =
-        tokio::task::spawn_blocking(move || openai::build(&parsed, &tokenizer, settings))
+        tokio::task::spawn_blocking(move || openai::build(&parsed, &renderer, &filler, settings))
             .await
             .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
     let mut ranks = Vec::with_capacity(state.ranks.len());
@@ -511,207 +514,17 @@ fn unix_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
-async fn metrics(State(state): State<Arc<EngineState>>) -> Response {
-    let text = render_metrics(&state);
-    (
-        [(
-            header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-        )],
-        text,
-    )
-        .into_response()
-}
-
-/// Prometheus text exposition of every rank, named as the imitated engine names them
-/// (`vllm:` or `sglang:` prefixes), plus the mocker's own `kvroute_mocker_` counters.
-fn render_metrics(state: &EngineState) -> String {
-    type Metric = (
-        &'static str,
-        &'static str,
-        &'static str,
-        fn(&RankHandle) -> f64,
-    );
-    let vllm: &[Metric] = &[
-        (
-            "vllm:num_requests_running",
-            "gauge",
-            "Requests in model execution batches.",
-            |r| r.stats().running as f64,
-        ),
-        (
-            "vllm:num_requests_waiting",
-            "gauge",
-            "Requests waiting to be processed.",
-            |r| r.stats().waiting as f64,
-        ),
-        (
-            "vllm:kv_cache_usage_perc",
-            "gauge",
-            "KV-cache usage: 1 means 100 percent.",
-            |r| usage(r),
-        ),
-        (
-            "vllm:prompt_tokens_total",
-            "counter",
-            "Prefill tokens processed.",
-            |r| r.stats().prompt_tokens_total as f64,
-        ),
-        (
-            "vllm:generation_tokens_total",
-            "counter",
-            "Generation tokens processed.",
-            |r| r.stats().generation_tokens_total as f64,
-        ),
-        (
-            "vllm:prefix_cache_queries_total",
-            "counter",
-            "Prefix-cache queries, in tokens.",
-            |r| r.stats().prefix_cache_queries_total as f64,
-        ),
-        (
-            "vllm:prefix_cache_hits_total",
-            "counter",
-            "Prefix-cache hits, in tokens.",
-            |r| r.stats().prefix_cache_hits_total as f64,
-        ),
-        (
-            "vllm:num_preemptions_total",
-            "counter",
-            "Cumulative number of preemptions.",
-            |r| r.stats().preemptions_total as f64,
-        ),
-        (
-            "vllm:request_success_total",
-            "counter",
-            "Successfully processed requests.",
-            |r| r.stats().requests_finished_total as f64,
-        ),
-    ];
-    let sglang: &[Metric] = &[
-        (
-            "sglang:num_running_reqs",
-            "gauge",
-            "The number of running requests.",
-            |r| r.stats().running as f64,
-        ),
-        (
-            "sglang:num_queue_reqs",
-            "gauge",
-            "The number of requests in the waiting queue.",
-            |r| r.stats().waiting as f64,
-        ),
-        ("sglang:token_usage", "gauge", "The token usage.", |r| {
-            usage(r)
-        }),
-        (
-            "sglang:cache_hit_rate",
-            "gauge",
-            "The prefix cache hit rate.",
-            |r| {
-                let s = r.stats();
-                if s.prefix_cache_queries_total == 0 {
-                    0.0
-                } else {
-                    s.prefix_cache_hits_total as f64 / s.prefix_cache_queries_total as f64
-                }
-            },
-        ),
-        (
-            "sglang:prompt_tokens_total",
-            "counter",
-            "Number of prefill tokens processed.",
-            |r| r.stats().prompt_tokens_total as f64,
-        ),
-        (
-            "sglang:generation_tokens_total",
-            "counter",
-            "Number of generation tokens processed.",
-            |r| r.stats().generation_tokens_total as f64,
-        ),
-        (
-            "sglang:num_requests_total",
-            "counter",
-            "Number of requests processed.",
-            |r| r.stats().requests_finished_total as f64,
-        ),
-    ];
-    let own: &[Metric] = &[
-        (
-            "kvroute_mocker_kv_batches_total",
-            "counter",
-            "KV-event batches numbered (live or dropped).",
-            |r| r.publisher_stats().batches.load(Ordering::Relaxed) as f64,
-        ),
-        (
-            "kvroute_mocker_kv_events_total",
-            "counter",
-            "KV events published.",
-            |r| r.publisher_stats().events.load(Ordering::Relaxed) as f64,
-        ),
-        (
-            "kvroute_mocker_kv_batches_dropped_total",
-            "counter",
-            "Batches kept off the live socket by --drop-every.",
-            |r| r.publisher_stats().dropped.load(Ordering::Relaxed) as f64,
-        ),
-        (
-            "kvroute_mocker_replays_total",
-            "counter",
-            "Replay requests answered.",
-            |r| r.publisher_stats().replays.load(Ordering::Relaxed) as f64,
-        ),
-        (
-            "kvroute_mocker_publisher_restarts_total",
-            "counter",
-            "Simulated publisher restarts.",
-            |r| r.publisher_stats().restarts.load(Ordering::Relaxed) as f64,
-        ),
-        (
-            "kvroute_mocker_evicted_blocks_total",
-            "counter",
-            "Blocks evicted from the prefix cache.",
-            |r| r.stats().evicted_blocks_total as f64,
-        ),
-        (
-            "kvroute_mocker_cached_blocks",
-            "gauge",
-            "Blocks holding a cached hash.",
-            |r| r.stats().cached_blocks as f64,
-        ),
-    ];
-    let engine_metrics = match state.flavor {
-        WorkerFlavor::Vllm => vllm,
-        WorkerFlavor::Sglang => sglang,
-    };
-    let rank_label = match state.flavor {
-        WorkerFlavor::Vllm => "engine",
-        WorkerFlavor::Sglang => "dp_rank",
-    };
-    let mut out = String::new();
-    for (name, kind, help, value) in engine_metrics.iter().chain(own) {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
-        for rank in &state.ranks {
-            let _ = writeln!(
-                out,
-                "{name}{{model_name=\"{}\",{rank_label}=\"{}\"}} {}",
-                escape_label(&state.model),
-                rank.rank(),
-                value(rank)
-            );
-        }
+async fn metrics(State(state): State<Arc<EngineState>>, headers: HeaderMap) -> Response {
+    let format = metrics::Format::negotiate(headers.get(header::ACCEPT));
+    match metrics::render(&state, format) {
+        Ok(text) => (
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static(format.content_type()),
+            )],
+            text,
+        )
+            .into_response(),
+        Err(_) => ApiError::internal("the metrics could not be encoded").into_response(),
     }
-    out
-}
-
-fn usage(r: &RankHandle) -> f64 {
-    let s = r.stats();
-    s.used_blocks as f64 / s.total_blocks.max(1) as f64
-}
-
-fn escape_label(value: &str) -> String {
-    value
-        .replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
 }

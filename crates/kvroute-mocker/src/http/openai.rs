@@ -1,14 +1,20 @@
 //! OpenAI request bodies in, validated engine requests out; response bodies back.
 //!
-//! Parsing is by hand over `serde_json::Value` so that every malformed body
-//! gets a 400 naming the offending field, and nothing panics on input.
+//! The prompt fields (`prompt`, `messages`, `mm_hashes`) are validated and
+//! rendered by `kvroute_prompt`, shared with the router; this module reads
+//! the engine-side fields (`max_tokens`, `n`, `stream`, `stream_options`,
+//! `data_parallel_rank`, `model`), builds the engine request for the imitated
+//! flavour and writes the response bodies. Parsing is by hand over
+//! `serde_json::Value` so that every malformed body gets a 400 naming the
+//! offending field, and nothing panics on input.
 
 use serde_json::{json, Map, Value};
 
 use crate::engine::{MmPlacement, NewRequest, Usage};
-use crate::multimodal::{sglang_padding, ImageIdentity, ImageSpan, ImageTokenRule};
-use crate::tokenizer::{FillerToken, Tokenizer};
+use crate::filler::{Filler, FillerToken};
+use crate::multimodal::sglang_padding;
 use kvroute_core::event::WorkerFlavor;
+use kvroute_prompt::{fields, NeutralPrompt, Prompt, PromptError, Renderer};
 
 use super::ApiError;
 
@@ -24,51 +30,31 @@ pub enum Endpoint {
     Chat,
 }
 
-/// A piece of a rendered prompt.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Segment {
-    /// Text for the tokenizer.
-    Text(String),
-    /// Token ids given by the client.
-    Tokens(Vec<u64>),
-    /// A chat-template special token.
-    Special(SpecialToken),
-    /// An image by URL.
-    Image(String),
-}
-
-/// The chat template's special tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum SpecialToken {
-    /// `<|im_start|>`.
-    ImStart,
-    /// `<|im_end|>`.
-    ImEnd,
-}
-
 /// A request body after validation.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ParsedRequest {
     /// The endpoint.
     pub endpoint: Endpoint,
-    /// The prompt, rendered (chat template applied).
-    pub segments: Vec<Segment>,
+    /// The prompt: segments, template messages, `mm_hashes` and `model`.
+    pub prompt: Prompt,
     /// Tokens to generate.
     pub max_tokens: usize,
     /// SSE streaming.
     pub stream: bool,
     /// `stream_options.include_usage`.
     pub include_usage: bool,
-    /// Client-supplied image hashes, one per image in order.
-    pub mm_hashes: Option<Vec<u64>>,
     /// `data_parallel_rank` from the body.
     pub dp_rank: Option<u32>,
-    /// The `model` field, when present.
-    pub model: Option<String>,
-    /// Chat messages as a model's chat template takes them (`role` and
-    /// string `content`), when every part is text; `None` for completions
-    /// and chats with images.
-    pub template_messages: Option<Value>,
+}
+
+impl From<PromptError> for ApiError {
+    fn from(e: PromptError) -> Self {
+        if e.is_client_error() {
+            ApiError::bad_request(e.to_string())
+        } else {
+            ApiError::internal(e.to_string())
+        }
+    }
 }
 
 fn bad(message: impl Into<String>) -> ApiError {
@@ -81,19 +67,6 @@ fn field_u64(value: &Value, field: &str) -> Result<u64, ApiError> {
         .ok_or_else(|| bad(format!("`{field}` must be a non-negative integer")))
 }
 
-fn token_ids(items: &[Value], field: &str) -> Result<Vec<u64>, ApiError> {
-    items
-        .iter()
-        .enumerate()
-        .map(|(i, v)| match v.as_u64() {
-            Some(id) if id <= i64::MAX as u64 => Ok(id),
-            _ => Err(bad(format!(
-                "`{field}[{i}]` must be a token id (an integer from 0 to 2^63-1)"
-            ))),
-        })
-        .collect()
-}
-
 /// Parses and validates a request body.
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let value: Value = serde_json::from_slice(body)
@@ -101,13 +74,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
     let Value::Object(obj) = value else {
         return Err(bad("the body must be a JSON object"));
     };
-    let segments = match endpoint {
-        Endpoint::Completions => completion_prompt(&obj)?,
-        Endpoint::Chat => chat_prompt(&obj)?,
-    };
-    let template_messages = match endpoint {
-        Endpoint::Completions => None,
-        Endpoint::Chat => text_messages(&obj),
+    let mut prompt = match endpoint {
+        Endpoint::Completions => Prompt::completion(obj.get("prompt"))?,
+        Endpoint::Chat => Prompt::chat(obj.get("messages"))?,
     };
     let max_tokens = max_tokens(&obj, endpoint)?;
     match obj.get("n") {
@@ -129,23 +98,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         },
         Some(_) => return Err(bad("`stream_options` must be an object")),
     };
-    let mm_hashes = match obj.get("mm_hashes") {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(items)) => Some(
-            items
-                .iter()
-                .enumerate()
-                .map(|(i, v)| {
-                    mm_hash(v).ok_or_else(|| {
-                        bad(format!(
-                            "`mm_hashes[{i}]` must be an unsigned 64-bit integer or a hex string"
-                        ))
-                    })
-                })
-                .collect::<Result<Vec<u64>, ApiError>>()?,
-        ),
-        Some(_) => return Err(bad("`mm_hashes` must be an array")),
-    };
+    prompt.mm_hashes = fields::mm_hashes(obj.get("mm_hashes"))?;
     let dp_rank = match obj.get("data_parallel_rank") {
         None | Some(Value::Null) => None,
         Some(v) => Some(
@@ -153,38 +106,19 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
                 .map_err(|_| bad("`data_parallel_rank` is out of range"))?,
         ),
     };
-    let model = match obj.get("model") {
+    prompt.model = match obj.get("model") {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s.clone()),
         Some(_) => return Err(bad("`model` must be a string")),
     };
     Ok(ParsedRequest {
         endpoint,
-        segments,
+        prompt,
         max_tokens,
         stream,
         include_usage,
-        mm_hashes,
         dp_rank,
-        model,
-        template_messages,
     })
-}
-
-/// An `mm_hashes` entry: an integer, or hex (the first 16 digits of a longer digest).
-fn mm_hash(v: &Value) -> Option<u64> {
-    match v {
-        Value::Number(n) => n.as_u64(),
-        Value::String(s) => {
-            let digits = s.strip_prefix("0x").unwrap_or(s);
-            let head = digits.get(..digits.len().min(16))?;
-            if head.is_empty() || !head.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return None;
-            }
-            u64::from_str_radix(head, 16).ok()
-        }
-        _ => None,
-    }
 }
 
 fn max_tokens(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<usize, ApiError> {
@@ -207,256 +141,29 @@ fn max_tokens(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<usize, Api
     Ok(DEFAULT_MAX_TOKENS)
 }
 
-fn completion_prompt(obj: &Map<String, Value>) -> Result<Vec<Segment>, ApiError> {
-    let prompt = obj
-        .get("prompt")
-        .ok_or_else(|| bad("`prompt` is required"))?;
-    let segment = match prompt {
-        Value::String(s) => Segment::Text(s.clone()),
-        Value::Array(items) => match items.as_slice() {
-            [] => return Err(bad("`prompt` is empty")),
-            [Value::String(s)] => Segment::Text(s.clone()),
-            [Value::Array(ids)] => Segment::Tokens(token_ids(ids, "prompt[0]")?),
-            [Value::Number(_), ..] => Segment::Tokens(token_ids(items, "prompt")?),
-            [Value::String(_) | Value::Array(_), ..] => {
-                return Err(bad(
-                    "batched prompts are not supported: send one prompt per request",
-                ))
-            }
-            _ => {
-                return Err(bad(
-                    "`prompt` must be a string, an array of token ids, or a one-element array of either",
-                ))
-            }
-        },
-        _ => return Err(bad("`prompt` must be a string or an array of token ids")),
-    };
-    if matches!(&segment, Segment::Text(s) if s.is_empty()) {
-        return Err(bad("`prompt` is empty"));
-    }
-    Ok(vec![segment])
-}
-
-fn chat_prompt(obj: &Map<String, Value>) -> Result<Vec<Segment>, ApiError> {
-    let messages = match obj.get("messages") {
-        Some(Value::Array(m)) if !m.is_empty() => m,
-        Some(Value::Array(_)) => return Err(bad("`messages` is empty")),
-        Some(_) => return Err(bad("`messages` must be an array")),
-        None => return Err(bad("`messages` is required")),
-    };
-    let mut segments = Vec::new();
-    for (i, message) in messages.iter().enumerate() {
-        let Value::Object(m) = message else {
-            return Err(bad(format!("`messages[{i}]` must be an object")));
-        };
-        let role = match m.get("role") {
-            Some(Value::String(r)) if !r.is_empty() => r,
-            _ => {
-                return Err(bad(format!(
-                    "`messages[{i}].role` must be a non-empty string"
-                )))
-            }
-        };
-        segments.push(Segment::Special(SpecialToken::ImStart));
-        segments.push(Segment::Text(format!("{role}\n")));
-        match m.get("content") {
-            None | Some(Value::Null) => {}
-            Some(Value::String(text)) => segments.push(Segment::Text(text.clone())),
-            Some(Value::Array(parts)) => {
-                for (j, part) in parts.iter().enumerate() {
-                    segments.push(content_part(part, i, j)?);
-                }
-            }
-            Some(_) => {
-                return Err(bad(format!(
-                    "`messages[{i}].content` must be a string or an array of parts"
-                )))
-            }
-        }
-        segments.push(Segment::Special(SpecialToken::ImEnd));
-        segments.push(Segment::Text("\n".into()));
-    }
-    segments.push(Segment::Special(SpecialToken::ImStart));
-    segments.push(Segment::Text("assistant\n".into()));
-    Ok(segments)
-}
-
-/// The (already validated) messages with each content as one string, or
-/// `None` when a part is not text.
-fn text_messages(obj: &Map<String, Value>) -> Option<Value> {
-    let messages = obj.get("messages")?.as_array()?;
-    let mut out = Vec::with_capacity(messages.len());
-    for m in messages {
-        let content = match m.get("content") {
-            None | Some(Value::Null) => String::new(),
-            Some(Value::String(s)) => s.clone(),
-            Some(Value::Array(parts)) => {
-                let mut text = String::new();
-                for p in parts {
-                    if p.get("type").and_then(Value::as_str) != Some("text") {
-                        return None;
-                    }
-                    text.push_str(p.get("text")?.as_str()?);
-                }
-                text
-            }
-            Some(_) => return None,
-        };
-        let mut message = m.as_object()?.clone();
-        message.insert("content".into(), Value::String(content));
-        out.push(Value::Object(message));
-    }
-    Some(Value::Array(out))
-}
-
-fn content_part(part: &Value, i: usize, j: usize) -> Result<Segment, ApiError> {
-    let at = || format!("messages[{i}].content[{j}]");
-    let Value::Object(p) = part else {
-        return Err(bad(format!("`{}` must be an object", at())));
-    };
-    match p.get("type").and_then(Value::as_str) {
-        Some("text") => match p.get("text") {
-            Some(Value::String(t)) => Ok(Segment::Text(t.clone())),
-            _ => Err(bad(format!("`{}.text` must be a string", at()))),
-        },
-        Some("image_url") => {
-            let url = match p.get("image_url") {
-                Some(Value::String(u)) => u,
-                Some(Value::Object(o)) => match o.get("url") {
-                    Some(Value::String(u)) => u,
-                    _ => return Err(bad(format!("`{}.image_url.url` must be a string", at()))),
-                },
-                _ => return Err(bad(format!("`{}.image_url` is required", at()))),
-            };
-            Ok(Segment::Image(url.clone()))
-        }
-        Some(other) => Err(bad(format!(
-            "`{}.type` {other:?} is not supported (text and image_url are)",
-            at()
-        ))),
-        None => Err(bad(format!("`{}.type` must be a string", at()))),
-    }
-}
-
-/// What the engine side needs to build prompts.
+/// What the engine side needs to build requests.
 #[derive(Debug, Clone, Copy)]
 pub struct PromptSettings {
     /// Pads (SGLang) or placeholders (vLLM).
     pub flavor: WorkerFlavor,
-    /// Positions each image takes.
-    pub mm_tokens_per_image: usize,
     /// Seed of the filler.
     pub seed: u64,
 }
 
-/// A prompt laid out the flavour-neutral way: token ids with the image
-/// placeholder id in every image position, and the images' spans.
-///
-/// The engine ([`build`]) and the router's request side (`kvroute serve
-/// --tokenizer`) both start from this, so their token ids agree.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NeutralPrompt {
-    /// Token ids; image positions hold the tokenizer's image placeholder id.
-    pub tokens: Vec<u64>,
-    /// The images, in order, with the identity rule applied (client hash or URL).
-    pub images: Vec<ImageSpan>,
-}
-
-/// Tokenizes a parsed request's prompt: text through the tokenizer, chat
-/// specials, client token ids as given, and each image as vision start,
-/// `rule` placeholder positions, vision end.
-pub fn layout(
-    parsed: &ParsedRequest,
-    tokenizer: &Tokenizer,
-    rule: ImageTokenRule,
-) -> Result<NeutralPrompt, ApiError> {
-    let specials = tokenizer.specials();
-    let images = parsed
-        .segments
-        .iter()
-        .filter(|s| matches!(s, Segment::Image(_)))
-        .count();
-    if let Some(hashes) = &parsed.mm_hashes {
-        if images > 0 && hashes.len() != images {
-            return Err(bad(format!(
-                "`mm_hashes` has {} entries for {images} image(s)",
-                hashes.len()
-            )));
-        }
-    }
-    if let (Some(template), Some(messages)) = (tokenizer.chat_template(), &parsed.template_messages)
-    {
-        let text = template
-            .render(messages, true)
-            .map_err(|e| bad(e.to_string()))?;
-        let tokens = tokenizer
-            .encode(&text)
-            .map_err(|e| ApiError::internal(e.to_string()))?;
-        if tokens.is_empty() {
-            return Err(bad("the prompt has no tokens"));
-        }
-        return Ok(NeutralPrompt {
-            tokens,
-            images: Vec::new(),
-        });
-    }
-    let mut prompt: Vec<u64> = Vec::new();
-    let mut spans = Vec::new();
-    for segment in &parsed.segments {
-        match segment {
-            Segment::Text(text) => prompt.extend(
-                tokenizer
-                    .encode(text)
-                    .map_err(|e| ApiError::internal(e.to_string()))?,
-            ),
-            Segment::Tokens(ids) => prompt.extend_from_slice(ids),
-            Segment::Special(SpecialToken::ImStart) => prompt.push(specials.im_start),
-            Segment::Special(SpecialToken::ImEnd) => prompt.push(specials.im_end),
-            Segment::Image(url) => {
-                let image_index = spans.len();
-                let client_hash = parsed
-                    .mm_hashes
-                    .as_ref()
-                    .and_then(|h| h.get(image_index))
-                    .copied();
-                let identity = ImageIdentity::resolve(client_hash, url)
-                    .map_err(|e| bad(format!("image {image_index}: {e}")))?;
-                let len = rule.tokens_for(parsed.model.as_deref(), &identity);
-                prompt.push(specials.vision_start);
-                let start = prompt.len();
-                prompt.extend(std::iter::repeat_n(specials.image_pad, len));
-                spans.push(ImageSpan {
-                    start,
-                    len,
-                    identity,
-                });
-                prompt.push(specials.vision_end);
-            }
-        }
-    }
-    if prompt.is_empty() {
-        return Err(bad("the prompt has no tokens"));
-    }
-    Ok(NeutralPrompt {
-        tokens: prompt,
-        images: spans,
-    })
-}
-
-/// Tokenizes a parsed request into the engine request and its planned output.
+/// Renders a parsed request into the engine request and its planned output:
+/// the neutral prompt (see [`kvroute_prompt::Renderer`]) with each image's
+/// positions filled the imitated engine's way, and the filler it will
+/// "generate".
 pub fn build(
     parsed: &ParsedRequest,
-    tokenizer: &Tokenizer,
+    renderer: &Renderer,
+    filler: &Filler,
     settings: PromptSettings,
 ) -> Result<(NewRequest, Vec<FillerToken>), ApiError> {
     let NeutralPrompt {
         tokens: mut prompt,
         images,
-    } = layout(
-        parsed,
-        tokenizer,
-        ImageTokenRule::fixed(settings.mm_tokens_per_image),
-    )?;
+    } = renderer.render(&parsed.prompt)?;
     let mut mm_items = Vec::new();
     for image in images {
         match settings.flavor {
@@ -478,7 +185,7 @@ pub fn build(
             }),
         }
     }
-    let filler = tokenizer.filler(settings.seed, &prompt, parsed.max_tokens);
+    let filler = filler.tokens(settings.seed, &prompt, parsed.max_tokens);
     let request = NewRequest {
         prompt,
         output: filler.iter().map(|f| f.id).collect(),
@@ -604,6 +311,14 @@ pub enum ChunkPiece<'a> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_prompt::{ImageTokenRule, Segment, SpecialToken, Tokenizer};
+
+    /// The built-in tokenizer with `n` positions per image, and its filler.
+    fn prompter(n: usize) -> (Renderer, Filler) {
+        let tokenizer = Tokenizer::builtin();
+        let filler = Filler::new(&tokenizer).expect("builtin");
+        (Renderer::new(tokenizer, ImageTokenRule::fixed(n)), filler)
+    }
 
     fn parse_err(endpoint: Endpoint, body: &str) -> String {
         parse(endpoint, body.as_bytes())
@@ -615,13 +330,13 @@ mod tests {
     #[test]
     fn completion_prompts_in_every_accepted_shape() {
         let p = parse(Endpoint::Completions, br#"{"prompt":"hi","max_tokens":3}"#).expect("ok");
-        assert_eq!(p.segments, [Segment::Text("hi".into())]);
+        assert_eq!(p.prompt.segments, [Segment::Text("hi".into())]);
         assert_eq!(p.max_tokens, 3);
         let p = parse(Endpoint::Completions, br#"{"prompt":[1,2,3]}"#).expect("ok");
-        assert_eq!(p.segments, [Segment::Tokens(vec![1, 2, 3])]);
+        assert_eq!(p.prompt.segments, [Segment::Tokens(vec![1, 2, 3])]);
         assert_eq!(p.max_tokens, DEFAULT_MAX_TOKENS);
         let p = parse(Endpoint::Completions, br#"{"prompt":[[7,8]]}"#).expect("ok");
-        assert_eq!(p.segments, [Segment::Tokens(vec![7, 8])]);
+        assert_eq!(p.prompt.segments, [Segment::Tokens(vec![7, 8])]);
         let p = parse(
             Endpoint::Completions,
             br#"{"prompt":["x"],"stream":true,"stream_options":{"include_usage":true}}"#,
@@ -670,7 +385,7 @@ mod tests {
         let p = parse(Endpoint::Chat, body).expect("ok");
         assert_eq!(p.max_tokens, 2);
         assert_eq!(
-            p.segments,
+            p.prompt.segments,
             [
                 Segment::Special(SpecialToken::ImStart),
                 Segment::Text("user\n".into()),
@@ -688,13 +403,12 @@ mod tests {
     fn images_become_wide_pads_for_sglang_and_placeholders_for_vllm() {
         let body = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":"data:image/png;base64,aGVsbG8="}]}]}"#;
         let p = parse(Endpoint::Chat, body).expect("ok");
-        let tok = Tokenizer::builtin();
+        let (renderer, fill) = prompter(6);
         let settings = PromptSettings {
             flavor: WorkerFlavor::Sglang,
-            mm_tokens_per_image: 6,
             seed: 0,
         };
-        let (r, filler) = build(&p, &tok, settings).expect("ok");
+        let (r, filler) = build(&p, &renderer, &fill, settings).expect("ok");
         assert_eq!(filler.len(), DEFAULT_MAX_TOKENS);
         let pads = crate::multimodal::sglang_pad_values(0x2cf24dba5fb0a30e);
         let i = r
@@ -702,17 +416,18 @@ mod tests {
             .iter()
             .position(|&t| t == pads[0])
             .expect("pads present");
-        assert_eq!(r.prompt[i - 1], crate::tokenizer::VISION_START);
+        assert_eq!(r.prompt[i - 1], kvroute_prompt::tokenizer::VISION_START);
         assert_eq!(
             &r.prompt[i..i + 6],
             &[pads[0], pads[1], pads[2], pads[3], pads[0], pads[1]]
         );
-        assert_eq!(r.prompt[i + 6], crate::tokenizer::VISION_END);
+        assert_eq!(r.prompt[i + 6], kvroute_prompt::tokenizer::VISION_END);
         assert!(r.mm_items.is_empty());
 
         let (r, _) = build(
             &p,
-            &tok,
+            &renderer,
+            &fill,
             PromptSettings {
                 flavor: WorkerFlavor::Vllm,
                 ..settings
@@ -725,25 +440,25 @@ mod tests {
         assert!(item.identifier.starts_with("2cf24dba5fb0a30e"));
         assert!(r.prompt[item.start..item.start + 6]
             .iter()
-            .all(|&t| t == crate::tokenizer::IMAGE_PAD));
+            .all(|&t| t == kvroute_prompt::tokenizer::IMAGE_PAD));
     }
 
     #[test]
     fn supplied_mm_hashes_replace_the_image_identity_and_must_match_in_count() {
         let body = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":"https://x.invalid/a.png"}]}],"mm_hashes":["00000000000000ff"]}"#;
         let p = parse(Endpoint::Chat, body).expect("ok");
-        assert_eq!(p.mm_hashes, Some(vec![255]));
+        assert_eq!(p.prompt.mm_hashes, Some(vec![255]));
         let settings = PromptSettings {
             flavor: WorkerFlavor::Sglang,
-            mm_tokens_per_image: 4,
             seed: 0,
         };
-        let (r, _) = build(&p, &Tokenizer::builtin(), settings).expect("ok");
+        let (renderer, filler) = prompter(4);
+        let (r, _) = build(&p, &renderer, &filler, settings).expect("ok");
         let pads = crate::multimodal::sglang_pad_values(255);
         assert!(r.prompt.windows(4).any(|w| w == pads));
         let body = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":"x"}]}],"mm_hashes":[1,2]}"#;
         let p = parse(Endpoint::Chat, body).expect("ok");
-        let err = build(&p, &Tokenizer::builtin(), settings).expect_err("count mismatch");
+        let err = build(&p, &renderer, &filler, settings).expect_err("count mismatch");
         assert!(err.message().contains("2 entries for 1 image"));
     }
 
@@ -764,24 +479,20 @@ mod tests {
 
         let body = br#"{"messages":[{"role":"user","content":[{"type":"text","text":"what is this picture"},{"type":"image_url","image_url":{"url":"data:image/png;base64,aGVsbG8="}},{"type":"text","text":"and this one, please say"},{"type":"image_url","image_url":"https://x.invalid/b.png"}]}],"max_tokens":2}"#;
         let parsed = parse(Endpoint::Chat, body).expect("ok");
-        let tok = Tokenizer::builtin();
+        let (renderer, filler) = prompter(7);
         let bs = 4;
         for (flavor, router_flavor) in [
             (WorkerFlavor::Sglang, WorkerFlavor::Sglang),
             (WorkerFlavor::Vllm, WorkerFlavor::Vllm),
         ] {
-            let settings = PromptSettings {
-                flavor,
-                mm_tokens_per_image: 7,
-                seed: 0,
-            };
-            let neutral = layout(&parsed, &tok, ImageTokenRule::fixed(7)).expect("ok");
+            let settings = PromptSettings { flavor, seed: 0 };
+            let neutral = renderer.render(&parsed.prompt).expect("ok");
             let folded: Vec<u32> = neutral.tokens.iter().map(|&t| fold_token_id(t)).collect();
             let expected =
                 prompt_local_hashes(&folded, &neutral.images, router_flavor, bs, HASH_SEED);
             assert_eq!(expected.len(), folded.len() / bs);
 
-            let (request, _) = build(&parsed, &tok, settings).expect("ok");
+            let (request, _) = build(&parsed, &renderer, &filler, settings).expect("ok");
             let mut engine = Engine::new(EngineConfig {
                 flavor,
                 block_size: bs,

@@ -146,6 +146,76 @@ fn models_health_and_metrics() {
     assert!(metrics.contains("# TYPE kvroute_mocker_kv_batches_total counter"));
 }
 
+/// The classic Prometheus text (what vLLM and SGLang serve) by default:
+/// a counter's HELP and TYPE name its `_total` sample, no `# EOF`; and
+/// OpenMetrics for a scraper that asks for it.
+#[test]
+fn metrics_are_classic_prometheus_text_unless_openmetrics_is_asked_for() {
+    let mut c = config(WorkerFlavor::Sglang);
+    c.dp_size = 2;
+    let fleet = TestFleet::start(c);
+    let addr = fleet.http(0);
+    let headers = [("X-data-parallel-rank", "1")];
+    let body = ids_prompt(&[5; 40], 3).to_string();
+    let r = http(
+        addr,
+        "POST",
+        "/v1/completions",
+        &headers,
+        Some(body.as_bytes()),
+    );
+    assert_eq!(r.status, 200);
+
+    let classic = get(addr, "/metrics");
+    assert_eq!(
+        classic.header("content-type"),
+        Some("text/plain; version=0.0.4; charset=utf-8")
+    );
+    let text = classic.text();
+    assert!(text.contains(concat!(
+        "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.\n",
+        "# TYPE sglang:prompt_tokens_total counter\n",
+        "sglang:prompt_tokens_total{model_name=\"mock-model\",dp_rank=\"0\"} 0\n",
+        "sglang:prompt_tokens_total{model_name=\"mock-model\",dp_rank=\"1\"} 40\n",
+    )));
+    assert!(text.contains(concat!(
+        "# HELP sglang:num_running_reqs The number of running requests.\n",
+        "# TYPE sglang:num_running_reqs gauge\n",
+    )));
+    assert!(text.contains("# TYPE kvroute_mocker_cached_blocks gauge\n"));
+    assert!(text.contains("# TYPE kvroute_mocker_replays_total counter\n"));
+    assert!(!text.contains("# EOF"));
+    // Every sample line carries both labels; every family has HELP and TYPE.
+    let samples: Vec<&str> = text.lines().filter(|l| !l.starts_with('#')).collect();
+    assert_eq!(samples.len(), 14 * 2, "7 SGLang + 7 own metrics, 2 ranks");
+    assert!(samples
+        .iter()
+        .all(|l| l.contains("{model_name=\"mock-model\",dp_rank=\"")));
+    assert_eq!(text.matches("# HELP ").count(), 14);
+
+    let openmetrics = http(
+        addr,
+        "GET",
+        "/metrics",
+        &[(
+            "Accept",
+            "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+        )],
+        None,
+    );
+    assert_eq!(
+        openmetrics.header("content-type"),
+        Some("application/openmetrics-text; version=1.0.0; charset=utf-8")
+    );
+    let text = openmetrics.text();
+    assert!(text.contains(concat!(
+        "# HELP sglang:prompt_tokens Number of prefill tokens processed.\n",
+        "# TYPE sglang:prompt_tokens counter\n",
+        "sglang:prompt_tokens_total{model_name=\"mock-model\",dp_rank=\"0\"} 0\n",
+    )));
+    assert!(text.ends_with("# EOF\n"));
+}
+
 #[test]
 fn sglang_server_info_describes_the_event_sockets() {
     let mut c = config(WorkerFlavor::Sglang);

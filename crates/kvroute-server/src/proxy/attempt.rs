@@ -28,11 +28,11 @@ use super::active::ActiveGuard;
 use super::candidates::{request_hashes, Candidates, Target};
 use super::relay::{reported_cached_tokens, Passthrough, Prediction, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
-use super::sampling::check_context;
-use super::scan::RoutingRequest;
 use super::{on_cpu, Endpoint, Proxy};
 use crate::api::ApiError;
 use crate::metrics::RankLabels;
+use kvroute_prompt::body::{ParseError, RoutingRequest};
+use kvroute_prompt::sampling::check_context;
 
 /// The header naming a request in logs, upstream and in the answer.
 pub const REQUEST_ID: &str = "x-request-id";
@@ -145,7 +145,7 @@ fn outgoing(
     ranks: usize,
     body: &Bytes,
 ) -> Result<Outgoing, ApiError> {
-    let bad = |e: super::scan::ParseError| ApiError::bad_request(e.0);
+    let bad = |e: ParseError| ApiError::bad_request(e.0);
     let multi_rank = ranks > 1;
     let rank_in_body = dp_rank_in_body || s.flavor == WorkerFlavor::Sglang;
     let mut payload = body.clone();

@@ -11,9 +11,9 @@ use kvroute_core::index::{RankMatch, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::multimodal::prompt_local_hashes;
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, Load, Pricing, Scored};
 
-use super::scan::RoutingRequest;
 use super::Proxy;
 use crate::ingest::registry::WorkerView;
+use kvroute_prompt::body::RoutingRequest;
 
 /// A worker as routing sees it.
 #[derive(Debug, Clone, PartialEq, Eq)]

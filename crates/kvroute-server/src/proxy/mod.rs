@@ -1,7 +1,7 @@
 //! The routing proxy: OpenAI requests in, the chosen worker's response out.
 //!
 //! A request flows through one module per step:
-//! 1. [`scan`] reads the body once for what routing needs;
+//! 1. `kvroute_prompt::body` reads the body once for what routing needs;
 //! 2. the prompt tokenizer turns a text prompt or chat messages into token
 //!    ids (requests with ids skip it; without a tokenizer they are routed on
 //!    load alone);
@@ -23,8 +23,6 @@ pub mod candidates;
 pub mod context;
 pub mod relay;
 pub mod rewrite;
-pub mod sampling;
-pub mod scan;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, PoisonError, RwLock};
@@ -35,7 +33,6 @@ use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvroute_core::index::SharedIndex;
-use kvroute_core::multimodal::RoutingPrompt;
 use kvroute_core::rng::{mix, unit_f64, SplitMix64};
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, Policy};
 use serde_json::{json, Map, Value};
@@ -47,23 +44,8 @@ use active::ActiveTable;
 use breaker::Breakers;
 use candidates::Target;
 use context::ContextLengths;
-use scan::{RoutingRequest, TextPrompt};
-
-/// Turns a prompt given as text (a completion's `prompt`, a chat's
-/// `messages`) into the token ids the engine will cache, with its images.
-pub trait PromptTokenizer: Send + Sync + std::fmt::Debug {
-    /// The prompt with its images: folded token ids with the placeholder id
-    /// in every image position, and each image's span and identity, from
-    /// which the router builds each worker flavour's block hashes. `None`
-    /// when the prompt cannot be rendered (the request is then routed on
-    /// load alone and the engine judges it).
-    fn prompt(
-        &self,
-        text: &TextPrompt,
-        mm_hashes: Option<&Value>,
-        model: Option<&str>,
-    ) -> Option<RoutingPrompt>;
-}
+use kvroute_prompt::body::{self, RoutingRequest, TextPrompt};
+use kvroute_prompt::{Prompt, PromptFields, PromptSource, Renderer};
 
 /// How requests are routed and forwarded.
 #[derive(Debug, Clone)]
@@ -92,8 +74,9 @@ pub struct ProxyConfig {
     /// otherwise only SGLang-flavour workers get the body field and vLLM
     /// workers the `X-data-parallel-rank` header.
     pub dp_rank_in_body: bool,
-    /// Tokenizes text prompts and chat messages; without it they are routed on load only.
-    pub tokenizer: Option<Arc<dyn PromptTokenizer>>,
+    /// Renders text prompts and chat messages to token ids as the engines
+    /// do; without it they are routed on load only.
+    pub renderer: Option<Arc<Renderer>>,
     /// Requests that may wait for a rank to drop below its busy thresholds
     /// when every rank is over them; 0: refuse at once with 503.
     pub queue_capacity: usize,
@@ -117,7 +100,7 @@ impl Default for ProxyConfig {
             breaker_open: Duration::from_secs(10),
             active_expiry: Duration::from_secs(600),
             dp_rank_in_body: false,
-            tokenizer: None,
+            renderer: None,
             queue_capacity: 0,
             queue_timeout: Duration::from_secs(30),
             max_model_len: None,
@@ -241,17 +224,32 @@ impl Proxy {
     }
 
     /// Fills in `req.tokens` and `req.images` from its text with the
-    /// tokenizer, if there is one. Requests with token ids keep them as given.
+    /// renderer, if there is one. Requests with token ids keep them as
+    /// given; a prompt the renderer refuses is routed on load alone (the
+    /// engine then answers the client).
     pub fn tokenize(&self, req: &mut RoutingRequest) {
         if req.tokens.is_some() {
             return;
         }
-        let (Some(tokenizer), Some(text)) = (&self.config.tokenizer, &req.text) else {
+        let (Some(renderer), Some(text)) = (&self.config.renderer, &req.text) else {
             return;
         };
-        if let Some(prompt) = tokenizer.prompt(text, req.mm_hashes.as_ref(), req.model.as_deref()) {
-            req.tokens = Some(prompt.tokens);
-            req.images = prompt.images;
+        let source = match text {
+            TextPrompt::Completion(p) => PromptSource::Completion(Some(p)),
+            TextPrompt::Chat(m) => PromptSource::Chat(Some(m)),
+        };
+        let fields = PromptFields {
+            source,
+            mm_hashes: req.mm_hashes.as_ref(),
+            model: req.model.as_deref(),
+        };
+        let rendered = Prompt::from_fields(&fields).and_then(|p| renderer.render_for_routing(&p));
+        match rendered {
+            Ok(prompt) => {
+                req.tokens = Some(prompt.tokens);
+                req.images = prompt.images;
+            }
+            Err(e) => tracing::debug!(error = %e, "prompt not rendered; routed on load alone"),
         }
     }
 }
@@ -319,7 +317,7 @@ async fn route(
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
-            let mut req = scan::parse_request(&body, endpoint == Endpoint::Chat).map_err(|e| {
+            let mut req = body::parse_request(&body, endpoint == Endpoint::Chat).map_err(|e| {
                 proxy.metrics.bad_requests.inc();
                 ApiError::bad_request(e.0)
             })?;

@@ -6,7 +6,7 @@
 
 use serde_json::Value;
 
-use super::scan::ParseError;
+use kvroute_prompt::body::ParseError;
 
 fn bad(message: impl Into<String>) -> ParseError {
     ParseError(message.into())

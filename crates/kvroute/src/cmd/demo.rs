@@ -28,8 +28,8 @@ use tokio::sync::oneshot;
 use crate::cmd::bench::load::{
     self, Arrival, Endpoint, LoadOptions, PolicyReport, Report, WorkloadKind, WorkloadSpec,
 };
-use crate::cmd::serve::prompt_tokenizer;
-use kvroute_mocker::tokenizer::Tokenizer;
+use crate::cmd::serve::renderer;
+use kvroute_prompt::Tokenizer;
 
 /// Positions each image takes, for the engines and the router alike.
 const MM_TOKENS_PER_IMAGE: usize = 64;
@@ -133,7 +133,7 @@ impl RunningRouter {
         let proxy = ProxyConfig {
             policy,
             // Text and chat requests are tokenized as the mock engines do.
-            tokenizer: Some(prompt_tokenizer(Tokenizer::builtin(), mm_tokens_per_image)),
+            renderer: Some(renderer(Tokenizer::builtin(), mm_tokens_per_image)),
             ..ProxyConfig::default()
         };
         let task = tokio::spawn(serve(

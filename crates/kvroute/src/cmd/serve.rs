@@ -8,19 +8,16 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::index::IndexConfig;
-use kvroute_core::multimodal::{ImageTokenRule, RoutingPrompt};
+use kvroute_core::multimodal::ImageTokenRule;
 use kvroute_core::scheduler::CostWeights;
 use kvroute_core::scheduler::{BusyThresholds, Policy};
-use kvroute_core::tokens::fold_token_id;
-use kvroute_mocker::http::openai::{self, Endpoint};
-use kvroute_mocker::tokenizer::Tokenizer;
+use kvroute_prompt::{Renderer, Tokenizer};
 use kvroute_server::admin::Access;
 use kvroute_server::ingest::address::AllowedHosts;
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::ingest::stream::IngestConfig;
 use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
-use kvroute_server::proxy::scan::TextPrompt;
-use kvroute_server::proxy::{PromptTokenizer, ProxyConfig};
+use kvroute_server::proxy::ProxyConfig;
 use kvroute_server::query::QueryLimits;
 use kvroute_server::{serve, ServeConfig};
 use std::sync::Arc;
@@ -140,10 +137,11 @@ pub struct ServeArgs {
     /// Longest wait in that queue, in milliseconds, before the 503.
     #[arg(long, default_value_t = 30_000, env = "KVROUTE_QUEUE_TIMEOUT_MS")]
     queue_timeout_ms: u64,
-    /// A Hugging Face `tokenizer.json` for text prompts and chat messages
-    /// (ChatML template, as Qwen models and `kvroute mocker` use), or `builtin`
-    /// for the mocker's built-in tokenizer. Without it, text requests are
-    /// routed on load alone.
+    /// A Hugging Face `tokenizer.json` for text prompts and chat messages, or
+    /// `builtin` for the mocker's built-in tokenizer. Chats are rendered with
+    /// the model's own chat template when a `tokenizer_config.json` with one
+    /// sits beside the file, else in the ChatML layout. Without it, text
+    /// requests are routed on load alone.
     #[arg(long, value_name = "FILE|builtin", env = "KVROUTE_TOKENIZER")]
     tokenizer: Option<PathBuf>,
     /// Prompt positions each image takes (the model's image token count; the
@@ -264,59 +262,19 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// Tokenizes requests exactly as `kvroute mocker` renders them: its
-/// completion and chat parsing, ChatML template and tokenizer, and its image
-/// layout (identity from `mm_hashes` or the image URL, `rule` positions each).
-#[derive(Debug)]
-struct ChatMlTokenizer {
-    tokenizer: Tokenizer,
-    rule: ImageTokenRule,
-}
-
-impl PromptTokenizer for ChatMlTokenizer {
-    fn prompt(
-        &self,
-        text: &TextPrompt,
-        mm_hashes: Option<&serde_json::Value>,
-        model: Option<&str>,
-    ) -> Option<RoutingPrompt> {
-        let (endpoint, key, value) = match text {
-            TextPrompt::Completion(p) => (Endpoint::Completions, "prompt", p),
-            TextPrompt::Chat(m) => (Endpoint::Chat, "messages", m),
-        };
-        let mut body = serde_json::Map::new();
-        body.insert(key.into(), value.clone());
-        if let Some(h) = mm_hashes {
-            body.insert("mm_hashes".into(), h.clone());
-        }
-        if let Some(m) = model {
-            body.insert("model".into(), m.into());
-        }
-        let body = serde_json::to_vec(&body).ok()?;
-        let parsed = openai::parse(endpoint, &body).ok()?;
-        let p = openai::layout(&parsed, &self.tokenizer, self.rule).ok()?;
-        Some(RoutingPrompt {
-            tokens: p.tokens.into_iter().map(fold_token_id).collect(),
-            images: p.images,
-        })
-    }
-}
-
-/// The router's view of prompts rendered as `kvroute mocker` renders them,
-/// with `mm_tokens_per_image` positions per image.
-pub fn prompt_tokenizer(
-    tokenizer: Tokenizer,
-    mm_tokens_per_image: usize,
-) -> Arc<dyn PromptTokenizer> {
-    Arc::new(ChatMlTokenizer {
+/// The router's prompt renderer: the same rendering as `kvroute mocker`'s
+/// (chat template or ChatML layout, tokenizer, `mm_tokens_per_image`
+/// positions per image), so router and engine agree token for token.
+pub fn renderer(tokenizer: Tokenizer, mm_tokens_per_image: usize) -> Arc<Renderer> {
+    Arc::new(Renderer::new(
         tokenizer,
-        rule: ImageTokenRule::fixed(mm_tokens_per_image),
-    })
+        ImageTokenRule::fixed(mm_tokens_per_image),
+    ))
 }
 
 fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
-    let load = |tokenizer| prompt_tokenizer(tokenizer, args.mm_tokens_per_image as usize);
-    let tokenizer: Option<Arc<dyn PromptTokenizer>> = match &args.tokenizer {
+    let load = |tokenizer| renderer(tokenizer, args.mm_tokens_per_image as usize);
+    let renderer = match &args.tokenizer {
         None => None,
         Some(p) if p.as_os_str() == "builtin" => Some(load(Tokenizer::builtin())),
         Some(p) => Some(load(
@@ -348,6 +306,6 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         queue_capacity: args.queue_capacity,
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         max_model_len: args.max_model_len,
-        tokenizer,
+        renderer,
     })
 }

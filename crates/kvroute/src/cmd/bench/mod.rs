@@ -125,7 +125,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
 /// The load options a command line asks for.
 /// Prompts as the text a tokenizer decodes the workload's ids to.
 fn text_renderer(path: &std::path::Path) -> Result<load::TextRenderer> {
-    let tokenizer = kvroute_mocker::tokenizer::Tokenizer::from_file(path)
+    let tokenizer = kvroute_prompt::Tokenizer::from_file(path)
         .with_context(|| format!("--tokenizer {}", path.display()))?;
     if tokenizer.decode(&[0]).is_none() {
         bail!("--tokenizer {}: cannot decode token ids", path.display());

@@ -1,8 +1,10 @@
-//! Reading a request body once: the fields routing needs (model, prompt or
-//! messages, stream, LoRA and salt namespaces, client image hashes,
-//! `include_usage`), with a prompt of token ids read straight into ids.
+//! Reading an OpenAI request body once, for the router: the fields routing
+//! needs (model, prompt or messages, stream, LoRA and salt namespaces,
+//! client image hashes, `include_usage`, the sampling fields an engine would
+//! refuse), with a prompt of token ids read straight into ids. A text prompt
+//! or chat messages are kept as parsed values for [`crate::Prompt`].
 //! Everything else in the body is left to the engine, which gets the body
-//! unchanged but for the rewrites in [`super::rewrite`].
+//! unchanged.
 
 use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::multimodal::ImageSpan;
@@ -10,7 +12,7 @@ use kvroute_core::tokens::fold_token_id;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
-use super::sampling::{self, SamplingFields};
+use crate::sampling::{self, SamplingFields};
 
 /// Why a request body cannot be routed (answered with a 400).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,0 +1,238 @@
+//! A prompt to token ids, laid out the flavour-neutral way.
+
+use kvroute_core::multimodal::{ImageIdentity, ImageSpan, ImageTokenRule, RoutingPrompt};
+use kvroute_core::tokens::fold_token_id;
+
+use crate::error::PromptError;
+use crate::prompt::{Prompt, Segment, SpecialToken};
+use crate::tokenizer::Tokenizer;
+
+/// A prompt laid out the flavour-neutral way: token ids with the image
+/// placeholder id in every image position, and the images' spans.
+///
+/// The mock engine and the router's request side both start from this, so
+/// their token ids agree; each engine flavour then fills image positions its
+/// own way (SGLang pads, vLLM placeholders).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NeutralPrompt {
+    /// Token ids; image positions hold the tokenizer's image placeholder id.
+    pub tokens: Vec<u64>,
+    /// The images, in order, with the identity rule applied (client hash or URL).
+    pub images: Vec<ImageSpan>,
+}
+
+impl NeutralPrompt {
+    /// The router's form: ids folded to the 32 bits the engines hash.
+    pub fn into_routing(self) -> RoutingPrompt {
+        RoutingPrompt {
+            tokens: self.tokens.into_iter().map(fold_token_id).collect(),
+            images: self.images,
+        }
+    }
+}
+
+/// Renders prompts to token ids: a tokenizer (with the model's chat template,
+/// if any) and the positions each image takes.
+#[derive(Debug)]
+pub struct Renderer {
+    tokenizer: Tokenizer,
+    rule: ImageTokenRule,
+}
+
+impl Renderer {
+    /// A renderer with `tokenizer` and `rule` positions per image.
+    pub fn new(tokenizer: Tokenizer, rule: ImageTokenRule) -> Self {
+        Renderer { tokenizer, rule }
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// The image rule.
+    pub fn rule(&self) -> ImageTokenRule {
+        self.rule
+    }
+
+    /// Tokenizes a prompt: a chat whose parts are all text through the
+    /// model's chat template when it has one, the whole text tokenized;
+    /// otherwise the ChatML segments: text through the tokenizer, the
+    /// specials, client token ids as given, and each image as vision start,
+    /// `rule` placeholder positions, vision end.
+    pub fn render(&self, prompt: &Prompt) -> Result<NeutralPrompt, PromptError> {
+        let images = prompt.image_count();
+        if let Some(hashes) = &prompt.mm_hashes {
+            if images > 0 && hashes.len() != images {
+                return Err(PromptError::MmHashCount {
+                    hashes: hashes.len(),
+                    images,
+                });
+            }
+        }
+        if let (Some(template), Some(messages)) =
+            (self.tokenizer.chat_template(), &prompt.template_messages)
+        {
+            let text = template
+                .render(messages, true)
+                .map_err(PromptError::Template)?;
+            let tokens = self.tokenizer.encode(&text)?;
+            if tokens.is_empty() {
+                return Err(PromptError::NoTokens);
+            }
+            return Ok(NeutralPrompt {
+                tokens,
+                images: Vec::new(),
+            });
+        }
+        self.layout_segments(prompt)
+    }
+
+    /// [`Renderer::render`] in the router's form ([`NeutralPrompt::into_routing`]).
+    pub fn render_for_routing(&self, prompt: &Prompt) -> Result<RoutingPrompt, PromptError> {
+        self.render(prompt).map(NeutralPrompt::into_routing)
+    }
+
+    fn layout_segments(&self, prompt: &Prompt) -> Result<NeutralPrompt, PromptError> {
+        let specials = self.tokenizer.specials();
+        let mut tokens: Vec<u64> = Vec::new();
+        let mut spans = Vec::new();
+        for segment in &prompt.segments {
+            match segment {
+                Segment::Text(text) => self.tokenizer.encode_into(text, &mut tokens)?,
+                Segment::Tokens(ids) => tokens.extend_from_slice(ids),
+                Segment::Special(SpecialToken::ImStart) => tokens.push(specials.im_start),
+                Segment::Special(SpecialToken::ImEnd) => tokens.push(specials.im_end),
+                Segment::Image(url) => {
+                    let index = spans.len();
+                    let client_hash = prompt
+                        .mm_hashes
+                        .as_ref()
+                        .and_then(|h| h.get(index))
+                        .copied();
+                    let identity = ImageIdentity::resolve(client_hash, url)
+                        .map_err(|source| PromptError::Image { index, source })?;
+                    let len = self.rule.tokens_for(prompt.model.as_deref(), &identity);
+                    tokens.push(specials.vision_start);
+                    let start = tokens.len();
+                    tokens.extend(std::iter::repeat_n(specials.image_pad, len));
+                    spans.push(ImageSpan {
+                        start,
+                        len,
+                        identity,
+                    });
+                    tokens.push(specials.vision_end);
+                }
+            }
+        }
+        if tokens.is_empty() {
+            return Err(PromptError::NoTokens);
+        }
+        Ok(NeutralPrompt {
+            tokens,
+            images: spans,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::chat_template::ChatTemplate;
+    use crate::tokenizer::{IMAGE_PAD, IM_END, IM_START, VISION_END, VISION_START};
+    use serde_json::json;
+
+    fn renderer(n: usize) -> Renderer {
+        Renderer::new(Tokenizer::builtin(), ImageTokenRule::fixed(n))
+    }
+
+    #[test]
+    fn chatml_segments_with_an_image_lay_out_placeholders_and_spans() {
+        let messages = json!([{"role": "user", "content": [
+            {"type": "text", "text": "look"},
+            {"type": "image_url", "image_url": "data:image/png;base64,aGVsbG8="}
+        ]}]);
+        let p = Prompt::chat(Some(&messages)).expect("ok");
+        let r = renderer(3).render(&p).expect("renders");
+        let tok = Tokenizer::builtin();
+        let mut expected = vec![IM_START];
+        expected.extend(tok.encode("user\n").expect("builtin"));
+        expected.extend(tok.encode("look").expect("builtin"));
+        expected.extend([
+            VISION_START,
+            IMAGE_PAD,
+            IMAGE_PAD,
+            IMAGE_PAD,
+            VISION_END,
+            IM_END,
+        ]);
+        expected.extend(tok.encode("\n").expect("builtin"));
+        expected.push(IM_START);
+        expected.extend(tok.encode("assistant\n").expect("builtin"));
+        assert_eq!(r.tokens, expected);
+        assert_eq!(r.images.len(), 1);
+        let span = &r.images[0];
+        assert_eq!((span.start, span.len), (expected.len() - 10, 3));
+        assert_eq!(span.identity.hash, 0x2cf24dba5fb0a30e);
+        let routing = renderer(3).render_for_routing(&p).expect("renders");
+        assert_eq!(routing.tokens.len(), r.tokens.len());
+        assert_eq!(routing.images, r.images);
+    }
+
+    #[test]
+    fn client_hashes_name_images_and_must_match_their_count() {
+        let messages =
+            json!([{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]);
+        let mut p = Prompt::chat(Some(&messages)).expect("ok");
+        p.mm_hashes = Some(vec![255]);
+        let r = renderer(2).render(&p).expect("renders");
+        assert_eq!(r.images[0].identity.hash, 255);
+        p.mm_hashes = Some(vec![1, 2]);
+        let e = renderer(2).render(&p).expect_err("count");
+        assert_eq!(e.to_string(), "`mm_hashes` has 2 entries for 1 image(s)");
+        assert!(e.is_client_error());
+        p.mm_hashes = None;
+        p.segments = vec![Segment::Image("data:image/png;base64,%%%".into())];
+        let e = renderer(2).render(&p).expect_err("bad data URL");
+        assert!(e.to_string().starts_with("image 0: "), "{e}");
+    }
+
+    #[test]
+    fn a_template_renders_text_chats_and_its_errors_blame_the_client() {
+        let template = ChatTemplate::new(
+            "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}{{ messages[0]['content'] }}".into(),
+            String::new(),
+            String::new(),
+        )
+        .expect("compiles");
+        assert!(template
+            .render(&json!([{"role": "user", "content": "x"}]), true)
+            .is_ok());
+        let p = Prompt::chat(Some(&json!([{"role": "system", "content": "x"}]))).expect("ok");
+        // The built-in tokenizer has no template: the ChatML layout applies.
+        assert!(renderer(1).render(&p).is_ok());
+        let e = PromptError::Template(
+            template
+                .render(p.template_messages.as_ref().expect("text"), true)
+                .expect_err("raises"),
+        );
+        assert!(e.to_string().contains("user first"));
+        assert!(e.is_client_error());
+    }
+
+    #[test]
+    fn a_renderer_is_shared_across_threads() {
+        fn shareable<T: Send + Sync>() {}
+        shareable::<Renderer>();
+        shareable::<Prompt>();
+    }
+
+    #[test]
+    fn a_prompt_with_no_tokens_is_refused() {
+        let p = Prompt {
+            segments: vec![Segment::Tokens(Vec::new())],
+            ..Prompt::default()
+        };
+        assert!(matches!(renderer(1).render(&p), Err(PromptError::NoTokens)));
+    }
+}
