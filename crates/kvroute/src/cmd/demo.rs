@@ -25,10 +25,10 @@ use kvroute_server::{serve, ServeConfig};
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
 
-use crate::cmd::bench::load::{
-    self, Arrival, Endpoint, LoadOptions, PolicyReport, Report, WorkloadKind, WorkloadSpec,
-};
 use crate::cmd::serve::prompt_tokenizer;
+use kvroute_loadgen::{
+    self as load, Arrival, Endpoint, LoadOptions, PolicyReport, Report, WorkloadKind, WorkloadSpec,
+};
 use kvroute_mocker::tokenizer::Tokenizer;
 
 /// Positions each image takes, for the engines and the router alike.
@@ -38,7 +38,7 @@ const MM_TOKENS_PER_IMAGE: usize = 64;
 #[derive(Debug, Args)]
 pub struct DemoArgs {
     /// The workload (see docs/bench.md).
-    #[arg(long, value_enum, default_value_t = WorkloadKind::SharedPrefix)]
+    #[arg(long, default_value_t = WorkloadKind::SharedPrefix, value_parser = super::bench::workload_parser())]
     workload: WorkloadKind,
     /// Engine flavour of every mock worker: vllm or sglang.
     #[arg(long, default_value_t = WorkerFlavor::Vllm)]
@@ -421,7 +421,7 @@ fn with_extras(report: &Report, extras: &Extras) -> Result<Value> {
 
 fn finish(args: &DemoArgs, plan: &Plan, report: &Report, extras: &Extras) -> Result<()> {
     println!();
-    load::print_table(report);
+    print!("{}", load::table(report));
     let doc = with_extras(report, extras)?;
     let hit = |name: &str| -> Option<&PolicyReport> {
         report

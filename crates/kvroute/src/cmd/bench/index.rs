@@ -16,8 +16,8 @@ use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerRank};
 use serde_json::json;
 
-use super::trace::{TraceConfig, TraceGen};
 use crate::alloc_meter::live_bytes;
+use kvroute_loadgen::trace::{TraceConfig, TraceGen};
 
 /// Arguments of `kvroute bench index`.
 #[derive(Debug, Args)]

@@ -28,14 +28,14 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Result};
 use kvroute_core::rng::SplitMix64;
 use serde_json::Value;
 use tokio::task::JoinSet;
 
-use super::report::PolicyReport;
-use super::stats::{sort_samples, Percentiles2, Percentiles3, PoissonArrivals};
-use super::workload::{PlannedRequest, RepeatLabel, Workload, WorkloadSpec};
+use crate::error::{Error, Result};
+use crate::report::{PolicyReport, Report};
+use crate::stats::{sort_samples, Percentiles2, Percentiles3, PoissonArrivals};
+use crate::workload::{PlannedRequest, RepeatLabel, Workload, WorkloadKind, WorkloadSpec};
 
 /// Longest a single request may take before it counts as failed.
 pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(600);
@@ -158,6 +158,25 @@ pub fn normalize_base_url(url: &str) -> String {
     }
 }
 
+/// The HTTP client a load run uses: a large idle pool (one connection per
+/// request in flight is kept), a 10 s connect timeout.
+pub fn client() -> Result<reqwest::Client> {
+    reqwest::Client::builder()
+        .pool_max_idle_per_host(1024)
+        .connect_timeout(Duration::from_secs(10))
+        .build()
+        .map_err(Error::http("building the HTTP client"))
+}
+
+/// Runs the workload against the endpoint with a fresh [`client`] and
+/// reports it as one policy named `options.label`.
+pub async fn measure(endpoint: &Endpoint, options: &LoadOptions) -> Result<Report> {
+    let policy = run(&client()?, endpoint, options).await?;
+    let mut report = Report::new(options.workload.describe());
+    report.push(options.label.clone(), policy);
+    Ok(report)
+}
+
 /// Runs the workload against the endpoint and summarises it.
 pub async fn run(
     client: &reqwest::Client,
@@ -165,12 +184,18 @@ pub async fn run(
     options: &LoadOptions,
 ) -> Result<PolicyReport> {
     if options.requests == 0 && options.max_duration.is_none() {
-        bail!("a run needs a request count or a duration");
+        return Err(Error::Invalid(
+            "a run needs a request count or a duration".into(),
+        ));
     }
     match options.arrival {
-        Arrival::Closed { concurrency: 0 } => bail!("concurrency must be at least 1"),
+        Arrival::Closed { concurrency: 0 } => {
+            return Err(Error::Invalid("concurrency must be at least 1".into()))
+        }
         Arrival::Poisson { rate } if !(rate.is_finite() && rate > 0.0) => {
-            bail!("the arrival rate must be a positive number")
+            return Err(Error::Invalid(
+                "the arrival rate must be a positive number".into(),
+            ))
         }
         _ => {}
     }
@@ -178,7 +203,9 @@ pub async fn run(
         Endpoint::OpenAi { base_url } => Target::Url(normalize_base_url(base_url)),
         Endpoint::Oracle { workers } => {
             if workers.is_empty() {
-                bail!("the oracle needs at least one worker URL");
+                return Err(Error::Invalid(
+                    "the oracle needs at least one worker URL".into(),
+                ));
             }
             Target::Oracle(Oracle {
                 workers: workers.iter().map(|w| normalize_base_url(w)).collect(),
@@ -234,7 +261,7 @@ pub async fn run(
         shared.issued.load(Ordering::Relaxed),
         shared.failed.load(Ordering::Relaxed),
         duration,
-        options.workload.kind == super::WorkloadKind::Images,
+        options.workload.kind == WorkloadKind::Images,
     );
     report.index_accuracy = accuracy;
     Ok(report)
@@ -832,7 +859,7 @@ mod tests {
             .expect("fleet starts")
     }
 
-    fn options(kind: super::super::WorkloadKind, arrival: Arrival, requests: usize) -> LoadOptions {
+    fn options(kind: WorkloadKind, arrival: Arrival, requests: usize) -> LoadOptions {
         LoadOptions {
             workload: WorkloadSpec {
                 kind,
@@ -851,7 +878,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn every_workload_runs_against_an_engine_and_through_the_oracle() {
-        use super::super::WorkloadKind as K;
+        use WorkloadKind as K;
         let fleet = fleet().await;
         let urls: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
         let client = reqwest::Client::new();

@@ -57,7 +57,7 @@ pub mod sizes {
 }
 
 /// Which traffic to generate (see the module documentation for sizes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum WorkloadKind {
     /// `groups` long system prompts shared by many requests, each with a unique question.
@@ -73,6 +73,15 @@ pub enum WorkloadKind {
 }
 
 impl WorkloadKind {
+    /// Every workload, in the order `--help` lists them.
+    pub const ALL: [WorkloadKind; 5] = [
+        WorkloadKind::SharedPrefix,
+        WorkloadKind::MultiTurn,
+        WorkloadKind::LongDoc,
+        WorkloadKind::Images,
+        WorkloadKind::Random,
+    ];
+
     /// The command-line name (`shared-prefix`, …).
     pub fn name(self) -> &'static str {
         match self {
@@ -82,6 +91,30 @@ impl WorkloadKind {
             WorkloadKind::Images => "images",
             WorkloadKind::Random => "random",
         }
+    }
+}
+
+impl std::fmt::Display for WorkloadKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for WorkloadKind {
+    type Err = crate::Error;
+
+    /// Parses a command-line name ([`WorkloadKind::name`]).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        WorkloadKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = WorkloadKind::ALL.iter().map(|k| k.name()).collect();
+                crate::Error::Invalid(format!(
+                    "unknown workload `{s}` (expected one of {})",
+                    names.join(", ")
+                ))
+            })
     }
 }
 
@@ -121,6 +154,29 @@ pub type RenderFn = dyn Fn(&[u32]) -> String + Send + Sync;
 /// Token ids to prompt text, e.g. a Hugging Face tokenizer's decoding.
 #[derive(Clone)]
 pub struct TextRenderer(pub std::sync::Arc<RenderFn>);
+
+impl TextRenderer {
+    /// Prompts as the text the tokenizer in `path` (a Hugging Face
+    /// `tokenizer.json`) decodes the workload's ids to.
+    pub fn from_tokenizer_file(path: &std::path::Path) -> crate::Result<TextRenderer> {
+        let tokenizer =
+            kvroute_mocker::tokenizer::Tokenizer::from_file(path).map_err(|source| {
+                crate::Error::Tokenizer {
+                    path: path.to_owned(),
+                    source,
+                }
+            })?;
+        if tokenizer.decode(&[0]).is_none() {
+            return Err(crate::Error::Invalid(format!(
+                "the tokenizer {} cannot decode token ids",
+                path.display()
+            )));
+        }
+        Ok(TextRenderer(std::sync::Arc::new(move |ids: &[u32]| {
+            tokenizer.decode(ids).unwrap_or_default()
+        })))
+    }
+}
 
 impl std::fmt::Debug for TextRenderer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -15,9 +15,9 @@ use clap::{Args, Subcommand};
 
 pub mod index;
 pub mod ingest;
-pub mod load;
 pub mod proxy;
-pub mod trace;
+
+use kvroute_loadgen as load;
 
 /// Arguments of `kvroute bench`.
 #[derive(Debug, Args)]
@@ -52,7 +52,7 @@ struct LoadArgs {
     #[arg(long, value_name = "URL", value_delimiter = ',')]
     oracle: Vec<String>,
     /// The traffic.
-    #[arg(long, value_enum, default_value = "shared-prefix")]
+    #[arg(long, default_value = "shared-prefix", value_parser = workload_parser())]
     workload: load::WorkloadKind,
     /// Requests to send (0: until --duration-secs is up).
     #[arg(long, default_value_t = 200)]
@@ -122,19 +122,14 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     }
 }
 
-/// The load options a command line asks for.
-/// Prompts as the text a tokenizer decodes the workload's ids to.
-fn text_renderer(path: &std::path::Path) -> Result<load::TextRenderer> {
-    let tokenizer = kvroute_mocker::tokenizer::Tokenizer::from_file(path)
-        .with_context(|| format!("--tokenizer {}", path.display()))?;
-    if tokenizer.decode(&[0]).is_none() {
-        bail!("--tokenizer {}: cannot decode token ids", path.display());
-    }
-    Ok(load::TextRenderer(std::sync::Arc::new(
-        move |ids: &[u32]| tokenizer.decode(ids).unwrap_or_default(),
-    )))
+/// `--workload`: the load generator's names, listed in `--help`.
+pub fn workload_parser() -> impl clap::builder::TypedValueParser<Value = load::WorkloadKind> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(load::WorkloadKind::ALL.map(load::WorkloadKind::name))
+        .try_map(|s| s.parse::<load::WorkloadKind>())
 }
 
+/// The load options a command line asks for.
 fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
     if !(a.scale.is_finite() && a.scale > 0.0) {
         bail!("--scale must be a positive number");
@@ -187,7 +182,10 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             question_tokens: a.question_tokens,
             text_renderer: match &a.tokenizer {
                 None => None,
-                Some(path) => Some(text_renderer(path)?),
+                Some(path) => Some(
+                    load::TextRenderer::from_tokenizer_file(path)
+                        .with_context(|| format!("--tokenizer {}", path.display()))?,
+                ),
             },
         },
         arrival,
@@ -203,21 +201,14 @@ fn run_load(a: &LoadArgs) -> Result<ExitCode> {
     let (endpoint, options) = load_options(a)?;
     crate::cmd::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
     let runtime = crate::cmd::runtime()?;
-    let policy = runtime.block_on(async {
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(1024)
-            .connect_timeout(Duration::from_secs(10))
-            .build()
-            .context("building the HTTP client")?;
-        load::run(&client, &endpoint, &options).await
-    })?;
-    let mut report = load::Report::new(options.workload.describe());
-    let all_failed = policy.requests > 0 && policy.failed == policy.requests;
-    report.push(options.label.clone(), policy);
+    let report = runtime.block_on(load::measure(&endpoint, &options))?;
+    let all_failed = report
+        .get(&options.label)
+        .is_some_and(|p| p.requests > 0 && p.failed == p.requests);
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        load::print_table(&report);
+        print!("{}", load::table(&report));
     }
     if let Some(path) = &a.plot {
         load::write_svg_plot(path, &report)?;

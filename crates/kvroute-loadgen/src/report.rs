@@ -4,12 +4,12 @@
 use std::fmt::Write as _;
 use std::path::Path;
 
-use anyhow::{Context, Result};
 use serde::ser::SerializeMap;
 use serde::{Serialize, Serializer};
 use serde_json::Value;
 
-use super::stats::{Percentiles2, Percentiles3};
+use crate::error::{Error, Result};
+use crate::stats::{Percentiles2, Percentiles3};
 
 /// What one run of a workload against one policy (endpoint) measured.
 ///
@@ -62,7 +62,7 @@ pub const ORACLE: &str = "oracle";
 /// Serializes as `{"workload": {...}, "policies": {"<name>": {...}, ...}}`.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct Report {
-    /// The workload's description ([`super::WorkloadSpec::describe`]).
+    /// The workload's description ([`crate::WorkloadSpec::describe`]).
     pub workload: Value,
     /// (policy name, report), in insertion order.
     #[serde(serialize_with = "as_map")]
@@ -113,7 +113,7 @@ fn opt_pct(v: Option<f64>) -> String {
     v.map_or_else(|| "-".into(), |v| format!("{:.1}%", v * 100.0))
 }
 
-/// The per-policy table, as printed by [`print_table`].
+/// The per-policy table: one row per policy, then a line of units.
 pub fn table(report: &Report) -> String {
     let mut out = String::new();
     let name = report.workload["name"].as_str().unwrap_or("workload");
@@ -170,11 +170,6 @@ pub fn table(report: &Report) -> String {
     }
     out.push_str("times in ms; hit = cached / prompt tokens; vs orc = hit / the oracle's hit\n");
     out
-}
-
-/// Prints the per-policy table on stdout.
-pub fn print_table(report: &Report) {
-    print!("{}", table(report));
 }
 
 /// Colours of successive policies in plots.
@@ -416,7 +411,7 @@ fn axes(s: &mut String, x0: f64, x1: f64, y0: f64, y1: f64, title: &str, ymax: f
 /// of every request over time (one colour per policy).
 pub fn write_svg_plot(path: &Path, report: &Report) -> Result<()> {
     std::fs::write(path, svg_plot(report))
-        .with_context(|| format!("writing the plot {}", path.display()))
+        .map_err(Error::io(format!("writing the plot {}", path.display())))
 }
 
 #[cfg(test)]
