@@ -12,9 +12,8 @@
 //!     progress: true,
 //!     label: "kv".into(),
 //! };
-//! let mut report = Report::new(options.workload.describe());
 //! let endpoint = Endpoint::OpenAi { base_url: "http://127.0.0.1:8000".into() };
-//! report.push("kv", run(&reqwest::Client::new(), &endpoint, &options).await?);
+//! let report = measure(&endpoint, &options).await?;
 //! print!("{}", table(&report));
 //! ```
 //!
@@ -22,6 +21,12 @@
 
 pub mod driver;
 pub mod error;
+mod exchange;
+pub mod image;
+mod metrics;
+mod oracle;
+pub mod plot;
+mod progress;
 pub mod report;
 pub mod stats;
 pub mod trace;
@@ -29,5 +34,6 @@ pub mod workload;
 
 pub use driver::{measure, run, Arrival, Endpoint, LoadOptions};
 pub use error::{Error, Result};
-pub use report::{table, write_svg_plot, PolicyReport, Report, ORACLE};
+pub use plot::write_svg_plot;
+pub use report::{table, PolicyReport, Report, ORACLE};
 pub use workload::{TextRenderer, WorkloadKind, WorkloadSpec};
