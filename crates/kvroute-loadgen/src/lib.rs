@@ -19,6 +19,8 @@
 //!
 //! See `docs/bench.md` for the workloads' sizes, arrival modes and fields.
 
+pub mod bench;
+pub mod demo;
 pub mod driver;
 pub mod error;
 mod exchange;
@@ -28,6 +30,7 @@ mod oracle;
 pub mod plot;
 mod progress;
 pub mod report;
+mod router;
 pub mod stats;
 pub mod trace;
 pub mod workload;
@@ -36,4 +39,5 @@ pub use driver::{measure, run, Arrival, Endpoint, LoadOptions};
 pub use error::{Error, Result};
 pub use plot::write_svg_plot;
 pub use report::{table, PolicyReport, Report, ORACLE};
+pub use router::RouterTokenizer;
 pub use workload::{TextRenderer, WorkloadKind, WorkloadSpec};

@@ -40,6 +40,11 @@ pub(crate) fn total(text: &str, name: &str) -> Option<u64> {
         .map(|v| v as u64)
 }
 
+/// [`total`], 0 when there is no sample.
+pub(crate) fn sum(text: &str, name: &str) -> u64 {
+    total(text, name).unwrap_or(0)
+}
+
 /// Exact agreements per comparison between two readings of the counters.
 pub(crate) fn accuracy_between(before: (u64, u64), after: (u64, u64)) -> Option<f64> {
     let compared = after.0.checked_sub(before.0)?;
@@ -59,5 +64,13 @@ mod tests {
         assert_eq!(accuracy_between((10, 7), (20, 16)), Some(0.9));
         assert_eq!(accuracy_between((10, 7), (10, 7)), None);
         assert_eq!(accuracy_between((10, 7), (0, 0)), None);
+    }
+
+    #[test]
+    fn prometheus_counters_are_summed_over_labels() {
+        let text = "# HELP x y\n# TYPE kvroute_a counter\nkvroute_a{worker=\"w0\",rank=\"0\"} 3\nkvroute_a{worker=\"w1\",rank=\"0\"} 4\nkvroute_ab 100\n";
+        assert_eq!(sum(text, "kvroute_a"), 7);
+        assert_eq!(sum(text, "kvroute_ab"), 100);
+        assert_eq!(sum(text, "kvroute_c"), 0);
     }
 }
