@@ -6,6 +6,7 @@ use std::path::Path;
 
 use crate::error::{Error, Result};
 use crate::report::Report;
+use crate::stats;
 
 /// Colours of successive policies in plots.
 const COLOURS: [&str; 8] = [
@@ -207,8 +208,8 @@ fn rolling_median(timeline: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
         let from = (i + 1).saturating_sub(window.max(1));
         buf.clear();
         buf.extend(sorted[from..=i].iter().map(|p| p.1));
-        buf.sort_by(f64::total_cmp);
-        out.push((sorted[i].0, buf[buf.len() / 2]));
+        stats::sort_samples(&mut buf);
+        out.push((sorted[i].0, stats::median(&buf)));
     }
     out
 }

@@ -16,6 +16,7 @@ use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerRank};
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
+use crate::stats;
 use crate::trace::{TraceConfig, TraceGen};
 
 /// What `kvroute bench index` measures.
@@ -55,19 +56,6 @@ fn apply_all(index: &mut Index, events: &Events) {
     for (key, event) in events {
         index.apply(*key, event);
     }
-}
-
-fn percentile(sorted: &[u64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 * p / 100.0).ceil() as usize).clamp(1, sorted.len()) - 1;
-    sorted[i] as f64 / 1_000.0
-}
-
-fn median(mut values: Vec<f64>) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values.get(values.len() / 2).copied().unwrap_or(0.0)
 }
 
 /// Generates the trace: fill every cache, then keep going as long again so
@@ -137,24 +125,31 @@ fn build(config: &IndexBenchConfig, trace: &Trace) -> (Index, f64, Option<usize>
         apply_rates.push(trace.build_ops as f64 / elapsed.as_secs_f64());
         index = fresh;
     }
-    (index, median(apply_rates), bytes_measured)
+    (
+        index,
+        stats::median(&stats::sorted(apply_rates)),
+        bytes_measured,
+    )
 }
 
-/// Times each query; returns sorted nanoseconds and the mean device depth matched.
+/// Times each query; returns the sorted latencies in µs and the mean device
+/// depth matched.
 fn time_queries(
     queries: &[Vec<LocalBlockHash>],
     mut find: impl FnMut(&[LocalBlockHash]) -> u32,
-) -> (Vec<u64>, f64) {
-    let mut nanos = Vec::with_capacity(queries.len());
+) -> (Vec<f64>, f64) {
+    let mut micros = Vec::with_capacity(queries.len());
     let mut depth = 0u64;
     for q in queries {
         let start = Instant::now();
         let best = find(q);
-        nanos.push(start.elapsed().as_nanos() as u64);
+        micros.push(start.elapsed().as_nanos() as f64 / 1_000.0);
         depth += u64::from(best);
     }
-    nanos.sort_unstable();
-    (nanos, depth as f64 / queries.len().max(1) as f64)
+    (
+        stats::sorted(micros),
+        depth as f64 / queries.len().max(1) as f64,
+    )
 }
 
 fn best_device(matches: &[kvroute_core::index::RankMatch]) -> u32 {
@@ -171,13 +166,13 @@ fn block_ops(event: &KvEvent) -> u64 {
 }
 
 /// Times the queries through a [`SharedIndex`] while another thread applies
-/// `live` as fast as it can; returns the sorted nanoseconds and the writer's
+/// `live` as fast as it can; returns the sorted latencies in µs and the writer's
 /// block-ops/s meanwhile.
-fn time_under_writes(shared: &SharedIndex, trace: &Trace) -> (Vec<u64>, f64) {
+fn time_under_writes(shared: &SharedIndex, trace: &Trace) -> (Vec<f64>, f64) {
     let stop = AtomicBool::new(false);
     let writer_ops = AtomicU64::new(0);
     let writer_time = AtomicU64::new(0);
-    let (nanos, _) = std::thread::scope(|scope| {
+    let (micros, _) = std::thread::scope(|scope| {
         scope.spawn(|| {
             let start = Instant::now();
             let mut ops = 0u64;
@@ -201,7 +196,7 @@ fn time_under_writes(shared: &SharedIndex, trace: &Trace) -> (Vec<u64>, f64) {
     });
     let writer_rate = writer_ops.load(Ordering::Relaxed) as f64
         / (writer_time.load(Ordering::Relaxed).max(1) as f64 / 1e9);
-    (nanos, writer_rate)
+    (micros, writer_rate)
 }
 
 /// Runs the benchmark (progress on stderr) and returns its figures as one
@@ -248,12 +243,12 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         "queries": trace.queries.len(),
         "query_blocks": config.query_blocks,
         "mean_matched_device_blocks": mean_depth,
-        "lookup_p50_us": percentile(&alone, 50.0),
-        "lookup_p90_us": percentile(&alone, 90.0),
-        "lookup_p99_us": percentile(&alone, 99.0),
-        "lookup_max_us": percentile(&alone, 100.0),
-        "lookup_p50_us_under_writes": percentile(&under, 50.0),
-        "lookup_p99_us_under_writes": percentile(&under, 99.0),
+        "lookup_p50_us": stats::percentile(&alone, 0.50),
+        "lookup_p90_us": stats::percentile(&alone, 0.90),
+        "lookup_p99_us": stats::percentile(&alone, 0.99),
+        "lookup_max_us": stats::max(&alone),
+        "lookup_p50_us_under_writes": stats::percentile(&under, 0.50),
+        "lookup_p99_us_under_writes": stats::percentile(&under, 0.99),
         "writer_block_ops_per_s_during_lookups": writer_rate.round(),
         "bytes_per_residency": bytes_measured.map(|b| b as f64 / residencies as f64),
         "estimated_heap_bytes_per_residency": stats.heap_bytes as f64 / residencies as f64,

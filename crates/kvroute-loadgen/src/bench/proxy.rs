@@ -20,6 +20,7 @@ use serde::Serialize;
 use serde_json::json;
 
 use crate::error::{Error, Result};
+use crate::stats;
 
 /// What `kvroute bench proxy` sends.
 #[derive(Debug, Clone, Copy)]
@@ -42,7 +43,11 @@ pub struct ProxyBenchConfig {
     pub interleave: bool,
 }
 
-/// One path's figures: throughput and latency percentiles in µs.
+/// One path's figures: throughput and latency statistics in µs.
+///
+/// A percentile that only a larger sample could tell apart from the maximum
+/// (p99 of fewer than 100 requests, p99.9 of fewer than 1,000) is `None`,
+/// so that a maximum is never reported under a percentile's name.
 #[derive(Debug, Clone, Copy, Serialize)]
 pub struct PathFigures {
     /// Requests completed per second of the phase.
@@ -52,9 +57,36 @@ pub struct PathFigures {
     /// 90th percentile.
     pub p90_us: f64,
     /// 99th percentile.
-    pub p99_us: f64,
+    pub p99_us: Option<f64>,
     /// 99.9th percentile.
-    pub p999_us: f64,
+    pub p999_us: Option<f64>,
+    /// The slowest request.
+    pub max_us: f64,
+}
+
+impl PathFigures {
+    /// The figures of `latencies_us`, completed in `secs`.
+    fn of(latencies_us: Vec<f64>, secs: f64) -> Self {
+        let lat = stats::sorted(latencies_us);
+        PathFigures {
+            rps: lat.len() as f64 / secs,
+            p50_us: stats::percentile(&lat, 0.5),
+            p90_us: stats::percentile(&lat, 0.9),
+            p99_us: stats::resolved_percentile(&lat, 0.99),
+            p999_us: stats::resolved_percentile(&lat, 0.999),
+            max_us: stats::max(&lat),
+        }
+    }
+}
+
+/// `a - b` when both are known.
+fn minus(a: Option<f64>, b: Option<f64>) -> Option<f64> {
+    Some(a? - b?)
+}
+
+/// A µs figure for the table: `-` when unknown.
+fn cell(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |v| format!("{v:.0}"))
 }
 
 /// The benchmark's result.
@@ -78,7 +110,11 @@ impl ProxyBenchReport {
             "interleave": c.interleave,
             "direct": d,
             "proxy": p,
-            "added_us": {"p50": p.p50_us - d.p50_us, "p90": p.p90_us - d.p90_us, "p99": p.p99_us - d.p99_us},
+            "added_us": {
+                "p50": p.p50_us - d.p50_us,
+                "p90": p.p90_us - d.p90_us,
+                "p99": minus(p.p99_us, d.p99_us),
+            },
         })
     }
 }
@@ -103,43 +139,29 @@ impl fmt::Display for ProxyBenchReport {
         )?;
         writeln!(
             f,
-            "path      req/s      p50 µs    p90 µs    p99 µs  p99.9 µs"
+            "path      req/s      p50 µs    p90 µs    p99 µs  p99.9 µs    max µs"
         )?;
         for (name, s) in [("direct", d), ("proxy", p)] {
             writeln!(
                 f,
-                "{name:<8}{:>8.0}{:>11.0}{:>10.0}{:>10.0}{:>10.0}",
-                s.rps, s.p50_us, s.p90_us, s.p99_us, s.p999_us
+                "{name:<8}{:>8.0}{:>11.0}{:>10.0}{:>10}{:>10}{:>10.0}",
+                s.rps,
+                s.p50_us,
+                s.p90_us,
+                cell(s.p99_us),
+                cell(s.p999_us),
+                s.max_us
             )?;
         }
         writeln!(
             f,
-            "added   {:>8}{:>11.0}{:>10.0}{:>10.0}{:>10.0}",
+            "added   {:>8}{:>11.0}{:>10.0}{:>10}{:>10}",
             "",
             p.p50_us - d.p50_us,
             p.p90_us - d.p90_us,
-            p.p99_us - d.p99_us,
-            p.p999_us - d.p999_us
+            cell(minus(p.p99_us, d.p99_us)),
+            cell(minus(p.p999_us, d.p999_us)),
         )
-    }
-}
-
-fn percentile(sorted: &[f64], q: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() as f64 - 1.0) * q).round() as usize;
-    sorted[i.min(sorted.len() - 1)]
-}
-
-fn summary(mut lat: Vec<f64>, secs: f64) -> PathFigures {
-    lat.sort_by(f64::total_cmp);
-    PathFigures {
-        rps: lat.len() as f64 / secs,
-        p50_us: percentile(&lat, 0.5),
-        p90_us: percentile(&lat, 0.9),
-        p99_us: percentile(&lat, 0.99),
-        p999_us: percentile(&lat, 0.999),
     }
 }
 
@@ -216,7 +238,7 @@ async fn interleaved(
         p.extend(tp);
     }
     let secs = started.elapsed().as_secs_f64();
-    Ok((summary(d, secs), summary(p, secs)))
+    Ok((PathFigures::of(d, secs), PathFigures::of(p, secs)))
 }
 
 /// One path alone: `args.requests` requests over `urls` (round-robin).
@@ -258,7 +280,7 @@ async fn phase(
         );
     }
     let secs = started.elapsed().as_secs_f64();
-    Ok(summary(all, secs))
+    Ok(PathFigures::of(all, secs))
 }
 
 /// Runs the benchmark.
