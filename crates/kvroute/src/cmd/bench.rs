@@ -222,8 +222,15 @@ fn run_index(a: &IndexArgs) -> Result<ExitCode> {
         queries: if a.quick { 20_000 } else { 100_000 },
         query_blocks: a.query_blocks,
         seed: a.seed,
-        heap_meter: Some(crate::alloc_meter::live_bytes),
+        heap_meter: crate::heap_meter(),
     };
+    if config.heap_meter.is_none() {
+        eprintln!(
+            "[bench index] bytes_per_residency needs a heap-counting build: \
+             cargo build --release -p kvroute --features alloc-meter \
+             (estimated_heap_bytes_per_residency, from table capacities, is reported either way)"
+        );
+    }
     print_flat(&index::run(&config)?, a.json, 40);
     Ok(ExitCode::SUCCESS)
 }
@@ -242,6 +249,12 @@ fn run_ingest(a: &IngestArgs) -> Result<ExitCode> {
 }
 
 fn run_proxy(a: &ProxyArgs) -> Result<ExitCode> {
+    if crate::heap_meter().is_some() {
+        bail!(
+            "this kvroute counts every allocation (built with --features alloc-meter), \
+             which would weigh on the router it measures: build without the feature"
+        );
+    }
     if a.concurrency == 0 || a.requests < a.concurrency {
         bail!("--requests must be at least --concurrency (≥ 1)");
     }

@@ -139,6 +139,12 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         .with_max_level(args.log)
         .with_writer(std::io::stderr)
         .init();
+    if crate::heap_meter().is_some() {
+        tracing::warn!(
+            "this kvroute was built with --features alloc-meter: every allocation \
+             updates a shared counter; build without it to serve"
+        );
+    }
     let mut workers: Vec<WorkerSpec> = Vec::new();
     for text in &args.workers {
         let spec =
