@@ -165,23 +165,39 @@ struct ProxyArgs {
     /// Mock engines behind the router.
     #[arg(long, default_value_t = 2)]
     workers: u16,
-    /// Requests per phase (direct, then through the router).
+    /// Requests per phase (direct, then through the router), at each concurrency.
     #[arg(long, default_value_t = 20_000)]
     requests: u64,
-    /// Requests in flight at once.
-    #[arg(long, default_value_t = 16)]
-    concurrency: u64,
+    /// Requests in flight at once; a list (`1,8,32`) runs each in turn.
+    #[arg(long, default_value = "16", value_delimiter = ',')]
+    concurrency: Vec<u64>,
     /// Target requests per second (open loop, latency measured from each
     /// request's scheduled start); 0: closed loop, as fast as possible.
     #[arg(long, default_value_t = 0.0)]
     rate: f64,
     /// Prompt tokens per request (a shared prefix of half, then a unique suffix).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, conflicts_with = "text")]
     prompt_tokens: u32,
+    /// Text prompts instead of token ids, tokenized by the router and the
+    /// engines with `--tokenizer`.
+    #[arg(long)]
+    text: bool,
+    /// `--text`: words per prompt (half shared by one request in 8, half unique).
+    #[arg(long, default_value_t = 512, requires = "text")]
+    prompt_words: u32,
+    /// `--text`: a Hugging Face `tokenizer.json`, or `builtin` for the
+    /// mocker's built-in tokenizer; given to the router and the engines.
+    #[arg(
+        long,
+        value_name = "FILE|builtin",
+        default_value = "builtin",
+        requires = "text"
+    )]
+    tokenizer: kvroute_loadgen::bench::proxy::TokenizerSource,
     /// Divides the engines' simulated time (large: measure the router, not the engine).
     #[arg(long, default_value_t = 10_000.0)]
     speedup: f64,
-    /// Print one JSON object instead of a table.
+    /// Print one JSON object per concurrency (one per line) instead of a table.
     #[arg(long)]
     json: bool,
     /// Alternate the two paths request by request (each task sends one
@@ -255,24 +271,36 @@ fn run_proxy(a: &ProxyArgs) -> Result<ExitCode> {
              which would weigh on the router it measures: build without the feature"
         );
     }
-    if a.concurrency == 0 || a.requests < a.concurrency {
-        bail!("--requests must be at least --concurrency (≥ 1)");
+    if a.concurrency.iter().any(|&c| c == 0 || a.requests < c) {
+        bail!("--requests must be at least every --concurrency (≥ 1)");
     }
     if a.interleave && a.rate > 0.0 {
         bail!("--interleave runs a closed loop; leave out --rate");
     }
     let config = proxy::ProxyBenchConfig {
+        router_exe: std::env::current_exe().context("the path of this kvroute executable")?,
         workers: a.workers,
         requests: a.requests,
-        concurrency: a.concurrency,
+        concurrency: a.concurrency.clone(),
         rate: a.rate,
-        prompt_tokens: a.prompt_tokens,
+        prompt: if a.text {
+            proxy::Prompt::Text {
+                words: a.prompt_words,
+                tokenizer: a.tokenizer.clone(),
+            }
+        } else {
+            proxy::Prompt::TokenIds {
+                tokens: a.prompt_tokens,
+            }
+        },
         speedup: a.speedup,
         interleave: a.interleave,
     };
     let report = super::runtime()?.block_on(proxy::run(&config))?;
     if a.json {
-        println!("{}", report.to_json());
+        for run in report.to_json() {
+            println!("{run}");
+        }
     } else {
         print!("{report}");
     }

@@ -184,6 +184,8 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
+        // The bound address, so that `--port 0` tells its caller the port.
+        let addr = listener.local_addr().context("the listening address")?;
         eprintln!(
             "kvroute serve: listening on http://{addr} with {} worker(s)",
             workers.len()
