@@ -1,13 +1,13 @@
 //! `kvroute bench proxy` as a user runs it: the real binary starts the
 //! router as its own child process and measures its CPU per request.
 
-use std::process::Command;
-
 use serde_json::Value;
+
+use crate::support::kvroute;
 
 #[test]
 fn bench_proxy_measures_a_child_router_at_each_concurrency_with_text_prompts() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+    let out = kvroute()
         .args([
             "bench",
             "proxy",
