@@ -36,7 +36,7 @@ fn nice_max(v: f64) -> f64 {
         .unwrap_or(10.0 * mag)
 }
 
-/// The plot as SVG text (see [`write_svg_plot`]).
+/// The plot as SVG text (see [`write_svg_plot`]): three panels under a title.
 pub fn svg_plot(report: &Report) -> String {
     let (w, h) = (960.0, 720.0);
     let mut s = String::new();
@@ -52,10 +52,18 @@ pub fn svg_plot(report: &Report) -> String {
         w / 2.0,
         esc(name)
     );
+    hit_rate_panel(&mut s, report);
+    let ymax = ttft_panel(&mut s, report);
+    timeline_panel(&mut s, report, ymax);
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Panel 1: hit rate per policy (x 60..440, y 60..300).
+fn hit_rate_panel(s: &mut String, report: &Report) {
     let n = report.policies.len().max(1) as f64;
-    // Panel 1: hit rate per policy (x 60..440, y 50..300).
     let (x0, x1, y0, y1) = (60.0, 440.0, 60.0, 300.0);
-    axes(&mut s, x0, x1, y0, y1, "hit rate (%)", 100.0);
+    axes(s, x0, x1, y0, y1, "hit rate (%)", 100.0);
     let slot = (x1 - x0) / n;
     for (i, (policy, r)) in report.policies.iter().enumerate() {
         let bh = (r.hit_rate.clamp(0.0, 1.0)) * (y1 - y0);
@@ -82,7 +90,13 @@ pub fn svg_plot(report: &Report) -> String {
             esc(policy)
         );
     }
-    // Panel 2: TTFT p50 / p90 / p99 per policy (x 540..920).
+}
+
+/// Panel 2: TTFT p50 / p90 / p99 per policy (x 540..920); returns the y
+/// axis' top, which the timeline panel shares.
+fn ttft_panel(s: &mut String, report: &Report) -> f64 {
+    let n = report.policies.len().max(1) as f64;
+    let (y0, y1) = (60.0, 300.0);
     let (x0, x1) = (540.0, 920.0);
     let top = report
         .policies
@@ -90,7 +104,7 @@ pub fn svg_plot(report: &Report) -> String {
         .map(|(_, r)| r.ttft_ms.p99)
         .fold(0.0, f64::max);
     let ymax = nice_max(top);
-    axes(&mut s, x0, x1, y0, y1, "TTFT ms (p50, p90, p99)", ymax);
+    axes(s, x0, x1, y0, y1, "TTFT ms (p50, p90, p99)", ymax);
     let slot = (x1 - x0) / n;
     for (i, (policy, r)) in report.policies.iter().enumerate() {
         let colour = COLOURS[i % COLOURS.len()];
@@ -121,7 +135,12 @@ pub fn svg_plot(report: &Report) -> String {
             esc(policy)
         );
     }
-    // Panel 3: TTFT over time (x 60..920, y 380..660).
+    ymax
+}
+
+/// Panel 3: every request's TTFT over time, with a rolling median line per
+/// policy (x 60..920, y 380..660), on the TTFT panel's scale `ymax`.
+fn timeline_panel(s: &mut String, report: &Report, ymax: f64) {
     let (x0, x1, y0, y1) = (60.0, 920.0, 380.0, 660.0);
     let tmax = nice_max(
         report
@@ -131,7 +150,7 @@ pub fn svg_plot(report: &Report) -> String {
             .fold(0.0, f64::max),
     );
     axes(
-        &mut s,
+        s,
         x0,
         x1,
         y0,
@@ -185,8 +204,6 @@ pub fn svg_plot(report: &Report) -> String {
             esc(policy)
         );
     }
-    s.push_str("</svg>\n");
-    s
 }
 
 /// Requests in the rolling median of the TTFT-over-time panel.
