@@ -231,10 +231,7 @@ async fn compare(
     block_size: u32,
     tokenizer: RouterTokenizer,
 ) -> Result<DemoReport> {
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(256)
-        .build()
-        .map_err(Error::http("building the HTTP client"))?;
+    let client = driver::client()?;
     let urls: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
     let mut specs = Vec::new();
     for w in fleet.workers() {

@@ -140,8 +140,9 @@ pub fn normalize_base_url(url: &str) -> String {
     }
 }
 
-/// The HTTP client a load run uses: a large idle pool (one connection per
-/// request in flight is kept), a 10 s connect timeout.
+/// The HTTP client every load run, the demo and `bench proxy` use: a large
+/// idle pool (one connection per request in flight is kept), a 10 s connect
+/// timeout.
 pub fn client() -> Result<reqwest::Client> {
     reqwest::Client::builder()
         .pool_max_idle_per_host(1024)

@@ -1,7 +1,19 @@
 //! kvroute's load generation and measurement, used by `kvroute bench` and
 //! `kvroute demo`: seeded workloads sent at any OpenAI-compatible endpoint,
 //! or through the oracle, in open or closed loop, summarised per routing
-//! policy.
+//! policy; the demo that compares policies on a mock fleet; and the
+//! benchmarks of kvroute's own parts.
+//!
+//! | entry point | what it runs |
+//! | --- | --- |
+//! | [`measure`] / [`run`] | one workload against one endpoint ([`driver`]) |
+//! | [`demo::run`] | a mock fleet, a router per policy and the oracle |
+//! | [`bench::index::run`], [`bench::ingest::run`], [`bench::proxy::run`] | the index alone, ingest from mock publishers, the router as a child process |
+//!
+//! Inside: [`workload`] (the traffic, [`image`] for its PNGs), [`driver`]
+//! (arrivals, bounds, samples), the oracle, [`stats`] (every percentile),
+//! [`report`] and [`plot`], [`trace`] (the index bench's synthetic events).
+//! No clap: the binary turns its flags into these config structs.
 //!
 //! ```ignore
 //! let options = LoadOptions {

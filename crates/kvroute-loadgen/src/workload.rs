@@ -316,7 +316,9 @@ fn word(id: u32, out: &mut String) {
     }
 }
 
-/// Ids rendered as words (see [`word`]).
+/// Ids rendered as words, each a space and four lowercase letters (one
+/// token for the mocker's built-in tokenizer); ids below 26⁴ give distinct
+/// words, so equal id prefixes render to equal text prefixes.
 pub fn render_words(ids: &[u32]) -> String {
     let mut s = String::with_capacity(ids.len() * 5);
     for &id in ids {

@@ -193,7 +193,7 @@ struct ProxyArgs {
         default_value = "builtin",
         requires = "text"
     )]
-    tokenizer: kvroute_loadgen::bench::proxy::TokenizerSource,
+    tokenizer: proxy::TokenizerSource,
     /// Divides the engines' simulated time (large: measure the router, not the engine).
     #[arg(long, default_value_t = 10_000.0)]
     speedup: f64,

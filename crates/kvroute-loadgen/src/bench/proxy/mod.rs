@@ -177,10 +177,7 @@ impl Bench {
             tokio::task::spawn_blocking(move || RouterProcess::spawn(&exe, &specs, &router_flags))
                 .await
                 .map_err(|e| Error::Unexpected(format!("starting the router: {e}")))??;
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(1024)
-            .build()
-            .map_err(Error::http("building the HTTP client"))?;
+        let client = crate::driver::client()?;
         wait_until_connected(&client, &router.url, Duration::from_secs(20)).await?;
         let direct = fleet
             .workers()
