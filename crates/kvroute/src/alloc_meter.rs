@@ -1,6 +1,7 @@
 //! A global allocator that keeps a running total of live heap bytes, so
 //! benchmarks can report measured memory (bytes per index residency) rather
-//! than estimates. The cost is one relaxed atomic add per allocation.
+//! than estimates. The cost is one relaxed atomic add per allocation, which
+//! is why it is only compiled with the `alloc-meter` feature.
 #![allow(unsafe_code)]
 
 use std::alloc::{GlobalAlloc, Layout, System};

@@ -4,12 +4,28 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+#[cfg(feature = "alloc-meter")]
 mod alloc_meter;
 mod cmd;
 
-/// Counts live heap bytes, so `kvroute bench` reports measured memory.
+// The process's global allocator, chosen here and nowhere else. By default
+// the system allocator; `--features alloc-meter` swaps in one that counts
+// live heap bytes (one atomic update per allocation) so that `kvroute bench
+// index` can report measured memory. Never build the router with it.
+#[cfg(not(feature = "alloc-meter"))]
+#[global_allocator]
+static ALLOCATOR: std::alloc::System = std::alloc::System;
+#[cfg(feature = "alloc-meter")]
 #[global_allocator]
 static ALLOCATOR: alloc_meter::MeteredAlloc = alloc_meter::MeteredAlloc;
+
+/// The live heap bytes of this process, when the allocator above counts them.
+pub fn heap_meter() -> Option<fn() -> usize> {
+    #[cfg(feature = "alloc-meter")]
+    return Some(alloc_meter::live_bytes);
+    #[cfg(not(feature = "alloc-meter"))]
+    return None;
+}
 
 /// kvroute: a KV-cache-aware router for LLM inference fleets.
 #[derive(Debug, Parser)]

@@ -185,6 +185,12 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         .with_max_level(args.log)
         .with_writer(std::io::stderr)
         .init();
+    if crate::heap_meter().is_some() {
+        tracing::warn!(
+            "this kvroute was built with --features alloc-meter: every allocation \
+             updates a shared counter; build without it to serve"
+        );
+    }
     let mut workers: Vec<WorkerSpec> = Vec::new();
     for text in &args.workers {
         let spec =
@@ -221,6 +227,8 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
+        // The bound address, so that `--port 0` tells its caller the port.
+        let addr = listener.local_addr().context("the listening address")?;
         eprintln!(
             "kvroute serve: listening on http://{addr} with {} worker(s)",
             workers.len()

@@ -1,6 +1,5 @@
-//! Plain HTTP/1.1 over a socket for end-to-end tests: no client library
-//! between the test and the server's bytes (included with `#[path]`).
-#![allow(dead_code)]
+//! Plain HTTP/1.1 over a socket: no client library between the test and the
+//! server's bytes.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -27,29 +26,59 @@ impl Reply {
             .find_map(|l| l.strip_prefix(&prefix).map(|v| v.trim().to_owned()))
     }
 
-    /// The body's JSON object (around any SSE framing).
+    /// The body's JSON object (around any SSE or chunked framing).
     pub fn json(&self) -> Value {
-        let start = self.body.find('{').expect("a JSON object");
-        let end = self.body.rfind('}').expect("a JSON object");
-        serde_json::from_str(&self.body[start..=end]).expect("valid JSON")
+        json_in(&self.body)
     }
 }
 
-pub fn send(host_port: &str, method: &str, path: &str, body: &str) -> TcpStream {
+/// The JSON object in `raw`: the part between its outer braces (bodies may
+/// be chunked or framed as SSE).
+pub fn json_in(raw: &str) -> Value {
+    let start = raw.find('{').expect("a JSON object");
+    let end = raw.rfind('}').expect("a JSON object");
+    serde_json::from_str(&raw[start..=end]).expect("valid JSON")
+}
+
+/// Opens a connection and writes one request with `headers` (`Connection:
+/// close`); the socket is the caller's to read.
+pub fn send_with(
+    host_port: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> TcpStream {
     let mut s = TcpStream::connect(host_port).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(30)))
         .expect("timeout");
+    let extra: String = headers
+        .iter()
+        .map(|(name, value)| format!("{name}: {value}\r\n"))
+        .collect();
     // A refused oversized body may not be read in full: write errors are the server's answer.
     let _ = write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
         body.len()
     );
     s
 }
 
-pub fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
-    let mut s = send(host_port, method, path, body);
+/// [`send_with`] without extra headers.
+pub fn send(host_port: &str, method: &str, path: &str, body: &str) -> TcpStream {
+    send_with(host_port, method, path, &[], body)
+}
+
+/// One request with `headers`, read to the end.
+pub fn request_with(
+    host_port: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) -> Reply {
+    let mut s = send_with(host_port, method, path, headers, body);
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
     let out = String::from_utf8_lossy(&raw).into_owned();
@@ -62,22 +91,7 @@ pub fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
     }
 }
 
-/// [`super::fleet::spawn_serve`], then waits until every worker's every rank
-/// is connected.
-pub fn start_serve(lines: &[String], extra: &[&str]) -> (super::fleet::Proc, String) {
-    let (proc, serve) = super::fleet::spawn_serve(lines, extra);
-    let expected = lines.len();
-    super::fleet::eventually("serve up with every rank connected", || {
-        TcpStream::connect(&serve).is_ok() && {
-            let doc = request(&serve, "GET", "/workers", "").json();
-            let list = doc["workers"].as_array().cloned().unwrap_or_default();
-            list.len() == expected
-                && list.iter().all(|w| {
-                    w["ranks"]
-                        .as_array()
-                        .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
-                })
-        }
-    });
-    (proc, serve)
+/// One request, read to the end.
+pub fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
+    request_with(host_port, method, path, &[], body)
 }

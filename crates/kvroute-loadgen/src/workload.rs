@@ -57,7 +57,7 @@ pub mod sizes {
 }
 
 /// Which traffic to generate (see the module documentation for sizes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum WorkloadKind {
     /// `groups` long system prompts shared by many requests, each with a unique question.
@@ -73,6 +73,15 @@ pub enum WorkloadKind {
 }
 
 impl WorkloadKind {
+    /// Every workload, in the order `--help` lists them.
+    pub const ALL: [WorkloadKind; 5] = [
+        WorkloadKind::SharedPrefix,
+        WorkloadKind::MultiTurn,
+        WorkloadKind::LongDoc,
+        WorkloadKind::Images,
+        WorkloadKind::Random,
+    ];
+
     /// The command-line name (`shared-prefix`, …).
     pub fn name(self) -> &'static str {
         match self {
@@ -82,6 +91,30 @@ impl WorkloadKind {
             WorkloadKind::Images => "images",
             WorkloadKind::Random => "random",
         }
+    }
+}
+
+impl std::fmt::Display for WorkloadKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for WorkloadKind {
+    type Err = crate::Error;
+
+    /// Parses a command-line name ([`WorkloadKind::name`]).
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        WorkloadKind::ALL
+            .into_iter()
+            .find(|k| k.name() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = WorkloadKind::ALL.iter().map(|k| k.name()).collect();
+                crate::Error::Invalid(format!(
+                    "unknown workload `{s}` (expected one of {})",
+                    names.join(", ")
+                ))
+            })
     }
 }
 
@@ -121,6 +154,28 @@ pub type RenderFn = dyn Fn(&[u32]) -> String + Send + Sync;
 /// Token ids to prompt text, e.g. a Hugging Face tokenizer's decoding.
 #[derive(Clone)]
 pub struct TextRenderer(pub std::sync::Arc<RenderFn>);
+
+impl TextRenderer {
+    /// Prompts as the text the tokenizer in `path` (a Hugging Face
+    /// `tokenizer.json`) decodes the workload's ids to.
+    pub fn from_tokenizer_file(path: &std::path::Path) -> crate::Result<TextRenderer> {
+        let tokenizer = kvroute_prompt::Tokenizer::from_file(path).map_err(|source| {
+            crate::Error::Tokenizer {
+                path: path.to_owned(),
+                source,
+            }
+        })?;
+        if tokenizer.decode(&[0]).is_none() {
+            return Err(crate::Error::Invalid(format!(
+                "the tokenizer {} cannot decode token ids",
+                path.display()
+            )));
+        }
+        Ok(TextRenderer(std::sync::Arc::new(move |ids: &[u32]| {
+            tokenizer.decode(ids).unwrap_or_default()
+        })))
+    }
+}
 
 impl std::fmt::Debug for TextRenderer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -260,7 +315,9 @@ fn word(id: u32, out: &mut String) {
     }
 }
 
-/// Ids rendered as words (see [`word`]).
+/// Ids rendered as words, each a space and four lowercase letters (one
+/// token for the mocker's built-in tokenizer); ids below 26⁴ give distinct
+/// words, so equal id prefixes render to equal text prefixes.
 pub fn render_words(ids: &[u32]) -> String {
     let mut s = String::with_capacity(ids.len() * 5);
     for &id in ids {
@@ -339,7 +396,7 @@ impl Workload {
             WorkloadKind::Images => {
                 for i in 0..groups {
                     let mut rng = SplitMix64::new(mix(seed, 2_000 + i as u64));
-                    images.push(image_data_url(&mut rng, sizes::IMAGE_SIDE));
+                    images.push(crate::image::png_data_url(&mut rng, sizes::IMAGE_SIDE));
                 }
             }
             WorkloadKind::Random => {}
@@ -513,93 +570,6 @@ impl Workload {
             conversation: None,
         }
     }
-}
-
-/// A valid PNG (8-bit RGB, `side`×`side` random pixels, stored deflate
-/// blocks) as a `data:image/png;base64,` URL: real engines can decode it, and
-/// distinct seeds give distinct images.
-pub fn image_data_url(rng: &mut SplitMix64, side: usize) -> String {
-    let side = side.clamp(1, 128);
-    let mut raw = Vec::with_capacity(side * (side * 3 + 1));
-    for _ in 0..side {
-        // Each row: filter type 0 (none), then its RGB bytes.
-        raw.extend(std::iter::once(0).chain((0..side * 3).map(|_| (rng.next_u64() >> 56) as u8)));
-    }
-    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
-    let mut ihdr = Vec::new();
-    ihdr.extend_from_slice(&(side as u32).to_be_bytes());
-    ihdr.extend_from_slice(&(side as u32).to_be_bytes());
-    ihdr.extend_from_slice(&[8, 2, 0, 0, 0]);
-    png_chunk(&mut png, b"IHDR", &ihdr);
-    // zlib stream of stored blocks (≤ 65,535 bytes each).
-    let mut z = vec![0x78, 0x01];
-    let mut chunks = raw.chunks(65_535).peekable();
-    while let Some(block) = chunks.next() {
-        z.push(u8::from(chunks.peek().is_none()));
-        let len = block.len() as u16;
-        z.extend_from_slice(&len.to_le_bytes());
-        z.extend_from_slice(&(!len).to_le_bytes());
-        z.extend_from_slice(block);
-    }
-    z.extend_from_slice(&adler32(&raw).to_be_bytes());
-    png_chunk(&mut png, b"IDAT", &z);
-    png_chunk(&mut png, b"IEND", &[]);
-    format!("data:image/png;base64,{}", base64(&png))
-}
-
-fn png_chunk(out: &mut Vec<u8>, kind: &[u8; 4], data: &[u8]) {
-    out.extend_from_slice(&(data.len() as u32).to_be_bytes());
-    let start = out.len();
-    out.extend_from_slice(kind);
-    out.extend_from_slice(data);
-    let crc = crc32(&out[start..]);
-    out.extend_from_slice(&crc.to_be_bytes());
-}
-
-fn crc32(bytes: &[u8]) -> u32 {
-    let mut crc = 0xFFFF_FFFFu32;
-    for &b in bytes {
-        crc ^= u32::from(b);
-        for _ in 0..8 {
-            crc = if crc & 1 == 1 {
-                (crc >> 1) ^ 0xEDB8_8320
-            } else {
-                crc >> 1
-            };
-        }
-    }
-    !crc
-}
-
-fn adler32(bytes: &[u8]) -> u32 {
-    let (mut a, mut b) = (1u32, 0u32);
-    for &x in bytes {
-        a = (a + u32::from(x)) % 65_521;
-        b = (b + a) % 65_521;
-    }
-    (b << 16) | a
-}
-
-/// Standard base64 with padding.
-pub fn base64(bytes: &[u8]) -> String {
-    const ALPHABET: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-    let mut out = String::with_capacity(bytes.len().div_ceil(3) * 4);
-    for chunk in bytes.chunks(3) {
-        let b = [
-            chunk[0],
-            chunk.get(1).copied().unwrap_or(0),
-            chunk.get(2).copied().unwrap_or(0),
-        ];
-        let n = u32::from(b[0]) << 16 | u32::from(b[1]) << 8 | u32::from(b[2]);
-        for i in 0..4 {
-            if i <= chunk.len() {
-                out.push(char::from(ALPHABET[(n >> (18 - 6 * i) & 63) as usize]));
-            } else {
-                out.push('=');
-            }
-        }
-    }
-    out
 }
 
 #[cfg(test)]
@@ -795,14 +765,16 @@ mod tests {
     }
 
     #[test]
-    fn base64_and_png_checksums_match_known_values() {
-        assert_eq!(base64(b""), "");
-        assert_eq!(base64(b"f"), "Zg==");
-        assert_eq!(base64(b"fo"), "Zm8=");
-        assert_eq!(base64(b"foo"), "Zm9v");
-        assert_eq!(base64(b"hello"), "aGVsbG8=");
-        assert_eq!(crc32(b"IEND"), 0xAE42_6082);
-        assert_eq!(adler32(b"Wikipedia"), 0x11E6_0398);
+    fn workload_names_parse_back_and_unknown_ones_are_listed() {
+        for kind in WorkloadKind::ALL {
+            assert_eq!(kind.name().parse::<WorkloadKind>().ok(), Some(kind));
+            assert_eq!(kind.to_string(), kind.name());
+        }
+        let err = "shared".parse::<WorkloadKind>().expect_err("unknown");
+        assert!(
+            err.to_string().contains("shared-prefix, multi-turn"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -8,18 +8,13 @@
 
 use serde_json::{json, Value};
 
-#[path = "support/fleet.rs"]
-mod fleet;
-use fleet::*;
+use crate::support::http::*;
+use crate::support::*;
 
 /// Positions per image on both sides (mocker and router): long spans make the
 /// one block every repeat recomputes (the last prompt token) a small share.
 const MM_TOKENS: &str = "512";
 const BLOCK_SIZE: u64 = 16;
-
-#[path = "support/http.rs"]
-mod http;
-use http::*;
 
 /// Sum of a counter over all its label sets.
 fn metric_sum(serve: &str, name: &str) -> u64 {

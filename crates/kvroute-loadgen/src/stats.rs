@@ -1,9 +1,13 @@
-//! The load generator's statistics: percentiles and Poisson arrivals.
+//! Every statistic kvroute's measurements report: percentiles, medians,
+//! maxima, and the Poisson arrivals of open-loop runs.
 //!
 //! Percentiles use the nearest-rank definition: the p-th percentile of n
 //! sorted samples is the sample at rank `ceil(p/100 · n)` (1-based), so every
 //! reported value is one that was measured, and p100 is the maximum. An empty
 //! sample set gives 0 (the report's `requests` then says there was nothing).
+//! With fewer than `1 / (1 - p/100)` samples the p-th percentile *is* the
+//! maximum; [`resolved_percentile`] says so by returning `None`, for reports
+//! that must not print a maximum under a percentile's name.
 
 use kvroute_core::rng::SplitMix64;
 use serde::Serialize;
@@ -22,9 +26,32 @@ pub fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[rank.min(n) - 1]
 }
 
+/// [`percentile`] when `sorted` has enough samples for it to differ from
+/// the maximum (rank below n); `None` otherwise.
+pub fn resolved_percentile(sorted: &[f64], q: f64) -> Option<f64> {
+    let n = sorted.len() as f64;
+    ((q * n - 1e-9).ceil() < n).then(|| percentile(sorted, q))
+}
+
+/// The median ([`percentile`] 0.5) of `sorted`; 0 when empty.
+pub fn median(sorted: &[f64]) -> f64 {
+    percentile(sorted, 0.5)
+}
+
+/// The largest of `sorted` (its last sample); 0 when empty.
+pub fn max(sorted: &[f64]) -> f64 {
+    sorted.last().copied().unwrap_or(0.0)
+}
+
 /// Sorts samples ascending (NaNs last) so [`percentile`] can read them.
 pub fn sort_samples(samples: &mut [f64]) {
     samples.sort_by(f64::total_cmp);
+}
+
+/// `samples`, sorted ascending (see [`sort_samples`]).
+pub fn sorted(mut samples: Vec<f64>) -> Vec<f64> {
+    sort_samples(&mut samples);
+    samples
 }
 
 /// p50, p90 and p99 of a distribution (time to first token), in the report's units.
@@ -155,10 +182,29 @@ mod tests {
     }
 
     #[test]
+    fn medians_maxima_and_percentiles_that_would_only_be_the_maximum() {
+        let ten: Vec<f64> = (1..=10).map(f64::from).collect();
+        assert_eq!(median(&ten), 5.0);
+        assert_eq!(median(&[3.0, 7.0, 9.0]), 7.0);
+        assert_eq!(max(&ten), 10.0);
+        assert_eq!((median(&[]), max(&[])), (0.0, 0.0));
+        // p90 of 10 samples is the 9th; p99 of 10 would be the 10th, the maximum.
+        assert_eq!(resolved_percentile(&ten, 0.9), Some(9.0));
+        assert_eq!(resolved_percentile(&ten, 0.99), None);
+        let hundred: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(resolved_percentile(&hundred, 0.99), Some(99.0));
+        assert_eq!(resolved_percentile(&hundred, 0.999), None);
+        let thousand: Vec<f64> = (1..=1000).map(f64::from).collect();
+        assert_eq!(resolved_percentile(&thousand, 0.999), Some(999.0));
+        assert_eq!(resolved_percentile(&[], 0.5), None);
+    }
+
+    #[test]
     fn sorting_puts_samples_in_order() {
         let mut v = vec![3.0, 1.0, 2.0];
         sort_samples(&mut v);
         assert_eq!(v, [1.0, 2.0, 3.0]);
+        assert_eq!(sorted(vec![2.0, f64::NAN, -1.0])[..2], [-1.0, 2.0]);
     }
 
     #[test]

@@ -1,9 +1,10 @@
 //! `kvroute bench`: measurements that all come from one tool.
 //!
 //! With a subcommand it measures one of kvroute's parts (`index`, `ingest`,
-//! `proxy`); without one it is the load generator ([`load`]): a seeded
-//! workload sent at any OpenAI-compatible endpoint (kvroute, one engine,
-//! another router) or through the oracle, so policies compare side by side.
+//! `proxy`); without one it is the load generator: a seeded workload sent at
+//! any OpenAI-compatible endpoint (kvroute, one engine, another router) or
+//! through the oracle, so policies compare side by side. The measurements
+//! live in `kvroute-loadgen`; this module turns flags into its configs.
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -12,12 +13,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-
-pub mod index;
-pub mod ingest;
-pub mod load;
-pub mod proxy;
-pub mod trace;
+use kvroute_core::event::WorkerFlavor;
+use kvroute_loadgen as load;
+use kvroute_loadgen::bench::{self, index, ingest, proxy};
 
 /// Arguments of `kvroute bench`.
 #[derive(Debug, Args)]
@@ -33,11 +31,11 @@ pub struct BenchArgs {
 #[derive(Debug, Subcommand)]
 enum BenchCommand {
     /// The prefix index alone: apply throughput, lookup latency, memory, snapshots.
-    Index(index::IndexBenchArgs),
+    Index(IndexArgs),
     /// Sustained ingest: mock engines' publishers → ZeroMQ → decoder → index.
-    Ingest(ingest::IngestBenchArgs),
+    Ingest(IngestArgs),
     /// Latency `kvroute serve` adds per request: through the router vs straight to mock engines.
-    Proxy(proxy::ProxyBenchArgs),
+    Proxy(ProxyArgs),
 }
 
 /// The load generator's flags (`kvroute bench` without a subcommand).
@@ -52,7 +50,7 @@ struct LoadArgs {
     #[arg(long, value_name = "URL", value_delimiter = ',')]
     oracle: Vec<String>,
     /// The traffic.
-    #[arg(long, value_enum, default_value = "shared-prefix")]
+    #[arg(long, default_value = "shared-prefix", value_parser = workload_parser())]
     workload: load::WorkloadKind,
     /// Requests to send (0: until --duration-secs is up).
     #[arg(long, default_value_t = 200)]
@@ -112,29 +110,211 @@ struct LoadArgs {
     no_progress: bool,
 }
 
+/// Arguments of `kvroute bench index`.
+#[derive(Debug, Args)]
+struct IndexArgs {
+    /// Workers in the simulated fleet.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    workers: u32,
+    /// Resident (block, worker) entries the index holds once every cache is full.
+    #[arg(long, default_value_t = 1_000_000)]
+    blocks: u64,
+    /// A tenth of the size and fewer queries (under 30 s).
+    #[arg(long)]
+    quick: bool,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Seed of the trace.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Blocks per lookup query.
+    #[arg(long, default_value_t = 64)]
+    query_blocks: usize,
+}
+
+/// Arguments of `kvroute bench ingest`.
+#[derive(Debug, Args)]
+struct IngestArgs {
+    /// Simulated workers (one publisher and one ingest thread each).
+    #[arg(long, default_value_t = 4)]
+    workers: u32,
+    /// Batches each worker publishes.
+    #[arg(long, default_value_t = 5_000)]
+    batches: u64,
+    /// Events per batch (stored events, every other one followed by a removal).
+    #[arg(long, default_value_t = 8)]
+    events_per_batch: u64,
+    /// Blocks per stored event.
+    #[arg(long, default_value_t = 4)]
+    blocks_per_event: u64,
+    /// Tokens per block.
+    #[arg(long, default_value_t = 16)]
+    block_size: u32,
+    /// Wire format of the publishers: vllm or sglang.
+    #[arg(long, default_value_t = WorkerFlavor::Vllm)]
+    flavor: WorkerFlavor,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Arguments of `kvroute bench proxy`.
+#[derive(Debug, Args)]
+struct ProxyArgs {
+    /// Mock engines behind the router.
+    #[arg(long, default_value_t = 2)]
+    workers: u16,
+    /// Requests per phase (direct, then through the router), at each concurrency.
+    #[arg(long, default_value_t = 20_000)]
+    requests: u64,
+    /// Requests in flight at once; a list (`1,8,32`) runs each in turn.
+    #[arg(long, default_value = "16", value_delimiter = ',')]
+    concurrency: Vec<u64>,
+    /// Target requests per second (open loop, latency measured from each
+    /// request's scheduled start); 0: closed loop, as fast as possible.
+    #[arg(long, default_value_t = 0.0)]
+    rate: f64,
+    /// Prompt tokens per request (a shared prefix of half, then a unique suffix).
+    #[arg(long, default_value_t = 256, conflicts_with = "text")]
+    prompt_tokens: u32,
+    /// Text prompts instead of token ids, tokenized by the router and the
+    /// engines with `--tokenizer`.
+    #[arg(long)]
+    text: bool,
+    /// `--text`: words per prompt (half shared by one request in 8, half unique).
+    #[arg(long, default_value_t = 512, requires = "text")]
+    prompt_words: u32,
+    /// `--text`: a Hugging Face `tokenizer.json`, or `builtin` for the
+    /// mocker's built-in tokenizer; given to the router and the engines.
+    #[arg(
+        long,
+        value_name = "FILE|builtin",
+        default_value = "builtin",
+        requires = "text"
+    )]
+    tokenizer: proxy::TokenizerSource,
+    /// Divides the engines' simulated time (large: measure the router, not the engine).
+    #[arg(long, default_value_t = 10_000.0)]
+    speedup: f64,
+    /// Print one JSON object per concurrency (one per line) instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Alternate the two paths request by request (each task sends one
+    /// request straight to an engine, then one through the router) instead of
+    /// running all direct requests before all routed ones, so that drift in
+    /// the machine's speed weighs on both alike. Closed loop only.
+    #[arg(long)]
+    interleave: bool,
+}
+
 /// Runs the chosen benchmark, or the load generator without a subcommand.
 pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     match &args.what {
-        Some(BenchCommand::Index(a)) => index::run(a),
-        Some(BenchCommand::Ingest(a)) => ingest::run(a),
-        Some(BenchCommand::Proxy(a)) => proxy::run(a),
+        Some(BenchCommand::Index(a)) => run_index(a),
+        Some(BenchCommand::Ingest(a)) => run_ingest(a),
+        Some(BenchCommand::Proxy(a)) => run_proxy(a),
         None => run_load(&args.load),
     }
 }
 
-/// The load options a command line asks for.
-/// Prompts as the text a tokenizer decodes the workload's ids to.
-fn text_renderer(path: &std::path::Path) -> Result<load::TextRenderer> {
-    let tokenizer = kvroute_prompt::Tokenizer::from_file(path)
-        .with_context(|| format!("--tokenizer {}", path.display()))?;
-    if tokenizer.decode(&[0]).is_none() {
-        bail!("--tokenizer {}: cannot decode token ids", path.display());
+/// Prints a flat report as JSON or as aligned lines.
+fn print_flat(report: &serde_json::Value, json: bool, width: usize) {
+    if json {
+        println!("{report}");
+    } else {
+        print!("{}", bench::key_value_lines(report, width));
     }
-    Ok(load::TextRenderer(std::sync::Arc::new(
-        move |ids: &[u32]| tokenizer.decode(ids).unwrap_or_default(),
-    )))
 }
 
+fn run_index(a: &IndexArgs) -> Result<ExitCode> {
+    let config = index::IndexBenchConfig {
+        workers: a.workers,
+        residencies: if a.quick {
+            (a.blocks / 10).max(1_000)
+        } else {
+            a.blocks
+        },
+        queries: if a.quick { 20_000 } else { 100_000 },
+        query_blocks: a.query_blocks,
+        seed: a.seed,
+        heap_meter: crate::heap_meter(),
+    };
+    if config.heap_meter.is_none() {
+        eprintln!(
+            "[bench index] bytes_per_residency needs a heap-counting build: \
+             cargo build --release -p kvroute --features alloc-meter \
+             (estimated_heap_bytes_per_residency, from table capacities, is reported either way)"
+        );
+    }
+    print_flat(&index::run(&config)?, a.json, 40);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_ingest(a: &IngestArgs) -> Result<ExitCode> {
+    let config = ingest::IngestBenchConfig {
+        workers: a.workers,
+        batches: a.batches,
+        events_per_batch: a.events_per_batch,
+        blocks_per_event: a.blocks_per_event,
+        block_size: a.block_size,
+        flavor: a.flavor,
+    };
+    print_flat(&ingest::run(&config)?, a.json, 24);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_proxy(a: &ProxyArgs) -> Result<ExitCode> {
+    if crate::heap_meter().is_some() {
+        bail!(
+            "this kvroute counts every allocation (built with --features alloc-meter), \
+             which would weigh on the router it measures: build without the feature"
+        );
+    }
+    if a.concurrency.iter().any(|&c| c == 0 || a.requests < c) {
+        bail!("--requests must be at least every --concurrency (≥ 1)");
+    }
+    if a.interleave && a.rate > 0.0 {
+        bail!("--interleave runs a closed loop; leave out --rate");
+    }
+    let config = proxy::ProxyBenchConfig {
+        router_exe: std::env::current_exe().context("the path of this kvroute executable")?,
+        workers: a.workers,
+        requests: a.requests,
+        concurrency: a.concurrency.clone(),
+        rate: a.rate,
+        prompt: if a.text {
+            proxy::Prompt::Text {
+                words: a.prompt_words,
+                tokenizer: a.tokenizer.clone(),
+            }
+        } else {
+            proxy::Prompt::TokenIds {
+                tokens: a.prompt_tokens,
+            }
+        },
+        speedup: a.speedup,
+        interleave: a.interleave,
+    };
+    let report = super::runtime()?.block_on(proxy::run(&config))?;
+    if a.json {
+        for run in report.to_json() {
+            println!("{run}");
+        }
+    } else {
+        print!("{report}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--workload`: the load generator's names, listed in `--help`.
+pub fn workload_parser() -> impl clap::builder::TypedValueParser<Value = load::WorkloadKind> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(load::WorkloadKind::ALL.map(load::WorkloadKind::name))
+        .try_map(|s| s.parse::<load::WorkloadKind>())
+}
+
+/// The load options a command line asks for.
 fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
     if !(a.scale.is_finite() && a.scale > 0.0) {
         bail!("--scale must be a positive number");
@@ -187,7 +367,10 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             question_tokens: a.question_tokens,
             text_renderer: match &a.tokenizer {
                 None => None,
-                Some(path) => Some(text_renderer(path)?),
+                Some(path) => Some(
+                    load::TextRenderer::from_tokenizer_file(path)
+                        .with_context(|| format!("--tokenizer {}", path.display()))?,
+                ),
             },
         },
         arrival,
@@ -201,23 +384,16 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
 
 fn run_load(a: &LoadArgs) -> Result<ExitCode> {
     let (endpoint, options) = load_options(a)?;
-    crate::cmd::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
-    let runtime = crate::cmd::runtime()?;
-    let policy = runtime.block_on(async {
-        let client = reqwest::Client::builder()
-            .pool_max_idle_per_host(1024)
-            .connect_timeout(Duration::from_secs(10))
-            .build()
-            .context("building the HTTP client")?;
-        load::run(&client, &endpoint, &options).await
-    })?;
-    let mut report = load::Report::new(options.workload.describe());
-    let all_failed = policy.requests > 0 && policy.failed == policy.requests;
-    report.push(options.label.clone(), policy);
+    super::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
+    let runtime = super::runtime()?;
+    let report = runtime.block_on(load::measure(&endpoint, &options))?;
+    let all_failed = report
+        .get(&options.label)
+        .is_some_and(|p| p.requests > 0 && p.failed == p.requests);
     if a.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        load::print_table(&report);
+        print!("{}", load::table(&report));
     }
     if let Some(path) = &a.plot {
         load::write_svg_plot(path, &report)?;

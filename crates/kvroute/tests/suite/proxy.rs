@@ -5,19 +5,11 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
 
 use serde_json::json;
 
-#[path = "support/fleet.rs"]
-mod fleet;
-use fleet::*;
-
-#[path = "support/http.rs"]
-mod http;
-use http::*;
+use crate::support::http::*;
+use crate::support::*;
 
 /// Sends a streaming request and reads until the first `data:` chunk; the
 /// stream stays open while the returned socket lives.
@@ -418,24 +410,7 @@ fn approx_routing_learns_from_its_own_decisions_without_events() {
                 .join(",")
         })
         .collect();
-    let port = free_port();
-    let port_arg = port.to_string();
-    let mut args = vec![
-        "serve", "--port", &port_arg, "--log", "error", "--policy", "approx",
-    ];
-    for line in &lines {
-        args.push("--worker");
-        args.push(line);
-    }
-    let _serve = Proc(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args(&args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("kvroute serve runs"),
-    );
-    let serve = format!("127.0.0.1:{port}");
+    let (_serve, serve) = spawn_serve(&lines, &["--policy", "approx"]);
     eventually("serve up with both workers", || {
         TcpStream::connect(&serve).is_ok()
             && request(&serve, "GET", "/workers", "").json()["workers"]
@@ -492,42 +467,23 @@ fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
     )
     .expect("write the config");
     let path_arg = path.to_str().expect("utf-8 path").to_owned();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "mocker",
+    let (_mocker, lines) = spawn_mocker(
+        &[
             "--workers",
             "2",
             "--port",
             "0",
             "--tokenizer",
             &path_arg,
-        ])
-        .args([
             "--kv-events-port",
             "0",
             "--replay-port",
             "0",
             "--speedup",
             "100",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute mocker runs");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
-    let _mocker = Proc(child);
-    let lines: Vec<String> = (0..2)
-        .map(|_| {
-            rx.recv_timeout(Duration::from_secs(30))
-                .expect("a worker line")
-        })
-        .collect();
+        ],
+        2,
+    );
     let (_serve, serve) = start_serve(&lines, &["--tokenizer", &path_arg]);
     let words =
         |range: std::ops::Range<u32>| range.map(|i| format!("t{i}")).collect::<Vec<_>>().join(" ");

@@ -2,17 +2,14 @@
 //! events flow from the engines into the index, `/workers` shows them, and the
 //! admin endpoints register and unregister workers behind a bearer token.
 
-use std::io::{Read, Write};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
-use std::time::Duration;
 
 use serde_json::Value;
 
-#[path = "support/fleet.rs"]
-mod fleet;
-use fleet::*;
+use crate::support::http::{json_in as json_body, request_with};
+use crate::support::*;
 
+/// One request, with a bearer `token` if given: its status and body.
 fn request(
     host_port: &str,
     method: &str,
@@ -20,34 +17,10 @@ fn request(
     body: Option<&str>,
     token: Option<&str>,
 ) -> (u16, String) {
-    let mut s = TcpStream::connect(host_port).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    let body = body.unwrap_or("");
-    let auth = token
-        .map(|t| format!("Authorization: Bearer {t}\r\n"))
-        .unwrap_or_default();
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{auth}Connection: close\r\n\r\n{body}",
-        body.len()
-    )
-    .expect("write");
-    let mut out = String::new();
-    s.read_to_string(&mut out).expect("read");
-    let status = out.get(9..12).and_then(|c| c.parse().ok()).unwrap_or(0);
-    let body = out
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    (status, body)
-}
-
-fn json_body(raw: &str) -> Value {
-    // Bodies may be chunked; the JSON object is the part between the outer braces.
-    let start = raw.find('{').expect("a JSON object");
-    let end = raw.rfind('}').expect("a JSON object");
-    serde_json::from_str(&raw[start..=end]).expect("valid JSON")
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+    let r = request_with(host_port, method, path, &headers, body.unwrap_or(""));
+    (r.status, r.body)
 }
 
 fn url_of(line: &str) -> String {
@@ -198,26 +171,8 @@ fn body_with_prompt(first: u32) -> String {
 fn serve_discovers_an_sglang_worker_from_its_server_info() {
     let (_mocker, line) = start_two_rank_mocker("sglang");
     let engine = url_of(&line);
-    let port = free_port();
-    let serve = format!("127.0.0.1:{port}");
-    let port_arg = port.to_string();
     let discover = format!("http://{engine}");
-    let _serve = Proc(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
-            .args([
-                "serve",
-                "--port",
-                &port_arg,
-                "--discover-sglang",
-                &discover,
-                "--log",
-                "warn",
-            ])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("kvroute serve runs"),
-    );
+    let (_serve, serve) = spawn_serve(&[], &["--discover-sglang", &discover]);
     eventually("both discovered ranks connected", || {
         TcpStream::connect(&serve).is_ok() && {
             let (_, body) = request(&serve, "GET", "/workers", None, None);

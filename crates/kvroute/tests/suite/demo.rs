@@ -1,14 +1,14 @@
 //! `kvroute demo --quick` as CI runs it: the real binary, a real mock fleet,
 //! and its report read back from disk.
 
-use std::process::Command;
-
 use serde_json::Value;
+
+use crate::support::kvroute;
 
 fn run_demo(dir: &std::path::Path, extra: &[&str]) -> Value {
     let report = dir.join("demo-report.json");
     let plot = dir.join("demo-report.svg");
-    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+    let out = kvroute()
         .args(["demo", "--quick"])
         .args(extra)
         .arg("--report")

@@ -1,20 +1,14 @@
 //! `kvroute mocker` as a user runs it: the real binary, its `--worker` lines, SIGTERM.
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::TcpStream;
-use std::process::{Command, Stdio};
-use std::sync::mpsc;
-use std::time::Duration;
+use std::io::Read;
+use std::process::Command;
 
+use crate::support::http::send;
+use crate::support::{kvroute, spawn_mocker};
+
+/// The raw answer (status line, headers, body) to `GET path`.
 fn http_get(host_port: &str, path: &str) -> String {
-    let mut s = TcpStream::connect(host_port).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .expect("timeout");
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {host_port}\r\nConnection: close\r\n\r\n"
-    )
-    .expect("write");
+    let mut s = send(host_port, "GET", path, "");
     let mut out = String::new();
     s.read_to_string(&mut out).expect("read");
     out
@@ -22,9 +16,8 @@ fn http_get(host_port: &str, path: &str) -> String {
 
 #[test]
 fn mocker_prints_one_worker_line_per_engine_serves_and_stops_on_sigterm() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args([
-            "mocker",
+    let (mut child, lines) = spawn_mocker(
+        &[
             "--engine-flavor",
             "sglang",
             "--workers",
@@ -39,26 +32,9 @@ fn mocker_prints_one_worker_line_per_engine_serves_and_stops_on_sigterm() {
             "0",
             "--block-size",
             "32",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute runs");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if tx.send(line).is_err() {
-                break;
-            }
-        }
-    });
-    let lines: Vec<String> = (0..2)
-        .map(|_| {
-            rx.recv_timeout(Duration::from_secs(30))
-                .expect("a worker line")
-        })
-        .collect();
+        ],
+        2,
+    );
     for (k, line) in lines.iter().enumerate() {
         let pairs: Vec<(&str, &str)> = line
             .split(',')
@@ -86,19 +62,19 @@ fn mocker_prints_one_worker_line_per_engine_serves_and_stops_on_sigterm() {
         let health = http_get(host_port, "/health");
         assert!(health.starts_with("HTTP/1.1 200"), "{health}");
     }
-    let pid = child.id().to_string();
+    let pid = child.0.id().to_string();
     let killed = Command::new("kill")
         .args(["-TERM", &pid])
         .status()
         .expect("kill runs");
     assert!(killed.success());
-    let status = child.wait().expect("exits");
+    let status = child.0.wait().expect("exits");
     assert!(status.success(), "{status:?}");
 }
 
 #[test]
 fn mocker_rejects_bad_flags_with_exit_code_2() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+    let out = kvroute()
         .args(["mocker", "--fail-rate", "2"])
         .output()
         .expect("kvroute runs");

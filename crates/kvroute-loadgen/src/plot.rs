@@ -1,181 +1,12 @@
-//! Results: one [`PolicyReport`] per routing policy, a [`Report`] of them,
-//! a table on stdout, and an SVG plot.
+//! The SVG plot of a [`Report`]: hit rate per policy, TTFT percentiles per
+//! policy, and every request's TTFT over time with a rolling median line.
 
 use std::fmt::Write as _;
 use std::path::Path;
 
-use anyhow::{Context, Result};
-use serde::ser::SerializeMap;
-use serde::{Serialize, Serializer};
-use serde_json::Value;
-
-use super::stats::{Percentiles2, Percentiles3};
-
-/// What one run of a workload against one policy (endpoint) measured.
-///
-/// Rates are over successful requests; `requests` counts every request
-/// started, `failed` those of them that failed.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct PolicyReport {
-    /// Cached prompt tokens / prompt tokens, from the engines'
-    /// `usage.prompt_tokens_details.cached_tokens`.
-    pub hit_rate: f64,
-    /// Time to first token, ms (from the scheduled start in open loop).
-    pub ttft_ms: Percentiles3,
-    /// Time to the end of the response, ms.
-    pub latency_ms: Percentiles2,
-    /// Generated tokens per second of the whole run.
-    pub output_tokens_per_s: f64,
-    /// Requests started.
-    pub requests: u64,
-    /// Of those, requests that failed (non-2xx, transport error, broken stream).
-    pub failed: u64,
-    /// Prompt tokens of the successful requests.
-    pub prompt_tokens: u64,
-    /// Of those, tokens served from a prefix cache.
-    pub cached_tokens: u64,
-    /// Wall time of the run, s.
-    pub duration_s: f64,
-    /// `images` only: hit rate over text-only chats sent before.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub text_repeat_hit_rate: Option<f64>,
-    /// `images` only: hit rate over requests repeating an image.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub image_repeat_hit_rate: Option<f64>,
-    /// When the target is kvroute: its index's exact predictions of
-    /// `cached_tokens` per compared response during the run.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub index_accuracy: Option<f64>,
-    /// This hit rate / the oracle's, when the report has an `oracle` policy.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub hit_rate_vs_oracle: Option<f64>,
-    /// (s since start, TTFT ms) of every successful request, by start time (for plots).
-    #[serde(skip)]
-    pub timeline: Vec<(f64, f64)>,
-}
-
-/// The policy whose hit rate the others are compared with.
-pub const ORACLE: &str = "oracle";
-
-/// A workload and its results per policy, in the order they ran.
-///
-/// Serializes as `{"workload": {...}, "policies": {"<name>": {...}, ...}}`.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct Report {
-    /// The workload's description ([`super::WorkloadSpec::describe`]).
-    pub workload: Value,
-    /// (policy name, report), in insertion order.
-    #[serde(serialize_with = "as_map")]
-    pub policies: Vec<(String, PolicyReport)>,
-}
-
-fn as_map<S: Serializer>(policies: &[(String, PolicyReport)], s: S) -> Result<S::Ok, S::Error> {
-    let mut map = s.serialize_map(Some(policies.len()))?;
-    for (name, report) in policies {
-        map.serialize_entry(name, report)?;
-    }
-    map.end()
-}
-
-impl Report {
-    /// A report of `workload` with no policy yet.
-    pub fn new(workload: Value) -> Self {
-        Report {
-            workload,
-            policies: Vec::new(),
-        }
-    }
-
-    /// Adds (or replaces) a policy's results, and refreshes every policy's
-    /// `hit_rate_vs_oracle` when an `oracle` policy is present.
-    pub fn push(&mut self, name: impl Into<String>, report: PolicyReport) {
-        let name = name.into();
-        match self.policies.iter_mut().find(|(n, _)| *n == name) {
-            Some(slot) => slot.1 = report,
-            None => self.policies.push((name, report)),
-        }
-        let oracle = self.get(ORACLE).map(|r| r.hit_rate);
-        for (_, r) in &mut self.policies {
-            r.hit_rate_vs_oracle = oracle.filter(|&o| o > 0.0).map(|o| r.hit_rate / o);
-        }
-    }
-
-    /// A policy's results.
-    pub fn get(&self, name: &str) -> Option<&PolicyReport> {
-        self.policies
-            .iter()
-            .find(|(n, _)| n == name)
-            .map(|(_, r)| r)
-    }
-}
-
-fn opt_pct(v: Option<f64>) -> String {
-    v.map_or_else(|| "-".into(), |v| format!("{:.1}%", v * 100.0))
-}
-
-/// The per-policy table, as printed by [`print_table`].
-pub fn table(report: &Report) -> String {
-    let mut out = String::new();
-    let name = report.workload["name"].as_str().unwrap_or("workload");
-    let _ = writeln!(out, "workload {name}: {}", report.workload);
-    let images = report
-        .policies
-        .iter()
-        .any(|(_, r)| r.text_repeat_hit_rate.is_some());
-    let _ = write!(
-        out,
-        "{:<14}{:>8}{:>9}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}",
-        "policy",
-        "hit",
-        "vs orc",
-        "ttft p50",
-        "ttft p90",
-        "ttft p99",
-        "lat p50",
-        "lat p99",
-        "out tok/s",
-        "reqs",
-        "failed",
-        "idx acc"
-    );
-    if images {
-        let _ = write!(out, "{:>9}{:>9}", "txt rep", "img rep");
-    }
-    out.push('\n');
-    for (name, r) in &report.policies {
-        let _ = write!(
-            out,
-            "{name:<14}{:>8}{:>9}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>8}{:>8}{:>9}",
-            format!("{:.1}%", r.hit_rate * 100.0),
-            opt_pct(r.hit_rate_vs_oracle),
-            r.ttft_ms.p50,
-            r.ttft_ms.p90,
-            r.ttft_ms.p99,
-            r.latency_ms.p50,
-            r.latency_ms.p99,
-            r.output_tokens_per_s,
-            r.requests,
-            r.failed,
-            opt_pct(r.index_accuracy),
-        );
-        if images {
-            let _ = write!(
-                out,
-                "{:>9}{:>9}",
-                opt_pct(r.text_repeat_hit_rate),
-                opt_pct(r.image_repeat_hit_rate)
-            );
-        }
-        out.push('\n');
-    }
-    out.push_str("times in ms; hit = cached / prompt tokens; vs orc = hit / the oracle's hit\n");
-    out
-}
-
-/// Prints the per-policy table on stdout.
-pub fn print_table(report: &Report) {
-    print!("{}", table(report));
-}
+use crate::error::{Error, Result};
+use crate::report::Report;
+use crate::stats;
 
 /// Colours of successive policies in plots.
 const COLOURS: [&str; 8] = [
@@ -205,7 +36,7 @@ fn nice_max(v: f64) -> f64 {
         .unwrap_or(10.0 * mag)
 }
 
-/// The plot as SVG text (see [`write_svg_plot`]).
+/// The plot as SVG text (see [`write_svg_plot`]): three panels under a title.
 pub fn svg_plot(report: &Report) -> String {
     let (w, h) = (960.0, 720.0);
     let mut s = String::new();
@@ -221,10 +52,18 @@ pub fn svg_plot(report: &Report) -> String {
         w / 2.0,
         esc(name)
     );
+    hit_rate_panel(&mut s, report);
+    let ymax = ttft_panel(&mut s, report);
+    timeline_panel(&mut s, report, ymax);
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Panel 1: hit rate per policy (x 60..440, y 60..300).
+fn hit_rate_panel(s: &mut String, report: &Report) {
     let n = report.policies.len().max(1) as f64;
-    // Panel 1: hit rate per policy (x 60..440, y 50..300).
     let (x0, x1, y0, y1) = (60.0, 440.0, 60.0, 300.0);
-    axes(&mut s, x0, x1, y0, y1, "hit rate (%)", 100.0);
+    axes(s, x0, x1, y0, y1, "hit rate (%)", 100.0);
     let slot = (x1 - x0) / n;
     for (i, (policy, r)) in report.policies.iter().enumerate() {
         let bh = (r.hit_rate.clamp(0.0, 1.0)) * (y1 - y0);
@@ -251,7 +90,13 @@ pub fn svg_plot(report: &Report) -> String {
             esc(policy)
         );
     }
-    // Panel 2: TTFT p50 / p90 / p99 per policy (x 540..920).
+}
+
+/// Panel 2: TTFT p50 / p90 / p99 per policy (x 540..920); returns the y
+/// axis' top, which the timeline panel shares.
+fn ttft_panel(s: &mut String, report: &Report) -> f64 {
+    let n = report.policies.len().max(1) as f64;
+    let (y0, y1) = (60.0, 300.0);
     let (x0, x1) = (540.0, 920.0);
     let top = report
         .policies
@@ -259,7 +104,7 @@ pub fn svg_plot(report: &Report) -> String {
         .map(|(_, r)| r.ttft_ms.p99)
         .fold(0.0, f64::max);
     let ymax = nice_max(top);
-    axes(&mut s, x0, x1, y0, y1, "TTFT ms (p50, p90, p99)", ymax);
+    axes(s, x0, x1, y0, y1, "TTFT ms (p50, p90, p99)", ymax);
     let slot = (x1 - x0) / n;
     for (i, (policy, r)) in report.policies.iter().enumerate() {
         let colour = COLOURS[i % COLOURS.len()];
@@ -290,7 +135,12 @@ pub fn svg_plot(report: &Report) -> String {
             esc(policy)
         );
     }
-    // Panel 3: TTFT over time (x 60..920, y 380..660).
+    ymax
+}
+
+/// Panel 3: every request's TTFT over time, with a rolling median line per
+/// policy (x 60..920, y 380..660), on the TTFT panel's scale `ymax`.
+fn timeline_panel(s: &mut String, report: &Report, ymax: f64) {
     let (x0, x1, y0, y1) = (60.0, 920.0, 380.0, 660.0);
     let tmax = nice_max(
         report
@@ -300,7 +150,7 @@ pub fn svg_plot(report: &Report) -> String {
             .fold(0.0, f64::max),
     );
     axes(
-        &mut s,
+        s,
         x0,
         x1,
         y0,
@@ -354,8 +204,6 @@ pub fn svg_plot(report: &Report) -> String {
             esc(policy)
         );
     }
-    s.push_str("</svg>\n");
-    s
 }
 
 /// Requests in the rolling median of the TTFT-over-time panel.
@@ -377,8 +225,8 @@ fn rolling_median(timeline: &[(f64, f64)], window: usize) -> Vec<(f64, f64)> {
         let from = (i + 1).saturating_sub(window.max(1));
         buf.clear();
         buf.extend(sorted[from..=i].iter().map(|p| p.1));
-        buf.sort_by(f64::total_cmp);
-        out.push((sorted[i].0, buf[buf.len() / 2]));
+        stats::sort_samples(&mut buf);
+        out.push((sorted[i].0, stats::median(&buf)));
     }
     out
 }
@@ -416,12 +264,14 @@ fn axes(s: &mut String, x0: f64, x1: f64, y0: f64, y1: f64, title: &str, ymax: f
 /// of every request over time (one colour per policy).
 pub fn write_svg_plot(path: &Path, report: &Report) -> Result<()> {
     std::fs::write(path, svg_plot(report))
-        .with_context(|| format!("writing the plot {}", path.display()))
+        .map_err(Error::io(format!("writing the plot {}", path.display())))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::report::{table, PolicyReport};
+    use crate::stats::Percentiles3;
     use serde_json::json;
 
     fn policy(hit: f64) -> PolicyReport {
@@ -436,41 +286,6 @@ mod tests {
             timeline: vec![(0.0, 10.0), (1.5, 30.0)],
             ..PolicyReport::default()
         }
-    }
-
-    #[test]
-    fn the_json_has_the_demo_report_shape_in_insertion_order() {
-        let mut r = Report::new(json!({"name": "shared-prefix"}));
-        r.push("kv", policy(0.45));
-        r.push("round-robin", policy(0.15));
-        r.push(ORACLE, policy(0.5));
-        let v = serde_json::to_value(&r).expect("json");
-        let names: Vec<&String> = v["policies"].as_object().expect("map").keys().collect();
-        assert_eq!(names, ["kv", "round-robin", "oracle"]);
-        let kv = &v["policies"]["kv"];
-        for key in [
-            "hit_rate",
-            "ttft_ms",
-            "latency_ms",
-            "output_tokens_per_s",
-            "requests",
-            "failed",
-        ] {
-            assert!(kv.get(key).is_some(), "{key}");
-        }
-        assert_eq!(
-            kv["ttft_ms"],
-            json!({"p50": 10.0, "p90": 20.0, "p99": 30.0})
-        );
-        assert_eq!(kv["latency_ms"], json!({"p50": 0.0, "p99": 0.0}));
-        assert!((kv["hit_rate_vs_oracle"].as_f64().expect("fraction") - 0.9).abs() < 1e-12);
-        assert!(kv.get("timeline").is_none());
-        assert!(kv.get("text_repeat_hit_rate").is_none());
-        assert!(kv.get("index_accuracy").is_none());
-        // Replacing a policy keeps its place.
-        r.push("kv", policy(0.25));
-        assert_eq!(r.policies[0].0, "kv");
-        assert_eq!(r.get("kv").map(|p| p.hit_rate), Some(0.25));
     }
 
     #[test]

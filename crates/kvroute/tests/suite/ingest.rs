@@ -1,6 +1,7 @@
 //! Ingestion over real ZeroMQ sockets on 127.0.0.1: a publisher in the test
 //! plays the engine (live PUB, replay ROUTER with a ring), kvroute's registry
-//! subscribes, and the index is checked through lookups.
+//! (`kvroute_server`, in this process) subscribes, and the index is checked
+//! through lookups.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -13,6 +14,8 @@ use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank}
 use kvroute_server::ingest::registry::Registry;
 use kvroute_server::ingest::spec::{RankEndpoints, WorkerSpec};
 use kvroute_server::ingest::stream::IngestConfig;
+
+use crate::support::eventually;
 
 const BS: usize = 4;
 
@@ -239,18 +242,6 @@ fn worker(name: &str, ranks: Vec<RankEndpoints>) -> WorkerSpec {
         model: None,
         flavor: Default::default(),
     }
-}
-
-/// Waits (bounded) until `check` holds.
-fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while Instant::now() < deadline {
-        if check() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    panic!("timed out waiting for: {what}");
 }
 
 fn device_depth(index: &SharedIndex, key: WorkerRank, tokens: &[u32]) -> u32 {

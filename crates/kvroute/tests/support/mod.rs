@@ -1,9 +1,12 @@
-//! Starting real `kvroute` processes for end-to-end tests (included with
-//! `#[path]` by each test binary that needs it).
+//! Helpers of the end-to-end suite: the real `kvroute` binary as child
+//! processes (killed when the test ends, pass or fail), free ports, the one
+//! bounded wait, and a raw HTTP/1.1 client ([`http`]).
 #![allow(dead_code)]
 
-use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
+pub mod http;
+
+use std::io::{BufRead, BufReader, Read};
+use std::net::{TcpListener, TcpStream};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
@@ -16,6 +19,11 @@ impl Drop for Proc {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
+}
+
+/// The `kvroute` binary under test, as a command to add arguments to.
+pub fn kvroute() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_kvroute"))
 }
 
 /// A port nothing listens on right now.
@@ -41,35 +49,40 @@ pub fn free_port_pair(avoid: &[u16]) -> u16 {
     }
 }
 
-/// Waits (at most 30 s) until `check` holds.
+/// Waits (at most 30 s, polling every 20 ms) until `check` holds.
 pub fn eventually(what: &str, mut check: impl FnMut() -> bool) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
         if check() {
             return;
         }
-        std::thread::sleep(Duration::from_millis(50));
+        std::thread::sleep(Duration::from_millis(20));
     }
     panic!("timed out waiting for: {what}");
 }
 
+/// The lines of a child's piped output, read on a thread that keeps
+/// draining it (a closed pipe would end the child at its next print).
+fn lines_of(out: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(line);
+        }
+    });
+    rx
+}
+
 /// Runs `kvroute mocker ARGS` and returns it with its first `engines` `--worker` lines.
 pub fn spawn_mocker(args: &[&str], engines: usize) -> (Proc, Vec<String>) {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+    let mut child = kvroute()
         .arg("mocker")
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
         .spawn()
         .expect("kvroute mocker runs");
-    let stdout = child.stdout.take().expect("stdout");
-    let (tx, rx) = mpsc::channel();
-    // Keep draining stdout: a closed pipe would end the engine at its next print.
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            let _ = tx.send(line);
-        }
-    });
+    let rx = lines_of(child.stdout.take().expect("stdout"));
     let child = Proc(child);
     let lines = (0..engines)
         .map(|_| {
@@ -126,22 +139,49 @@ pub fn start_two_rank_mocker(flavor: &str) -> (Proc, String) {
     (child, lines.remove(0))
 }
 
-/// Runs `kvroute serve` on a free port with `--worker` for each of `lines`
-/// and `extra` flags; returns it and its `host:port` (not waited for).
+/// Runs `kvroute serve --port 0` with `--worker` for each of `lines` and
+/// `extra` flags; returns it and the `host:port` of its listening line
+/// (its workers' event streams are not waited for).
 pub fn spawn_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
-    let port = free_port();
-    let port_arg = port.to_string();
-    let mut args = vec!["serve", "--port", &port_arg, "--log", "warn"];
+    let mut command = kvroute();
+    command.args(["serve", "--port", "0", "--log", "warn"]);
     for line in lines {
-        args.push("--worker");
-        args.push(line);
+        command.arg("--worker").arg(line);
     }
-    args.extend_from_slice(extra);
-    let child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(&args)
+    let mut child = command
+        .args(extra)
         .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("kvroute serve runs");
-    (Proc(child), format!("127.0.0.1:{port}"))
+    let rx = lines_of(child.stderr.take().expect("stderr"));
+    let child = Proc(child);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let line = rx.recv_timeout(wait).expect("a listening line");
+        if let Some((_, rest)) = line.split_once("listening on http://") {
+            let addr = rest.split_whitespace().next().expect("an address");
+            return (child, addr.to_owned());
+        }
+    }
+}
+
+/// [`spawn_serve`], then waits until every worker's every rank is connected.
+pub fn start_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
+    let (proc, serve) = spawn_serve(lines, extra);
+    let expected = lines.len();
+    eventually("serve up with every rank connected", || {
+        TcpStream::connect(&serve).is_ok() && {
+            let doc = http::request(&serve, "GET", "/workers", "").json();
+            let list = doc["workers"].as_array().cloned().unwrap_or_default();
+            list.len() == expected
+                && list.iter().all(|w| {
+                    w["ranks"]
+                        .as_array()
+                        .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+                })
+        }
+    });
+    (proc, serve)
 }

@@ -1,9 +1,10 @@
 //! `kvroute inspect` as a user runs it: the real binary on golden payloads.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use serde_json::Value;
+
+use crate::support::kvroute;
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -12,7 +13,7 @@ fn fixture(name: &str) -> PathBuf {
 }
 
 fn inspect(args: &[&str]) -> (i32, Vec<Value>, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+    let out = kvroute()
         .arg("inspect")
         .args(args)
         .output()

@@ -1,0 +1,305 @@
+//! `kvroute bench index`: the prefix index measured on a synthetic fleet trace.
+//!
+//! Inside the timed regions: applying pre-generated events (decoding is not
+//! included), `find_matches` on pre-generated 64-block queries, `dump` and
+//! `restore`. Memory is the growth of live heap bytes while the index is
+//! built, divided by residencies, when the process can count its heap (a
+//! counting global allocator, [`IndexBenchConfig::heap_meter`]); the
+//! estimate from the index's table capacities is reported either way.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use kvroute_core::event::KvEvent;
+use kvroute_core::hash::LocalBlockHash;
+use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerRank};
+use serde_json::{json, Value};
+
+use crate::error::{Error, Result};
+use crate::stats;
+use crate::trace::{TraceConfig, TraceGen};
+
+/// What `kvroute bench index` measures.
+#[derive(Debug, Clone)]
+pub struct IndexBenchConfig {
+    /// Workers in the simulated fleet (at least 1).
+    pub workers: u32,
+    /// Resident (block, worker) entries the index holds once every cache is full.
+    pub residencies: u64,
+    /// Lookup queries timed.
+    pub queries: usize,
+    /// Blocks per lookup query.
+    pub query_blocks: usize,
+    /// Seed of the trace.
+    pub seed: u64,
+    /// The process's live heap bytes, when its global allocator counts them;
+    /// without it `bytes_per_residency` is not measured (`null`).
+    pub heap_meter: Option<fn() -> usize>,
+}
+
+type Events = Vec<(WorkerRank, KvEvent)>;
+
+/// The pre-generated inputs: events that build the index, queries, and a
+/// second stream of events applied while the queries run.
+struct Trace {
+    build: Events,
+    build_ops: u64,
+    queries: Vec<Vec<LocalBlockHash>>,
+    live: Events,
+}
+
+fn progress(msg: &str) {
+    eprintln!("[bench index] {msg}");
+}
+
+fn apply_all(index: &mut Index, events: &Events) {
+    for (key, event) in events {
+        index.apply(*key, event);
+    }
+}
+
+/// Generates the trace: fill every cache, then keep going as long again so
+/// evictions are in the mix; then the queries and the live stream.
+fn generate(config: &IndexBenchConfig) -> Trace {
+    progress(&format!(
+        "generating a trace: {} workers, {} resident blocks",
+        config.workers, config.residencies
+    ));
+    let mut gen = TraceGen::new(TraceConfig {
+        workers: config.workers,
+        residencies: config.residencies,
+        seed: config.seed,
+    });
+    let mut build: Events = Vec::new();
+    let mut build_ops = 0u64;
+    while gen.held() < config.residencies * 95 / 100 {
+        build_ops += gen.step(&mut build);
+    }
+    let fill_ops = build_ops;
+    while build_ops < 2 * fill_ops {
+        build_ops += gen.step(&mut build);
+    }
+    let queries = (0..config.queries)
+        .map(|_| gen.query(config.query_blocks))
+        .collect();
+    let mut live: Events = Vec::new();
+    let mut live_ops = 0u64;
+    while live_ops < build_ops {
+        live_ops += gen.step(&mut live);
+    }
+    Trace {
+        build,
+        build_ops,
+        queries,
+        live,
+    }
+}
+
+/// Builds the index three times from the trace; returns the last index, the
+/// median apply rate (block-ops/s) and the heap growth of the first build.
+fn build(config: &IndexBenchConfig, trace: &Trace) -> (Index, f64, Option<usize>) {
+    progress(&format!(
+        "applying {} events ({} block ops), 3 runs",
+        trace.build.len(),
+        trace.build_ops
+    ));
+    let index_config = IndexConfig {
+        default_capacity: None,
+        ..IndexConfig::default()
+    };
+    let mut apply_rates = Vec::new();
+    let mut index = Index::new(index_config.clone());
+    let mut bytes_measured = None;
+    for run in 0..3 {
+        let mut fresh = Index::new(index_config.clone());
+        let before = config.heap_meter.map(|live| live());
+        let start = Instant::now();
+        apply_all(&mut fresh, &trace.build);
+        let elapsed = start.elapsed();
+        if run == 0 {
+            bytes_measured = config
+                .heap_meter
+                .zip(before)
+                .map(|(live, before)| live().saturating_sub(before));
+        }
+        apply_rates.push(trace.build_ops as f64 / elapsed.as_secs_f64());
+        index = fresh;
+    }
+    (
+        index,
+        stats::median(&stats::sorted(apply_rates)),
+        bytes_measured,
+    )
+}
+
+/// Times each query; returns the sorted latencies in µs and the mean device
+/// depth matched.
+fn time_queries(
+    queries: &[Vec<LocalBlockHash>],
+    mut find: impl FnMut(&[LocalBlockHash]) -> u32,
+) -> (Vec<f64>, f64) {
+    let mut micros = Vec::with_capacity(queries.len());
+    let mut depth = 0u64;
+    for q in queries {
+        let start = Instant::now();
+        let best = find(q);
+        micros.push(start.elapsed().as_nanos() as f64 / 1_000.0);
+        depth += u64::from(best);
+    }
+    (
+        stats::sorted(micros),
+        depth as f64 / queries.len().max(1) as f64,
+    )
+}
+
+fn best_device(matches: &[kvroute_core::index::RankMatch]) -> u32 {
+    matches.iter().map(|m| m.device).max().unwrap_or(0)
+}
+
+/// Block operations of one event.
+fn block_ops(event: &KvEvent) -> u64 {
+    match event {
+        KvEvent::Stored(s) => s.blocks.len() as u64,
+        KvEvent::Removed(r) => r.blocks.len() as u64,
+        KvEvent::Cleared => 0,
+    }
+}
+
+/// Times the queries through a [`SharedIndex`] while another thread applies
+/// `live` as fast as it can; returns the sorted latencies in µs and the writer's
+/// block-ops/s meanwhile.
+fn time_under_writes(shared: &SharedIndex, trace: &Trace) -> (Vec<f64>, f64) {
+    let stop = AtomicBool::new(false);
+    let writer_ops = AtomicU64::new(0);
+    let writer_time = AtomicU64::new(0);
+    let (micros, _) = std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let start = Instant::now();
+            let mut ops = 0u64;
+            'outer: loop {
+                for (key, event) in &trace.live {
+                    if stop.load(Ordering::Relaxed) {
+                        break 'outer;
+                    }
+                    shared.apply(*key, event);
+                    ops += block_ops(event);
+                }
+            }
+            writer_ops.store(ops, Ordering::Relaxed);
+            writer_time.store(start.elapsed().as_nanos() as u64, Ordering::Relaxed);
+        });
+        // Give the writer a moment to start.
+        std::thread::sleep(Duration::from_millis(20));
+        let result = time_queries(&trace.queries, |q| best_device(&shared.find_matches(q)));
+        stop.store(true, Ordering::Relaxed);
+        result
+    });
+    let writer_rate = writer_ops.load(Ordering::Relaxed) as f64
+        / (writer_time.load(Ordering::Relaxed).max(1) as f64 / 1e9);
+    (micros, writer_rate)
+}
+
+/// Runs the benchmark (progress on stderr) and returns its figures as one
+/// JSON object.
+pub fn run(config: &IndexBenchConfig) -> Result<Value> {
+    if config.workers == 0 {
+        return Err(Error::Invalid("workers must be at least 1".into()));
+    }
+    let trace = generate(config);
+    let (index, apply_rate, bytes_measured) = build(config, &trace);
+    let stats = index.stats();
+    let residencies = stats.residencies.max(1);
+
+    progress(&format!(
+        "timing {} lookups of {} blocks",
+        trace.queries.len(),
+        config.query_blocks
+    ));
+    let (alone, mean_depth) = time_queries(&trace.queries, |q| best_device(&index.find_matches(q)));
+
+    progress("dump and restore");
+    let start = Instant::now();
+    let snapshot = index.dump();
+    let dump_s = start.elapsed().as_secs_f64();
+    let start = Instant::now();
+    let restored = Index::restore(&snapshot)?;
+    let restore_s = start.elapsed().as_secs_f64();
+    if restored.stats().residencies != stats.residencies {
+        return Err(Error::Unexpected("restore changed the index".into()));
+    }
+    drop(restored);
+
+    progress("timing lookups while another thread applies events");
+    let (under, writer_rate) = time_under_writes(&SharedIndex::new(index), &trace);
+
+    Ok(json!({
+        "workers": config.workers,
+        "target_residencies": config.residencies,
+        "residencies": stats.residencies,
+        "nodes": stats.nodes,
+        "events": trace.build.len(),
+        "block_ops": trace.build_ops,
+        "apply_block_ops_per_s": apply_rate.round(),
+        "queries": trace.queries.len(),
+        "query_blocks": config.query_blocks,
+        "mean_matched_device_blocks": mean_depth,
+        "lookup_p50_us": stats::percentile(&alone, 0.50),
+        "lookup_p90_us": stats::percentile(&alone, 0.90),
+        "lookup_p99_us": stats::percentile(&alone, 0.99),
+        "lookup_max_us": stats::max(&alone),
+        "lookup_p50_us_under_writes": stats::percentile(&under, 0.50),
+        "lookup_p99_us_under_writes": stats::percentile(&under, 0.99),
+        "writer_block_ops_per_s_during_lookups": writer_rate.round(),
+        "bytes_per_residency": bytes_measured.map(|b| b as f64 / residencies as f64),
+        "estimated_heap_bytes_per_residency": stats.heap_bytes as f64 / residencies as f64,
+        "dump_bytes": snapshot.len(),
+        "dump_s": dump_s,
+        "restore_s": restore_s,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(heap_meter: Option<fn() -> usize>) -> IndexBenchConfig {
+        IndexBenchConfig {
+            workers: 4,
+            residencies: 2_000,
+            queries: 200,
+            query_blocks: 16,
+            seed: 7,
+            heap_meter,
+        }
+    }
+
+    #[test]
+    fn a_small_run_reports_every_figure_and_memory_only_when_metered() {
+        let report = run(&config(None)).expect("runs");
+        assert!(report["residencies"].as_u64().is_some_and(|r| r > 1_000));
+        assert!(report["apply_block_ops_per_s"]
+            .as_f64()
+            .is_some_and(|r| r > 0.0));
+        let p50 = report["lookup_p50_us"].as_f64().expect("p50");
+        let max = report["lookup_max_us"].as_f64().expect("max");
+        assert!(p50 > 0.0 && p50 <= max);
+        assert!(report["bytes_per_residency"].is_null());
+        assert!(report["estimated_heap_bytes_per_residency"]
+            .as_f64()
+            .is_some_and(|b| b > 0.0));
+        // A meter that reads a growing counter gives a number.
+        static CALLS: AtomicU64 = AtomicU64::new(0);
+        fn fake() -> usize {
+            CALLS.fetch_add(1_000_000, Ordering::Relaxed) as usize
+        }
+        let metered = run(&config(Some(fake))).expect("runs");
+        assert!(metered["bytes_per_residency"]
+            .as_f64()
+            .is_some_and(|b| b > 0.0));
+        assert!(run(&IndexBenchConfig {
+            workers: 0,
+            ..config(None)
+        })
+        .is_err());
+    }
+}

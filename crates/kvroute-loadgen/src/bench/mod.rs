@@ -1,0 +1,33 @@
+//! Measurements of kvroute's own parts: the prefix index alone
+//! ([`index`]), ingest from mock publishers ([`ingest`]), and the latency
+//! and CPU the router adds to a request ([`proxy`]).
+
+pub mod index;
+pub mod ingest;
+pub mod proxy;
+
+/// A flat JSON report as aligned `key  value` lines, keys right-aligned to
+/// `width` (how `kvroute bench index` and `bench ingest` print without `--json`).
+pub fn key_value_lines(report: &serde_json::Value, width: usize) -> String {
+    let mut out = String::new();
+    if let Some(map) = report.as_object() {
+        for (k, v) in map {
+            out.push_str(&format!("{k:>width$}  {v}\n"));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flat_reports_print_one_aligned_line_per_field_in_order() {
+        let report = serde_json::json!({"workers": 4, "bytes_per_residency": null});
+        assert_eq!(
+            key_value_lines(&report, 20),
+            "             workers  4\n bytes_per_residency  null\n"
+        );
+    }
+}

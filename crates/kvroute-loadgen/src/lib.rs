@@ -1,0 +1,55 @@
+//! kvroute's load generation and measurement, used by `kvroute bench` and
+//! `kvroute demo`: seeded workloads sent at any OpenAI-compatible endpoint,
+//! or through the oracle, in open or closed loop, summarised per routing
+//! policy; the demo that compares policies on a mock fleet; and the
+//! benchmarks of kvroute's own parts.
+//!
+//! | entry point | what it runs |
+//! | --- | --- |
+//! | [`measure`] / [`run`] | one workload against one endpoint ([`driver`]) |
+//! | [`demo::run`] | a mock fleet, a router per policy and the oracle |
+//! | [`bench::index::run`], [`bench::ingest::run`], [`bench::proxy::run`] | the index alone, ingest from mock publishers, the router as a child process |
+//!
+//! Inside: [`workload`] (the traffic, [`image`] for its PNGs), [`driver`]
+//! (arrivals, bounds, samples), the oracle, [`stats`] (every percentile),
+//! [`report`] and [`plot`], [`trace`] (the index bench's synthetic events).
+//! No clap: the binary turns its flags into these config structs.
+//!
+//! ```ignore
+//! let options = LoadOptions {
+//!     workload: WorkloadSpec { kind: WorkloadKind::SharedPrefix, scale: 0.1, ..WorkloadSpec::default() },
+//!     arrival: Arrival::Closed { concurrency: 16 },
+//!     requests: 200,
+//!     max_duration: None,
+//!     progress: true,
+//!     label: "kv".into(),
+//! };
+//! let endpoint = Endpoint::OpenAi { base_url: "http://127.0.0.1:8000".into() };
+//! let report = measure(&endpoint, &options).await?;
+//! print!("{}", table(&report));
+//! ```
+//!
+//! See `docs/bench.md` for the workloads' sizes, arrival modes and fields.
+
+pub mod bench;
+pub mod demo;
+pub mod driver;
+pub mod error;
+mod exchange;
+pub mod image;
+mod metrics;
+mod oracle;
+pub mod plot;
+mod progress;
+pub mod report;
+mod router;
+pub mod stats;
+pub mod trace;
+pub mod workload;
+
+pub use driver::{measure, run, Arrival, Endpoint, LoadOptions};
+pub use error::{Error, Result};
+pub use plot::write_svg_plot;
+pub use report::{table, PolicyReport, Report, ORACLE};
+pub use router::RouterTokenizer;
+pub use workload::{TextRenderer, WorkloadKind, WorkloadSpec};

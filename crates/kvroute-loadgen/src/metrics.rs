@@ -1,0 +1,76 @@
+//! Reading kvroute's Prometheus `/metrics` text: the counters the load
+//! generator and the demo report beside their own measurements.
+
+use std::time::Duration;
+
+/// The router's accuracy counters (comparisons, exact agreements) from its
+/// `/metrics`; `None` when the target is not kvroute or does not answer.
+pub(crate) async fn accuracy_counters(client: &reqwest::Client, base: &str) -> Option<(u64, u64)> {
+    let resp = client
+        .get(format!("{base}/metrics"))
+        .timeout(Duration::from_secs(5))
+        .send()
+        .await
+        .ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    parse_accuracy(&resp.text().await.ok()?)
+}
+
+/// `kvroute_accuracy_comparisons_total` and `kvroute_accuracy_exact_total`.
+fn parse_accuracy(metrics: &str) -> Option<(u64, u64)> {
+    Some((
+        total(metrics, "kvroute_accuracy_comparisons_total")?,
+        total(metrics, "kvroute_accuracy_exact_total")?,
+    ))
+}
+
+/// The sum of every sample of the metric `name` in `text`, whatever its
+/// labels; `None` when `text` has no sample of it.
+pub(crate) fn total(text: &str, name: &str) -> Option<u64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (key, value) = l.rsplit_once(' ')?;
+            let metric = key.split('{').next()?;
+            (metric == name).then(|| value.trim().parse::<f64>().ok())?
+        })
+        .fold(None, |sum: Option<f64>, v| Some(sum.unwrap_or(0.0) + v))
+        .map(|v| v as u64)
+}
+
+/// [`total`], 0 when there is no sample.
+pub(crate) fn sum(text: &str, name: &str) -> u64 {
+    total(text, name).unwrap_or(0)
+}
+
+/// Exact agreements per comparison between two readings of the counters.
+pub(crate) fn accuracy_between(before: (u64, u64), after: (u64, u64)) -> Option<f64> {
+    let compared = after.0.checked_sub(before.0)?;
+    let exact = after.1.checked_sub(before.1)?;
+    (compared > 0).then(|| exact as f64 / compared as f64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accuracy_comes_from_the_router_counters() {
+        let text = "# TYPE kvroute_accuracy_comparisons_total counter\nkvroute_accuracy_comparisons_total 10\nkvroute_accuracy_exact_total 7\n";
+        assert_eq!(parse_accuracy(text), Some((10, 7)));
+        assert_eq!(parse_accuracy("vllm:num_requests_running 1\n"), None);
+        assert_eq!(accuracy_between((10, 7), (20, 16)), Some(0.9));
+        assert_eq!(accuracy_between((10, 7), (10, 7)), None);
+        assert_eq!(accuracy_between((10, 7), (0, 0)), None);
+    }
+
+    #[test]
+    fn prometheus_counters_are_summed_over_labels() {
+        let text = "# HELP x y\n# TYPE kvroute_a counter\nkvroute_a{worker=\"w0\",rank=\"0\"} 3\nkvroute_a{worker=\"w1\",rank=\"0\"} 4\nkvroute_ab 100\n";
+        assert_eq!(sum(text, "kvroute_a"), 7);
+        assert_eq!(sum(text, "kvroute_ab"), 100);
+        assert_eq!(sum(text, "kvroute_c"), 0);
+    }
+}

@@ -1,0 +1,159 @@
+//! A kvroute router started in this process for one demo policy, and the
+//! readiness wait every measurement of a router needs.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use kvroute_core::index::IndexConfig;
+use kvroute_core::scheduler::Policy;
+use kvroute_prompt::Renderer;
+use kvroute_server::ingest::spec::WorkerSpec;
+use kvroute_server::ingest::stream::IngestConfig;
+use kvroute_server::proxy::ProxyConfig;
+use kvroute_server::{serve, ServeConfig};
+use serde_json::{json, Map, Value};
+use tokio::sync::oneshot;
+
+use crate::error::{Error, Result};
+use crate::metrics;
+
+/// How the router turns text and chat requests into tokens: the same
+/// rendering as the mock engines', so its predictions can be exact.
+pub type RouterTokenizer = Arc<Renderer>;
+
+/// Waits (at most `within`) until the router at `base_url` lists its
+/// workers with every rank's event stream connected.
+pub(crate) async fn wait_until_connected(
+    client: &reqwest::Client,
+    base_url: &str,
+    within: Duration,
+) -> Result<()> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Ok(resp) = client.get(format!("{base_url}/workers")).send().await {
+            if let Ok(doc) = resp.json::<Value>().await {
+                let ranks: Vec<bool> = doc["workers"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
+                    .map(|r| r["connected"].as_bool().unwrap_or(false))
+                    .collect();
+                if !ranks.is_empty() && ranks.iter().all(|c| *c) {
+                    return Ok(());
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(Error::Timeout(format!(
+                "the router's event streams did not connect within {} s",
+                within.as_secs()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A router started for one policy; dropping it shuts the router down.
+pub(crate) struct RunningRouter {
+    /// `http://127.0.0.1:PORT`.
+    pub url: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<Result<(), kvroute_server::ServeError>>,
+}
+
+impl RunningRouter {
+    /// Serves `specs` with `policy` on an ephemeral port of 127.0.0.1.
+    pub async fn start(
+        specs: &[WorkerSpec],
+        policy: Policy,
+        block_size: u32,
+        tokenizer: RouterTokenizer,
+    ) -> Result<Self> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .map_err(Error::io("binding the router's port"))?;
+        let addr = listener
+            .local_addr()
+            .map_err(Error::io("the router's address"))?;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let proxy = ProxyConfig {
+            policy,
+            renderer: Some(tokenizer),
+            ..ProxyConfig::default()
+        };
+        let task = tokio::spawn(serve(
+            ServeConfig {
+                block_size,
+                workers: specs.to_vec(),
+                unreachable_grace: Duration::from_secs(60),
+                index: IndexConfig::default(),
+                ingest: IngestConfig::default(),
+                proxy,
+                max_body_bytes: 64 << 20,
+                ..ServeConfig::default()
+            },
+            listener,
+            async move {
+                let _ = stopped.await;
+            },
+        ));
+        Ok(RunningRouter {
+            url: format!("http://{addr}"),
+            stop: Some(stop),
+            task,
+        })
+    }
+
+    /// Waits until every rank's event stream is connected.
+    pub async fn ready(&self, client: &reqwest::Client) -> Result<()> {
+        wait_until_connected(client, &self.url, Duration::from_secs(20)).await
+    }
+
+    /// What the router's ingestion did: events and blocks applied, and
+    /// events or envelopes it could not decode.
+    pub async fn ingest_counts(&self, client: &reqwest::Client) -> Result<Map<String, Value>> {
+        let url = format!("{}/metrics", self.url);
+        let text = client
+            .get(&url)
+            .send()
+            .await
+            .map_err(Error::http(format!("GET {url}")))?
+            .text()
+            .await
+            .map_err(Error::http(format!("reading {url}")))?;
+        let mut counts = Map::new();
+        counts.insert(
+            "kv_events".into(),
+            json!(metrics::sum(&text, "kvroute_ingest_events_total")),
+        );
+        counts.insert(
+            "blocks_stored".into(),
+            json!(metrics::sum(&text, "kvroute_index_blocks_stored_total")),
+        );
+        counts.insert(
+            "decode_errors".into(),
+            json!(
+                metrics::sum(&text, "kvroute_ingest_decode_errors_total")
+                    + metrics::sum(&text, "kvroute_ingest_envelope_errors_total")
+            ),
+        );
+        Ok(counts)
+    }
+
+    /// Stops the router and waits (at most 10 s) for it to finish.
+    pub async fn stop(mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.task).await;
+    }
+}
+
+impl Drop for RunningRouter {
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+    }
+}
