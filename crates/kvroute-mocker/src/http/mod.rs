@@ -201,8 +201,16 @@ async fn health() -> StatusCode {
     StatusCode::OK
 }
 
+impl EngineState {
+    /// Prompt plus output tokens a request may have: what one rank's KV
+    /// cache holds (every rank has the same).
+    pub fn capacity_tokens(&self) -> usize {
+        self.ranks.first().map_or(0, RankHandle::capacity_tokens)
+    }
+}
+
 async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
-    let max_model_len = state.ranks.first().map_or(0, RankHandle::capacity_tokens);
+    let max_model_len = state.capacity_tokens();
     Json(json!({
         "object": "list",
         "data": [{
@@ -295,9 +303,9 @@ async fn generate(
     }
     // Tokenizing and hashing images is CPU work: keep it off the async workers.
     let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
-    let settings = state.prompt;
+    let (settings, capacity) = (state.prompt, state.capacity_tokens());
     let (request, filler, parsed) = tokio::task::spawn_blocking(move || {
-        openai::build(&parsed, &renderer, &filler, settings).map(|(r, f)| (r, f, parsed))
+        openai::build(&parsed, &renderer, &filler, settings, capacity).map(|(r, f)| (r, f, parsed))
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
@@ -358,11 +366,12 @@ async fn cache_match(
     };
     let parsed = openai::parse(endpoint, &body)?;
     let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
-    let settings = state.prompt;
-    let (request, _) =
-        tokio::task::spawn_blocking(move || openai::build(&parsed, &renderer, &filler, settings))
-            .await
-            .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let (settings, capacity) = (state.prompt, state.capacity_tokens());
+    let (request, _) = tokio::task::spawn_blocking(move || {
+        openai::build(&parsed, &renderer, &filler, settings, capacity)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
     let mut ranks = Vec::with_capacity(state.ranks.len());
     for rank in &state.ranks {
         let matched = rank

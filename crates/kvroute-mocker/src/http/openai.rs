@@ -10,6 +10,7 @@
 
 use serde_json::{json, Map, Value};
 
+use crate::engine::SubmitError;
 use crate::engine::{MmPlacement, NewRequest, Usage};
 use crate::filler::{Filler, FillerToken};
 use crate::multimodal::sglang_padding;
@@ -153,17 +154,28 @@ pub struct PromptSettings {
 /// Renders a parsed request into the engine request and its planned output:
 /// the neutral prompt (see [`kvroute_prompt::Renderer`]) with each image's
 /// positions filled the imitated engine's way, and the filler it will
-/// "generate".
+/// "generate". A request whose prompt and `max_tokens` cannot fit the
+/// engine's `capacity_tokens` is refused before anything is allocated for
+/// its output (a `max_tokens` of 10^11 would otherwise ask for terabytes).
 pub fn build(
     parsed: &ParsedRequest,
     renderer: &Renderer,
     filler: &Filler,
     settings: PromptSettings,
+    capacity_tokens: usize,
 ) -> Result<(NewRequest, Vec<FillerToken>), ApiError> {
     let NeutralPrompt {
         tokens: mut prompt,
         images,
     } = renderer.render(&parsed.prompt)?;
+    if prompt.len().saturating_add(parsed.max_tokens) > capacity_tokens {
+        let too_long = SubmitError::TooLong {
+            prompt: prompt.len(),
+            output: parsed.max_tokens,
+            capacity: capacity_tokens,
+        };
+        return Err(bad(too_long.to_string()));
+    }
     let mut mm_items = Vec::new();
     for image in images {
         match settings.flavor {
@@ -328,6 +340,28 @@ mod tests {
     }
 
     #[test]
+    fn an_output_budget_past_the_cache_is_refused_before_anything_is_allocated() {
+        let (renderer, filler) = prompter(4);
+        let p = parse(
+            Endpoint::Completions,
+            br#"{"prompt":[1,2,3],"max_tokens":99999999999}"#,
+        )
+        .expect("parses");
+        let settings = PromptSettings {
+            flavor: WorkerFlavor::Vllm,
+            seed: 0,
+        };
+        let err = build(&p, &renderer, &filler, settings, 4096).expect_err("too long");
+        assert_eq!(err.status(), axum::http::StatusCode::BAD_REQUEST);
+        assert!(
+            err.message()
+                .contains("exceeds the KV cache of 4096 tokens"),
+            "{}",
+            err.message()
+        );
+    }
+
+    #[test]
     fn completion_prompts_in_every_accepted_shape() {
         let p = parse(Endpoint::Completions, br#"{"prompt":"hi","max_tokens":3}"#).expect("ok");
         assert_eq!(p.prompt.segments, [Segment::Text("hi".into())]);
@@ -408,7 +442,7 @@ mod tests {
             flavor: WorkerFlavor::Sglang,
             seed: 0,
         };
-        let (r, filler) = build(&p, &renderer, &fill, settings).expect("ok");
+        let (r, filler) = build(&p, &renderer, &fill, settings, usize::MAX).expect("ok");
         assert_eq!(filler.len(), DEFAULT_MAX_TOKENS);
         let pads = crate::multimodal::sglang_pad_values(0x2cf24dba5fb0a30e);
         let i = r
@@ -432,6 +466,7 @@ mod tests {
                 flavor: WorkerFlavor::Vllm,
                 ..settings
             },
+            usize::MAX,
         )
         .expect("ok");
         assert_eq!(r.mm_items.len(), 1);
@@ -453,12 +488,12 @@ mod tests {
             seed: 0,
         };
         let (renderer, filler) = prompter(4);
-        let (r, _) = build(&p, &renderer, &filler, settings).expect("ok");
+        let (r, _) = build(&p, &renderer, &filler, settings, usize::MAX).expect("ok");
         let pads = crate::multimodal::sglang_pad_values(255);
         assert!(r.prompt.windows(4).any(|w| w == pads));
         let body = br#"{"messages":[{"role":"user","content":[{"type":"image_url","image_url":"x"}]}],"mm_hashes":[1,2]}"#;
         let p = parse(Endpoint::Chat, body).expect("ok");
-        let err = build(&p, &renderer, &filler, settings).expect_err("count mismatch");
+        let err = build(&p, &renderer, &filler, settings, usize::MAX).expect_err("count mismatch");
         assert!(err.message().contains("2 entries for 1 image"));
     }
 
@@ -492,7 +527,8 @@ mod tests {
                 prompt_local_hashes(&folded, &neutral.images, router_flavor, bs, HASH_SEED);
             assert_eq!(expected.len(), folded.len() / bs);
 
-            let (request, _) = build(&parsed, &renderer, &filler, settings).expect("ok");
+            let (request, _) =
+                build(&parsed, &renderer, &filler, settings, usize::MAX).expect("ok");
             let mut engine = Engine::new(EngineConfig {
                 flavor,
                 block_size: bs,
