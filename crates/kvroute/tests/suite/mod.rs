@@ -1,9 +1,11 @@
 //! One module per subject; helpers are in `crate::support`.
 
 mod bench;
+mod config;
 mod demo;
 mod ingest;
 mod inspect;
+mod metrics;
 mod mocker;
 mod multimodal;
 mod proxy;
