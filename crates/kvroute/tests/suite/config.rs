@@ -1,7 +1,7 @@
 //! `kvroute serve` configured from the environment alone, as a container
 //! deployment configures it: every flag has a `KVROUTE_*` variable.
 
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 use crate::support::http::*;
 use crate::support::*;
@@ -12,7 +12,7 @@ fn serve_takes_its_port_workers_and_token_from_the_environment() {
     let port = free_port();
     let serve = format!("127.0.0.1:{port}");
     let _serve = Proc(
-        Command::new(env!("CARGO_BIN_EXE_kvroute"))
+        kvroute()
             .arg("serve")
             .env("KVROUTE_PORT", port.to_string())
             .env("KVROUTE_WORKERS", lines.join(";"))
@@ -38,12 +38,15 @@ fn serve_takes_its_port_workers_and_token_from_the_environment() {
 
 #[test]
 fn help_names_the_environment_variable_of_every_flag() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvroute"))
+    let out = kvroute()
         .args(["serve", "--help"])
         .output()
         .expect("kvroute serve --help");
     let help = String::from_utf8_lossy(&out.stdout);
-    let flags = help.lines().filter(|l| l.trim_start().starts_with("--")).count();
+    let flags = help
+        .lines()
+        .filter(|l| l.trim_start().starts_with("--"))
+        .count();
     let envs = help.matches("[env: KVROUTE_").count();
     assert!(flags > 30, "{help}");
     // `-h, --help` is not counted among the flags and has no variable.

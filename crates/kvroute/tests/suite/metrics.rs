@@ -20,13 +20,16 @@ fn every_catalogue_metric_is_scraped_from_a_running_router() {
     let (_serve, serve) = start_serve(&lines, &[]);
     // One routed request, so that the per-request and per-rank families
     // have samples.
-    let body = json!({"model": "mock-model", "prompt": (0..40).collect::<Vec<u32>>(), "max_tokens": 1});
+    let body =
+        json!({"model": "mock-model", "prompt": (0..40).collect::<Vec<u32>>(), "max_tokens": 1});
     let r = request(&serve, "POST", "/v1/completions", &body.to_string());
     assert_eq!(r.status, 200, "{}", r.body);
 
     let classic = request(&serve, "GET", "/metrics", "");
     assert_eq!(classic.status, 200);
-    assert!(classic.header("content-type").is_some_and(|t| t.starts_with("text/plain")));
+    assert!(classic
+        .header("content-type")
+        .is_some_and(|t| t.starts_with("text/plain")));
     let open = request_with(
         &serve,
         "GET",
@@ -60,7 +63,10 @@ fn every_catalogue_metric_is_scraped_from_a_running_router() {
         );
         for sample in &samples {
             assert!(has_sample(&classic.body, sample), "no sample of {sample}");
-            assert!(has_sample(&open.body, sample), "no OpenMetrics sample of {sample}");
+            assert!(
+                has_sample(&open.body, sample),
+                "no OpenMetrics sample of {sample}"
+            );
         }
         if m.labels.contains(&"worker") {
             let labelled = format!("{}{{worker=\"w0\",dp_rank=\"0\"}}", samples[0]);

@@ -9,4 +9,5 @@ mod metrics;
 mod mocker;
 mod multimodal;
 mod proxy;
+mod safety;
 mod serve;

@@ -21,9 +21,17 @@ impl Drop for Proc {
     }
 }
 
-/// The `kvroute` binary under test, as a command to add arguments to.
+/// The `kvroute` binary under test, as a command to add arguments to: this
+/// build's, or the one `KVROUTE_TEST_BIN` names (to run the suite against
+/// another build, such as the commit before a fix).
 pub fn kvroute() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_kvroute"))
+    Command::new(kvroute_path())
+}
+
+/// The path of the `kvroute` binary under test (see [`kvroute`]).
+pub fn kvroute_path() -> std::path::PathBuf {
+    std::env::var_os("KVROUTE_TEST_BIN")
+        .map_or_else(|| env!("CARGO_BIN_EXE_kvroute").into(), Into::into)
 }
 
 /// A port nothing listens on right now.
