@@ -194,6 +194,14 @@ struct ProxyArgs {
         requires = "text"
     )]
     tokenizer: proxy::TokenizerSource,
+    /// `--text`: every request sends the same prompt, as a load tool replaying
+    /// one body does (`wrk`); without it half of each prompt is new.
+    #[arg(long, requires = "text")]
+    repeat: bool,
+    /// The `kvroute` executable whose `serve` is measured (default: this one),
+    /// to compare two builds on the same load.
+    #[arg(long, value_name = "PATH")]
+    router_exe: Option<std::path::PathBuf>,
     /// Divides the engines' simulated time (large: measure the router, not the engine).
     #[arg(long, default_value_t = 10_000.0)]
     speedup: f64,
@@ -278,7 +286,10 @@ fn run_proxy(a: &ProxyArgs) -> Result<ExitCode> {
         bail!("--interleave runs a closed loop; leave out --rate");
     }
     let config = proxy::ProxyBenchConfig {
-        router_exe: std::env::current_exe().context("the path of this kvroute executable")?,
+        router_exe: match &a.router_exe {
+            Some(path) => path.clone(),
+            None => std::env::current_exe().context("the path of this kvroute executable")?,
+        },
         workers: a.workers,
         requests: a.requests,
         concurrency: a.concurrency.clone(),
@@ -287,6 +298,7 @@ fn run_proxy(a: &ProxyArgs) -> Result<ExitCode> {
             proxy::Prompt::Text {
                 words: a.prompt_words,
                 tokenizer: a.tokenizer.clone(),
+                repeat: a.repeat,
             }
         } else {
             proxy::Prompt::TokenIds {

@@ -29,13 +29,15 @@ pub(crate) enum Bodies {
         /// How ids become text; `None`: one four-letter word per id, one
         /// token each for the mocker's built-in tokenizer.
         render: Option<TextRenderer>,
+        /// Every request of a path sends the same prompt.
+        repeat: bool,
     },
 }
 
 impl Bodies {
     /// Text prompts of `words` words, rendered by `render` (a tokenizer's
     /// decoding) or as built-in words.
-    pub(crate) fn text(words: u32, render: Option<TextRenderer>) -> Self {
+    pub(crate) fn text(words: u32, render: Option<TextRenderer>, repeat: bool) -> Self {
         let prefixes = (0..GROUPS)
             .map(|g| render_ids(&render, &seeded_ids(g, words / 2)))
             .collect();
@@ -43,6 +45,7 @@ impl Bodies {
             words,
             prefixes: Arc::new(prefixes),
             render,
+            repeat,
         }
     }
 
@@ -55,7 +58,9 @@ impl Bodies {
                 words,
                 prefixes,
                 render,
+                repeat,
             } => {
+                let n = if *repeat { 0 } else { n };
                 let suffix = words - words / 2;
                 let unique = seeded_ids((1 << 40) | (u64::from(path) << 39) | n, suffix);
                 let mut prompt = prefixes[(n % GROUPS) as usize].clone();
@@ -122,7 +127,7 @@ mod tests {
 
     #[test]
     fn text_prompts_have_the_words_asked_for_and_share_the_group_prefix() {
-        let bodies = Bodies::text(64, None);
+        let bodies = Bodies::text(64, None, false);
         let (a, b) = (
             prompt_text(&bodies.body(2, 0)),
             prompt_text(&bodies.body(10, 0)),
@@ -134,7 +139,7 @@ mod tests {
         assert_ne!(prompt_text(&bodies.body(2, 1)), a);
         assert_eq!(bodies.body(2, 0)["max_tokens"], 1);
         let render = TextRenderer(Arc::new(|ids: &[u32]| format!("<{}>", ids.len())));
-        let rendered = Bodies::text(10, Some(render));
+        let rendered = Bodies::text(10, Some(render), false);
         assert_eq!(prompt_text(&rendered.body(0, 0)), "<5><5>");
     }
 }

@@ -85,6 +85,9 @@ pub enum Prompt {
         words: u32,
         /// Whose tokenizer.
         tokenizer: TokenizerSource,
+        /// Every request sends the same prompt, as a tool that replays one
+        /// body does (`wrk`); otherwise half of each prompt is new.
+        repeat: bool,
     },
 }
 
@@ -146,14 +149,18 @@ impl Bench {
     async fn start(config: &ProxyBenchConfig) -> Result<Bench> {
         let (bodies, engine_tokenizer, router_flags) = match &config.prompt {
             Prompt::TokenIds { tokens } => (Bodies::TokenIds { tokens: *tokens }, None, vec![]),
-            Prompt::Text { words, tokenizer } => {
+            Prompt::Text {
+                words,
+                tokenizer,
+                repeat,
+            } => {
                 let flags = vec!["--tokenizer".to_owned(), tokenizer.to_string()];
                 match tokenizer {
-                    TokenizerSource::Builtin => (Bodies::text(*words, None), None, flags),
+                    TokenizerSource::Builtin => (Bodies::text(*words, None, *repeat), None, flags),
                     TokenizerSource::File(path) => {
                         let render = TextRenderer::from_tokenizer_file(path)?;
                         (
-                            Bodies::text(*words, Some(render)),
+                            Bodies::text(*words, Some(render), *repeat),
                             Some(path.clone()),
                             flags,
                         )

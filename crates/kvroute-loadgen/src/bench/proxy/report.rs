@@ -117,9 +117,14 @@ impl ProxyBenchReport {
                 });
                 match &c.prompt {
                     Prompt::TokenIds { tokens } => doc["prompt_tokens"] = json!(tokens),
-                    Prompt::Text { words, tokenizer } => {
+                    Prompt::Text {
+                        words,
+                        tokenizer,
+                        repeat,
+                    } => {
                         doc["prompt_words"] = json!(words);
                         doc["tokenizer"] = json!(tokenizer.to_string());
+                        doc["repeated_prompt"] = json!(repeat);
                     }
                 }
                 doc
@@ -131,8 +136,13 @@ impl ProxyBenchReport {
         let c = &self.config;
         let prompt = match &c.prompt {
             Prompt::TokenIds { tokens } => format!("{tokens} prompt tokens"),
-            Prompt::Text { words, tokenizer } => {
-                format!("{words}-word text prompts ({tokenizer} tokenizer)")
+            Prompt::Text {
+                words,
+                tokenizer,
+                repeat,
+            } => {
+                let which = if *repeat { ", one repeated" } else { "" };
+                format!("{words}-word text prompts{which} ({tokenizer} tokenizer)")
             }
         };
         let mode = if c.rate > 0.0 {
@@ -233,6 +243,7 @@ mod tests {
                 prompt: Prompt::Text {
                     words: 512,
                     tokenizer: TokenizerSource::Builtin,
+                    repeat: false,
                 },
                 speedup: 1.0,
                 interleave: false,
