@@ -147,12 +147,13 @@ pub fn start_two_rank_mocker(flavor: &str) -> (Proc, String) {
     (child, lines.remove(0))
 }
 
-/// Runs `kvroute serve --port 0` with `--worker` for each of `lines` and
-/// `extra` flags; returns it and the `host:port` of its listening line
-/// (its workers' event streams are not waited for).
+/// Runs `kvroute serve` on a free port with `--worker` for each of `lines`
+/// and `extra` flags; returns it and its `host:port` once it prints its
+/// listening line (its workers' event streams are not waited for).
 pub fn spawn_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
+    let port = free_port().to_string();
     let mut command = kvroute();
-    command.args(["serve", "--port", "0", "--log", "warn"]);
+    command.args(["serve", "--port", &port, "--log", "warn"]);
     for line in lines {
         command.arg("--worker").arg(line);
     }
@@ -168,9 +169,8 @@ pub fn spawn_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
     loop {
         let wait = deadline.saturating_duration_since(Instant::now());
         let line = rx.recv_timeout(wait).expect("a listening line");
-        if let Some((_, rest)) = line.split_once("listening on http://") {
-            let addr = rest.split_whitespace().next().expect("an address");
-            return (child, addr.to_owned());
+        if line.contains("listening on http://") {
+            return (child, format!("127.0.0.1:{port}"));
         }
     }
 }
