@@ -370,6 +370,28 @@ fn a_gap_older_than_the_ring_clears_the_rank() {
     );
 }
 
+/// A live batch numbered `u64::MAX` (the replay's end marker) used to
+/// overflow the cursor's next sequence number: a panic that ended the rank's
+/// stream in a debug build.
+#[test]
+fn a_sequence_number_no_engine_can_publish_is_a_bad_frame() {
+    let ctx = zmq::Context::new();
+    let (engine, f, key) = follow(&ctx, 4, 10_000);
+    for seq in 0..2u64 {
+        engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), true, 10_000);
+    }
+    eventually("two stores", || {
+        device_depth(&f.index, key, &tokens_of(2, 2)) == 2
+    });
+    engine.publish(u64::MAX, &conversation_batch(77, 2, 0), true, 10_000);
+    engine.publish(2, &conversation_batch(3, 2, 0), true, 10_000);
+    eventually("the stream goes on after it", || {
+        device_depth(&f.index, key, &tokens_of(3, 2)) == 2
+    });
+    assert_eq!(device_depth(&f.index, key, &tokens_of(77, 2)), 0);
+    assert!(rank_field(&f.registry, "w0", 0, "bad_frames") >= 1);
+}
+
 #[test]
 fn an_engine_restart_resets_the_rank() {
     let ctx = zmq::Context::new();
