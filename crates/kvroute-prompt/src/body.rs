@@ -173,6 +173,9 @@ fn raw_prompt(raw: &RawValue, req: &mut RoutingRequest) -> Result<(), ParseError
         if let Ok(mut batch) = serde_json::from_str::<Vec<Vec<u64>>>(text) {
             if batch.len() == 1 {
                 let ids = batch.remove(0);
+                if ids.is_empty() {
+                    return Err(bad("`prompt` must not be empty"));
+                }
                 req.tokens = Some(ids.into_iter().map(fold_token_id).collect());
                 return Ok(());
             }
@@ -185,6 +188,7 @@ fn raw_prompt(raw: &RawValue, req: &mut RoutingRequest) -> Result<(), ParseError
         Value::String(_) => req.text = Some(TextPrompt::Completion(value)),
         Value::Array(ref items) => match items.as_slice() {
             [] => return Err(bad("`prompt` must not be empty")),
+            [Value::Array(ids)] if ids.is_empty() => return Err(bad("`prompt` must not be empty")),
             [Value::Array(ids)] => req.tokens = Some(token_list(ids, "prompt")?),
             items if items.iter().all(Value::is_number) => {
                 req.tokens = Some(token_list(items, "prompt")?);
@@ -387,6 +391,13 @@ pub fn parse_request(body: &[u8], chat: bool) -> Result<RoutingRequest, ParseErr
     request_of(&raw, ids, chat)
 }
 
+/// [`parse_request`] by serde's derive alone, without the one-pass scan: the
+/// reference the scan must equal on every body (tests and fuzzing compare
+/// the two).
+pub fn parse_request_by_serde(body: &[u8], chat: bool) -> Result<RoutingRequest, ParseError> {
+    request_of(&slow_fields(body)?, None, chat)
+}
+
 /// The fields routing reads, in one pass when the body allows it.
 fn read_fields(body: &[u8]) -> Result<(RawFields<'_>, Option<Vec<u32>>), ParseError> {
     match scan_fields(body) {
@@ -536,6 +547,7 @@ mod tests {
         assert!(err(br#"{"prompt":"x","stream":"yes"}"#, false).contains("`stream`"));
         assert!(err(br#"{"messages":5}"#, true).contains("array"));
         assert!(err(br#"{"prompt":[]}"#, false).contains("empty"));
+        assert!(err(br#"{"prompt":[[]]}"#, false).contains("empty"));
         assert!(err(br#"{"prompt":null}"#, false).contains("required"));
         assert!(err(br#"{"prompt":[1],"model":3}"#, false).contains("`model`"));
         assert!(parse_query(br#"{"nothing":1}"#).is_err());
@@ -576,9 +588,8 @@ mod tests {
             .is_none());
     }
 
-    /// `parse_request` as it reads every body without the one-pass scan.
     fn general(body: &[u8], chat: bool) -> Result<RoutingRequest, ParseError> {
-        request_of(&slow_fields(body)?, None, chat)
+        parse_request_by_serde(body, chat)
     }
 
     #[test]
@@ -603,6 +614,7 @@ mod tests {
             br#"{"prompt":[1 2]}"#,
             br#"{"prompt":[]}"#,
             br#"{"prompt":[[7,8]]}"#,
+            br#"{"prompt":[[]]}"#,
             br#"{"prompt":["a"]}"#,
             br#"{"prompt":"text","stream":false}"#,
             br#"{"prompt":null}"#,

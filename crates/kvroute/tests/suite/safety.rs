@@ -184,7 +184,11 @@ fn huge_queries_are_refused_and_memory_stays_bounded() {
         .map(|i| (100_000 + i % 50_000).to_string())
         .collect();
     let body = format!("{{\"token_ids\":[{}]}}", ids.join(","));
-    assert!(body.len() > 30 << 20 && body.len() < 32 << 20, "{}", body.len());
+    assert!(
+        body.len() > 30 << 20 && body.len() < 32 << 20,
+        "{}",
+        body.len()
+    );
     let senders: Vec<_> = (0..6)
         .map(|_| {
             let (serve, body) = (serve.clone(), body.clone());

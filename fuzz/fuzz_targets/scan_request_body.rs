@@ -1,0 +1,24 @@
+//! The router's request-body scanner (`kvroute_prompt::body`), fed any bytes:
+//! it never panics, reads every body exactly as serde's derive does (the
+//! one-pass scan is an optimisation, never a second opinion), and a body it
+//! accepts keeps its token ids folded and its output budget within what it
+//! read. Seeds: `fuzz/corpus/scan_request_body` (see docs/fuzzing.md).
+#![no_main]
+
+use kvroute_prompt::body::{parse_query, parse_request, parse_request_by_serde};
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    for chat in [false, true] {
+        let scanned = parse_request(data, chat);
+        let reference = parse_request_by_serde(data, chat);
+        assert_eq!(scanned, reference, "the scan and serde disagree");
+        if let Ok(req) = &scanned {
+            assert!(req.tokens.is_none() || req.text.is_none(), "ids or text, not both");
+            if let Some(tokens) = &req.tokens {
+                assert!(!tokens.is_empty() || chat, "an empty prompt is refused");
+            }
+        }
+    }
+    let _ = parse_query(data);
+});
