@@ -25,17 +25,24 @@ pub(crate) struct RouterProcess {
 }
 
 impl RouterProcess {
-    /// Runs `exe serve --port 0 --log warn` with a `--worker` per spec and
-    /// `extra` flags, and waits (at most 30 s) for its listening line. The
-    /// router's other stderr lines are passed on to this process's stderr.
+    /// Runs `exe serve --port P --log warn` on a free port P with a
+    /// `--worker` per spec and `extra` flags, and waits (at most 30 s) for
+    /// its listening line (a chosen port, not 0, so that builds which print
+    /// the port they were given can be measured too). The router's other
+    /// stderr lines are passed on to this process's stderr.
     pub(crate) fn spawn(exe: &Path, workers: &[String], extra: &[String]) -> Result<Self> {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map_err(Error::io("finding a free port for the router"))?
+            .port()
+            .to_string();
         let mut command = Command::new(exe);
         command.args([
             "serve",
             "--host",
             "127.0.0.1",
             "--port",
-            "0",
+            &port,
             "--log",
             "warn",
         ]);
@@ -57,9 +64,8 @@ impl RouterProcess {
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
                 match line.split_once(LISTENING) {
-                    Some((_, rest)) => {
-                        let url = rest.split_whitespace().next().unwrap_or_default();
-                        let _ = tx.send(url.to_owned());
+                    Some(_) => {
+                        let _ = tx.send(());
                     }
                     None => {
                         let _ = writeln!(std::io::stderr().lock(), "[router] {line}");
@@ -69,9 +75,9 @@ impl RouterProcess {
         });
         let mut router = RouterProcess {
             child,
-            url: String::new(),
+            url: format!("http://127.0.0.1:{port}"),
         };
-        router.url = rx.recv_timeout(Duration::from_secs(30)).map_err(|_| {
+        rx.recv_timeout(Duration::from_secs(30)).map_err(|_| {
             let status = router.child.try_wait().ok().flatten();
             Error::Timeout(format!(
                 "the router printed no listening line (exit status: {status:?})"
