@@ -270,23 +270,9 @@ pub fn write_svg_plot(path: &Path, report: &Report) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::report::{table, PolicyReport};
-    use crate::stats::Percentiles3;
+    use crate::report::table;
+    use crate::report::tests::policy;
     use serde_json::json;
-
-    fn policy(hit: f64) -> PolicyReport {
-        PolicyReport {
-            hit_rate: hit,
-            ttft_ms: Percentiles3 {
-                p50: 10.0,
-                p90: 20.0,
-                p99: 30.0,
-            },
-            requests: 5,
-            timeline: vec![(0.0, 10.0), (1.5, 30.0)],
-            ..PolicyReport::default()
-        }
-    }
 
     #[test]
     fn table_and_plot_name_every_policy() {

@@ -171,11 +171,12 @@ pub fn table(report: &Report) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
-    fn policy(hit: f64) -> PolicyReport {
+    /// A policy's results with hit rate `hit` and two timeline points.
+    pub(crate) fn policy(hit: f64) -> PolicyReport {
         PolicyReport {
             hit_rate: hit,
             ttft_ms: Percentiles3 {

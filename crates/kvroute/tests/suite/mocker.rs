@@ -4,7 +4,7 @@ use std::io::Read;
 use std::process::Command;
 
 use crate::support::http::send;
-use crate::support::{kvroute, spawn_mocker};
+use crate::support::{kvroute, start_mocker_with};
 
 /// The raw answer (status line, headers, body) to `GET path`.
 fn http_get(host_port: &str, path: &str) -> String {
@@ -16,24 +16,16 @@ fn http_get(host_port: &str, path: &str) -> String {
 
 #[test]
 fn mocker_prints_one_worker_line_per_engine_serves_and_stops_on_sigterm() {
-    let (mut child, lines) = spawn_mocker(
+    let (mut child, lines) = start_mocker_with(
+        2,
         &[
             "--engine-flavor",
             "sglang",
-            "--workers",
-            "2",
             "--dp-size",
             "2",
-            "--port",
-            "0",
-            "--kv-events-port",
-            "0",
-            "--replay-port",
-            "0",
             "--block-size",
             "32",
         ],
-        2,
     );
     for (k, line) in lines.iter().enumerate() {
         let pairs: Vec<(&str, &str)> = line

@@ -27,24 +27,16 @@ fn metric_sum(serve: &str, name: &str) -> u64 {
 }
 
 fn start_fleet(flavor: &str) -> (Proc, Proc, String) {
-    let (mocker, lines) = spawn_mocker(
+    let (mocker, lines) = start_mocker_with(
+        2,
         &[
             "--engine-flavor",
             flavor,
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--kv-events-port",
-            "0",
-            "--replay-port",
-            "0",
             "--speedup",
             "1000",
             "--mm-tokens-per-image",
             MM_TOKENS,
         ],
-        2,
     );
     for line in &lines {
         assert!(line.contains(&format!("flavor={flavor}")), "{line}");

@@ -467,23 +467,7 @@ fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
     )
     .expect("write the config");
     let path_arg = path.to_str().expect("utf-8 path").to_owned();
-    let (_mocker, lines) = spawn_mocker(
-        &[
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--tokenizer",
-            &path_arg,
-            "--kv-events-port",
-            "0",
-            "--replay-port",
-            "0",
-            "--speedup",
-            "100",
-        ],
-        2,
-    );
+    let (_mocker, lines) = start_mocker_with(2, &["--tokenizer", &path_arg, "--speedup", "100"]);
     let (_serve, serve) = start_serve(&lines, &["--tokenizer", &path_arg]);
     let words =
         |range: std::ops::Range<u32>| range.map(|i| format!("t{i}")).collect::<Vec<_>>().join(" ");

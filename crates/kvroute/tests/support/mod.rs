@@ -101,24 +101,27 @@ pub fn spawn_mocker(args: &[&str], engines: usize) -> (Proc, Vec<String>) {
     (child, lines)
 }
 
-/// `workers` engines on ephemeral ports.
-pub fn start_mocker(workers: usize, speedup: &str) -> (Proc, Vec<String>) {
+/// `workers` engines on ephemeral ports (HTTP, events, replay), with
+/// `extra` flags; returns the mocker and its `--worker` lines.
+pub fn start_mocker_with(workers: usize, extra: &[&str]) -> (Proc, Vec<String>) {
     let n = workers.to_string();
-    spawn_mocker(
-        &[
-            "--workers",
-            &n,
-            "--port",
-            "0",
-            "--kv-events-port",
-            "0",
-            "--replay-port",
-            "0",
-            "--speedup",
-            speedup,
-        ],
-        workers,
-    )
+    let mut args = vec![
+        "--workers",
+        &n,
+        "--port",
+        "0",
+        "--kv-events-port",
+        "0",
+        "--replay-port",
+        "0",
+    ];
+    args.extend_from_slice(extra);
+    spawn_mocker(&args, workers)
+}
+
+/// `workers` engines on ephemeral ports, `speedup` times faster than real time.
+pub fn start_mocker(workers: usize, speedup: &str) -> (Proc, Vec<String>) {
+    start_mocker_with(workers, &["--speedup", speedup])
 }
 
 /// One engine of `flavor` with two data-parallel ranks on fixed ports (rank r
