@@ -103,3 +103,26 @@ pub async fn method_not_allowed() -> ApiError {
         "method not allowed on this route",
     )
 }
+
+/// 413 at once for a request whose `Content-Length` is over `limit`, before
+/// its body is read or it waits for anything.
+pub async fn refuse_declared_oversize(
+    axum::extract::State(limit): axum::extract::State<usize>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let declared = request
+        .headers()
+        .get(axum::http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    match declared {
+        Some(n) if n > limit as u64 => ApiError::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "request_too_large",
+            format!("the body is {n} bytes; this route takes at most {limit}"),
+        )
+        .into_response(),
+        _ => next.run(request).await,
+    }
+}

@@ -53,13 +53,21 @@ impl FromRef<AppState> for Arc<Metrics> {
 pub fn app(state: AppState) -> axum::Router {
     let limit = state.max_body_bytes;
     let query_slots = Arc::new(tokio::sync::Semaphore::new(state.query.concurrency.max(1)));
+    let query_limit = state.query.max_body_bytes.min(limit);
+    // Outermost first: a body that says it is too long is refused before it
+    // takes one of the query slots; one that is longer than it says is
+    // refused while it is read.
     let queries = axum::Router::new()
         .route("/query", post(query::query))
         .route("/query_by_hash", post(query::query_by_hash))
-        .layer(DefaultBodyLimit::max(state.query.max_body_bytes.min(limit)))
+        .layer(DefaultBodyLimit::max(query_limit))
         .route_layer(axum::middleware::from_fn_with_state(
             query_slots,
             query::limit_concurrency,
+        ))
+        .route_layer(axum::middleware::from_fn_with_state(
+            query_limit,
+            api::refuse_declared_oversize,
         ));
     let introspection = axum::Router::new()
         .merge(queries)
