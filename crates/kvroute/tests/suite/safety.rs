@@ -133,16 +133,18 @@ fn a_poison_request_is_refused_and_every_engine_survives() {
     let (_mocker, lines) = start_mocker(3, "100");
     let (_serve, serve) = start_serve(&lines, &[]);
     let poison = r#"{"model":"mock-model","prompt":[1,2,3],"max_tokens":99999999999}"#;
-    // The router learns each worker's context length from its /v1/models.
-    eventually("the poison is refused before it is sent", || {
-        request(&serve, "POST", "/v1/completions", poison).status == 400
-    });
-    let r = request(&serve, "POST", "/v1/completions", poison);
-    let message = r.json()["error"]["message"]
-        .as_str()
-        .unwrap_or("")
-        .to_owned();
-    assert!(message.contains("maximum context length"), "{message}");
+    // The router learns each worker's context length from its /v1/models
+    // within seconds of starting; until then an engine refuses the poison
+    // itself (and survives it), after that the router does.
+    let refused_by_router = || {
+        let r = request(&serve, "POST", "/v1/completions", poison);
+        let message = r.json()["error"]["message"]
+            .as_str()
+            .unwrap_or("")
+            .to_owned();
+        r.status == 400 && message.contains("maximum context length")
+    };
+    eventually("the router refuses the poison itself", refused_by_router);
     for line in &lines {
         let engine = field(line, "url").trim_start_matches("http://");
         // Straight to the engine, and to its cache probe: refused, and alive.
@@ -201,6 +203,11 @@ fn huge_queries_are_refused_and_memory_stays_bounded() {
         .collect();
     assert!(statuses.iter().all(|&s| s == 413), "{statuses:?}");
     let rss = rss(serve_proc.0.id());
+    eprintln!(
+        "router RSS after six concurrent {} MiB queries: {} MiB",
+        body.len() >> 20,
+        rss >> 20
+    );
     assert!(rss > 0 && rss < 100 << 20, "router RSS {rss} bytes");
 }
 
@@ -257,9 +264,11 @@ fn idle_and_slow_connections_are_closed_and_the_count_is_capped() {
         })
     };
     let slow_closed = closed_within(slow, Duration::from_secs(5)).expect("slow header closed");
+    eprintln!("slow-header connection closed after {slow_closed:?} (header timeout 1 s)");
     assert!(slow_closed < Duration::from_millis(2500), "{slow_closed:?}");
     closed_within(idle, Duration::from_secs(6)).expect("idle connection closed");
     let idle_closed = opened.elapsed();
+    eprintln!("idle connection closed after {idle_closed:?} (idle timeout 2 s)");
     assert!(
         (Duration::from_millis(1500)..Duration::from_millis(4000)).contains(&idle_closed),
         "{idle_closed:?}"
@@ -327,6 +336,11 @@ fn a_ten_megabyte_prompt_does_not_hold_up_other_requests() {
     );
     latencies.sort();
     let p99 = latencies[latencies.len() * 99 / 100];
+    eprintln!(
+        "/health beside {sent} 10 MB prompts: p50 {:?}, p99 {p99:?}, max {:?}",
+        latencies[latencies.len() / 2],
+        latencies[latencies.len() - 1]
+    );
     assert!(p99 < Duration::from_millis(20), "/health p99 {p99:?}");
 }
 
