@@ -1,29 +1,45 @@
 //! The sequence cursor of one (worker, rank) event stream: which batches to
-//! apply, when to ask the engine's replay socket for missed ones, and when the
-//! rank's state can no longer be trusted.
+//! apply, when to ask the engine's replay ring, and whether the rank's
+//! history is still exact.
 //!
 //! Engines number batches per publisher from 0 (`seq`, 8 bytes big-endian on
-//! the wire) and keep the last 10,000 in a replay ring. The cursor tracks the
-//! next expected `seq` and turns each observation into [`Action`]s for the
-//! shell, which owns the sockets:
+//! the wire) and keep the last N (10,000 by default) in a replay ring that
+//! answers "every batch from `seq` on, then an end marker". An engine that
+//! restarts starts again from 0 with an empty cache, on the same ports, so a
+//! router that was away cannot tell from sequence numbers alone whether the
+//! batches it now sees continue the stream it applied. The cursor therefore
+//! proves continuity instead of assuming it: every replay it asks for starts
+//! at the **last batch it applied** (the anchor), and the first reply decides.
+//!
+//! | first reply | meaning | what follows |
+//! | --- | --- | --- |
+//! | the anchor's seq, same bytes | same engine, stream continuous | apply what follows |
+//! | the anchor's seq, other bytes | the engine restarted | clear the rank, replay from 0 |
+//! | only the end marker | the engine restarted (it never published that far) | clear, replay from 0 |
+//! | a later seq | the ring no longer reaches back | apply; history incomplete |
+//!
+//! The shell asks for such a replay after every reconnect ([`StreamCursor::resync`]),
+//! every few seconds on a quiet stream ([`StreamCursor::verify`]), and the
+//! cursor asks for one itself when a live batch skips ahead (a gap) or when
+//! the first batch it ever sees is not seq 0 (a late join). While the link
+//! to the engine is down ([`StreamCursor::suspend`]) live batches wait, so a
+//! restarted engine's batch can never become the anchor.
 //!
 //! | live batch | meaning | actions |
 //! | --- | --- | --- |
-//! | `seq == next` | contiguous | apply |
-//! | `seq > next` | batches were lost | buffer it, replay from `next` |
-//! | `seq < next` | the engine restarted (seq went back) | clear the rank, start over |
+//! | `seq == last + 1` | contiguous | apply |
+//! | `seq > last + 1` | batches were lost | buffer it, replay from `last` |
+//! | `seq ≤ last`, bytes as applied (or replayed) | a duplicate | drop |
+//! | `seq ≤ last`, other bytes | the engine restarted | clear the rank, start over |
 //! | first batch, `seq > 0` | we joined late | buffer it, replay from 0 |
 //!
-//! During a replay, live batches are buffered (bounded: past the bound they are
-//! dropped, and the gap they leave is found and replayed later). Replayed
-//! batches older than `next` are stale and dropped. If the replay cannot fill
-//! the gap (the ring no longer holds it, the replay timed out, or there is no
-//! replay endpoint), the rank is cleared and the stream continues from the
-//! next batch it has: the index never keeps state it cannot vouch for.
-//!
-//! A batch whose envelope cannot be decoded is treated as a gap once (the
-//! shell reports it with [`StreamCursor::undecodable`] and it is replayed);
-//! if its replayed copy fails too, it is skipped.
+//! While a replay runs, live batches are buffered (bounded: past the bound
+//! they are dropped, and the gap they leave is found and replayed later).
+//! When history cannot be completed (the ring is too short, a replay failed
+//! while a gap was open, a batch could not be decoded), the cursor says so in
+//! [`StreamCursor::history`] and keeps going: the rank is *degraded*, and the
+//! shell decides how to recover. A clear (an engine restart, or the engine's
+//! own `AllBlocksCleared`) makes history exact again.
 //!
 //! Sequence numbers above [`MAX_SEQ`] cannot come from an engine counting
 //! from 0 (and `u64::MAX` is the replay's end marker): such a batch is
@@ -34,10 +50,11 @@ use std::collections::VecDeque;
 /// Why a rank's blocks were dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClearReason {
-    /// `seq` went backwards: the engine restarted with an empty cache.
+    /// The engine restarted: its cache is empty and its seq began again.
     EngineRestart,
-    /// Batches were lost and could not be replayed.
-    UnrecoverableGap,
+    /// The stream reconnected and has no replay ring to prove that nothing
+    /// changed meanwhile.
+    Unverifiable,
 }
 
 impl ClearReason {
@@ -45,7 +62,7 @@ impl ClearReason {
     pub fn as_str(self) -> &'static str {
         match self {
             ClearReason::EngineRestart => "engine_restart",
-            ClearReason::UnrecoverableGap => "unrecoverable_gap",
+            ClearReason::Unverifiable => "unverifiable_reconnect",
         }
     }
 }
@@ -60,8 +77,8 @@ pub enum Action<T> {
         /// Its payload.
         payload: T,
     },
-    /// Ask the replay socket for every batch from `from` on, feed each to
-    /// [`StreamCursor::replayed`], then call [`StreamCursor::replay_finished`].
+    /// Ask the replay socket for every batch from `from` on, feed each reply
+    /// to [`StreamCursor::replayed`], then call [`StreamCursor::replay_finished`].
     Replay {
         /// First sequence number wanted.
         from: u64,
@@ -70,29 +87,91 @@ pub enum Action<T> {
     Clear(ClearReason),
 }
 
+/// How a replay ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplayEnd {
+    /// The end marker arrived.
+    Complete,
+    /// No reply came in time, or the link never came back.
+    TimedOut,
+    /// The rank has no replay endpoint.
+    Unavailable,
+}
+
+/// Why a rank's history is no longer known to be exact.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Loss {
+    /// The replay ring started at `first`, after the wanted `wanted`.
+    RingTooShort {
+        /// The first seq asked for.
+        wanted: u64,
+        /// The first seq the ring still held.
+        first: u64,
+    },
+    /// Batches `from..to` were lost and no replay could bring them back.
+    Gap {
+        /// The first lost seq.
+        from: u64,
+        /// The seq applied after the hole.
+        to: u64,
+    },
+    /// Batch `seq` could not be decoded.
+    Undecodable {
+        /// Its seq.
+        seq: u64,
+    },
+}
+
+impl std::fmt::Display for Loss {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Loss::RingTooShort { wanted, first } => write!(
+                f,
+                "the replay ring starts at seq {first}; batches from {wanted} are gone"
+            ),
+            Loss::Gap { from, to } => write!(f, "batches {from}..{to} were lost"),
+            Loss::Undecodable { seq } => write!(f, "batch {seq} could not be decoded"),
+        }
+    }
+}
+
+/// Whether everything the rank's engine published since the last clear was applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum History {
+    /// Every batch since the last clear (or since the stream began) was applied.
+    Exact,
+    /// Some were not; the first loss since the last clear.
+    Incomplete(Loss),
+}
+
 /// Counts kept by a cursor, for `/workers` and metrics.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CursorStats {
     /// Batches handed out for applying.
     pub applied: u64,
-    /// Batches dropped as older than already applied ones.
+    /// Batches dropped as copies of already applied ones.
     pub stale: u64,
-    /// Gaps detected (including a late join and undecodable batches).
+    /// Gaps detected (including a late join).
     pub gaps: u64,
-    /// Replays that filled their gap.
+    /// Replays that brought back everything they were asked for.
     pub replays_ok: u64,
-    /// Replays that could not (ring too short, timeout, no endpoint).
+    /// Replays that could not (the ring no longer reached back, or a gap
+    /// stayed open when the replay failed).
     pub replays_incomplete: u64,
+    /// Replays that got no end marker in time.
+    pub replay_timeouts: u64,
     /// Engine restarts seen.
     pub restarts: u64,
     /// Times the rank was cleared.
     pub clears: u64,
     /// Live batches dropped because the replay buffer was full.
     pub overflowed: u64,
-    /// Batches skipped because even their replayed copy could not be decoded.
+    /// Batches skipped because they could not be decoded.
     pub undecodable_skipped: u64,
     /// Replays asked for on (re)connection.
     pub resyncs: u64,
+    /// Replays whose first reply proved the stream continuous.
+    pub verifies: u64,
     /// Batches dropped because their sequence number was above [`MAX_SEQ`].
     pub invalid_seq: u64,
 }
@@ -101,20 +180,43 @@ pub struct CursorStats {
 /// from 0 in a signed 64-bit integer).
 pub const MAX_SEQ: u64 = i64::MAX as u64;
 
+/// The last applied batch: its seq and a fingerprint of its bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Anchor {
+    seq: u64,
+    fingerprint: u64,
+}
+
+/// An outstanding replay request.
+#[derive(Debug, Clone, Copy)]
+struct Replay {
+    from: u64,
+    /// The batch the first reply must repeat, if anything was applied.
+    anchor: Option<Anchor>,
+    /// A reply (other than the end marker) has arrived.
+    answered: bool,
+    /// The first reply showed a restarted engine: ignore the rest, then replay from 0.
+    restart: bool,
+    /// Replies skipped a seq (the engine dropped some): ask again afterwards.
+    hole: bool,
+    /// The ring did not reach back to what was wanted.
+    short: bool,
+    /// The request went out (false while the link is down).
+    sent: bool,
+}
+
 /// The cursor of one stream; `T` is the payload type the shell carries.
 #[derive(Debug, Clone)]
 pub struct StreamCursor<T> {
-    next: Option<u64>,
-    replaying: bool,
-    /// The batch being replayed because it could not be decoded.
-    retrying: Option<u64>,
+    last: Option<Anchor>,
+    replay: Option<Replay>,
     buffer: VecDeque<(u64, T)>,
     max_buffered: usize,
     /// Batches applied from the replay ring since live last caught up, as
     /// (seq, fingerprint): live copies of them may still be in flight and
-    /// are duplicates, while a batch with a known seq but other bytes means
-    /// the engine restarted.
+    /// are duplicates, while a known seq with other bytes means a restart.
     replayed: VecDeque<(u64, u64)>,
+    history: History,
     fingerprint: fn(&T) -> u64,
     stats: CursorStats,
 }
@@ -124,34 +226,49 @@ const MAX_REPLAYED: usize = 16_384;
 
 impl<T> StreamCursor<T> {
     /// A cursor that has seen nothing, buffering at most `max_buffered` live
-    /// batches while a replay runs. `fingerprint` identifies a payload's bytes
-    /// (a hash), to tell a late duplicate from a restarted engine's batch.
+    /// batches while a replay runs. `fingerprint` identifies a payload's
+    /// bytes (a hash), to tell a duplicate from a restarted engine's batch.
     pub fn new(max_buffered: usize, fingerprint: fn(&T) -> u64) -> Self {
         StreamCursor {
-            next: None,
-            replaying: false,
-            retrying: None,
+            last: None,
+            replay: None,
             buffer: VecDeque::new(),
             max_buffered: max_buffered.max(1),
             replayed: VecDeque::new(),
+            history: History::Exact,
             fingerprint,
             stats: CursorStats::default(),
         }
     }
 
-    /// The next expected sequence number, once known.
+    /// The next expected sequence number, once anything was applied.
     pub fn next_seq(&self) -> Option<u64> {
-        self.next
+        self.last.map(|a| a.seq + 1)
     }
 
     /// The last applied sequence number.
     pub fn last_seq(&self) -> Option<u64> {
-        self.next.and_then(|n| n.checked_sub(1))
+        self.last.map(|a| a.seq)
     }
 
-    /// True while a replay is outstanding.
+    /// True while a replay request is out.
     pub fn is_replaying(&self) -> bool {
-        self.replaying
+        self.replay.is_some_and(|r| r.sent)
+    }
+
+    /// True while live batches wait for the link to come back.
+    pub fn is_suspended(&self) -> bool {
+        self.replay.is_some_and(|r| !r.sent)
+    }
+
+    /// Live batches waiting for a replay or a resync.
+    pub fn buffered(&self) -> usize {
+        self.buffer.len()
+    }
+
+    /// Whether the rank's history since the last clear is complete.
+    pub fn history(&self) -> History {
+        self.history
     }
 
     /// Counts so far.
@@ -159,21 +276,66 @@ impl<T> StreamCursor<T> {
         self.stats
     }
 
+    fn lose(&mut self, loss: Loss) {
+        if self.history == History::Exact {
+            self.history = History::Incomplete(loss);
+        }
+    }
+
+    /// The rank's state is exact again from here on: the engine cleared its
+    /// cache (`AllBlocksCleared`), or the shell has other evidence.
+    pub fn history_reset(&mut self) {
+        self.history = History::Exact;
+    }
+
     fn apply(&mut self, seq: u64, payload: T, out: &mut Vec<Action<T>>) {
-        self.next = Some(seq + 1);
+        self.last = Some(Anchor {
+            seq,
+            fingerprint: (self.fingerprint)(&payload),
+        });
         self.stats.applied += 1;
         out.push(Action::Apply { seq, payload });
     }
 
+    fn restart(&mut self, out: &mut Vec<Action<T>>) {
+        self.stats.restarts += 1;
+        self.clear(ClearReason::EngineRestart, out);
+    }
+
     fn clear(&mut self, reason: ClearReason, out: &mut Vec<Action<T>>) {
         self.stats.clears += 1;
+        self.last = None;
+        self.replayed.clear();
+        self.history = History::Exact;
         out.push(Action::Clear(reason));
     }
 
-    fn start_replay(&mut self, from: u64, out: &mut Vec<Action<T>>) {
-        self.stats.gaps += 1;
-        self.replaying = true;
-        out.push(Action::Replay { from });
+    /// A replay from the anchor on (from 0 when nothing was applied).
+    fn new_replay(&self, sent: bool) -> Replay {
+        Replay {
+            from: self.last.map_or(0, |a| a.seq),
+            anchor: self.last,
+            answered: false,
+            restart: false,
+            hole: false,
+            short: false,
+            sent,
+        }
+    }
+
+    /// Asks for every batch from the anchor on.
+    fn start_replay(&mut self, out: &mut Vec<Action<T>>) {
+        let replay = self.new_replay(true);
+        out.push(Action::Replay { from: replay.from });
+        self.replay = Some(replay);
+    }
+
+    fn buffer_back(&mut self, seq: u64, payload: T) {
+        if self.buffer.len() < self.max_buffered {
+            self.buffer.push_back((seq, payload));
+        } else {
+            self.stats.overflowed += 1;
+        }
     }
 
     /// A batch from the live subscription.
@@ -182,364 +344,214 @@ impl<T> StreamCursor<T> {
             self.stats.invalid_seq += 1;
             return;
         }
-        if self.replaying {
-            if self.buffer.len() < self.max_buffered {
-                self.buffer.push_back((seq, payload));
-            } else {
-                self.stats.overflowed += 1;
-            }
+        if self.replay.is_some() {
+            self.buffer_back(seq, payload);
             return;
         }
-        match self.next {
+        if let Some((seq, payload)) = self.dispatch(seq, payload, out) {
+            self.buffer_back(seq, payload);
+        }
+    }
+
+    /// Handles one live batch outside a replay; returns it when a replay
+    /// started and the batch must wait for it.
+    fn dispatch(&mut self, seq: u64, payload: T, out: &mut Vec<Action<T>>) -> Option<(u64, T)> {
+        match self.last {
             None if seq == 0 => self.apply(seq, payload, out),
-            None => {
-                self.buffer.push_back((seq, payload));
-                self.start_replay(0, out);
-            }
-            Some(next) if seq == next => {
+            Some(last) if seq == last.seq + 1 => {
                 // Live has caught up: no older live copy can follow (one connection is FIFO).
                 self.replayed.clear();
                 self.apply(seq, payload, out);
             }
-            Some(next) if seq > next => {
-                self.buffer.push_back((seq, payload));
-                self.start_replay(next, out);
+            None => {
+                self.stats.gaps += 1;
+                self.start_replay(out);
+                return Some((seq, payload));
             }
-            Some(_) if self.replayed.contains(&(seq, (self.fingerprint)(&payload))) => {
-                // The live copy of a batch a replay already delivered.
-                self.stats.stale += 1;
+            Some(last) if seq > last.seq => {
+                self.stats.gaps += 1;
+                self.start_replay(out);
+                return Some((seq, payload));
             }
-            Some(_) => {
-                // Backwards: the publisher restarted, and so did its cache.
-                self.stats.restarts += 1;
-                self.clear(ClearReason::EngineRestart, out);
-                self.next = None;
-                self.retrying = None;
-                self.live(seq, payload, out);
+            Some(last) => {
+                let fingerprint = (self.fingerprint)(&payload);
+                let applied = seq == last.seq && fingerprint == last.fingerprint;
+                if applied || self.replayed.contains(&(seq, fingerprint)) {
+                    self.stats.stale += 1;
+                } else {
+                    // Same seq, other bytes: the publisher started over, and so did its cache.
+                    self.restart(out);
+                    return self.dispatch(seq, payload, out);
+                }
             }
         }
+        None
     }
 
     /// A batch from the replay socket, in the order received.
     pub fn replayed(&mut self, seq: u64, payload: T, out: &mut Vec<Action<T>>) {
+        let Some(mut replay) = self.replay.filter(|r| r.sent) else {
+            // A reply nobody is waiting for (the shell should not pass these).
+            self.stats.stale += 1;
+            return;
+        };
         if seq > MAX_SEQ {
             self.stats.invalid_seq += 1;
             return;
         }
-        let next = self.next.unwrap_or(0);
+        if replay.restart {
+            return;
+        }
+        if !replay.answered {
+            if seq < replay.from {
+                // Not an answer to this request: a ring never replies below `from`.
+                self.stats.stale += 1;
+                return;
+            }
+            replay.answered = true;
+            if let Some(anchor) = replay.anchor.filter(|a| a.seq == seq) {
+                if (self.fingerprint)(&payload) == anchor.fingerprint {
+                    self.stats.verifies += 1;
+                } else {
+                    replay.restart = true;
+                    self.restart(out);
+                }
+                self.replay = Some(replay);
+                return;
+            }
+            let wanted = replay.anchor.map_or(0, |a| a.seq);
+            if seq > wanted {
+                replay.short = true;
+                self.lose(Loss::RingTooShort { wanted, first: seq });
+                self.replay = Some(replay);
+                self.apply_replayed(seq, payload, out);
+                return;
+            }
+        }
+        let next = self.last.map_or(0, |a| a.seq + 1);
         if seq < next {
             self.stats.stale += 1;
+        } else if seq == next {
+            self.apply_replayed(seq, payload, out);
         } else {
-            if seq > next {
-                // The ring no longer holds `next..seq`.
-                self.clear(ClearReason::UnrecoverableGap, out);
-            }
-            if self.replayed.len() == MAX_REPLAYED {
-                self.replayed.pop_front();
-            }
-            self.replayed.push_back((seq, (self.fingerprint)(&payload)));
-            self.apply(seq, payload, out);
+            // The engine dropped replies (its send queue was full): ask again after.
+            replay.hole = true;
         }
+        self.replay = Some(replay);
     }
 
-    /// The replay ended: `complete` when the end marker arrived (false on a
-    /// timeout or when there is no replay endpoint). Applies what was buffered.
-    pub fn replay_finished(&mut self, complete: bool, out: &mut Vec<Action<T>>) {
-        if !self.replaying {
+    fn apply_replayed(&mut self, seq: u64, payload: T, out: &mut Vec<Action<T>>) {
+        if self.replayed.len() == MAX_REPLAYED {
+            self.replayed.pop_front();
+        }
+        self.replayed.push_back((seq, (self.fingerprint)(&payload)));
+        self.apply(seq, payload, out);
+    }
+
+    /// The replay ended (see [`ReplayEnd`]). Applies what was buffered.
+    pub fn replay_finished(&mut self, end: ReplayEnd, out: &mut Vec<Action<T>>) {
+        let Some(replay) = self.replay.take() else {
+            return;
+        };
+        if replay.restart {
+            self.start_replay(out);
             return;
         }
-        self.replaying = false;
-        let mut filled = complete;
+        let complete = end == ReplayEnd::Complete && replay.sent;
+        if complete && !replay.answered && replay.anchor.is_some() {
+            // The ring holds nothing at or after a batch this engine published:
+            // it is not that engine any more.
+            self.restart(out);
+            self.start_replay(out);
+            return;
+        }
+        if end == ReplayEnd::TimedOut {
+            self.stats.replay_timeouts += 1;
+        }
+        let mut jumped = false;
         while let Some((seq, payload)) = self.buffer.pop_front() {
-            match self.next {
-                Some(next) if seq < next => self.stats.stale += 1,
-                Some(next) if seq == next => self.apply(seq, payload, out),
-                None if seq == 0 => self.apply(seq, payload, out),
-                _ => {
-                    filled = false;
-                    self.clear(ClearReason::UnrecoverableGap, out);
-                    self.apply(seq, payload, out);
-                }
+            let next = self.last.map_or(0, |a| a.seq + 1);
+            if seq > next && !complete {
+                // Nothing more will come: go on after the hole, and say so.
+                self.lose(Loss::Gap {
+                    from: next,
+                    to: seq,
+                });
+                jumped = true;
+                self.apply(seq, payload, out);
+                continue;
+            }
+            if let Some(back) = self.dispatch(seq, payload, out) {
+                self.buffer.push_front(back);
+                break;
             }
         }
-        if filled {
-            self.stats.replays_ok += 1;
-        } else {
+        if replay.hole && complete && self.replay.is_none() {
+            self.stats.gaps += 1;
+            self.start_replay(out);
+        }
+        if replay.short || jumped {
             self.stats.replays_incomplete += 1;
+        } else if complete && !replay.hole {
+            self.stats.replays_ok += 1;
         }
     }
 
-    /// The subscription (re)connected: batches published before the engine saw
-    /// our subscription never arrive live, so ask the replay ring for
-    /// everything from the next expected batch (from 0 on a first connect).
-    /// Not counted as a gap.
+    /// The link to the engine went down: whatever arrives live from now on
+    /// may come from a restarted engine, so it waits (buffered) until a
+    /// [`StreamCursor::resync`] has proved the stream continuous from the
+    /// last batch applied before. Without this, a new engine's first batch
+    /// that happens to carry the next seq would be applied, and become the
+    /// anchor later checks compare against.
+    pub fn suspend(&mut self) {
+        if self.replay.is_none() {
+            self.replay = Some(self.new_replay(false));
+        }
+    }
+
+    /// The subscription (re)connected: batches published while we were away
+    /// are only in the ring, and the engine may have restarted. Asks from
+    /// the last applied batch (from 0 on a first connect). Not a gap.
+    ///
+    /// Batches that arrived while the link was down are dropped: they may be
+    /// a restarted engine's, and the replay brings the current engine's.
     pub fn resync(&mut self, out: &mut Vec<Action<T>>) {
-        if self.replaying {
+        if self.is_replaying() {
             return;
         }
-        let from = self.next.unwrap_or(0);
-        self.replaying = true;
+        if self.is_suspended() {
+            self.stats.stale += self.buffer.len() as u64;
+            self.buffer.clear();
+        }
         self.stats.resyncs += 1;
-        out.push(Action::Replay { from });
+        self.start_replay(out);
     }
 
-    /// The shell could not decode the envelope of batch `seq` it was told to
-    /// apply: replay it once; if that copy fails too, skip it.
-    pub fn undecodable(&mut self, seq: u64, out: &mut Vec<Action<T>>) {
-        if self.retrying == Some(seq) {
-            self.retrying = None;
-            self.stats.undecodable_skipped += 1;
-            return;
+    /// A quiet stream's periodic check that the engine is still the one
+    /// whose batches were applied (the same request as a resync).
+    pub fn verify(&mut self, out: &mut Vec<Action<T>>) {
+        if self.replay.is_none() {
+            self.start_replay(out);
         }
-        self.retrying = Some(seq);
-        self.stats.applied = self.stats.applied.saturating_sub(1);
-        self.next = Some(seq);
-        if !self.replaying {
-            self.start_replay(seq, out);
+    }
+
+    /// The stream reconnected and has no replay ring: nothing can prove the
+    /// engine is the same, so the rank starts over.
+    pub fn reconnected_unverifiable(&mut self, out: &mut Vec<Action<T>>) {
+        self.replay = None;
+        if self.last.is_some() || self.history != History::Exact {
+            self.clear(ClearReason::Unverifiable, out);
         }
+    }
+
+    /// The shell could not decode batch `seq` it was told to apply: it is
+    /// skipped (its replayed copy would be the same bytes), and history
+    /// is no longer exact.
+    pub fn undecodable(&mut self, seq: u64) {
+        self.stats.undecodable_skipped += 1;
+        self.lose(Loss::Undecodable { seq });
     }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn live(c: &mut StreamCursor<u64>, seq: u64) -> Vec<Action<u64>> {
-        let mut out = Vec::new();
-        c.live(seq, seq, &mut out);
-        out
-    }
-
-    fn replayed(c: &mut StreamCursor<u64>, seq: u64) -> Vec<Action<u64>> {
-        let mut out = Vec::new();
-        c.replayed(seq, seq, &mut out);
-        out
-    }
-
-    fn finished(c: &mut StreamCursor<u64>, complete: bool) -> Vec<Action<u64>> {
-        let mut out = Vec::new();
-        c.replay_finished(complete, &mut out);
-        out
-    }
-
-    fn apply(seq: u64) -> Action<u64> {
-        Action::Apply { seq, payload: seq }
-    }
-
-    #[test]
-    fn sequence_numbers_past_the_engines_range_are_dropped_without_overflow() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        assert_eq!(live(&mut c, 0), [apply(0)]);
-        assert!(live(&mut c, u64::MAX).is_empty());
-        assert!(replayed(&mut c, MAX_SEQ + 1).is_empty());
-        assert_eq!(c.stats().invalid_seq, 2);
-        assert_eq!(live(&mut c, 1), [apply(1)], "the stream goes on");
-        let mut c = StreamCursor::new(16, |p| *p);
-        assert_eq!(live(&mut c, MAX_SEQ), [Action::Replay { from: 0 }]);
-        assert_eq!(finished(&mut c, false).len(), 2, "clear, then apply");
-        assert_eq!(c.next_seq(), Some(MAX_SEQ + 1));
-    }
-
-    #[test]
-    fn contiguous_batches_apply_in_order() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        for seq in 0..5 {
-            assert_eq!(live(&mut c, seq), [apply(seq)]);
-        }
-        assert_eq!(c.last_seq(), Some(4));
-    }
-
-    #[test]
-    fn a_late_join_replays_from_zero() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        assert_eq!(live(&mut c, 3), [Action::Replay { from: 0 }]);
-        assert!(live(&mut c, 4).is_empty(), "buffered during the replay");
-        for seq in 0..4 {
-            assert_eq!(replayed(&mut c, seq), [apply(seq)]);
-        }
-        assert_eq!(finished(&mut c, true), [apply(4)]);
-        assert_eq!(c.stats().replays_ok, 1);
-        assert_eq!(c.stats().stale, 1, "buffered 3 was already replayed");
-    }
-
-    #[test]
-    fn a_gap_is_replayed_and_buffered_batches_follow() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        live(&mut c, 0);
-        live(&mut c, 1);
-        assert_eq!(live(&mut c, 4), [Action::Replay { from: 2 }]);
-        live(&mut c, 5);
-        assert_eq!(replayed(&mut c, 2), [apply(2)]);
-        assert_eq!(replayed(&mut c, 3), [apply(3)]);
-        assert_eq!(replayed(&mut c, 4), [apply(4)]);
-        assert_eq!(finished(&mut c, true), [apply(5)]);
-        assert_eq!(c.next_seq(), Some(6));
-        let s = c.stats();
-        assert_eq!((s.gaps, s.replays_ok, s.stale, s.clears), (1, 1, 1, 0));
-    }
-
-    #[test]
-    fn a_gap_beyond_the_ring_clears_the_rank() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        live(&mut c, 0);
-        live(&mut c, 50);
-        // The ring starts at 40: 1..40 are gone.
-        assert_eq!(
-            replayed(&mut c, 40),
-            [Action::Clear(ClearReason::UnrecoverableGap), apply(40)]
-        );
-        for seq in 41..=50 {
-            replayed(&mut c, seq);
-        }
-        assert!(finished(&mut c, true).is_empty());
-        assert_eq!(c.next_seq(), Some(51));
-    }
-
-    #[test]
-    fn no_replay_endpoint_means_clear_and_continue() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        live(&mut c, 0);
-        assert_eq!(live(&mut c, 7), [Action::Replay { from: 1 }]);
-        assert_eq!(
-            finished(&mut c, false),
-            [Action::Clear(ClearReason::UnrecoverableGap), apply(7)]
-        );
-        assert_eq!(c.stats().replays_incomplete, 1);
-        assert_eq!(live(&mut c, 8), [apply(8)]);
-    }
-
-    #[test]
-    fn a_replay_that_ends_early_clears_the_rank() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        live(&mut c, 0);
-        live(&mut c, 5);
-        replayed(&mut c, 1);
-        replayed(&mut c, 2);
-        assert_eq!(
-            finished(&mut c, false),
-            [Action::Clear(ClearReason::UnrecoverableGap), apply(5)]
-        );
-    }
-
-    #[test]
-    fn seq_going_backwards_is_an_engine_restart() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        for seq in 0..10 {
-            live(&mut c, seq);
-        }
-        assert_eq!(
-            live(&mut c, 0),
-            [Action::Clear(ClearReason::EngineRestart), apply(0)]
-        );
-        assert_eq!(c.stats().restarts, 1);
-        // A restart seen late (seq already past 0) replays the new run from 0.
-        let mut c = StreamCursor::new(16, |p| *p);
-        for seq in 0..10 {
-            live(&mut c, seq);
-        }
-        assert_eq!(
-            live(&mut c, 2),
-            [
-                Action::Clear(ClearReason::EngineRestart),
-                Action::Replay { from: 0 }
-            ]
-        );
-    }
-
-    #[test]
-    fn an_undecodable_batch_is_replayed_once_then_skipped() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        live(&mut c, 0);
-        assert_eq!(live(&mut c, 1), [apply(1)]);
-        let mut out = Vec::new();
-        c.undecodable(1, &mut out);
-        assert_eq!(out, [Action::Replay { from: 1 }]);
-        assert_eq!(replayed(&mut c, 1), [apply(1)]);
-        let mut out = Vec::new();
-        c.undecodable(1, &mut out);
-        assert!(out.is_empty(), "skipped the second time");
-        assert!(finished(&mut c, true).is_empty());
-        assert_eq!(live(&mut c, 2), [apply(2)]);
-        assert_eq!(c.stats().undecodable_skipped, 1);
-    }
-
-    #[test]
-    fn live_copies_of_replayed_batches_are_duplicates_not_a_restart() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        live(&mut c, 0);
-        live(&mut c, 3);
-        for seq in 1..=6 {
-            replayed(&mut c, seq);
-        }
-        finished(&mut c, true);
-        // 4..6 were published while the replay ran; their live copies arrive now.
-        for seq in 4..=6 {
-            assert!(live(&mut c, seq).is_empty());
-        }
-        assert_eq!(c.stats().restarts, 0);
-        assert_eq!(live(&mut c, 7), [apply(7)]);
-        // After live caught up, going backwards is a restart again.
-        assert_eq!(
-            live(&mut c, 0),
-            [Action::Clear(ClearReason::EngineRestart), apply(0)]
-        );
-    }
-
-    #[test]
-    fn a_resync_on_connect_fetches_what_was_published_before_the_subscription() {
-        let mut c = StreamCursor::new(16, |p| *p);
-        let mut out = Vec::new();
-        c.resync(&mut out);
-        assert_eq!(out, [Action::Replay { from: 0 }]);
-        assert_eq!(replayed(&mut c, 0), [apply(0)]);
-        assert!(finished(&mut c, true).is_empty());
-        assert_eq!(live(&mut c, 1), [apply(1)]);
-        // On a reconnect it starts from the next expected batch.
-        let mut out = Vec::new();
-        c.resync(&mut out);
-        assert_eq!(out, [Action::Replay { from: 2 }]);
-        assert_eq!(c.stats().gaps, 0);
-        assert_eq!(c.stats().resyncs, 2);
-    }
-
-    #[test]
-    fn a_restart_right_after_a_replay_is_not_mistaken_for_a_duplicate() {
-        let mut c: StreamCursor<(u64, u64)> = StreamCursor::new(16, |p| p.1);
-        let mut out = Vec::new();
-        c.resync(&mut out);
-        for seq in 0..5 {
-            c.replayed(seq, (seq, 100 + seq), &mut out);
-        }
-        c.replay_finished(true, &mut out);
-        out.clear();
-        // The live copy of seq 2 (same bytes) is a duplicate...
-        c.live(2, (2, 102), &mut out);
-        assert!(out.is_empty());
-        // ...but seq 0 with other bytes is the restarted engine's first batch.
-        c.live(0, (0, 999), &mut out);
-        assert_eq!(
-            out,
-            [
-                Action::Clear(ClearReason::EngineRestart),
-                Action::Apply {
-                    seq: 0,
-                    payload: (0, 999)
-                }
-            ]
-        );
-    }
-
-    #[test]
-    fn the_buffer_is_bounded_and_its_overflow_is_recovered_later() {
-        let mut c = StreamCursor::new(2, |p| *p);
-        live(&mut c, 0);
-        live(&mut c, 3);
-        live(&mut c, 4);
-        live(&mut c, 5); // dropped: buffer holds 3, 4
-        assert_eq!(c.stats().overflowed, 1);
-        replayed(&mut c, 1);
-        replayed(&mut c, 2);
-        assert_eq!(finished(&mut c, true), [apply(3), apply(4)]);
-        assert_eq!(live(&mut c, 6), [Action::Replay { from: 5 }]);
-    }
-}
+mod tests;

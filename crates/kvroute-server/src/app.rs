@@ -108,19 +108,22 @@ mod tests {
     use std::time::Duration;
     use tower::ServiceExt as _;
 
+    use crate::ingest::registry::IngestConfig;
     use crate::ingest::registry::Registry;
-    use crate::ingest::stream::IngestConfig;
     use crate::listen::ConnectionMetrics;
     use crate::proxy::ProxyConfig;
 
     /// The app with no workers and a 1 KiB body limit.
     fn test_app() -> axum::Router {
         let index = Arc::new(SharedIndex::new(Index::new(IndexConfig::default())));
-        let registry = Arc::new(Registry::new(
-            index.clone(),
-            IngestConfig::default(),
-            Duration::from_secs(30),
-        ));
+        let registry = Arc::new(
+            Registry::new(
+                index.clone(),
+                IngestConfig::default(),
+                Duration::from_secs(30),
+            )
+            .expect("ingest threads"),
+        );
         let proxy = Arc::new(Proxy::new(ProxyConfig::default(), index).expect("client"));
         let metrics = Arc::new(Metrics::new(
             &proxy.metrics,

@@ -30,9 +30,9 @@ use tracing::{info, warn};
 
 use app::AppState;
 use ingest::address::AllowedHosts;
+use ingest::registry::IngestConfig;
 use ingest::registry::Registry;
 use ingest::spec::WorkerSpec;
-use ingest::stream::IngestConfig;
 use listen::{serve_bounded, ConnectionMetrics, HttpLimits};
 use metrics::{IngestCollector, Metrics};
 use proxy::active::ActiveCollector;
@@ -96,6 +96,9 @@ pub enum ServeError {
         /// Why.
         source: ingest::registry::RegistryError,
     },
+    /// Ingestion could not start.
+    #[error("ingestion: {0}")]
+    Ingest(ingest::registry::RegistryError),
     /// The HTTP server failed.
     #[error("http server: {0}")]
     Http(#[from] std::io::Error),
@@ -117,6 +120,7 @@ pub async fn serve(
             config.ingest.clone(),
             config.unreachable_grace,
         )
+        .map_err(ServeError::Ingest)?
         .with_allowed_hosts(config.allowed_worker_hosts.clone()),
     );
     for spec in config.workers {

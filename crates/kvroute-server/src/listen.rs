@@ -67,12 +67,12 @@ pub fn raise_fd_limit() -> u64 {
     }
 }
 
-/// The default `--max-connections` for an open-file limit: half of what is
-/// left after a reserve, since every proxied request may hold a connection
-/// to a worker too, and the engines' event sockets need descriptors.
+/// The default `--max-connections` for an open-file limit: a tenth of what
+/// is left after a reserve (each proxied request may hold a connection to a
+/// worker too), so that most descriptors remain for the engines' streams.
 pub fn default_max_connections(fd_limit: u64) -> usize {
-    let usable = fd_limit.saturating_sub(256) / 2;
-    usize::try_from(usable.max(64)).unwrap_or(usize::MAX)
+    let usable = fd_limit.saturating_sub(256) / 10;
+    usize::try_from(usable.clamp(64, 100_000)).unwrap_or(usize::MAX)
 }
 
 /// The connection counters of `/metrics`.

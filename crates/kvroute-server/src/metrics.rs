@@ -24,7 +24,7 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::ingest::registry::{RankView, Registry as Workers};
-use crate::ingest::stream::RankCounters;
+use crate::ingest::stats::{RankCounters, RankState};
 use crate::listen::ConnectionMetrics;
 
 /// The kind of a metric.
@@ -82,6 +82,9 @@ impl MetricInfo {
 }
 
 const RANK: &[&str] = &["worker", "dp_rank"];
+const RANK_STATE: &[&str] = &["worker", "dp_rank", "state"];
+const STATE: &[&str] = &["state"];
+const RANK_STATE_ONLY: &[&str] = &["rank_state"];
 const NONE: &[&str] = &[];
 
 /// Declares each metric as a constant (documented by its help text) and
@@ -115,7 +118,12 @@ catalogue! {
     INGEST_ENGINE_RESTARTS:       kvroute_ingest_engine_restarts_total         Counter   RANK "Engine restarts seen (sequence went back).";
     INGEST_RANK_CLEARS:           kvroute_ingest_rank_clears_total             Counter   RANK "Times a rank's blocks were dropped.";
     INGEST_STALE_BATCHES:         kvroute_ingest_stale_batches_total           Counter   RANK "Batches dropped as already applied.";
-    INGEST_CONNECTED:             kvroute_ingest_connected                     Gauge     RANK "Whether the rank's event socket is connected.";
+    INGEST_VERIFIES:              kvroute_ingest_verifies_total                Counter   RANK "Continuity checks that proved the stream continuous.";
+    INGEST_REPLAY_TIMEOUTS:       kvroute_ingest_replay_timeouts_total         Counter   RANK "Replays that got no end marker in time.";
+    INGEST_FOREIGN_RANK_BATCHES:  kvroute_ingest_foreign_rank_batches_total    Counter   RANK "Batches for a DP rank the worker does not have, dropped.";
+    INGEST_CONNECTED:             kvroute_ingest_connected                     Gauge     RANK "Whether the rank's engine is reachable.";
+    INGEST_RANK_STATE:            kvroute_ingest_rank_state                    Gauge     RANK_STATE "1 for the rank's current state (live, replaying, unverified, degraded, disconnected, error).";
+    INGEST_RANKS:                 kvroute_ingest_ranks                         Gauge     STATE "Ranks in each state.";
     INDEX_NODES:                  kvroute_index_nodes                          Gauge     NONE "Distinct block prefixes in the index.";
     INDEX_RESIDENCIES:            kvroute_index_residencies                    Gauge     NONE "(block, rank, tier) residencies in the index.";
     INDEX_HEAP_BYTES:             kvroute_index_heap_bytes                     Gauge     NONE "Heap bytes held by the index.";
@@ -137,9 +145,9 @@ catalogue! {
     PROXY_NO_WORKERS:             kvroute_proxy_no_workers_total               Counter   NONE "Requests refused because no worker was available.";
     PROXY_LOAD_ONLY:              kvroute_proxy_load_only_total                Counter   NONE "Text requests routed on load alone (no tokenizer).";
     PROXY_ROUTED:                 kvroute_proxy_routed_total                   Counter   RANK "Requests forwarded per (worker, rank).";
-    ACCURACY_COMPARISONS:         kvroute_accuracy_comparisons_total           Counter   NONE "Responses whose cached_tokens were compared with the prediction.";
-    ACCURACY_EXACT:               kvroute_accuracy_exact_total                 Counter   NONE "Comparisons where prediction and cached_tokens agreed exactly.";
-    ACCURACY_DIFFERENCE:          kvroute_accuracy_difference_tokens           Histogram NONE "|predicted cached tokens - engine cached_tokens|.";
+    ACCURACY_COMPARISONS:         kvroute_accuracy_comparisons_total           Counter   RANK_STATE_ONLY "Responses whose cached_tokens were compared with the prediction, by the state of the rank the prediction came from.";
+    ACCURACY_EXACT:               kvroute_accuracy_exact_total                 Counter   RANK_STATE_ONLY "Comparisons where prediction and cached_tokens agreed exactly.";
+    ACCURACY_DIFFERENCE:          kvroute_accuracy_difference_tokens           Histogram RANK_STATE_ONLY "|predicted cached tokens - engine cached_tokens|.";
     ACTIVE_REQUESTS:              kvroute_active_requests                      Gauge     RANK "Requests in flight per (worker, rank).";
     ACTIVE_PREFILL_TOKENS:        kvroute_active_prefill_tokens                Gauge     RANK "Prompt tokens still to prefill per (worker, rank).";
     HTTP_CONNECTIONS:             kvroute_http_connections                     Gauge     NONE "Client connections open.";
@@ -216,11 +224,11 @@ pub struct ProxyMetrics {
     /// [`PROXY_ROUTED`].
     pub routed: Family<RankLabels, Counter>,
     /// [`ACCURACY_COMPARISONS`].
-    pub comparisons: Counter,
+    pub comparisons: Family<StateLabel, Counter>,
     /// [`ACCURACY_EXACT`].
-    pub exact: Counter,
+    pub exact: Family<StateLabel, Counter>,
     /// [`ACCURACY_DIFFERENCE`].
-    pub difference: Histogram,
+    pub difference: Family<StateLabel, Histogram>,
 }
 
 impl Default for ProxyMetrics {
@@ -236,23 +244,24 @@ impl Default for ProxyMetrics {
             no_workers: Counter::default(),
             load_only: Counter::default(),
             routed: Family::default(),
-            comparisons: Counter::default(),
-            exact: Counter::default(),
-            difference: Histogram::new(ACCURACY_BUCKETS),
+            comparisons: Family::default(),
+            exact: Family::default(),
+            difference: Family::new_with_constructor(|| Histogram::new(ACCURACY_BUCKETS)),
         }
     }
 }
 
 impl ProxyMetrics {
     /// Records the index's prediction of a response's cached tokens against
-    /// what the engine reported.
-    pub fn compare(&self, predicted: u64, reported: u64) {
+    /// what the engine reported, under the state of the rank it came from.
+    pub fn compare(&self, predicted: u64, reported: u64, state: RankState) {
         let diff = predicted.abs_diff(reported);
-        self.comparisons.inc();
+        let label = StateLabel::rank_state(state);
+        self.comparisons.get_or_create(&label).inc();
         if diff == 0 {
-            self.exact.inc();
+            self.exact.get_or_create(&label).inc();
         }
-        self.difference.observe(diff as f64);
+        self.difference.get_or_create(&label).observe(diff as f64);
     }
 
     fn register(&self, registry: &mut Registry) {
@@ -266,8 +275,6 @@ impl ProxyMetrics {
             (PROXY_QUEUE_TIMEOUTS, &self.queue_timeouts),
             (PROXY_NO_WORKERS, &self.no_workers),
             (PROXY_LOAD_ONLY, &self.load_only),
-            (ACCURACY_COMPARISONS, &self.comparisons),
-            (ACCURACY_EXACT, &self.exact),
         ];
         for (info, counter) in counters {
             registry.register(info.family(), info.help, counter.clone());
@@ -277,6 +284,12 @@ impl ProxyMetrics {
             PROXY_ROUTED.help,
             self.routed.clone(),
         );
+        for (info, family) in [
+            (ACCURACY_COMPARISONS, &self.comparisons),
+            (ACCURACY_EXACT, &self.exact),
+        ] {
+            registry.register(info.family(), info.help, family.clone());
+        }
         registry.register(
             ACCURACY_DIFFERENCE.family(),
             ACCURACY_DIFFERENCE.help,
@@ -338,7 +351,7 @@ impl IngestCollector {
 
 type CounterField = fn(&RankCounters) -> u64;
 
-const RANK_COUNTERS: [(MetricInfo, CounterField); 12] = [
+const RANK_COUNTERS: [(MetricInfo, CounterField); 15] = [
     (INGEST_BATCHES, |c| c.batches),
     (INGEST_EVENTS, |c| c.events),
     (INGEST_DECODE_ERRORS, |c| c.decode_errors),
@@ -348,9 +361,12 @@ const RANK_COUNTERS: [(MetricInfo, CounterField); 12] = [
     (INGEST_GAPS, |c| c.gaps),
     (INGEST_REPLAYS_OK, |c| c.replays_ok),
     (INGEST_REPLAYS_INCOMPLETE, |c| c.replays_incomplete),
-    (INGEST_ENGINE_RESTARTS, |c| c.restarts),
+    (INGEST_ENGINE_RESTARTS, |c| c.engine_restarts),
     (INGEST_RANK_CLEARS, |c| c.clears),
     (INGEST_STALE_BATCHES, |c| c.stale),
+    (INGEST_VERIFIES, |c| c.verifies),
+    (INGEST_REPLAY_TIMEOUTS, |c| c.replay_timeouts),
+    (INGEST_FOREIGN_RANK_BATCHES, |c| c.foreign_rank_batches),
 ];
 
 impl Collector for IngestCollector {
@@ -376,6 +392,7 @@ impl Collector for IngestCollector {
         }
         let connected = ranks.iter().map(|(l, r)| (l, u64::from(r.connected)));
         encode_rank_family(&mut encoder, &INGEST_CONNECTED, connected)?;
+        encode_states(&mut encoder, &ranks)?;
         let (counters, stats) = {
             let index = self.index.read();
             (index.counters(), index.stats())
@@ -397,6 +414,86 @@ impl Collector for IngestCollector {
             encode_single(&mut encoder, &info, value)?;
         }
         Ok(())
+    }
+}
+
+/// Labels of [`INGEST_RANK_STATE`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+struct RankStateLabels<'a> {
+    rank: &'a RankLabels,
+    state: RankState,
+}
+
+impl EncodeLabelSet for RankStateLabels<'_> {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeLabel as _;
+        self.rank.encode(encoder)?;
+        ("state", self.state.as_str()).encode(encoder.encode_label())
+    }
+}
+
+/// Writes each rank's state (one sample per rank) and the count per state.
+fn encode_states(
+    encoder: &mut DescriptorEncoder,
+    ranks: &[(RankLabels, RankView)],
+) -> Result<(), std::fmt::Error> {
+    let info = INGEST_RANK_STATE;
+    let mut family =
+        encoder.encode_descriptor(info.family(), info.help, None, info.kind.metric_type())?;
+    for (rank, view) in ranks {
+        let labels = RankStateLabels {
+            rank,
+            state: view.state,
+        };
+        ConstGauge::new(1).encode(family.encode_family(&labels)?)?;
+    }
+    let info = INGEST_RANKS;
+    let mut family =
+        encoder.encode_descriptor(info.family(), info.help, None, info.kind.metric_type())?;
+    for state in RankState::ALL {
+        let n = ranks.iter().filter(|(_, v)| v.state == state).count();
+        let labels = StateLabel {
+            rank_state: None,
+            state,
+        };
+        ConstGauge::new(n as i64).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// A label naming a rank state: `state` (the ranks gauge) or `rank_state`
+/// (the accuracy metrics, the state of the rank a prediction came from).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct StateLabel {
+    rank_state: Option<()>,
+    state: RankState,
+}
+
+impl StateLabel {
+    /// The `rank_state` label of the accuracy metrics.
+    pub fn rank_state(state: RankState) -> Self {
+        StateLabel {
+            rank_state: Some(()),
+            state,
+        }
+    }
+}
+
+impl EncodeLabelSet for StateLabel {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeLabel as _;
+        let name = if self.rank_state.is_some() {
+            "rank_state"
+        } else {
+            "state"
+        };
+        (name, self.state.as_str()).encode(encoder.encode_label())
     }
 }
 

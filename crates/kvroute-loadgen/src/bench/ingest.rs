@@ -19,9 +19,10 @@ use kvroute_mocker::encode::EncodeOptions;
 use kvroute_mocker::event::{BlockRemoved, BlockStored, KvCacheEvent, MEDIUM_GPU};
 use kvroute_mocker::faults::FaultConfig;
 use kvroute_mocker::publisher::{PublisherHandle, PublisherSettings};
+use kvroute_server::ingest::registry::IngestConfig;
 use kvroute_server::ingest::registry::Registry;
 use kvroute_server::ingest::spec::{RankEndpoints, WorkerSpec};
-use kvroute_server::ingest::stream::{IngestConfig, RankCounters};
+use kvroute_server::ingest::stats::RankCounters;
 use serde_json::{json, Value};
 
 use crate::error::{Error, Result};
@@ -185,7 +186,7 @@ pub fn run(config: &IngestBenchConfig) -> Result<Value> {
         index.clone(),
         IngestConfig::default(),
         Duration::from_secs(3600),
-    );
+    )?;
     let publishers = start_publishers(config, &registry, &ctx)?;
     let (plans, total_events, total_ops) = plan(config);
 

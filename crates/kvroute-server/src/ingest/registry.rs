@@ -1,9 +1,9 @@
-//! The worker registry: which workers exist, their rank threads, and the
-//! rule that a worker's blocks leave the index when it leaves (unregistered,
+//! The worker registry: which workers exist, which ingest thread follows
+//! each of their ranks, the limit on ranks, and the rule that a worker's blocks leave the index when it leaves (unregistered,
 //! or unreachable past the grace period).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -13,8 +13,55 @@ use serde::Serialize;
 use tracing::{info, warn};
 
 use super::address::{worker_hosts, AllowedHosts};
+use super::pool::{IngestPool, PoolError};
+use super::rank::{RankStream, RankTarget, Timing};
 use super::spec::{RankEndpoints, SpecError, WorkerSpec};
-use super::stream::{IngestConfig, RankCounters, RankIngest, RankStats, RankTarget};
+use super::stats::{RankCounters, RankState, RankStats};
+
+/// Ingestion settings.
+#[derive(Debug, Clone)]
+pub struct IngestConfig {
+    /// Ingest threads (each serves many ranks).
+    pub threads: usize,
+    /// Most (worker, rank) streams; a rank without a replay endpoint counts twice.
+    pub max_ranks: usize,
+    /// Timeouts and the continuity check period.
+    pub timing: Timing,
+}
+
+impl Default for IngestConfig {
+    fn default() -> Self {
+        IngestConfig {
+            threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            max_ranks: 4_096,
+            timing: Timing::default(),
+        }
+    }
+}
+
+impl IngestConfig {
+    /// ZeroMQ sockets the ranks need: a SUB each, a monitor for those
+    /// without a replay endpoint, and each thread's ROUTER and monitor.
+    fn max_sockets(&self) -> usize {
+        self.max_ranks * 2 + self.threads * 4 + 64
+    }
+}
+
+/// Descriptors a rank costs: its SUB's mailbox (2) and connection, and its
+/// connection of the thread's ROUTER; those without replay use a monitor
+/// instead (twice as many in all).
+pub const FDS_PER_RANK: u64 = 4;
+
+/// The default `--max-ranks` for an open-file limit and `--max-connections`:
+/// what the reserve and the HTTP connections (two descriptors each: the
+/// client's and the worker's) leave, at [`FDS_PER_RANK`] per rank.
+pub fn default_max_ranks(fd_limit: u64, max_connections: usize) -> usize {
+    let http = 2 * max_connections as u64;
+    let left = fd_limit.saturating_sub(256).saturating_sub(http);
+    usize::try_from(left / FDS_PER_RANK)
+        .unwrap_or(usize::MAX)
+        .max(1)
+}
 
 /// Why a registration was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -31,9 +78,24 @@ pub enum RegistryError {
         /// The rank.
         rank: u32,
     },
-    /// The rank thread could not start.
-    #[error("could not start ingestion: {0}")]
-    Start(String),
+    /// The ingest threads could not start.
+    #[error(transparent)]
+    Start(#[from] PoolError),
+    /// The registration would exceed `--max-ranks`.
+    #[error(
+        "worker `{name}`: {requested} more rank(s) would exceed --max-ranks {max} \
+         ({used} in use; a rank without a replay endpoint counts twice)"
+    )]
+    TooManyRanks {
+        /// The worker.
+        name: String,
+        /// Rank units asked for.
+        requested: usize,
+        /// Rank units registered.
+        used: usize,
+        /// The limit.
+        max: usize,
+    },
     /// A URL or socket address is not of a form a worker may have.
     #[error("{0}")]
     Address(#[from] SpecError),
@@ -49,13 +111,26 @@ pub enum RegistryError {
 
 struct Rank {
     endpoints: RankEndpoints,
-    ingest: RankIngest,
+    stats: Arc<RankStats>,
+    /// The ingest thread following it.
+    thread: usize,
+}
+
+/// What a rank costs against `--max-ranks`.
+fn rank_units(endpoints: &RankEndpoints) -> usize {
+    if endpoints.replay.is_some() {
+        1
+    } else {
+        2
+    }
 }
 
 struct Worker {
     id: WorkerId,
     spec: WorkerSpec,
     ranks: Vec<Rank>,
+    /// Highest registered rank + 1, shared with its streams (foreign ranks).
+    dp_size: Arc<AtomicU32>,
     registered_ms: u64,
     /// Blocks were dropped because the worker was unreachable; cleared again on reconnect.
     cleared_unreachable: bool,
@@ -66,7 +141,7 @@ pub struct Registry {
     workers: Mutex<BTreeMap<String, Worker>>,
     next_id: Mutex<u32>,
     index: Arc<SharedIndex>,
-    zmq: zmq::Context,
+    pool: IngestPool,
     ingest: IngestConfig,
     grace: Duration,
     allowed: AllowedHosts,
@@ -87,17 +162,22 @@ fn now_ms() -> u64 {
 }
 
 impl Registry {
-    /// An empty registry feeding `index`.
-    pub fn new(index: Arc<SharedIndex>, ingest: IngestConfig, grace: Duration) -> Self {
-        Registry {
+    /// An empty registry feeding `index`, with its ingest threads started.
+    pub fn new(
+        index: Arc<SharedIndex>,
+        ingest: IngestConfig,
+        grace: Duration,
+    ) -> Result<Self, RegistryError> {
+        let pool = IngestPool::start(ingest.threads, ingest.max_sockets())?;
+        Ok(Registry {
             workers: Mutex::new(BTreeMap::new()),
             next_id: Mutex::new(0),
             index,
-            zmq: zmq::Context::new(),
+            pool,
             ingest,
             grace,
             allowed: AllowedHosts::default(),
-        }
+        })
     }
 
     /// Limits the hosts that registered workers' addresses may name.
@@ -124,28 +204,63 @@ impl Registry {
         self.workers.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn start_rank(
-        &self,
-        id: WorkerId,
-        spec: &WorkerSpec,
-        endpoints: &RankEndpoints,
-    ) -> Result<Rank, RegistryError> {
+    fn start_rank(&self, worker: &Worker, endpoints: &RankEndpoints) -> Rank {
+        let stats = Arc::new(RankStats::default());
         let target = RankTarget {
-            worker: &spec.name,
+            worker: worker.spec.name.clone(),
             key: WorkerRank {
-                worker: id,
+                worker: worker.id,
                 rank: endpoints.rank,
             },
-            endpoints,
-            topic: &spec.topic,
-            block_size: spec.block_size,
-        };
-        let ingest = RankIngest::start(&self.zmq, target, self.index.clone(), self.ingest.clone())
-            .map_err(|e| RegistryError::Start(e.to_string()))?;
-        Ok(Rank {
             endpoints: endpoints.clone(),
-            ingest,
-        })
+            topic: worker.spec.topic.clone(),
+            block_size: worker.spec.block_size,
+            dp_size: worker.dp_size.clone(),
+            stats: stats.clone(),
+        };
+        let stream = RankStream::new(target, self.index.clone(), self.ingest.timing);
+        let thread = self.pool.add(stream);
+        Rank {
+            endpoints: endpoints.clone(),
+            stats,
+            thread,
+        }
+    }
+
+    /// Rank units registered now.
+    fn units_used(workers: &BTreeMap<String, Worker>) -> usize {
+        workers
+            .values()
+            .flat_map(|w| &w.ranks)
+            .map(|r| rank_units(&r.endpoints))
+            .sum()
+    }
+
+    /// Refuses ranks beyond `--max-ranks` before anything is registered.
+    fn check_capacity(
+        &self,
+        workers: &BTreeMap<String, Worker>,
+        spec: &WorkerSpec,
+    ) -> Result<(), RegistryError> {
+        let existing = workers.get(&spec.name);
+        let requested: usize = spec
+            .ranks
+            .iter()
+            .filter(|e| {
+                existing.is_none_or(|w| !w.ranks.iter().any(|r| r.endpoints.rank == e.rank))
+            })
+            .map(rank_units)
+            .sum();
+        let used = Self::units_used(workers);
+        if requested > 0 && used + requested > self.ingest.max_ranks {
+            return Err(RegistryError::TooManyRanks {
+                name: spec.name.clone(),
+                requested,
+                used,
+                max: self.ingest.max_ranks,
+            });
+        }
+        Ok(())
     }
 
     /// Registers a worker (or adds ranks to one registered with the same
@@ -154,63 +269,84 @@ impl Registry {
     pub fn register(&self, spec: WorkerSpec) -> Result<WorkerId, RegistryError> {
         self.check_addresses(&spec)?;
         let mut workers = self.lock();
-        if let Some(existing) = workers.get_mut(&spec.name) {
+        if let Some(existing) = workers.get(&spec.name) {
             if existing.spec.url != spec.url || existing.spec.block_size != spec.block_size {
                 return Err(RegistryError::NameTaken(spec.name));
             }
             for endpoints in &spec.ranks {
-                match existing
+                let known = existing
                     .ranks
                     .iter()
-                    .find(|r| r.endpoints.rank == endpoints.rank)
-                {
-                    Some(r) if r.endpoints == *endpoints => {}
-                    Some(_) => {
-                        return Err(RegistryError::RankTaken {
-                            name: spec.name.clone(),
-                            rank: endpoints.rank,
-                        })
-                    }
-                    None => {
-                        let rank = self.start_rank(existing.id, &existing.spec, endpoints)?;
-                        existing.ranks.push(rank);
-                        existing.spec.ranks.push(endpoints.clone());
-                    }
+                    .find(|r| r.endpoints.rank == endpoints.rank);
+                if known.is_some_and(|r| r.endpoints != *endpoints) {
+                    return Err(RegistryError::RankTaken {
+                        name: spec.name.clone(),
+                        rank: endpoints.rank,
+                    });
                 }
             }
-            return Ok(existing.id);
         }
-        let id = {
-            let mut next = self.next_id.lock().unwrap_or_else(PoisonError::into_inner);
-            let id = WorkerId(*next);
-            *next += 1;
-            id
+        self.check_capacity(&workers, &spec)?;
+        let worker = match workers.remove(&spec.name) {
+            Some(existing) => existing,
+            None => {
+                let mut next = self.next_id.lock().unwrap_or_else(PoisonError::into_inner);
+                let id = WorkerId(*next);
+                *next += 1;
+                let mut spec = spec.clone();
+                spec.ranks.clear();
+                Worker {
+                    id,
+                    spec,
+                    ranks: Vec::new(),
+                    dp_size: Arc::new(AtomicU32::new(0)),
+                    registered_ms: now_ms(),
+                    cleared_unreachable: false,
+                }
+            }
         };
-        let mut ranks = Vec::with_capacity(spec.ranks.len());
-        for endpoints in &spec.ranks {
-            ranks.push(self.start_rank(id, &spec, endpoints)?);
-        }
-        info!(worker = %spec.name, ranks = ranks.len(), "worker registered");
-        workers.insert(
-            spec.name.clone(),
-            Worker {
-                id,
-                spec,
-                ranks,
-                registered_ms: now_ms(),
-                cleared_unreachable: false,
-            },
-        );
+        let worker = self.add_ranks(worker, &spec.ranks);
+        let id = worker.id;
+        workers.insert(spec.name, worker);
         Ok(id)
+    }
+
+    /// Starts the ranks of `endpoints` the worker does not have yet.
+    fn add_ranks(&self, mut worker: Worker, endpoints: &[RankEndpoints]) -> Worker {
+        let new: Vec<&RankEndpoints> = endpoints
+            .iter()
+            .filter(|e| !worker.ranks.iter().any(|r| r.endpoints.rank == e.rank))
+            .collect();
+        let size = new
+            .iter()
+            .map(|e| e.rank.saturating_add(1))
+            .max()
+            .unwrap_or(0)
+            .max(worker.dp_size.load(Ordering::Relaxed));
+        // Before its streams start: their first batches may be for the new ranks.
+        worker.dp_size.store(size, Ordering::Relaxed);
+        for endpoints in &new {
+            let rank = self.start_rank(&worker, endpoints);
+            worker.ranks.push(rank);
+            worker.spec.ranks.push((*endpoints).clone());
+        }
+        if !new.is_empty() {
+            info!(worker = %worker.spec.name, ranks = new.len(), dp_size = size, "worker registered");
+        }
+        worker
     }
 
     /// Stops ingesting a worker and drops its blocks; false when unknown.
     pub fn unregister(&self, name: &str) -> bool {
         let removed = self.lock().remove(name);
         match removed {
-            Some(mut worker) => {
-                for rank in &mut worker.ranks {
-                    rank.ingest.stop();
+            Some(worker) => {
+                for rank in &worker.ranks {
+                    let key = WorkerRank {
+                        worker: worker.id,
+                        rank: rank.endpoints.rank,
+                    };
+                    self.pool.remove(rank.thread, key);
                 }
                 self.index.write().remove_worker(worker.id);
                 info!(worker = %name, "worker unregistered");
@@ -240,7 +376,7 @@ impl Registry {
                 }
             };
             let all_down = worker.ranks.iter().all(|r| {
-                down_since(&r.ingest.stats).is_some_and(|since| now.saturating_sub(since) > grace)
+                down_since(&r.stats).is_some_and(|since| now.saturating_sub(since) > grace)
             });
             if all_down && !worker.cleared_unreachable {
                 warn!(worker = %worker.spec.name, grace_ms = grace, "worker unreachable; dropping its blocks");
@@ -286,7 +422,7 @@ impl Registry {
                             .iter()
                             .find(|(k, _)| *k == key)
                             .map_or([0; 4], |(_, t)| *t);
-                        rank_view(&r.endpoints, &r.ingest.stats, tiers)
+                        rank_view(&r.endpoints, &r.stats, tiers)
                     })
                     .collect(),
             })
@@ -303,14 +439,9 @@ impl Registry {
         self.lock().is_empty()
     }
 
-    /// Stops every rank thread.
+    /// Stops every ingest thread.
     pub fn shutdown(&self) {
-        let mut workers = self.lock();
-        for worker in workers.values_mut() {
-            for rank in &mut worker.ranks {
-                rank.ingest.stop();
-            }
-        }
+        self.pool.shutdown();
     }
 }
 
@@ -353,9 +484,16 @@ pub struct RankView {
     pub lag_ms: u64,
     /// Blocks in the index per tier.
     pub blocks: TierBlocks,
+    /// How far its blocks can be trusted.
+    pub state: RankState,
+    /// Why it is in that state (always set for `error` and `degraded`).
+    pub state_reason: Option<String>,
     /// The stream's counters.
     #[serde(flatten)]
     pub counters: RankCounters,
+    /// Shared state, for routing's accuracy labels and recovery.
+    #[serde(skip)]
+    pub stats: Arc<RankStats>,
 }
 
 /// A rank's residencies in the index, per tier.
@@ -371,7 +509,7 @@ pub struct TierBlocks {
     pub external: u64,
 }
 
-fn rank_view(endpoints: &RankEndpoints, stats: &RankStats, tiers: [u64; 4]) -> RankView {
+fn rank_view(endpoints: &RankEndpoints, stats: &Arc<RankStats>, tiers: [u64; 4]) -> RankView {
     RankView {
         dp_rank: endpoints.rank,
         events_endpoint: endpoints.events.clone(),
@@ -385,6 +523,9 @@ fn rank_view(endpoints: &RankEndpoints, stats: &RankStats, tiers: [u64; 4]) -> R
             disk: tiers[2],
             external: tiers[3],
         },
+        state: stats.state(),
+        state_reason: stats.reason(),
         counters: stats.counters(),
+        stats: stats.clone(),
     }
 }

@@ -26,10 +26,11 @@ use tracing::{debug, warn};
 
 use super::active::ActiveGuard;
 use super::candidates::{request_hashes, Candidates, Target};
-use super::relay::{reported_cached_tokens, Passthrough, Prediction, StreamOrigin};
+use super::relay::{reported_cached_tokens, Learn, Passthrough, Prediction, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
 use super::{on_cpu, Endpoint, Proxy};
 use crate::api::ApiError;
+use crate::ingest::stats::RankState;
 use crate::metrics::RankLabels;
 use kvroute_prompt::body::{ParseError, RoutingRequest};
 use kvroute_prompt::sampling::check_context;
@@ -251,6 +252,7 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
             guard,
             added_usage,
             request_id,
+            locals: &locals,
         };
         return respond(proxy, req, s, target, resp, relay).await;
     }
@@ -285,6 +287,8 @@ struct Relay<'a> {
     /// The proxy asked for the usage chunk on the client's behalf.
     added_usage: bool,
     request_id: &'a str,
+    /// The request's local block hashes at the target's block size.
+    locals: &'a [LocalBlockHash],
 }
 
 /// How one attempt ended.
@@ -378,6 +382,7 @@ async fn respond(
         guard,
         added_usage,
         request_id,
+        locals,
     } = relay;
     let labels = RankLabels {
         worker: target.name.clone(),
@@ -389,9 +394,7 @@ async fn respond(
         .tokens
         .as_ref()
         .filter(|_| status.is_success())
-        .map(|t| Prediction {
-            predicted: s.predicted_cached_tokens(t.len() as u64),
-        });
+        .map(|t| prediction(s, target, t.len() as u64, locals));
     let mut builder = Response::builder()
         .status(status.as_u16())
         .header("x-kvroute-worker", &*target.name)
@@ -430,11 +433,31 @@ async fn respond(
         };
         drop(guard);
         if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
-            proxy.metrics.compare(p.predicted, reported);
+            p.settle(proxy, reported);
         }
         Body::from(bytes)
     };
     builder
         .body(body)
         .unwrap_or_else(|e| ApiError::internal(e.to_string()).into_response())
+}
+
+/// What the response will be checked against: the prediction, the state of
+/// the rank it came from, and for a degraded rank what to learn.
+fn prediction(s: &Scored, target: &Target, tokens: u64, locals: &[LocalBlockHash]) -> Prediction {
+    let stats = target.stats_of(s.key.rank);
+    let state = stats.map_or(RankState::Live, |st| st.state());
+    let learn = stats.filter(|_| state == RankState::Degraded).map(|stats| {
+        Arc::new(Learn {
+            key: s.key,
+            locals: locals.to_vec(),
+            block_size: target.block_size,
+            stats: stats.clone(),
+        })
+    });
+    Prediction {
+        predicted: s.predicted_cached_tokens(tokens),
+        state,
+        learn,
+    }
 }

@@ -13,10 +13,11 @@ use kvroute_core::scheduler::{BusyThresholds, CostWeights, Load, Pricing, Scored
 
 use super::Proxy;
 use crate::ingest::registry::WorkerView;
+use crate::ingest::stats::RankStats;
 use kvroute_prompt::body::RoutingRequest;
 
 /// A worker as routing sees it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Target {
     /// Name (shared with metric labels and breakers without copying).
     pub name: Arc<str>,
@@ -30,7 +31,29 @@ pub struct Target {
     pub ranks: Vec<u32>,
     /// Its engine flavour: how it lays out images, so which request hashes apply.
     pub flavor: WorkerFlavor,
+    /// Each rank's shared ingest state, by rank.
+    pub rank_stats: Vec<(u32, Arc<RankStats>)>,
 }
+
+impl PartialEq for Target {
+    fn eq(&self, other: &Self) -> bool {
+        let same_stats = self.rank_stats.len() == other.rank_stats.len()
+            && self
+                .rank_stats
+                .iter()
+                .zip(&other.rank_stats)
+                .all(|(a, b)| a.0 == b.0 && Arc::ptr_eq(&a.1, &b.1));
+        self.name == other.name
+            && self.id == other.id
+            && self.url == other.url
+            && self.block_size == other.block_size
+            && self.ranks == other.ranks
+            && self.flavor == other.flavor
+            && same_stats
+    }
+}
+
+impl Eq for Target {}
 
 impl Target {
     /// The target for a registered worker; `None` when it has no URL or no
@@ -42,6 +65,11 @@ impl Target {
             return None;
         }
         ranks.sort_unstable();
+        let rank_stats = w
+            .ranks
+            .iter()
+            .map(|r| (r.dp_rank, r.stats.clone()))
+            .collect();
         Some(Target {
             name: Arc::from(w.name.as_str()),
             id: w.id,
@@ -49,7 +77,16 @@ impl Target {
             block_size: w.block_size,
             ranks,
             flavor: w.flavor,
+            rank_stats,
         })
+    }
+
+    /// A rank's shared ingest state.
+    pub fn stats_of(&self, rank: u32) -> Option<&Arc<RankStats>> {
+        self.rank_stats
+            .iter()
+            .find(|(r, _)| *r == rank)
+            .map(|(_, s)| s)
     }
 }
 
@@ -262,6 +299,7 @@ mod tests {
                 block_size: 4,
                 ranks: vec![0],
                 flavor: WorkerFlavor::Vllm,
+                rank_stats: Vec::new(),
             },
             Target {
                 name: Arc::from("w1"),
@@ -270,6 +308,7 @@ mod tests {
                 block_size: 4,
                 ranks: vec![0, 1],
                 flavor: WorkerFlavor::Vllm,
+                rank_stats: Vec::new(),
             },
         ]
     }

@@ -4,6 +4,7 @@
 //! removing the usage chunk that the proxy asked for on the client's behalf.
 
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -12,13 +13,64 @@ use futures_util::Stream;
 use serde_json::Value;
 use tracing::warn;
 
+use kvroute_core::hash::LocalBlockHash;
+use kvroute_core::index::WorkerRank;
+
 use super::active::ActiveGuard;
+use super::Proxy;
+use crate::ingest::stats::{RankState, RankStats};
 
 /// What the accuracy check needs after the response.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Prediction {
     /// The cached tokens the index predicted.
     pub predicted: u64,
+    /// The state of the rank the prediction came from, when it was made.
+    pub state: RankState,
+    /// For a degraded rank: what to learn from the engine's answer.
+    pub learn: Option<Arc<Learn>>,
+}
+
+/// What a degraded rank's engine tells the router with its `cached_tokens`:
+/// the request's leading blocks it holds, which its event history lost.
+#[derive(Debug)]
+pub struct Learn {
+    /// The rank.
+    pub key: WorkerRank,
+    /// The request's local block hashes at the worker's block size.
+    pub locals: Vec<LocalBlockHash>,
+    /// Tokens per block.
+    pub block_size: u32,
+    /// The rank's shared state (its run of exact predictions).
+    pub stats: Arc<RankStats>,
+}
+
+impl Prediction {
+    /// Compares the prediction with the engine's report; on a degraded rank,
+    /// counts exact predictions towards recovery and adds the leading blocks
+    /// the engine reported holding (as residencies that expire unless
+    /// confirmed). Nothing is removed on a report: a lower count may only
+    /// mean a newer store has not arrived yet.
+    pub fn settle(&self, proxy: &Proxy, reported: u64) {
+        proxy.metrics.compare(self.predicted, reported, self.state);
+        let Some(learn) = &self.learn else {
+            return;
+        };
+        if self.predicted == reported {
+            learn.stats.exact_streak.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        learn.stats.exact_streak.store(0, Ordering::Relaxed);
+        if reported > self.predicted && learn.block_size > 0 {
+            let blocks = usize::try_from(reported / u64::from(learn.block_size)).unwrap_or(0);
+            let held = &learn.locals[..blocks.min(learn.locals.len())];
+            let now = proxy.now_ms();
+            proxy
+                .index()
+                .write()
+                .learn_cached_prefix(learn.key, held, now);
+        }
+    }
 }
 
 /// `usage.prompt_tokens_details.cached_tokens` of a JSON document.
@@ -227,8 +279,8 @@ impl<S> Passthrough<S> {
 
 impl<S> Passthrough<S> {
     fn report(&mut self, reported: Option<u64>) {
-        if let (Some(p), Some(g), Some(reported)) = (self.prediction, &self.guard, reported) {
-            g.proxy().metrics.compare(p.predicted, reported);
+        if let (Some(p), Some(g), Some(reported)) = (&self.prediction, &self.guard, reported) {
+            p.settle(g.proxy(), reported);
             self.prediction = None;
         }
     }
@@ -260,8 +312,10 @@ where
                             (Bytes::from(out), reported)
                         }
                         None => {
-                            let reported =
-                                this.prediction.and_then(|_| cached_tokens_in_sse(&chunk));
+                            let reported = this
+                                .prediction
+                                .as_ref()
+                                .and_then(|_| cached_tokens_in_sse(&chunk));
                             (chunk, reported)
                         }
                     };

@@ -14,8 +14,9 @@ use kvroute_core::scheduler::{BusyThresholds, Policy};
 use kvroute_prompt::{Renderer, Tokenizer};
 use kvroute_server::admin::Access;
 use kvroute_server::ingest::address::AllowedHosts;
+use kvroute_server::ingest::rank::Timing;
+use kvroute_server::ingest::registry::{default_max_ranks, IngestConfig};
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
-use kvroute_server::ingest::stream::IngestConfig;
 use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
 use kvroute_server::proxy::ProxyConfig;
 use kvroute_server::query::QueryLimits;
@@ -164,10 +165,23 @@ pub struct ServeArgs {
     #[arg(long, env = "KVROUTE_QUERY_CONCURRENCY")]
     query_concurrency: Option<usize>,
     /// Client connections served at once; more are closed as they arrive.
-    /// Default: half the open-file limit (raised to its hard limit at start)
-    /// after a reserve for sockets to the engines.
+    /// Default: a tenth of the open-file limit (raised to its hard limit at
+    /// start) after a reserve; the rest is for the engines' streams.
     #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
+    /// Most (worker, DP rank) event streams; registrations beyond it are
+    /// refused (409). A rank without a replay endpoint counts twice.
+    /// Default: what the open-file limit leaves after --max-connections, at
+    /// four descriptors per rank.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_MAX_RANKS")]
+    max_ranks: Option<u64>,
+    /// Ingest threads, each serving many ranks; default: the number of cores.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64), env = "KVROUTE_INGEST_THREADS")]
+    ingest_threads: Option<u64>,
+    /// Seconds between continuity checks of a quiet stream (a replay request
+    /// for the last batch applied, which proves the engine did not restart).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600), env = "KVROUTE_VERIFY_SECS")]
+    verify_secs: u64,
     /// Seconds a client may take to send a request's head, from its first byte.
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_HEADER_TIMEOUT_SECS")]
     header_timeout_secs: u64,
@@ -233,6 +247,9 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             "kvroute serve: listening on http://{addr} with {} worker(s)",
             workers.len()
         );
+        let max_connections = args
+            .max_connections
+            .unwrap_or_else(|| default_max_connections(fd_limit));
         let config = ServeConfig {
             block_size: args.block_size,
             workers,
@@ -246,7 +263,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 default_capacity: Some(args.max_blocks_per_rank),
                 ..IndexConfig::default()
             },
-            ingest: IngestConfig::default(),
+            ingest: ingest_config(args, max_connections, fd_limit),
             proxy: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
             query: QueryLimits {
@@ -256,9 +273,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                     .unwrap_or(QueryLimits::default().concurrency),
             },
             http: HttpLimits {
-                max_connections: args
-                    .max_connections
-                    .unwrap_or_else(|| default_max_connections(fd_limit)),
+                max_connections,
                 header_timeout: Duration::from_secs(args.header_timeout_secs),
                 idle_timeout: Duration::from_secs(args.idle_timeout_secs),
                 ..HttpLimits::default()
@@ -316,4 +331,21 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         max_model_len: args.max_model_len,
         renderer,
     })
+}
+
+/// Ingestion settings from the flags and the open-file limit.
+fn ingest_config(args: &ServeArgs, max_connections: usize, fd_limit: u64) -> IngestConfig {
+    let defaults = IngestConfig::default();
+    let max_ranks = args.max_ranks.map_or_else(
+        || default_max_ranks(fd_limit, max_connections),
+        |n| usize::try_from(n).unwrap_or(usize::MAX),
+    );
+    IngestConfig {
+        threads: args.ingest_threads.map_or(defaults.threads, |n| n as usize),
+        max_ranks,
+        timing: Timing {
+            verify_ms: args.verify_secs.saturating_mul(1_000),
+            ..Timing::default()
+        },
+    }
 }

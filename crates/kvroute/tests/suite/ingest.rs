@@ -11,9 +11,9 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::hash::{local_block_hashes, HASH_SEED};
 use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
+use kvroute_server::ingest::registry::IngestConfig;
 use kvroute_server::ingest::registry::Registry;
 use kvroute_server::ingest::spec::{RankEndpoints, WorkerSpec};
-use kvroute_server::ingest::stream::IngestConfig;
 
 use crate::support::eventually;
 
@@ -204,11 +204,10 @@ fn fixture() -> Fixture {
         default_capacity: None,
         ..IndexConfig::default()
     })));
-    let ingest = IngestConfig {
-        replay_timeout: Duration::from_millis(500),
-        ..IngestConfig::default()
-    };
-    let registry = Registry::new(index.clone(), ingest, Duration::from_secs(3600));
+    let mut ingest = IngestConfig::default();
+    ingest.timing.replay_timeout_ms = 500;
+    let registry =
+        Registry::new(index.clone(), ingest, Duration::from_secs(3600)).expect("ingest threads");
     Fixture { index, registry }
 }
 
@@ -545,7 +544,8 @@ fn a_worker_unreachable_past_the_grace_period_loses_its_blocks() {
         index.clone(),
         IngestConfig::default(),
         Duration::from_millis(300),
-    );
+    )
+    .expect("ingest threads");
     let id = registry
         .register(worker("w0", vec![engine.endpoints(0)]))
         .expect("register");
