@@ -9,5 +9,6 @@ mod metrics;
 mod mocker;
 mod multimodal;
 mod proxy;
+mod restarts;
 mod safety;
 mod serve;
