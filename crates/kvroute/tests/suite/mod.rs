@@ -11,4 +11,5 @@ mod multimodal;
 mod proxy;
 mod restarts;
 mod safety;
+mod scale;
 mod serve;
