@@ -182,7 +182,7 @@ impl MockerConfig {
         }
         if self.replay_buffer_steps == 0 {
             return Err(ConfigError::Zero {
-                flag: "replay-buffer-steps",
+                flag: "replay-buffer",
             });
         }
         if self.max_num_batched_tokens < self.block_size {

@@ -63,6 +63,10 @@ pub struct MockerArgs {
     /// Replay reply layout: 4 = [b"", topic, seq, payload] (current), 3 = [b"", seq, payload].
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u8).range(3..=4))]
     replay_frames: u8,
+    /// Batches each rank's replay ring keeps (10000, as vLLM); a small ring wraps
+    /// quickly, so a replay from an older seq cannot reach back.
+    #[arg(long, value_name = "N", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..))]
+    replay_buffer: u32,
     /// Prompt positions each image occupies.
     #[arg(long, default_value_t = 64)]
     mm_tokens_per_image: usize,
@@ -132,6 +136,9 @@ impl MockerArgs {
             } else {
                 ReplayFrames::Four
             },
+            replay_buffer_steps: usize::try_from(self.replay_buffer).map_err(|_| {
+                anyhow::anyhow!("--replay-buffer {} is too large", self.replay_buffer)
+            })?,
             mm_tokens_per_image: self.mm_tokens_per_image,
             tokenizer: self.tokenizer.clone(),
             model: self.model.clone(),
@@ -146,7 +153,6 @@ impl MockerArgs {
                 Some(start) => TsSource::Simulated { start },
                 None => TsSource::Wall,
             },
-            ..MockerConfig::default()
         };
         config.validate()?;
         Ok(config)

@@ -74,3 +74,15 @@ fn mocker_rejects_bad_flags_with_exit_code_2() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--fail-rate"), "{stderr}");
 }
+
+/// A replay ring of no batches could not answer any replay: refused by the flag's range.
+#[test]
+fn mocker_rejects_an_empty_replay_buffer() {
+    let out = kvroute()
+        .args(["mocker", "--replay-buffer", "0"])
+        .output()
+        .expect("kvroute runs");
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("--replay-buffer"), "{stderr}");
+}

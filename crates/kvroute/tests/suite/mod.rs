@@ -9,5 +9,7 @@ mod metrics;
 mod mocker;
 mod multimodal;
 mod proxy;
+mod restarts;
 mod safety;
+mod scale;
 mod serve;

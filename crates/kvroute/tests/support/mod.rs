@@ -154,9 +154,21 @@ pub fn start_two_rank_mocker(flavor: &str) -> (Proc, String) {
 /// and `extra` flags; returns it and its `host:port` once it prints its
 /// listening line (its workers' event streams are not waited for).
 pub fn spawn_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
+    spawn_serve_with_env(lines, extra, &[])
+}
+
+/// [`spawn_serve`] with `env` set for the router (settings given as
+/// `KVROUTE_*` variables, which a build without them ignores rather than
+/// refusing to start, so the suite can run against an older build).
+pub fn spawn_serve_with_env(
+    lines: &[String],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Proc, String) {
     let port = free_port().to_string();
     let mut command = kvroute();
     command.args(["serve", "--port", &port, "--log", "warn"]);
+    command.envs(env.iter().copied());
     for line in lines {
         command.arg("--worker").arg(line);
     }
