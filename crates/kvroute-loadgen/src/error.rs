@@ -23,9 +23,6 @@ pub enum Error {
     /// The mock engines could not start.
     #[error("starting the mock engines: {0}")]
     Fleet(#[from] kvroute_mocker::MockerError),
-    /// A mock publisher (`bench ingest`) could not start.
-    #[error("starting a publisher: {0}")]
-    Publisher(#[from] kvroute_mocker::publisher::PublisherError),
     /// A tokenizer file could not be loaded.
     #[error("loading the tokenizer {}: {source}", path.display())]
     Tokenizer {
@@ -37,9 +34,6 @@ pub enum Error {
     /// A worker spec printed by the mock fleet did not parse.
     #[error("worker spec: {0}")]
     Spec(#[from] kvroute_server::ingest::spec::SpecError),
-    /// The registry (`bench ingest`) refused a worker.
-    #[error("registering a worker: {0}")]
-    Registry(#[from] kvroute_server::ingest::registry::RegistryError),
     /// An in-process router stopped with an error.
     #[error("the router: {0}")]
     Serve(#[from] kvroute_server::ServeError),

@@ -371,9 +371,7 @@ impl Worker {
                         continue;
                     }
                     if let Some(s) = &sockets {
-                        let seq = published.seq.to_be_bytes();
-                        let frames: [&[u8]; 3] = [TOPIC, &seq, &published.payload];
-                        if let Err(e) = s.publisher.send_multipart(frames, 0) {
+                        if let Err(e) = send_live(&s.publisher, &published, 0) {
                             tracing::warn!(seq = published.seq, "PUB send failed: {e}");
                         }
                     }
@@ -417,48 +415,69 @@ impl Worker {
 
     /// Answers every replay request already waiting on the ROUTER.
     fn serve_replays(&self, router: &zmq::Socket) {
-        while let Ok(n) = router.poll(zmq::POLLIN, 0) {
-            if n == 0 {
-                return;
-            }
-            let frames = match router.recv_multipart(zmq::DONTWAIT) {
-                Ok(frames) => frames,
-                Err(zmq::Error::EAGAIN) => return,
-                Err(e) => {
-                    tracing::warn!("replay receive failed: {e}");
-                    return;
-                }
-            };
-            let start = match frames.as_slice() {
-                [_, delimiter, start] if delimiter.is_empty() => {
-                    <[u8; 8]>::try_from(start.as_slice()).map(u64::from_be_bytes)
-                }
-                _ => {
-                    tracing::warn!(frames = frames.len(), "Invalid replay request");
-                    continue;
-                }
-            };
-            let Ok(start) = start else {
-                tracing::warn!("Invalid replay request: start seq is not 8 bytes");
-                continue;
-            };
-            self.stats.replays.fetch_add(1, Ordering::Relaxed);
-            let identity = &frames[0];
-            for (seq, payload) in self.sequencer.replay_from(start) {
-                self.reply(router, identity, &seq.to_be_bytes(), payload);
-            }
-            self.reply(router, identity, &END_SEQ, &[]);
-        }
+        let served = serve_replays(router, &self.sequencer, self.settings.replay_frames);
+        self.stats.replays.fetch_add(served, Ordering::Relaxed);
     }
+}
 
-    fn reply(&self, router: &zmq::Socket, identity: &[u8], seq: &[u8], payload: &[u8]) {
-        let result = match self.settings.replay_frames {
-            ReplayFrames::Four => router.send_multipart([identity, b"", TOPIC, seq, payload], 0),
-            ReplayFrames::Three => router.send_multipart([identity, b"", seq, payload], 0),
-        };
-        if let Err(e) = result {
-            tracing::warn!("replay send failed: {e}");
+/// Sends one batch on the PUB socket as the engines do: `[topic, seq (8
+/// bytes big-endian), payload]` (`flags`: `zmq::DONTWAIT` or 0; a PUB
+/// drops rather than blocks when a subscriber's queue is full).
+pub fn send_live(publisher: &zmq::Socket, published: &Published, flags: i32) -> zmq::Result<()> {
+    let seq = published.seq.to_be_bytes();
+    let frames: [&[u8]; 3] = [TOPIC, &seq, &published.payload];
+    publisher.send_multipart(frames, flags)
+}
+
+/// Answers every replay request already waiting on `router` from
+/// `sequencer`'s ring, as the engines do: each retained batch with
+/// `seq ≥ start` in the `frames` layout, then the end marker; requests of
+/// another shape are logged and ignored. Never blocks on an empty socket.
+/// Returns the requests answered.
+pub fn serve_replays(router: &zmq::Socket, sequencer: &Sequencer, frames: ReplayFrames) -> u64 {
+    let mut served = 0;
+    while let Ok(n) = router.poll(zmq::POLLIN, 0) {
+        if n == 0 {
+            break;
         }
+        let request = match router.recv_multipart(zmq::DONTWAIT) {
+            Ok(request) => request,
+            Err(zmq::Error::EAGAIN) => break,
+            Err(e) => {
+                tracing::warn!("replay receive failed: {e}");
+                break;
+            }
+        };
+        let start = match request.as_slice() {
+            [_, delimiter, start] if delimiter.is_empty() => {
+                <[u8; 8]>::try_from(start.as_slice()).map(u64::from_be_bytes)
+            }
+            _ => {
+                tracing::warn!(frames = request.len(), "Invalid replay request");
+                continue;
+            }
+        };
+        let Ok(start) = start else {
+            tracing::warn!("Invalid replay request: start seq is not 8 bytes");
+            continue;
+        };
+        served += 1;
+        let identity = &request[0];
+        for (seq, payload) in sequencer.replay_from(start) {
+            reply(router, frames, identity, &seq.to_be_bytes(), payload);
+        }
+        reply(router, frames, identity, &END_SEQ, &[]);
+    }
+    served
+}
+
+fn reply(router: &zmq::Socket, frames: ReplayFrames, identity: &[u8], seq: &[u8], payload: &[u8]) {
+    let result = match frames {
+        ReplayFrames::Four => router.send_multipart([identity, b"", TOPIC, seq, payload], 0),
+        ReplayFrames::Three => router.send_multipart([identity, b"", seq, payload], 0),
+    };
+    if let Err(e) = result {
+        tracing::warn!("replay send failed: {e}");
     }
 }
 

@@ -49,6 +49,9 @@ enum Command {
     Mocker(cmd::mocker::MockerArgs),
     /// Ingest the workers' KV events and serve the HTTP API.
     Serve(cmd::serve::ServeArgs),
+    /// One publisher process of `kvroute bench ingest` (started by it).
+    #[command(hide = true)]
+    BenchPublisher(cmd::bench::PublisherArgs),
 }
 
 fn main() -> ExitCode {
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         Command::Bench(args) => cmd::bench::run(&args),
         Command::Mocker(args) => cmd::mocker::run(&args),
         Command::Serve(args) => cmd::serve::run(&args),
+        Command::BenchPublisher(args) => cmd::bench::run_publisher(&args),
     };
     match result {
         Ok(code) => code,

@@ -1,7 +1,9 @@
 //! Measurements of kvroute's own parts: the prefix index alone
-//! ([`index`]), ingest from mock publishers ([`ingest`]), and the latency
-//! and CPU the router adds to a request ([`proxy`]).
+//! ([`index`]), a router process ingesting thousands of event streams
+//! ([`ingest`]), and the latency and CPU the router adds to a request
+//! ([`proxy`]). The last two run the router as a child process.
 
+mod child;
 pub mod index;
 pub mod ingest;
 pub mod proxy;

@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use kvroute_core::event::WorkerFlavor;
 use kvroute_loadgen as load;
 use kvroute_loadgen::bench::{self, index, ingest, proxy};
 
@@ -32,7 +31,8 @@ pub struct BenchArgs {
 enum BenchCommand {
     /// The prefix index alone: apply throughput, lookup latency, memory, snapshots.
     Index(IndexArgs),
-    /// Sustained ingest: mock engines' publishers → ZeroMQ → decoder → index.
+    /// A `kvroute serve` process ingesting many ranks: time to live, threads,
+    /// idle CPU, memory per rank, apply rate under a flood.
     Ingest(IngestArgs),
     /// Latency `kvroute serve` adds per request: through the router vs straight to mock engines.
     Proxy(ProxyArgs),
@@ -136,27 +136,100 @@ struct IndexArgs {
 /// Arguments of `kvroute bench ingest`.
 #[derive(Debug, Args)]
 struct IngestArgs {
-    /// Simulated workers (one publisher and one ingest thread each).
-    #[arg(long, default_value_t = 4)]
+    /// Workers registered with the router.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u32).range(1..))]
     workers: u32,
-    /// Batches each worker publishes.
-    #[arg(long, default_value_t = 5_000)]
-    batches: u64,
-    /// Events per batch (stored events, every other one followed by a removal).
-    #[arg(long, default_value_t = 8)]
-    events_per_batch: u64,
+    /// Data-parallel ranks per worker (one event stream each).
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..=500))]
+    dp: u32,
+    /// Seconds over which the router's CPU is measured with every rank connected and quiet.
+    #[arg(long, default_value_t = 10.0)]
+    idle_secs: f64,
+    /// Seconds every rank publishes as fast as its publisher can.
+    #[arg(long, default_value_t = 10.0)]
+    flood_secs: f64,
+    /// Stored events per batch (each batch also removes the blocks of an older one).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
+    events_per_batch: u32,
     /// Blocks per stored event.
-    #[arg(long, default_value_t = 4)]
-    blocks_per_event: u64,
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
+    blocks_per_event: u32,
     /// Tokens per block.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..))]
     block_size: u32,
-    /// Wire format of the publishers: vllm or sglang.
-    #[arg(long, default_value_t = WorkerFlavor::Vllm)]
-    flavor: WorkerFlavor,
+    /// Batches each rank keeps for replay.
+    #[arg(long, default_value_t = 64)]
+    replay_buffer: usize,
+    /// Ranks per publisher process (each one thread; at most 500: ZeroMQ's
+    /// 1 023 sockets per context, two per rank).
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=500))]
+    ranks_per_publisher: u32,
+    /// Longest wait, in seconds, for every rank to be `live`.
+    #[arg(long, default_value_t = 180)]
+    live_timeout_secs: u64,
+    /// First 127.0.0.1 port tried for the publishers' sockets (all stay below 32768).
+    #[arg(long, default_value_t = 20_000)]
+    first_port: u16,
+    /// The `kvroute` executable whose `serve` is measured (default: this one).
+    #[arg(long, value_name = "PATH")]
+    router_exe: Option<std::path::PathBuf>,
     /// Print one JSON object instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+/// Arguments of `kvroute bench-publisher` (hidden): one publisher process
+/// of `kvroute bench ingest`, driven through its stdin.
+#[derive(Debug, Args)]
+pub struct PublisherArgs {
+    /// Ranks per worker.
+    #[arg(long)]
+    dp: u32,
+    /// `EVENTS/REPLAY` base ports of each worker served, comma-separated.
+    #[arg(long, value_delimiter = ',', value_parser = parse_port_pair)]
+    ports: Vec<(u16, u16)>,
+    /// Stored events per batch.
+    #[arg(long)]
+    events_per_batch: u32,
+    /// Blocks per stored event.
+    #[arg(long)]
+    blocks_per_event: u32,
+    /// Tokens per block.
+    #[arg(long)]
+    block_size: u32,
+    /// Batches each rank keeps for replay.
+    #[arg(long)]
+    replay_buffer: usize,
+    /// Seed of the hashes and tokens.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+}
+
+/// `EVENTS/REPLAY`, two ports.
+fn parse_port_pair(s: &str) -> Result<(u16, u16)> {
+    let (e, r) = s
+        .split_once('/')
+        .context("expected EVENTS_PORT/REPLAY_PORT")?;
+    Ok((e.parse()?, r.parse()?))
+}
+
+/// Runs one publisher process of `kvroute bench ingest`.
+pub fn run_publisher(a: &PublisherArgs) -> Result<ExitCode> {
+    super::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
+    let rank_count = a.ports.len() as u64 * u64::from(a.dp);
+    if rank_count > u64::from(ingest::publisher::MAX_RANKS_PER_PUBLISHER) {
+        bail!("{rank_count} ranks: a publisher serves at most 500");
+    }
+    ingest::publisher::run(&ingest::publisher::PublisherConfig {
+        workers: a.ports.clone(),
+        dp: a.dp,
+        events_per_batch: a.events_per_batch,
+        blocks_per_event: a.blocks_per_event,
+        block_size: a.block_size,
+        replay_buffer: a.replay_buffer,
+        seed: a.seed,
+    })?;
+    Ok(ExitCode::SUCCESS)
 }
 
 /// Arguments of `kvroute bench proxy`.
@@ -260,15 +333,25 @@ fn run_index(a: &IndexArgs) -> Result<ExitCode> {
 }
 
 fn run_ingest(a: &IngestArgs) -> Result<ExitCode> {
+    let exe = match &a.router_exe {
+        Some(path) => path.clone(),
+        None => std::env::current_exe().context("the path of this kvroute executable")?,
+    };
     let config = ingest::IngestBenchConfig {
         workers: a.workers,
-        batches: a.batches,
+        dp: a.dp,
+        idle_secs: a.idle_secs,
+        flood_secs: a.flood_secs,
         events_per_batch: a.events_per_batch,
         blocks_per_event: a.blocks_per_event,
         block_size: a.block_size,
-        flavor: a.flavor,
+        replay_buffer: a.replay_buffer,
+        ranks_per_publisher: a.ranks_per_publisher,
+        live_timeout: Duration::from_secs(a.live_timeout_secs),
+        first_port: a.first_port,
+        ..ingest::IngestBenchConfig::new(exe)
     };
-    print_flat(&ingest::run(&config)?, a.json, 24);
+    print_flat(&ingest::run(&config)?, a.json, 36);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -14,7 +14,6 @@
 //! (with `interleave`, also those of the direct requests sent meanwhile).
 
 mod body;
-mod child;
 mod phase;
 mod report;
 
@@ -25,12 +24,12 @@ use std::time::Duration;
 
 use kvroute_mocker::{Fleet, MockerConfig};
 
+use super::child::RouterProcess;
 use crate::error::{Error, Result};
 use crate::metrics::{accuracy_between, accuracy_counters};
 use crate::router::wait_until_connected;
 use crate::workload::TextRenderer;
 use body::Bodies;
-use child::RouterProcess;
 use phase::Loop;
 pub use report::{PathFigures, ProxyBenchReport, ProxyRun};
 

@@ -1,9 +1,10 @@
 //! The router under test as a real child process: `kvroute serve` started
-//! from a given executable on an ephemeral port, its CPU time read from
-//! `/proc/PID/stat`, killed when dropped.
+//! from a given executable on an ephemeral port, its CPU time, resident
+//! memory and threads read from `/proc/PID/{stat,status}`, killed when
+//! dropped. Used by `bench proxy` and `bench ingest`.
 //!
-//! A separate process is what makes the router's CPU measurable apart from
-//! the load generator's and the mock engines' (they share this process).
+//! A separate process is what makes the router's CPU and memory measurable
+//! apart from the load generator's and the mock engines' or publishers'.
 
 use std::io::{BufRead, BufReader, Write};
 use std::path::Path;
@@ -86,22 +87,62 @@ impl RouterProcess {
         Ok(router)
     }
 
+    /// The router's resident memory and thread count now.
+    pub(crate) fn status(&self) -> Result<ProcStatus> {
+        let path = format!("/proc/{}/status", self.child.id());
+        let text = std::fs::read_to_string(&path).map_err(Error::io(format!("reading {path}")))?;
+        ProcStatus::parse(&text)
+            .ok_or_else(|| Error::Unexpected(format!("{path} has no VmRSS and Threads lines")))
+    }
+
     /// The router's CPU time so far, user and system.
     pub(crate) fn cpu_time(&self) -> Result<Duration> {
-        let path = format!("/proc/{}/stat", self.child.id());
-        let text = std::fs::read_to_string(&path).map_err(Error::io(format!("reading {path}")))?;
-        let ticks = cpu_ticks(&text)
-            .ok_or_else(|| Error::Unexpected(format!("{path} has no utime and stime")))?;
-        Ok(Duration::from_secs_f64(
-            ticks as f64 / clock_ticks_per_second() as f64,
-        ))
+        cpu_time_of(self.child.id())
     }
+}
+
+/// The CPU time (user + system) process `pid` has used so far.
+pub(crate) fn cpu_time_of(pid: u32) -> Result<Duration> {
+    let path = format!("/proc/{pid}/stat");
+    let text = std::fs::read_to_string(&path).map_err(Error::io(format!("reading {path}")))?;
+    let ticks = cpu_ticks(&text)
+        .ok_or_else(|| Error::Unexpected(format!("{path} has no utime and stime")))?;
+    Ok(Duration::from_secs_f64(
+        ticks as f64 / clock_ticks_per_second() as f64,
+    ))
 }
 
 impl Drop for RouterProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// What `/proc/PID/status` says of a process's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct ProcStatus {
+    /// Resident set size, KiB (`VmRSS`).
+    pub rss_kib: u64,
+    /// Threads (`Threads`).
+    pub threads: u64,
+}
+
+impl ProcStatus {
+    /// The `VmRSS:` (in kB) and `Threads:` lines of a `/proc/PID/status` text.
+    fn parse(text: &str) -> Option<Self> {
+        let field = |name: &str| {
+            text.lines()
+                .find_map(|l| l.strip_prefix(name))?
+                .split_whitespace()
+                .next()?
+                .parse::<u64>()
+                .ok()
+        };
+        Some(ProcStatus {
+            rss_kib: field("VmRSS:")?,
+            threads: field("Threads:")?,
+        })
     }
 }
 
@@ -139,6 +180,21 @@ mod tests {
         assert_eq!(cpu_ticks(odd), Some(11));
         assert_eq!(cpu_ticks("7 (x) R 1"), None);
         assert_eq!(cpu_ticks("no parenthesis"), None);
+    }
+
+    #[test]
+    fn status_gives_resident_kib_and_threads() {
+        let text = "Name:\tkvroute\nVmPeak:\t  9000 kB\nVmRSS:\t  4321 kB\nThreads:\t7\n";
+        assert_eq!(
+            ProcStatus::parse(text),
+            Some(ProcStatus {
+                rss_kib: 4321,
+                threads: 7
+            })
+        );
+        assert_eq!(ProcStatus::parse("Name:\tx\nThreads:\t1\n"), None);
+        let own = std::fs::read_to_string("/proc/self/status").expect("/proc is mounted");
+        assert!(ProcStatus::parse(&own).is_some_and(|s| s.threads >= 1 && s.rss_kib > 0));
     }
 
     #[test]
