@@ -601,14 +601,21 @@ mod tests {
     #[test]
     fn the_accuracy_histogram_is_cumulative() {
         let proxy = ProxyMetrics::default();
-        proxy.compare(48, 48);
-        proxy.compare(64, 48);
+        proxy.compare(48, 48, RankState::Live);
+        proxy.compare(64, 48, RankState::Live);
+        proxy.compare(0, 48, RankState::Degraded);
         let (_, text) =
             Metrics::new(&proxy, &ConnectionMetrics::default(), Vec::new()).render(None);
-        assert!(text.contains("kvroute_accuracy_comparisons_total 2"));
-        assert!(text.contains("kvroute_accuracy_exact_total 1"));
-        assert!(text.contains("kvroute_accuracy_difference_tokens_bucket{le=\"0\"} 1"));
-        assert!(text.contains("kvroute_accuracy_difference_tokens_bucket{le=\"16\"} 2"));
+        let live = "rank_state=\"live\"";
+        assert!(text.contains(&format!("kvroute_accuracy_comparisons_total{{{live}}} 2")));
+        assert!(text.contains(&format!("kvroute_accuracy_exact_total{{{live}}} 1")));
+        assert!(text.contains("kvroute_accuracy_comparisons_total{rank_state=\"degraded\"} 1"));
+        let bucket = "kvroute_accuracy_difference_tokens_bucket";
+        assert!(
+            text.contains(&format!("{bucket}{{{live},le=\"0\"}} 1")),
+            "{text}"
+        );
+        assert!(text.contains(&format!("{bucket}{{{live},le=\"16\"}} 2")));
     }
 
     #[test]

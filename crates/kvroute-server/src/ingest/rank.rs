@@ -372,3 +372,6 @@ impl RankStream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests;

@@ -276,6 +276,15 @@ fn synced(registry: &Registry, name: &str) -> bool {
             >= 1
 }
 
+/// A text field of rank `rank` of the first worker (empty when absent).
+fn rank_text(registry: &Registry, rank: usize, field: &str) -> String {
+    let doc = serde_json::json!({"workers": registry.view()});
+    doc["workers"][0]["ranks"][rank][field]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
+}
+
 fn connected(registry: &Registry, name: &str) -> bool {
     serde_json::json!({"workers": registry.view()})["workers"][0]["ranks"][0]["connected"]
         .as_bool()
@@ -341,8 +350,11 @@ fn dropped_batches_are_recovered_by_replay_without_the_topic_frame() {
     dropped_batches_are_recovered(3);
 }
 
+/// What the ring no longer holds is lost: the rank keeps its older blocks
+/// (mostly still right), applies what the ring has, and says its history is
+/// incomplete.
 #[test]
-fn a_gap_older_than_the_ring_clears_the_rank() {
+fn a_gap_older_than_the_ring_degrades_the_rank_and_keeps_its_blocks() {
     let ctx = zmq::Context::new();
     let (engine, f, key) = follow(&ctx, 4, 3);
     engine.publish(0, &conversation_batch(1, 2, 0), true, 3);
@@ -353,15 +365,18 @@ fn a_gap_older_than_the_ring_clears_the_rank() {
     for seq in 1..=6u64 {
         engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), seq == 6, 3);
     }
-    eventually("rank cleared, then rebuilt from the ring", || {
-        rank_field(&f.registry, "w0", 0, "clears") == 1
-            && device_depth(&f.index, key, &tokens_of(7, 2)) == 2
+    eventually("what the ring holds applied", || {
+        device_depth(&f.index, key, &tokens_of(7, 2)) == 2
     });
+    assert_eq!(rank_field(&f.registry, "w0", 0, "clears"), 0);
+    assert!(rank_field(&f.registry, "w0", 0, "replays_incomplete") >= 1);
+    assert_eq!(rank_text(&f.registry, 0, "state"), "degraded");
     assert_eq!(
         device_depth(&f.index, key, &tokens_of(1, 2)),
-        0,
-        "state before the gap is gone"
+        2,
+        "blocks before the gap are kept"
     );
+    assert_eq!(device_depth(&f.index, key, &tokens_of(3, 2)), 0, "lost");
     assert_eq!(
         device_depth(&f.index, key, &tokens_of(5, 2)),
         2,
@@ -404,23 +419,26 @@ fn an_engine_restart_resets_the_rank() {
     engine.restart_ring();
     engine.publish(0, &conversation_batch(42, 2, 0), true, 10_000);
     eventually("reset and rebuilt", || {
-        rank_field(&f.registry, "w0", 0, "restarts") == 1
+        rank_field(&f.registry, "w0", 0, "engine_restarts") == 1
             && device_depth(&f.index, key, &tokens_of(42, 2)) == 2
     });
     assert_eq!(device_depth(&f.index, key, &tokens_of(1, 2)), 0);
 }
 
+/// An envelope that cannot be decoded is skipped (its ring copy holds the
+/// same bytes) and the rank says its history is incomplete; a malformed
+/// event costs only itself.
 #[test]
-fn a_malformed_envelope_is_replayed_and_a_malformed_event_loses_only_itself() {
+fn a_malformed_envelope_is_skipped_and_a_malformed_event_loses_only_itself() {
     let ctx = zmq::Context::new();
     let (engine, f, key) = follow(&ctx, 4, 10_000);
     engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
-    // Live copy of seq 1 is garbage; the ring holds the good bytes.
+    // Seq 1 is garbage, live and in the ring.
     engine
         .ring
         .lock()
         .expect("ring")
-        .push_back((1, conversation_batch(2, 2, 0)));
+        .push_back((1, vec![0xc1, 0x00]));
     let frames: [&[u8]; 3] = [b"", &1u64.to_be_bytes(), &[0xc1, 0x00]];
     engine.publisher.send_multipart(frames, 0).expect("publish");
     // Seq 2: a bad event between two good ones.
@@ -431,9 +449,13 @@ fn a_malformed_envelope_is_replayed_and_a_malformed_event_loses_only_itself() {
     stored(&mut good_b, &[401, 402], None, &tokens_of(4, 2));
     engine.publish(2, &batch(&[good_a, bad, good_b], 0), true, 10_000);
     eventually("all good data applied", || {
-        (1..=4).all(|c| device_depth(&f.index, key, &tokens_of(c, 2)) == 2)
+        [1, 3, 4]
+            .iter()
+            .all(|&c| device_depth(&f.index, key, &tokens_of(c, 2)) == 2)
     });
     assert_eq!(rank_field(&f.registry, "w0", 0, "envelope_errors"), 1);
+    assert_eq!(rank_text(&f.registry, 0, "state"), "degraded");
+    assert!(rank_text(&f.registry, 0, "state_reason").contains("batch 1"));
     assert_eq!(rank_field(&f.registry, "w0", 0, "decode_errors"), 1);
     assert_eq!(rank_field(&f.registry, "w0", 0, "clears"), 0);
 }

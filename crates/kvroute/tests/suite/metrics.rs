@@ -69,7 +69,8 @@ fn every_catalogue_metric_is_scraped_from_a_running_router() {
             );
         }
         if m.labels.contains(&"worker") {
-            let labelled = format!("{}{{worker=\"w0\",dp_rank=\"0\"}}", samples[0]);
+            // Per-rank labels first (the state gauge adds its `state` after them).
+            let labelled = format!("{}{{worker=\"w0\",dp_rank=\"0\"", samples[0]);
             assert!(classic.body.contains(&labelled), "{labelled}");
         }
     }

@@ -46,12 +46,20 @@ fn device_blocks(serve: &str, worker: &str) -> u64 {
         .sum()
 }
 
+/// A metric's value, summed over its label sets (the accuracy metrics are
+/// split by the state of the rank each prediction came from).
 fn metric(serve: &str, name: &str) -> u64 {
     let text = request(serve, "GET", "/metrics", "").body;
     text.lines()
-        .find_map(|l| l.strip_prefix(&format!("{name} ")))
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(0)
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let value = match rest.strip_prefix('{') {
+                Some(labelled) => labelled.split_once("} ")?.1,
+                None => rest.strip_prefix(' ')?,
+            };
+            value.trim().parse::<u64>().ok()
+        })
+        .sum()
 }
 
 /// Sends a completion that must be answered by `holder`; its cached tokens.

@@ -1,0 +1,143 @@
+//! A rank's stream fed by hand: what reaches the index, and its state.
+
+use super::*;
+use kvroute_core::index::{Index, IndexConfig, WorkerId};
+use kvroute_core::wire::write as mp;
+
+/// A vLLM-style batch `[ts, [BlockStored], dp_rank]` storing one block.
+fn stored(hash: u64, dp_rank: u32) -> Vec<u8> {
+    let mut w = Vec::new();
+    mp::array(&mut w, 3);
+    mp::f64(&mut w, 0.0);
+    mp::array(&mut w, 1);
+    mp::array(&mut w, 7);
+    mp::str(&mut w, "BlockStored");
+    mp::uints(&mut w, &[hash]);
+    mp::nil(&mut w);
+    mp::uints(&mut w, &[hash, hash + 1, hash + 2, hash + 3]);
+    mp::uint(&mut w, 4);
+    mp::nil(&mut w);
+    mp::nil(&mut w);
+    mp::uint(&mut w, u64::from(dp_rank));
+    w
+}
+
+fn stream(replay: bool, dp_size: u32) -> (RankStream, Arc<SharedIndex>) {
+    let index = Arc::new(SharedIndex::new(Index::new(IndexConfig::default())));
+    let target = RankTarget {
+        worker: "w0".into(),
+        key: WorkerRank {
+            worker: WorkerId(0),
+            rank: 0,
+        },
+        endpoints: RankEndpoints {
+            rank: 0,
+            events: "tcp://127.0.0.1:1".into(),
+            replay: replay.then(|| "tcp://127.0.0.1:2".into()),
+        },
+        topic: String::new(),
+        block_size: 4,
+        dp_size: Arc::new(AtomicU32::new(dp_size)),
+        stats: Arc::new(RankStats::default()),
+    };
+    (
+        RankStream::new(target, index.clone(), Timing::default()),
+        index,
+    )
+}
+
+fn residencies(index: &SharedIndex) -> u64 {
+    index.read().stats().residencies
+}
+
+/// Connects and answers the first resync with an empty ring.
+fn connect_fresh(s: &mut RankStream) {
+    s.link_up();
+    assert_eq!(s.take_requests(), [0]);
+    s.replay_end(ReplayEnd::Complete);
+}
+
+#[test]
+fn batches_for_a_rank_the_worker_lacks_are_counted_and_leave_no_state() {
+    let (mut s, index) = stream(true, 1);
+    connect_fresh(&mut s);
+    s.live(0, stored(7, 3));
+    assert_eq!(s.target().stats.counters().foreign_rank_batches, 1);
+    assert_eq!(residencies(&index), 0);
+    s.live(1, stored(8, 0));
+    assert_eq!(residencies(&index), 1, "the worker's own rank is applied");
+}
+
+#[test]
+fn a_restart_seen_on_reconnect_clears_the_rank() {
+    let (mut s, index) = stream(true, 1);
+    connect_fresh(&mut s);
+    assert_eq!(s.state().0, RankState::Live);
+    s.live(0, stored(1, 0));
+    s.live(1, stored(2, 0));
+    assert_eq!(residencies(&index), 2);
+    s.link_down();
+    assert_eq!(s.state().0, RankState::Disconnected);
+    s.link_up();
+    assert_eq!(s.take_requests(), [1], "proves from the last batch applied");
+    assert_eq!(s.state().0, RankState::Replaying);
+    // The engine restarted: its seq 1 is another batch.
+    s.replayed(1, stored(9, 0));
+    assert_eq!(residencies(&index), 0);
+    s.replay_end(ReplayEnd::Complete);
+    assert_eq!(s.take_requests(), [0]);
+    s.replayed(0, stored(8, 0));
+    s.replayed(1, stored(9, 0));
+    s.replay_end(ReplayEnd::Complete);
+    assert_eq!(residencies(&index), 2);
+    assert_eq!(s.target().stats.counters().engine_restarts, 1);
+    assert_eq!(s.state().0, RankState::Live);
+}
+
+#[test]
+fn a_ring_that_does_not_reach_back_degrades_until_predictions_agree() {
+    let (mut s, _index) = stream(true, 1);
+    s.link_up();
+    assert_eq!(s.take_requests(), [0]);
+    s.replayed(5, stored(5, 0));
+    s.replay_end(ReplayEnd::Complete);
+    let (state, reason) = s.state();
+    assert_eq!(state, RankState::Degraded);
+    assert!(reason.is_some_and(|r| r.contains("starts at seq 5")));
+    let stats = s.target().stats.clone();
+    assert_eq!(stats.counters().replays_incomplete, 1);
+    stats
+        .exact_streak
+        .store(EXACT_STREAK_TO_RECOVER - 1, Ordering::Relaxed);
+    s.tick(now_ms());
+    assert_eq!(s.state().0, RankState::Degraded);
+    stats.exact_streak.fetch_add(1, Ordering::Relaxed);
+    s.tick(now_ms());
+    assert_eq!(s.state().0, RankState::Live);
+    assert_eq!(stats.state(), RankState::Live);
+}
+
+#[test]
+fn a_rank_without_replay_is_unverified_and_cleared_on_reconnect() {
+    let (mut s, index) = stream(false, 1);
+    s.link_up();
+    assert!(s.take_requests().is_empty());
+    s.live(0, stored(1, 0));
+    assert_eq!(s.state().0, RankState::Unverified);
+    s.link_down();
+    s.link_up();
+    assert_eq!(residencies(&index), 0);
+    assert_eq!(s.target().stats.counters().clears, 1);
+}
+
+#[test]
+fn a_quiet_stream_is_verified_and_an_unanswered_replay_times_out() {
+    let (mut s, _index) = stream(true, 1);
+    connect_fresh(&mut s);
+    s.live(0, stored(1, 0));
+    let later = now_ms() + Timing::default().verify_ms;
+    assert!(s.tick(later), "a quiet stream asks for its last batch");
+    assert_eq!(s.take_requests(), [0]);
+    s.tick(later + Timing::default().replay_timeout_ms + 1_000);
+    assert_eq!(s.target().stats.counters().replay_timeouts, 1);
+}
