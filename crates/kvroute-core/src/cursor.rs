@@ -212,10 +212,10 @@ pub struct StreamCursor<T> {
     replay: Option<Replay>,
     buffer: VecDeque<(u64, T)>,
     max_buffered: usize,
-    /// Batches applied from the replay ring since live last caught up, as
-    /// (seq, fingerprint): live copies of them may still be in flight and
-    /// are duplicates, while a known seq with other bytes means a restart.
-    replayed: VecDeque<(u64, u64)>,
+    /// What is known of batches at or below the last applied besides the
+    /// anchor: live copies of replayed ones are duplicates, skipped ones are
+    /// old news, and a known seq with other bytes means a restart.
+    seen: Seen,
     history: History,
     fingerprint: fn(&T) -> u64,
     stats: CursorStats,
@@ -223,6 +223,64 @@ pub struct StreamCursor<T> {
 
 /// Replayed batches remembered for duplicate detection, at most.
 const MAX_REPLAYED: usize = 16_384;
+
+/// Skipped ranges remembered, at most.
+const MAX_SKIPPED: usize = 32;
+
+/// Fingerprints of the latest contiguous run of replayed batches, and the
+/// latest ranges of seqs the cursor went past without applying.
+#[derive(Debug, Clone, Default)]
+struct Seen {
+    /// The seq of `fingerprints[0]`.
+    base: u64,
+    fingerprints: VecDeque<u64>,
+    /// `[from, to)` ranges.
+    skipped: VecDeque<(u64, u64)>,
+}
+
+impl Seen {
+    /// A replayed batch was applied; a jump starts a new run (live copies of
+    /// the older run were all received before the jump: one connection is FIFO).
+    fn record(&mut self, seq: u64, fingerprint: u64) {
+        let end = self.base + self.fingerprints.len() as u64;
+        if self.fingerprints.is_empty() || seq != end {
+            self.fingerprints.clear();
+            self.base = seq;
+        }
+        if self.fingerprints.len() == MAX_REPLAYED {
+            self.fingerprints.pop_front();
+            self.base += 1;
+        }
+        self.fingerprints.push_back(fingerprint);
+    }
+
+    fn replayed(&self, seq: u64, fingerprint: u64) -> bool {
+        seq.checked_sub(self.base)
+            .and_then(|i| usize::try_from(i).ok())
+            .and_then(|i| self.fingerprints.get(i))
+            == Some(&fingerprint)
+    }
+
+    fn skip(&mut self, from: u64, to: u64) {
+        if from < to {
+            if self.skipped.len() == MAX_SKIPPED {
+                self.skipped.pop_front();
+            }
+            self.skipped.push_back((from, to));
+        }
+    }
+
+    fn skipped(&self, seq: u64) -> bool {
+        self.skipped
+            .iter()
+            .any(|&(from, to)| (from..to).contains(&seq))
+    }
+
+    /// Live delivered the next batch: no older live copy can follow.
+    fn live_caught_up(&mut self) {
+        self.fingerprints.clear();
+    }
+}
 
 impl<T> StreamCursor<T> {
     /// A cursor that has seen nothing, buffering at most `max_buffered` live
@@ -234,7 +292,7 @@ impl<T> StreamCursor<T> {
             replay: None,
             buffer: VecDeque::new(),
             max_buffered: max_buffered.max(1),
-            replayed: VecDeque::new(),
+            seen: Seen::default(),
             history: History::Exact,
             fingerprint,
             stats: CursorStats::default(),
@@ -305,7 +363,7 @@ impl<T> StreamCursor<T> {
     fn clear(&mut self, reason: ClearReason, out: &mut Vec<Action<T>>) {
         self.stats.clears += 1;
         self.last = None;
-        self.replayed.clear();
+        self.seen = Seen::default();
         self.history = History::Exact;
         out.push(Action::Clear(reason));
     }
@@ -360,7 +418,7 @@ impl<T> StreamCursor<T> {
             None if seq == 0 => self.apply(seq, payload, out),
             Some(last) if seq == last.seq + 1 => {
                 // Live has caught up: no older live copy can follow (one connection is FIFO).
-                self.replayed.clear();
+                self.seen.live_caught_up();
                 self.apply(seq, payload, out);
             }
             None => {
@@ -376,7 +434,8 @@ impl<T> StreamCursor<T> {
             Some(last) => {
                 let fingerprint = (self.fingerprint)(&payload);
                 let applied = seq == last.seq && fingerprint == last.fingerprint;
-                if applied || self.replayed.contains(&(seq, fingerprint)) {
+                if applied || self.seen.replayed(seq, fingerprint) || self.seen.skipped(seq) {
+                    // A duplicate, or a batch lost earlier that comes too late.
                     self.stats.stale += 1;
                 } else {
                     // Same seq, other bytes: the publisher started over, and so did its cache.
@@ -422,6 +481,8 @@ impl<T> StreamCursor<T> {
             let wanted = replay.anchor.map_or(0, |a| a.seq);
             if seq > wanted {
                 replay.short = true;
+                let lost_from = replay.anchor.map_or(0, |a| a.seq + 1);
+                self.seen.skip(lost_from, seq);
                 self.lose(Loss::RingTooShort { wanted, first: seq });
                 self.replay = Some(replay);
                 self.apply_replayed(seq, payload, out);
@@ -441,10 +502,7 @@ impl<T> StreamCursor<T> {
     }
 
     fn apply_replayed(&mut self, seq: u64, payload: T, out: &mut Vec<Action<T>>) {
-        if self.replayed.len() == MAX_REPLAYED {
-            self.replayed.pop_front();
-        }
-        self.replayed.push_back((seq, (self.fingerprint)(&payload)));
+        self.seen.record(seq, (self.fingerprint)(&payload));
         self.apply(seq, payload, out);
     }
 
@@ -477,6 +535,7 @@ impl<T> StreamCursor<T> {
                     from: next,
                     to: seq,
                 });
+                self.seen.skip(next, seq);
                 jumped = true;
                 self.apply(seq, payload, out);
                 continue;

@@ -472,3 +472,33 @@ proptest! {
         }
     }
 }
+
+/// Found by `kvroute bench ingest`: under a flood, live batches buffered
+/// during a replay whose ring started after them were taken for a
+/// restarted engine's (a seq at or below the last applied, bytes unknown).
+#[test]
+fn a_live_batch_the_ring_no_longer_holds_is_old_news_not_a_restart() {
+    let mut c = cursor();
+    for seq in 0..=3 {
+        live(&mut c, seq, 0);
+    }
+    // 4 is lost; 5 arrives and starts a replay; 6 and 7 arrive meanwhile.
+    assert_eq!(live(&mut c, 5, 0), [replay(3)]);
+    live(&mut c, 6, 0);
+    live(&mut c, 7, 0);
+    // The ring has moved on: it starts at 6.
+    assert_eq!(replayed(&mut c, 6, 0), [apply(6, 0)]);
+    replayed(&mut c, 7, 0);
+    replayed(&mut c, 8, 0);
+    assert!(
+        finished(&mut c, ReplayEnd::Complete).is_empty(),
+        "5, 6, 7 dropped"
+    );
+    assert_eq!(c.stats().restarts, 0);
+    assert_eq!(c.stats().stale, 3);
+    assert_eq!(c.last_seq(), Some(8));
+    assert!(matches!(
+        c.history(),
+        History::Incomplete(Loss::RingTooShort { .. })
+    ));
+}

@@ -38,15 +38,16 @@ pub struct PoolError(String);
 
 impl IngestPool {
     /// Starts `threads` ingest threads sharing one ZeroMQ context of at most
-    /// `max_sockets` sockets.
-    pub fn start(threads: usize, max_sockets: usize) -> Result<Self, PoolError> {
+    /// `max_sockets` sockets; each rank queues at most `queue` live batches.
+    pub fn start(threads: usize, max_sockets: usize, queue: i32) -> Result<Self, PoolError> {
         let context = ZmqContext::new(max_sockets).map_err(|e| PoolError(e.to_string()))?;
         let mut started = Vec::new();
         for thread_no in 0..threads.max(1) {
             let (commands, receiver) = mpsc::channel();
             let load = Arc::new(AtomicUsize::new(0));
-            let (reactor, waker) = Reactor::new(context.clone(), receiver, load.clone(), thread_no)
-                .map_err(|e| PoolError(e.to_string()))?;
+            let (reactor, waker) =
+                Reactor::new(context.clone(), receiver, load.clone(), thread_no, queue)
+                    .map_err(|e| PoolError(e.to_string()))?;
             let handle = std::thread::Builder::new()
                 .name(format!("ingest-{thread_no}"))
                 .spawn(move || reactor.run())

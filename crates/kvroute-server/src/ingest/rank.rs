@@ -94,11 +94,13 @@ pub fn now_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
+/// A batch's identity for the cursor: XXH3 of its bytes (a verify reply
+/// is hashed for every quiet rank every few seconds, so the hash is the
+/// fastest one at hand; it need not resist an adversary, only tell two
+/// engines' batches apart).
+#[expect(clippy::ptr_arg, reason = "the cursor takes `fn(&T)`, and `T` is `Vec<u8>`")]
 fn fingerprint(payload: &Vec<u8>) -> u64 {
-    use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
-    payload.hash(&mut hasher);
-    hasher.finish()
+    xxhash_rust::xxh3::xxh3_64(payload)
 }
 
 impl RankStream {

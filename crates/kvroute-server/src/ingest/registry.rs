@@ -45,6 +45,14 @@ impl IngestConfig {
     fn max_sockets(&self) -> usize {
         self.max_ranks * 2 + self.threads * 4 + 64
     }
+
+    /// Live batches each rank's SUB may queue before dropping (the drop is
+    /// a gap, replayed from the ring): four million across `max_ranks`, at
+    /// least 1 000 and at most 100 000, so a flood cannot hold unbounded memory.
+    fn queue_per_rank(&self) -> i32 {
+        let share = 4_000_000 / self.max_ranks.max(1);
+        i32::try_from(share.clamp(1_000, 100_000)).unwrap_or(1_000)
+    }
 }
 
 /// Descriptors a rank costs: its SUB's mailbox (2) and connection, and its
@@ -168,7 +176,11 @@ impl Registry {
         ingest: IngestConfig,
         grace: Duration,
     ) -> Result<Self, RegistryError> {
-        let pool = IngestPool::start(ingest.threads, ingest.max_sockets())?;
+        let pool = IngestPool::start(
+            ingest.threads,
+            ingest.max_sockets(),
+            ingest.queue_per_rank(),
+        )?;
         Ok(Registry {
             workers: Mutex::new(BTreeMap::new()),
             next_id: Mutex::new(0),
@@ -399,6 +411,8 @@ impl Registry {
     /// Routing, `/workers` and `/metrics` all read this one view.
     pub fn view(&self) -> Vec<WorkerView> {
         let stats = self.index.read().stats();
+        let tiers_of: std::collections::HashMap<WorkerRank, [u64; 4]> =
+            stats.per_rank.into_iter().collect();
         let workers = self.lock();
         workers
             .values()
@@ -417,11 +431,7 @@ impl Registry {
                             worker: w.id,
                             rank: r.endpoints.rank,
                         };
-                        let tiers = stats
-                            .per_rank
-                            .iter()
-                            .find(|(k, _)| *k == key)
-                            .map_or([0; 4], |(_, t)| *t);
+                        let tiers = tiers_of.get(&key).copied().unwrap_or([0; 4]);
                         rank_view(&r.endpoints, &r.stats, tiers)
                     })
                     .collect(),

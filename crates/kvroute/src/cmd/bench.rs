@@ -145,9 +145,14 @@ struct IngestArgs {
     /// Seconds over which the router's CPU is measured with every rank connected and quiet.
     #[arg(long, default_value_t = 10.0)]
     idle_secs: f64,
-    /// Seconds every rank publishes as fast as its publisher can.
+    /// Seconds every rank publishes.
     #[arg(long, default_value_t = 10.0)]
     flood_secs: f64,
+    /// Block operations per second the publishers offer together during the
+    /// flood (0: as fast as they can, which on a small machine starves the
+    /// router of CPU and measures the publishers instead).
+    #[arg(long, default_value_t = 1_500_000)]
+    flood_rate: u64,
     /// Stored events per batch (each batch also removes the blocks of an older one).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..))]
     events_per_batch: u32,
@@ -342,6 +347,7 @@ fn run_ingest(a: &IngestArgs) -> Result<ExitCode> {
         dp: a.dp,
         idle_secs: a.idle_secs,
         flood_secs: a.flood_secs,
+        flood_rate: a.flood_rate,
         events_per_batch: a.events_per_batch,
         blocks_per_event: a.blocks_per_event,
         block_size: a.block_size,

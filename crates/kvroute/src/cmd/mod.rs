@@ -52,10 +52,14 @@ pub async fn shutdown_signal() {
     }
 }
 
-/// The multi-threaded tokio runtime every networked command runs on.
+/// The multi-threaded tokio runtime every networked command runs on: one
+/// worker per core, and at most as many threads again for blocking work
+/// (CPU-bound tokenizing and registry upkeep gain nothing from more).
 pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     use anyhow::Context as _;
+    let cores = std::thread::available_parallelism().map_or(2, |n| n.get());
     tokio::runtime::Builder::new_multi_thread()
+        .max_blocking_threads(cores)
         .enable_all()
         .build()
         .context("starting the runtime")

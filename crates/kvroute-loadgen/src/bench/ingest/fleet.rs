@@ -144,9 +144,11 @@ impl Publishers {
         self.children.iter().map(|c| c.child.id()).collect()
     }
 
-    /// Tells every publisher to flood for `duration` (returns at once).
-    pub(crate) fn start_flood(&mut self, duration: Duration) -> Result<()> {
-        let command = format!("flood {}", duration.as_millis());
+    /// Tells every publisher to flood for `duration` at their share of
+    /// `batches_per_sec` (0: unpaced); returns at once.
+    pub(crate) fn start_flood(&mut self, duration: Duration, batches_per_sec: u64) -> Result<()> {
+        let share = batches_per_sec.div_ceil(self.children.len().max(1) as u64);
+        let command = format!("flood {} {share}", duration.as_millis());
         self.children.iter_mut().try_for_each(|c| c.send(&command))
     }
 

@@ -46,8 +46,10 @@ pub struct IngestBenchConfig {
     pub dp: u32,
     /// Seconds of quiet over which the idle CPU is measured.
     pub idle_secs: f64,
-    /// Seconds every rank publishes as fast as it can.
+    /// Seconds every rank publishes.
     pub flood_secs: f64,
+    /// Block operations per second offered by all publishers together (0: unpaced).
+    pub flood_rate: u64,
     /// Stored events per batch (each batch also removes older blocks).
     pub events_per_batch: u32,
     /// Blocks per stored event.
@@ -73,6 +75,7 @@ impl IngestBenchConfig {
             dp: 8,
             idle_secs: 10.0,
             flood_secs: 10.0,
+            flood_rate: 1_500_000,
             events_per_batch: 4,
             blocks_per_event: 16,
             block_size: 16,
@@ -309,7 +312,10 @@ impl Setup<'_> {
         let cpu0 = self.router.cpu_time()?;
         let publisher_cpu0 = self.publisher_cpu()?;
         let t0 = Instant::now();
-        self.publishers.start_flood(duration)?;
+        // Each batch stores `events_per_batch` events and removes as many blocks.
+        let ops_per_batch = u64::from(c.events_per_batch) * u64::from(c.blocks_per_event) * 2;
+        let batches_per_sec = c.flood_rate / ops_per_batch.max(1);
+        self.publishers.start_flood(duration, batches_per_sec)?;
         tokio::time::sleep(duration / 2).await;
         let threads = self.router.status()?.threads;
         self.put("threads_during_flood", json!(threads));

@@ -203,11 +203,26 @@ fn serve_ready(ranks: &[Rank], extra_fd: Option<i32>, timeout_ms: i64) -> Result
     Ok((served, extra))
 }
 
-/// Every rank publishes round-robin until `duration` is up.
-fn flood(ranks: &mut [Rank], c: &PublisherConfig, duration: Duration) -> Result<FloodCounts> {
-    let until = Instant::now() + duration;
+/// Every rank publishes round-robin until `duration` is up, at most
+/// `batches_per_sec` batches a second in all (0: as fast as possible).
+fn flood(
+    ranks: &mut [Rank],
+    c: &PublisherConfig,
+    duration: Duration,
+    batches_per_sec: u64,
+) -> Result<FloodCounts> {
+    let start = Instant::now();
+    let until = start + duration;
     let mut counts = FloodCounts::default();
     while Instant::now() < until {
+        if batches_per_sec > 0 {
+            let due = Duration::from_secs_f64(counts.batches as f64 / batches_per_sec as f64);
+            if let Some(ahead) = due.checked_sub(start.elapsed()) {
+                std::thread::sleep(ahead.min(Duration::from_millis(50)));
+                counts.replays += serve_ready(ranks, None, 0)?.0;
+                continue;
+            }
+        }
         let ts = now_ts();
         for rank in ranks.iter_mut() {
             let (events, stored, removed) = rank.next_batch(c);
@@ -253,11 +268,14 @@ pub fn run(c: &PublisherConfig) -> Result<()> {
         match words.as_slice() {
             [] if n == 0 => return Ok(()),
             ["quit"] => return Ok(()),
-            ["flood", ms] => {
+            ["flood", ms, rate] => {
                 let ms: u64 = ms
                     .parse()
                     .map_err(|_| Error::Invalid(format!("bad flood duration {ms:?}")))?;
-                let f = flood(&mut ranks, c, Duration::from_millis(ms))?;
+                let rate: u64 = rate
+                    .parse()
+                    .map_err(|_| Error::Invalid(format!("bad flood rate {rate:?}")))?;
+                let f = flood(&mut ranks, c, Duration::from_millis(ms), rate)?;
                 let (b, s, r, p) = (f.batches, f.stored_blocks, f.removed_blocks, f.replays);
                 say(&mut out, format!("flooded {b} {s} {r} {p}"))?;
             }
@@ -319,7 +337,7 @@ mod tests {
         sub.connect(&format!("tcp://127.0.0.1:{}", base + 1))
             .expect("connect");
         std::thread::sleep(Duration::from_millis(300));
-        let counts = flood(&mut ranks[1..], &c, Duration::from_millis(50)).expect("floods");
+        let counts = flood(&mut ranks[1..], &c, Duration::from_millis(50), 0).expect("floods");
         assert!(counts.batches > 0 && counts.stored_blocks == counts.batches * 6);
         let frames = sub.recv_multipart(0).expect("a live batch");
         assert_eq!(frames.len(), 3);
