@@ -25,6 +25,7 @@
 //! The index is single-writer: `&mut self` applies events, `&self` answers
 //! lookups. [`SharedIndex`] wraps it for many reader threads and one writer.
 
+mod feedback;
 mod nodes;
 mod shared;
 mod snapshot;
@@ -517,35 +518,6 @@ impl Index {
                 s.approx_queue.push_back((deadline, node));
             }
             prev = Some(seq);
-        }
-        self.enforce_capacity(slot);
-    }
-
-    /// Records that a rank's engine reported holding a request's leading
-    /// blocks (`locals`, the prefix it reported as cached) that the index
-    /// does not know of, because the rank's event history is incomplete.
-    /// Missing blocks are added on the device as approximate residencies
-    /// that expire after `approx_ttl_ms` unless an event confirms them;
-    /// blocks the rank already holds are left as they are.
-    pub fn learn_cached_prefix(&mut self, key: WorkerRank, locals: &[LocalBlockHash], now_ms: u64) {
-        let slot = self.slot(key);
-        let deadline = now_ms.saturating_add(self.config.approx_ttl_ms);
-        let mut prev: Option<u64> = None;
-        for local in locals {
-            let seq = match prev {
-                None => local.0,
-                Some(p) => next_sequence_hash(SequenceHash(p), *local).0,
-            };
-            prev = Some(seq);
-            let node = self.nodes.insert_seq(seq);
-            if self.nodes.tiers_of(node, slot) != 0 {
-                continue;
-            }
-            self.add_residency(slot, node, Tier::Device);
-            if let Some(s) = self.slot_mut(slot) {
-                s.approx_deadline.insert(node, deadline);
-                s.approx_queue.push_back((deadline, node));
-            }
         }
         self.enforce_capacity(slot);
     }

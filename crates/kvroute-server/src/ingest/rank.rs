@@ -98,7 +98,10 @@ pub fn now_ms() -> u64 {
 /// is hashed for every quiet rank every few seconds, so the hash is the
 /// fastest one at hand; it need not resist an adversary, only tell two
 /// engines' batches apart).
-#[expect(clippy::ptr_arg, reason = "the cursor takes `fn(&T)`, and `T` is `Vec<u8>`")]
+#[expect(
+    clippy::ptr_arg,
+    reason = "the cursor takes `fn(&T)`, and `T` is `Vec<u8>`"
+)]
 fn fingerprint(payload: &Vec<u8>) -> u64 {
     xxhash_rust::xxh3::xxh3_64(payload)
 }

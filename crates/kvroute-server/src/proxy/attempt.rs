@@ -443,11 +443,11 @@ async fn respond(
 }
 
 /// What the response will be checked against: the prediction, the state of
-/// the rank it came from, and for a degraded rank what to learn.
+/// the rank it came from, and what to learn from the answer.
 fn prediction(s: &Scored, target: &Target, tokens: u64, locals: &[LocalBlockHash]) -> Prediction {
     let stats = target.stats_of(s.key.rank);
     let state = stats.map_or(RankState::Live, |st| st.state());
-    let learn = stats.filter(|_| state == RankState::Degraded).map(|stats| {
+    let learn = stats.filter(|_| !locals.is_empty()).map(|stats| {
         Arc::new(Learn {
             key: s.key,
             locals: locals.to_vec(),

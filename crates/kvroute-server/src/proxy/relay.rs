@@ -27,12 +27,13 @@ pub struct Prediction {
     pub predicted: u64,
     /// The state of the rank the prediction came from, when it was made.
     pub state: RankState,
-    /// For a degraded rank: what to learn from the engine's answer.
+    /// What to learn from the engine's answer.
     pub learn: Option<Arc<Learn>>,
 }
 
-/// What a degraded rank's engine tells the router with its `cached_tokens`:
-/// the request's leading blocks it holds, which its event history lost.
+/// What an engine's `cached_tokens` can teach the index: which of the
+/// request's leading blocks the rank holds (the only source for blocks a
+/// degraded rank's event history lost).
 #[derive(Debug)]
 pub struct Learn {
     /// The rank.
@@ -46,29 +47,28 @@ pub struct Learn {
 }
 
 impl Prediction {
-    /// Compares the prediction with the engine's report; on a degraded rank,
-    /// counts exact predictions towards recovery and adds the leading blocks
-    /// the engine reported holding (as residencies that expire unless
-    /// confirmed). Nothing is removed on a report: a lower count may only
-    /// mean a newer store has not arrived yet.
+    /// Compares the prediction with the engine's report, and teaches the
+    /// index what the report says about the request's leading blocks (see
+    /// `Index::learn_cached_prefix`: guesses that expire unless confirmed).
+    /// On a degraded rank, exact predictions of a cache hit count towards
+    /// trusting its history again.
     pub fn settle(&self, proxy: &Proxy, reported: u64) {
         proxy.metrics.compare(self.predicted, reported, self.state);
         let Some(learn) = &self.learn else {
             return;
         };
-        if self.predicted == reported {
-            learn.stats.exact_streak.fetch_add(1, Ordering::Relaxed);
-            return;
+        if self.state == RankState::Degraded {
+            if self.predicted != reported {
+                learn.stats.exact_streak.store(0, Ordering::Relaxed);
+            } else if reported > 0 {
+                learn.stats.exact_streak.fetch_add(1, Ordering::Relaxed);
+            }
         }
-        learn.stats.exact_streak.store(0, Ordering::Relaxed);
-        if reported > self.predicted && learn.block_size > 0 {
-            let blocks = usize::try_from(reported / u64::from(learn.block_size)).unwrap_or(0);
-            let held = &learn.locals[..blocks.min(learn.locals.len())];
+        if self.predicted != reported && learn.block_size > 0 {
+            let held = usize::try_from(reported / u64::from(learn.block_size)).unwrap_or(0);
             let now = proxy.now_ms();
-            proxy
-                .index()
-                .write()
-                .learn_cached_prefix(learn.key, held, now);
+            let mut index = proxy.index().write();
+            index.learn_cached_prefix(learn.key, &learn.locals, held, now);
         }
     }
 }

@@ -1,0 +1,122 @@
+//! What the engines' own answers teach the index: a response's
+//! `cached_tokens` says how many of a request's leading blocks the engine
+//! held. Where the rank's event history is incomplete (a replay ring that no
+//! longer reached back), that is the only way to learn the blocks it lost.
+//!
+//! What is learned is a guess: it is kept as an approximate residency that
+//! expires after `approx_ttl_ms` unless an event confirms it (a real store
+//! removes the deadline), and a later answer that contradicts it removes it.
+//! Residencies that came from events are never removed by an answer: a
+//! lower count may only mean that a newer store is still on its way.
+
+use super::{Index, SlotId, WorkerRank};
+use crate::event::Tier;
+use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+
+/// The sequence hashes of `locals`, in order.
+fn sequence(locals: &[LocalBlockHash]) -> impl Iterator<Item = u64> + '_ {
+    locals.iter().scan(None, |prev: &mut Option<u64>, local| {
+        let seq = match *prev {
+            None => local.0,
+            Some(p) => next_sequence_hash(SequenceHash(p), *local).0,
+        };
+        *prev = Some(seq);
+        Some(seq)
+    })
+}
+
+impl Index {
+    /// The engine of rank `key` reported holding the request's first
+    /// `held` blocks (`locals` are the request's blocks). Those the rank is
+    /// not known to hold are added on the device as guesses; guesses beyond
+    /// `held` are dropped.
+    pub fn learn_cached_prefix(
+        &mut self,
+        key: WorkerRank,
+        locals: &[LocalBlockHash],
+        held: usize,
+        now_ms: u64,
+    ) {
+        let slot = self.slot(key);
+        let deadline = now_ms.saturating_add(self.config.approx_ttl_ms);
+        for (i, seq) in sequence(locals).enumerate() {
+            if i >= held {
+                self.forget_guess(slot, seq);
+                continue;
+            }
+            let node = self.nodes.insert_seq(seq);
+            if self.nodes.tiers_of(node, slot) != 0 {
+                continue;
+            }
+            self.add_residency(slot, node, Tier::Device);
+            if let Some(s) = self.slot_mut(slot) {
+                s.approx_deadline.insert(node, deadline);
+                s.approx_queue.push_back((deadline, node));
+            }
+        }
+        self.enforce_capacity(slot);
+    }
+
+    /// Drops the guess that the rank holds block `seq`, if it is one.
+    fn forget_guess(&mut self, slot: SlotId, seq: u64) {
+        let Some(node) = self.nodes.find_seq(seq) else {
+            return;
+        };
+        let guessed = self
+            .slot_mut(slot)
+            .is_some_and(|s| s.approx_deadline.remove(&node).is_some());
+        if guessed {
+            self.drop_residency(slot, node, Tier::Device);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::{ExternalHash, KvEvent, Stored, StoredBlock};
+    use crate::index::{IndexConfig, WorkerId};
+
+    fn key() -> WorkerRank {
+        WorkerRank {
+            worker: WorkerId(0),
+            rank: 0,
+        }
+    }
+
+    fn depth(index: &Index, locals: &[LocalBlockHash]) -> u32 {
+        index.find_matches(locals).first().map_or(0, |m| m.device)
+    }
+
+    #[test]
+    fn reported_blocks_are_guessed_confirmed_by_events_and_dropped_when_contradicted() {
+        let mut index = Index::new(IndexConfig::default());
+        let locals: Vec<LocalBlockHash> = (1..=4).map(LocalBlockHash).collect();
+        index.learn_cached_prefix(key(), &locals, 3, 0);
+        assert_eq!(depth(&index, &locals), 3);
+        // The engine stores block 1 for real: no longer a guess.
+        let stored = Stored {
+            parent: None,
+            blocks: vec![StoredBlock {
+                local: locals[0],
+                external: ExternalHash(77),
+            }],
+            tier: Tier::Device,
+            lora_name: None,
+            cache_salt: None,
+            lookahead: 0,
+            dropped_blocks: 0,
+            token_ids: None,
+        };
+        index.apply(key(), &KvEvent::Stored(stored));
+        // A later answer says it holds only one block: guesses 2 and 3 go.
+        index.learn_cached_prefix(key(), &locals, 1, 10);
+        assert_eq!(depth(&index, &locals), 1);
+        // Nothing expires but guesses; block 1 came from an event.
+        index.learn_cached_prefix(key(), &locals, 0, 20);
+        assert_eq!(depth(&index, &locals), 1);
+        index.learn_cached_prefix(key(), &locals, 2, 30);
+        index.expire(30 + index.config().approx_ttl_ms);
+        assert_eq!(depth(&index, &locals), 1, "the guess of block 2 expired");
+    }
+}
