@@ -305,15 +305,11 @@ fn an_engine_restarted_between_reconnects_is_detected_and_reindexed() {
     assert_restart_counted(&serve);
 }
 
-/// Finding 3, no traffic: the engine is killed and started again within
-/// 0.3 s and then stays quiet. Today the replay of its new, empty ring
-/// counts as `replays_ok` and the old blocks stay until the engine publishes
-/// again. Within `--verify-secs` (1 here) and a few seconds the router must
-/// find out, predict 0 for the old prompts (as the engine) and count it.
-#[test]
-fn a_fast_engine_restart_with_no_traffic_drops_the_old_blocks() {
+/// An engine, a router verifying every second, three prompts cached and
+/// predicted; then the engine killed and started again within 0.3 s.
+fn cached_then_restarted_fast() -> (Engine, Proc, String, Vec<(String, Vec<u32>)>) {
     let mut engine = Engine::start(1, &[]);
-    let (_serve, serve) = router_for(&engine, &[("KVROUTE_VERIFY_SECS", "1")]);
+    let (proc, serve) = router_for(&engine, &[("KVROUTE_VERIFY_SECS", "1")]);
     let old = three_old_prompts(&serve, &engine);
     let killed = Instant::now();
     engine.kill();
@@ -321,6 +317,17 @@ fn a_fast_engine_restart_with_no_traffic_drops_the_old_blocks() {
     let down = killed.elapsed();
     eprintln!("engine down for {down:?}");
     assert!(down < Duration::from_millis(300), "restart took {down:?}");
+    (engine, proc, serve, old)
+}
+
+/// Finding 3, no traffic: the engine is killed and started again within
+/// 0.3 s and then stays quiet. Today the replay of its new, empty ring
+/// counts as `replays_ok` and the old blocks stay until the engine publishes
+/// again. Within `--verify-secs` (1 here) and a few seconds the router must
+/// find out, predict 0 for the old prompts (as the engine) and count it.
+#[test]
+fn a_fast_engine_restart_with_no_traffic_drops_the_old_blocks() {
+    let (engine, _serve, serve, old) = cached_then_restarted_fast();
     assert_predictions_match(&serve, &engine.http, &old, 8);
     assert_restart_counted(&serve);
 }
@@ -332,19 +339,11 @@ fn a_fast_engine_restart_with_no_traffic_drops_the_old_blocks() {
 /// a few seconds, and count the restart.
 #[test]
 fn a_fast_engine_restart_with_traffic_reindexes_the_new_engine() {
-    let mut engine = Engine::start(1, &[]);
-    let (_serve, serve) = router_for(&engine, &[("KVROUTE_VERIFY_SECS", "1")]);
-    let old = three_old_prompts(&serve, &engine);
-    let killed = Instant::now();
-    engine.kill();
-    engine.restart();
-    let down = killed.elapsed();
+    let (engine, _serve, serve, old) = cached_then_restarted_fast();
     let new = named("new prompt", 200..205);
     for (_, tokens) in &new {
         send_to_engine(&engine.http, tokens);
     }
-    eprintln!("engine down for {down:?}");
-    assert!(down < Duration::from_millis(300), "restart took {down:?}");
     let all: Vec<_> = old.into_iter().chain(new).collect();
     assert_predictions_match(&serve, &engine.http, &all, 8);
     assert_restart_counted(&serve);
