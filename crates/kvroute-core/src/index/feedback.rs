@@ -11,19 +11,7 @@
 
 use super::{Index, SlotId, WorkerRank};
 use crate::event::Tier;
-use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
-
-/// The sequence hashes of `locals`, in order.
-fn sequence(locals: &[LocalBlockHash]) -> impl Iterator<Item = u64> + '_ {
-    locals.iter().scan(None, |prev: &mut Option<u64>, local| {
-        let seq = match *prev {
-            None => local.0,
-            Some(p) => next_sequence_hash(SequenceHash(p), *local).0,
-        };
-        *prev = Some(seq);
-        Some(seq)
-    })
-}
+use crate::hash::{sequence_hashes, LocalBlockHash};
 
 impl Index {
     /// The engine of rank `key` reported holding the request's first
@@ -39,7 +27,7 @@ impl Index {
     ) {
         let slot = self.slot(key);
         let deadline = now_ms.saturating_add(self.config.approx_ttl_ms);
-        for (i, seq) in sequence(locals).enumerate() {
+        for (i, seq) in sequence_hashes(locals).into_iter().map(|s| s.0).enumerate() {
             if i >= held {
                 self.forget_guess(slot, seq);
                 continue;

@@ -440,8 +440,15 @@ impl Reactor {
         self.load.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// Reads a SUB's queued batches; true when its budget ran out first.
+    /// Reads a SUB's queued batches and sends the replay requests they
+    /// caused; true when its budget ran out first.
     fn drain_sub(&mut self, n: usize) -> bool {
+        let more = self.read_sub(n);
+        self.send_requests(n);
+        more
+    }
+
+    fn read_sub(&mut self, n: usize) -> bool {
         let Some(Some(slot)) = self.slots.get_mut(n) else {
             return false;
         };
@@ -457,20 +464,14 @@ impl Reactor {
                         stats.bad_frames.fetch_add(1, Ordering::Relaxed);
                     }
                 },
-                Err(zmq::Error::EAGAIN) => return self.flush(n, false),
+                Err(zmq::Error::EAGAIN) => return false,
                 Err(e) => {
                     warn!(thread = self.thread_no, error = %e, "event socket receive failed");
-                    return self.flush(n, false);
+                    return false;
                 }
             }
         }
-        self.flush(n, true)
-    }
-
-    /// Sends what a rank asked for; passes `more` through.
-    fn flush(&mut self, n: usize, more: bool) -> bool {
-        self.send_requests(n);
-        more
+        true
     }
 
     fn drain_sub_monitor(&mut self, n: usize) -> bool {
