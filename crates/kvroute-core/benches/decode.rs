@@ -350,6 +350,7 @@ mod baseline {
             parent: e.parent_block_hash.as_ref().and_then(external),
             blocks,
             tier: tier(e.medium.as_deref())?,
+            block_size: bs as u32,
             lora_name,
             cache_salt,
             lookahead: lookahead as u32,

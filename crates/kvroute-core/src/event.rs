@@ -81,6 +81,9 @@ pub struct Stored {
     pub blocks: Vec<StoredBlock>,
     /// Where the blocks live.
     pub tier: Tier,
+    /// Tokens per block, as the event declared it (a worker whose block size
+    /// is not configured learns it from its first stored event).
+    pub block_size: u32,
     /// The LoRA adapter the blocks belong to (part of the local hash seed).
     pub lora_name: Option<String>,
     /// The tenant cache salt (part of the local hash seed); explicit on the event,

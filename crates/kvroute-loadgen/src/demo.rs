@@ -235,7 +235,7 @@ async fn compare(
     let urls: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
     let mut specs = Vec::new();
     for w in fleet.workers() {
-        specs.push(WorkerSpec::parse(&w.worker_arg(), block_size)?);
+        specs.push(WorkerSpec::parse(&w.worker_arg(), Some(block_size))?);
     }
     let mut report = Report::new(config.load.workload.describe());
     let mut extras = Extras::new();

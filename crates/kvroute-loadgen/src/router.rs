@@ -84,7 +84,7 @@ impl RunningRouter {
         };
         let task = tokio::spawn(serve(
             ServeConfig {
-                block_size,
+                block_size: Some(block_size),
                 workers: specs.to_vec(),
                 unreachable_grace: Duration::from_secs(60),
                 index: IndexConfig::default(),

@@ -19,6 +19,10 @@ use kvroute_core::index::WorkerRank;
 use kvroute_core::rng::SplitMix64;
 use rustc_hash::FxHashMap;
 
+/// Tokens per block the trace's stored events declare (its hashes stand
+/// for whole blocks; the size only labels them).
+const BLOCK_SIZE: u32 = 16;
+
 /// Trace parameters.
 #[derive(Debug, Clone)]
 pub struct TraceConfig {
@@ -223,6 +227,7 @@ impl TraceGen {
                     parent: held.checked_sub(1).map(|p| ExternalHash(c.exts[p])),
                     blocks,
                     tier: Tier::Device,
+                    block_size: BLOCK_SIZE,
                     lora_name: None,
                     cache_salt: None,
                     lookahead: 0,

@@ -99,8 +99,9 @@ pub struct AdminState {
     pub proxy: Arc<Proxy>,
     /// Who may use the admin endpoints.
     pub access: Access,
-    /// Block size for registrations that do not give one.
-    pub default_block_size: u32,
+    /// Block size for registrations that do not give one (`None`: learned
+    /// from each such worker's stream).
+    pub default_block_size: Option<u32>,
 }
 
 /// `GET /health`.
@@ -151,8 +152,8 @@ fn u32_field(v: &Value, key: &str) -> Result<Option<u32>, ApiError> {
 /// `events`, `replay`, `dp`, `block_size`, `topic`, `model`) or Dynamo's
 /// standalone-indexer fields (`instance_id`, `endpoint`, `replay_endpoint`,
 /// `dp_rank`, `block_size`, `model_name`), which register one rank.
-fn spec_from_body(v: &Value, default_block_size: u32) -> Result<WorkerSpec, ApiError> {
-    let block_size = u32_field(v, "block_size")?.unwrap_or(default_block_size);
+fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSpec, ApiError> {
+    let block_size = u32_field(v, "block_size")?.or(default_block_size);
     if let Some(events) = str_field(v, "events")? {
         let name =
             str_field(v, "name")?.ok_or_else(|| ApiError::bad_request("`name` is required"))?;
@@ -181,7 +182,7 @@ fn spec_from_body(v: &Value, default_block_size: u32) -> Result<WorkerSpec, ApiE
                 ))
             }
         };
-        if block_size == 0 {
+        if block_size == Some(0) {
             return Err(ApiError::bad_request("`block_size` must be at least 1"));
         }
         let rank = u32_field(v, "dp_rank")?.unwrap_or(0);
@@ -277,21 +278,21 @@ mod tests {
     #[test]
     fn registrations_accept_kvroute_and_dynamo_shapes() {
         let ours = json!({"name": "w0", "url": "http://h:1", "events": "tcp://h:5557", "replay": "tcp://h:5657", "dp": 2});
-        let spec = spec_from_body(&ours, 16).expect("valid");
+        let spec = spec_from_body(&ours, Some(16)).expect("valid");
         assert_eq!(spec.ranks.len(), 2);
-        assert_eq!(spec.block_size, 16);
+        assert_eq!(spec.block_size, Some(16));
         let dynamo = json!({"instance_id": 7, "endpoint": "tcp://h:6000", "dp_rank": 1, "block_size": 32, "model_name": "m"});
-        let spec = spec_from_body(&dynamo, 16).expect("valid");
+        let spec = spec_from_body(&dynamo, Some(16)).expect("valid");
         assert_eq!(
             (spec.name.as_str(), spec.ranks[0].rank, spec.block_size),
-            ("7", 1, 32)
+            ("7", 1, Some(32))
         );
     }
 
     #[test]
     fn bad_registrations_get_clear_messages() {
         let err = |v: Value| {
-            spec_from_body(&v, 16)
+            spec_from_body(&v, Some(16))
                 .expect_err("invalid")
                 .message()
                 .to_owned()

@@ -138,7 +138,7 @@ mod tests {
                     admin_token: Some("token".into()),
                     public_introspection: false,
                 },
-                default_block_size: 16,
+                default_block_size: Some(16),
             },
             proxy,
             metrics,

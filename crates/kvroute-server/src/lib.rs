@@ -42,8 +42,9 @@ use query::QueryLimits;
 /// Everything `kvroute serve` needs, validated.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
-    /// Default tokens per block for workers that do not say.
-    pub block_size: u32,
+    /// Default tokens per block for workers that do not say (`None`: each
+    /// such worker's is learned from its stream).
+    pub block_size: Option<u32>,
     /// Workers known at start.
     pub workers: Vec<WorkerSpec>,
     /// Who may use the admin and introspection endpoints.
@@ -69,7 +70,7 @@ pub struct ServeConfig {
 impl Default for ServeConfig {
     fn default() -> Self {
         ServeConfig {
-            block_size: 16,
+            block_size: None,
             workers: Vec::new(),
             access: admin::Access::default(),
             allowed_worker_hosts: AllowedHosts::default(),

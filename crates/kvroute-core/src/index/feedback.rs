@@ -90,6 +90,7 @@ mod tests {
                 external: ExternalHash(77),
             }],
             tier: Tier::Device,
+            block_size: 4,
             lora_name: None,
             cache_salt: None,
             lookahead: 0,

@@ -127,6 +127,7 @@ impl Stored {
             parent: self.parent,
             blocks: Vec::new(),
             tier: self.tier,
+            block_size: self.block_size,
             lora_name: self.lora_name.clone(),
             cache_salt: self.cache_salt.clone(),
             lookahead: self.lookahead,

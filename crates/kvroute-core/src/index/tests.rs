@@ -30,6 +30,7 @@ fn stored(parent: Option<u64>, blocks: &[(u64, u64)], tier: Tier) -> KvEvent {
             })
             .collect(),
         tier,
+        block_size: 4,
         lora_name: None,
         cache_salt: None,
         lookahead: 0,

@@ -286,6 +286,17 @@ impl StreamDecoder {
         self.memory = StreamMemory::default();
     }
 
+    /// The block size events must declare (`None`: each event's own).
+    pub fn block_size(&self) -> Option<u32> {
+        self.config.block_size
+    }
+
+    /// Sets the block size events must declare, once it is known (a worker
+    /// whose block size was not configured learns it from its stream).
+    pub fn set_block_size(&mut self, block_size: Option<u32>) {
+        self.config.block_size = block_size;
+    }
+
     /// Decodes one payload.
     pub fn decode(&mut self, payload: &[u8]) -> Result<DecodedBatch, EnvelopeError> {
         let mut r = Reader::new(payload);

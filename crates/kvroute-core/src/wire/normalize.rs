@@ -208,6 +208,7 @@ impl StreamDecoder {
             parent,
             blocks,
             tier,
+            block_size,
             lora_name: lora_name.map(str::to_owned),
             cache_salt,
             lookahead,

@@ -86,7 +86,7 @@ pub fn spec_from_server_info(url: &str, info: &Value) -> Result<WorkerSpec, Disc
         &events,
         replay.as_deref(),
         dp,
-        block_size,
+        Some(block_size),
     )
     .map_err(|e| bad(&e.to_string()))?;
     spec.topic = d
@@ -138,7 +138,10 @@ mod tests {
         let spec = spec_from_server_info("http://10.0.0.5:30000", &info).expect("valid");
         assert_eq!(spec.ranks[1].events, "tcp://10.0.0.5:5558");
         assert_eq!(spec.ranks[1].replay.as_deref(), Some("tcp://10.0.0.5:5658"));
-        assert_eq!((spec.block_size, spec.model.as_deref()), (16, Some("m")));
+        assert_eq!(
+            (spec.block_size, spec.model.as_deref()),
+            (Some(16), Some("m"))
+        );
     }
 
     #[test]

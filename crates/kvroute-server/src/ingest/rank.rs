@@ -13,7 +13,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use kvroute_core::cursor::{Action, ClearReason, History, ReplayEnd, StreamCursor};
 use kvroute_core::event::KvEvent;
 use kvroute_core::index::{SharedIndex, WorkerRank};
-use kvroute_core::wire::{DecoderConfig, StreamDecoder};
+use kvroute_core::wire::{DecodedBatch, DecoderConfig, SkipReason, StreamDecoder};
 use tracing::{debug, info, warn};
 
 use super::spec::RankEndpoints;
@@ -57,8 +57,9 @@ pub struct RankTarget {
     pub endpoints: RankEndpoints,
     /// ZMQ topic to subscribe to.
     pub topic: String,
-    /// The worker's block size.
-    pub block_size: u32,
+    /// The worker's block size, shared by its ranks: 0 until learned from
+    /// the first stored event when the spec gave none.
+    pub block_size: Arc<AtomicU32>,
     /// How many DP ranks the worker has: batches for a rank at or beyond it
     /// are foreign (shared by the worker's ranks, grows as ranks are added).
     pub dp_size: Arc<AtomicU32>,
@@ -76,6 +77,9 @@ pub struct RankStream {
     timing: Timing,
     connected: bool,
     error: Option<String>,
+    /// Events declared another block size than the worker's: they are
+    /// skipped (never hashed at the wrong size) and the rank is in error.
+    conflict: Option<String>,
     /// When a batch was last applied or continuity last checked (ms).
     quiet_since_ms: u64,
     /// When the outstanding replay was asked for, or last answered (ms).
@@ -85,6 +89,11 @@ pub struct RankStream {
     requests: Vec<u64>,
     /// The first state was published (it is not logged as a change).
     announced: bool,
+}
+
+/// A shared block size, when known (0: not yet).
+fn known(block_size: &AtomicU32) -> Option<u32> {
+    Some(block_size.load(Ordering::Relaxed)).filter(|&b| b > 0)
 }
 
 /// Milliseconds since the epoch.
@@ -110,7 +119,7 @@ impl RankStream {
     /// A stream that has seen nothing and is not connected yet.
     pub fn new(target: RankTarget, index: Arc<SharedIndex>, timing: Timing) -> Self {
         let decoder = StreamDecoder::new(DecoderConfig {
-            block_size: Some(target.block_size),
+            block_size: known(&target.block_size),
             registered_rank: target.key.rank,
             ..DecoderConfig::default()
         });
@@ -122,6 +131,7 @@ impl RankStream {
             timing,
             connected: false,
             error: None,
+            conflict: None,
             quiet_since_ms: now_ms(),
             replay_active_ms: None,
             suspended_ms: None,
@@ -280,12 +290,53 @@ impl RankStream {
         warn!(worker = %self.target.worker, rank = self.target.key.rank, reason = reason.as_str(), "clearing the rank's blocks");
         self.index.write().clear_rank(self.target.key);
         self.decoder.reset();
+        self.conflict = None;
         self.target.stats.exact_streak.store(0, Ordering::Relaxed);
+    }
+
+    /// Takes up the worker's block size once another rank learned it, or
+    /// learns it from this batch's first stored event.
+    fn settle_block_size(&mut self, batch: &DecodedBatch) {
+        if self.decoder.block_size().is_some() {
+            return;
+        }
+        let shared = &self.target.block_size;
+        let learned = match known(shared) {
+            Some(size) => size,
+            None => {
+                let Some(size) = batch.decoded().find_map(|e| match e {
+                    KvEvent::Stored(s) => Some(s.block_size),
+                    _ => None,
+                }) else {
+                    return;
+                };
+                match shared.compare_exchange(0, size, Ordering::Relaxed, Ordering::Relaxed) {
+                    Ok(_) => {
+                        info!(worker = %self.target.worker, rank = self.target.key.rank, block_size = size, "block size learned from the stream");
+                        size
+                    }
+                    Err(other) => other,
+                }
+            }
+        };
+        self.decoder.set_block_size(Some(learned));
+    }
+
+    /// Events at another block size than the worker's: logged once, shown
+    /// as the rank's error.
+    fn block_size_conflict(&mut self, seq: u64, detail: String) {
+        if self.conflict.is_none() {
+            warn!(worker = %self.target.worker, rank = self.target.key.rank, seq, %detail, "block size conflict: such events are skipped");
+            self.conflict = Some(format!("block size conflict: {detail}"));
+        }
     }
 
     fn apply(&mut self, seq: u64, payload: &[u8]) {
         self.quiet_since_ms = now_ms();
-        let stats = &self.target.stats;
+        let stats = self.target.stats.clone();
+        if self.decoder.block_size().is_none() {
+            self.decoder.set_block_size(known(&self.target.block_size));
+        }
         let batch = match self.decoder.decode(payload) {
             Ok(batch) => batch,
             Err(e) => {
@@ -309,9 +360,21 @@ impl RankStream {
             worker: self.target.key.worker,
             rank: batch.dp_rank,
         };
+        self.settle_block_size(&batch);
+        let expected = self.decoder.block_size();
         let mut applied = 0;
         for event in &batch.events {
             match &event.outcome {
+                // Decoded before the size was learned, at another size.
+                Ok(KvEvent::Stored(s)) if expected.is_some_and(|b| b != s.block_size) => {
+                    stats.events_filtered.fetch_add(1, Ordering::Relaxed);
+                    let detail = format!(
+                        "event block_size {}, worker's {}",
+                        s.block_size,
+                        expected.unwrap_or(0)
+                    );
+                    self.block_size_conflict(seq, detail);
+                }
                 Ok(e) => {
                     if matches!(e, KvEvent::Cleared) && key == self.target.key {
                         // The engine's own reset: from here on we know all of it.
@@ -326,6 +389,9 @@ impl RankStream {
                 }
                 Err(skipped) => {
                     stats.events_filtered.fetch_add(1, Ordering::Relaxed);
+                    if skipped.reason == SkipReason::BlockSizeMismatch {
+                        self.block_size_conflict(seq, skipped.detail.clone());
+                    }
                     debug!(worker = %self.target.worker, rank = self.target.key.rank, seq, event = event.index, reason = %skipped, "event filtered");
                 }
             }
@@ -335,7 +401,7 @@ impl RankStream {
 
     /// The state as it follows from the link, the cursor and errors.
     pub fn state(&self) -> (RankState, Option<String>) {
-        if let Some(reason) = &self.error {
+        if let Some(reason) = self.error.as_ref().or(self.conflict.as_ref()) {
             return (RankState::Error, Some(reason.clone()));
         }
         if !self.connected {

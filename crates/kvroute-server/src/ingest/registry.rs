@@ -139,6 +139,9 @@ struct Worker {
     ranks: Vec<Rank>,
     /// Highest registered rank + 1, shared with its streams (foreign ranks).
     dp_size: Arc<AtomicU32>,
+    /// Tokens per block, shared with its streams; 0 until learned when the
+    /// spec gave none.
+    block_size: Arc<AtomicU32>,
     registered_ms: u64,
     /// Blocks were dropped because the worker was unreachable; cleared again on reconnect.
     cleared_unreachable: bool,
@@ -226,7 +229,7 @@ impl Registry {
             },
             endpoints: endpoints.clone(),
             topic: worker.spec.topic.clone(),
-            block_size: worker.spec.block_size,
+            block_size: worker.block_size.clone(),
             dp_size: worker.dp_size.clone(),
             stats: stats.clone(),
         };
@@ -305,6 +308,7 @@ impl Registry {
                 let mut next = self.next_id.lock().unwrap_or_else(PoisonError::into_inner);
                 let id = WorkerId(*next);
                 *next += 1;
+                let block_size = spec.block_size.unwrap_or(0);
                 let mut spec = spec.clone();
                 spec.ranks.clear();
                 Worker {
@@ -312,6 +316,7 @@ impl Registry {
                     spec,
                     ranks: Vec::new(),
                     dp_size: Arc::new(AtomicU32::new(0)),
+                    block_size: Arc::new(AtomicU32::new(block_size)),
                     registered_ms: now_ms(),
                     cleared_unreachable: false,
                 }
@@ -421,7 +426,7 @@ impl Registry {
                 id: w.id,
                 url: w.spec.url.clone(),
                 model: w.spec.model.clone(),
-                block_size: w.spec.block_size,
+                block_size: Some(w.block_size.load(Ordering::Relaxed)).filter(|&b| b > 0),
                 flavor: w.spec.flavor,
                 ranks: w
                     .ranks
@@ -468,8 +473,8 @@ pub struct WorkerView {
     pub url: String,
     /// Model the engine serves, if known.
     pub model: Option<String>,
-    /// Tokens per KV block.
-    pub block_size: u32,
+    /// Tokens per KV block; `None` until learned from the stream.
+    pub block_size: Option<u32>,
     /// The engine flavour.
     #[serde(with = "super::spec::flavor_name")]
     pub flavor: WorkerFlavor,

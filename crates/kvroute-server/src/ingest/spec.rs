@@ -57,8 +57,9 @@ pub struct WorkerSpec {
     pub url: String,
     /// Event and replay endpoints of each rank.
     pub ranks: Vec<RankEndpoints>,
-    /// Tokens per KV block.
-    pub block_size: u32,
+    /// Tokens per KV block; `None`: learned from the worker's first stored
+    /// event (until then the worker is routed on load alone).
+    pub block_size: Option<u32>,
     /// ZMQ topic to subscribe to (`""`: everything).
     pub topic: String,
     /// Model the engine serves, if known.
@@ -99,7 +100,7 @@ impl WorkerSpec {
         events: &str,
         replay: Option<&str>,
         dp: u32,
-        block_size: u32,
+        block_size: Option<u32>,
     ) -> Result<Self, SpecError> {
         if dp == 0 {
             return Err(SpecError::BadValue {
@@ -108,7 +109,7 @@ impl WorkerSpec {
                 problem: "must be at least 1",
             });
         }
-        if block_size == 0 {
+        if block_size == Some(0) {
             return Err(SpecError::BadValue {
                 key: "block_size",
                 value: "0".into(),
@@ -137,9 +138,10 @@ impl WorkerSpec {
 
     /// Parses the `--worker` syntax: `name=w0,url=http://…,events=tcp://…:5557,
     /// replay=tcp://…:5657,dp=2,block_size=16` (keys in any order; `replay`,
-    /// `dp` (default 1), `block_size` (default `default_block_size`), `topic`,
-    /// `model` and `flavor` (`vllm|sglang`, default `vllm`) optional).
-    pub fn parse(text: &str, default_block_size: u32) -> Result<Self, SpecError> {
+    /// `dp` (default 1), `block_size` (default `default_block_size`; neither:
+    /// learned from the stream), `topic`, `model` and `flavor` (`vllm|sglang`,
+    /// default `vllm`) optional).
+    pub fn parse(text: &str, default_block_size: Option<u32>) -> Result<Self, SpecError> {
         let mut fields: BTreeMap<&str, &str> = BTreeMap::new();
         for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (key, value) = pair
@@ -188,7 +190,10 @@ impl WorkerSpec {
             events,
             fields.get("replay").copied(),
             number("dp", 1)?,
-            number("block_size", default_block_size)?,
+            match fields.get("block_size") {
+                Some(_) => Some(number("block_size", 0)?),
+                None => default_block_size,
+            },
         )?;
         spec.topic = fields
             .get("topic")
@@ -253,7 +258,10 @@ struct ConfigFile {
 
 /// Parses a TOML config file listing workers as `[[worker]]` tables with the
 /// same keys as the `--worker` flag.
-pub fn parse_config(text: &str, default_block_size: u32) -> Result<Vec<WorkerSpec>, SpecError> {
+pub fn parse_config(
+    text: &str,
+    default_block_size: Option<u32>,
+) -> Result<Vec<WorkerSpec>, SpecError> {
     let file: ConfigFile = toml::from_str(text).map_err(|e| SpecError::Config(e.to_string()))?;
     file.worker
         .into_iter()
@@ -265,7 +273,7 @@ pub fn parse_config(text: &str, default_block_size: u32) -> Result<Vec<WorkerSpe
                 &w.events,
                 w.replay.as_deref(),
                 w.dp.unwrap_or(1),
-                w.block_size.unwrap_or(default_block_size),
+                w.block_size.or(default_block_size),
             )?;
             spec.topic = w.topic.unwrap_or_default();
             spec.model = w.model;
@@ -283,11 +291,11 @@ mod tests {
     fn the_worker_flag_parses_with_keys_in_any_order() {
         let spec = WorkerSpec::parse(
             "block_size=16,name=w0,url=http://127.0.0.1:8000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5657,dp=2",
-            32,
+            Some(32),
         )
         .expect("valid");
         assert_eq!(spec.name, "w0");
-        assert_eq!(spec.block_size, 16);
+        assert_eq!(spec.block_size, Some(16));
         assert_eq!(spec.ranks.len(), 2);
         assert_eq!(spec.ranks[1].events, "tcp://127.0.0.1:5558");
         assert_eq!(
@@ -295,20 +303,27 @@ mod tests {
             Some("tcp://127.0.0.1:5658")
         );
         let minimal =
-            WorkerSpec::parse("name=a,url=http://h:1,events=tcp://h:2", 64).expect("valid");
+            WorkerSpec::parse("name=a,url=http://h:1,events=tcp://h:2", Some(64)).expect("valid");
         assert_eq!(
             (
                 minimal.block_size,
                 minimal.ranks.len(),
                 minimal.ranks[0].replay.clone()
             ),
-            (64, 1, None)
+            (Some(64), 1, None)
         );
+        let learned =
+            WorkerSpec::parse("name=a,url=http://h:1,events=tcp://h:2", None).expect("valid");
+        assert_eq!(learned.block_size, None, "learned from the stream");
     }
 
     #[test]
     fn bad_worker_flags_say_what_is_wrong() {
-        let err = |s: &str| WorkerSpec::parse(s, 16).expect_err("invalid").to_string();
+        let err = |s: &str| {
+            WorkerSpec::parse(s, Some(16))
+                .expect_err("invalid")
+                .to_string()
+        };
         assert!(err("name=a,url=u").contains("missing `events`"));
         assert!(err("name=a,url=u,events=tcp://h:1,dp=x").contains("dp=x"));
         assert!(err("name=a,url=u,events=tcp://h:1,colour=red").contains("unknown key `colour`"));
@@ -321,21 +336,21 @@ mod tests {
     #[test]
     fn the_flavor_defaults_to_vllm_and_reads_from_flags_and_files() {
         let line = "name=a,url=http://h:1,events=tcp://h:2,flavor=sglang,dp=1,block_size=16";
-        let spec = WorkerSpec::parse(line, 16).expect("valid");
+        let spec = WorkerSpec::parse(line, Some(16)).expect("valid");
         assert_eq!(
             (spec.name.as_str(), spec.flavor),
             ("a", WorkerFlavor::Sglang)
         );
-        assert_eq!(WorkerSpec::parse(line, 16).expect("valid"), spec);
-        let spec = WorkerSpec::parse("name=a,url=u,events=tcp://h:2", 16).expect("valid");
+        assert_eq!(WorkerSpec::parse(line, Some(16)).expect("valid"), spec);
+        let spec = WorkerSpec::parse("name=a,url=u,events=tcp://h:2", Some(16)).expect("valid");
         assert_eq!(spec.flavor, WorkerFlavor::Vllm);
         let text =
             "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nflavor = \"sglang\"\n";
-        let workers = parse_config(text, 16).expect("valid");
+        let workers = parse_config(text, Some(16)).expect("valid");
         assert_eq!(workers[0].flavor, WorkerFlavor::Sglang);
         assert!(parse_config(
             "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nflavor = \"x\"\n",
-            16
+            Some(16)
         )
         .is_err());
     }
@@ -351,13 +366,13 @@ mod tests {
             dp = 2
             block_size = 16
         "#;
-        let from_file = parse_config(text, 32).expect("valid");
+        let from_file = parse_config(text, Some(32)).expect("valid");
         let from_flag = WorkerSpec::parse(
             "name=w0,url=http://127.0.0.1:8000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5657,dp=2,block_size=16",
-            32,
+            Some(32),
         )
         .expect("valid");
         assert_eq!(from_file, vec![from_flag]);
-        assert!(parse_config("[[worker]]\nname = 1", 16).is_err());
+        assert!(parse_config("[[worker]]\nname = 1", Some(16)).is_err());
     }
 }

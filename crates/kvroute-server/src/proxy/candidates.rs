@@ -25,7 +25,9 @@ pub struct Target {
     pub id: WorkerId,
     /// HTTP base URL, without a trailing `/`.
     pub url: String,
-    /// Tokens per block.
+    /// Tokens per block; 0 while it is still to be learned from the
+    /// worker's stream (the request then hashes to no blocks for it, and it
+    /// is priced on load alone).
     pub block_size: u32,
     /// Its data-parallel ranks, ascending.
     pub ranks: Vec<u32>,
@@ -74,7 +76,7 @@ impl Target {
             name: Arc::from(w.name.as_str()),
             id: w.id,
             url: url.to_owned(),
-            block_size: w.block_size,
+            block_size: w.block_size.unwrap_or(0),
             ranks,
             flavor: w.flavor,
             rank_stats,

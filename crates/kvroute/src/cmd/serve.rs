@@ -32,9 +32,11 @@ pub struct ServeArgs {
     /// Port to listen on.
     #[arg(long, default_value_t = 8000, env = "KVROUTE_PORT")]
     port: u16,
-    /// Tokens per KV block, for workers that do not give their own.
-    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_BLOCK_SIZE")]
-    block_size: u32,
+    /// Tokens per KV block, for workers that do not give their own. Without
+    /// it, such a worker's block size is learned from its first stored event
+    /// (until then it is routed on load alone).
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_BLOCK_SIZE")]
+    block_size: Option<u32>,
     /// A worker: `name=w0,url=http://…,events=tcp://…:5557,replay=tcp://…:5657,dp=2,block_size=16,flavor=vllm`
     /// (repeatable; `replay`, `dp`, `block_size`, `topic`, `model`, `flavor` optional;
     /// `flavor=sglang` for SGLang engines, whose image pads differ from vLLM's).

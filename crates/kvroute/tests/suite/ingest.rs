@@ -236,7 +236,7 @@ fn worker(name: &str, ranks: Vec<RankEndpoints>) -> WorkerSpec {
         name: name.into(),
         url: "http://127.0.0.1:1".into(),
         ranks,
-        block_size: BS as u32,
+        block_size: Some(BS as u32),
         topic: String::new(),
         model: None,
         flavor: Default::default(),

@@ -1,6 +1,7 @@
 //! One module per subject; helpers are in `crate::support`.
 
 mod bench;
+mod block_size;
 mod config;
 mod demo;
 mod ingest;

@@ -4,8 +4,13 @@ use super::*;
 use kvroute_core::index::{Index, IndexConfig, WorkerId};
 use kvroute_core::wire::write as mp;
 
-/// A vLLM-style batch `[ts, [BlockStored], dp_rank]` storing one block.
+/// A vLLM-style batch `[ts, [BlockStored], dp_rank]` storing one block of 4 tokens.
 fn stored(hash: u64, dp_rank: u32) -> Vec<u8> {
+    stored_at(hash, dp_rank, 4)
+}
+
+/// A batch storing one block of `block_size` tokens.
+fn stored_at(hash: u64, dp_rank: u32, block_size: u64) -> Vec<u8> {
     let mut w = Vec::new();
     mp::array(&mut w, 3);
     mp::f64(&mut w, 0.0);
@@ -14,8 +19,9 @@ fn stored(hash: u64, dp_rank: u32) -> Vec<u8> {
     mp::str(&mut w, "BlockStored");
     mp::uints(&mut w, &[hash]);
     mp::nil(&mut w);
-    mp::uints(&mut w, &[hash, hash + 1, hash + 2, hash + 3]);
-    mp::uint(&mut w, 4);
+    let tokens: Vec<u64> = (hash..hash + block_size).collect();
+    mp::uints(&mut w, &tokens);
+    mp::uint(&mut w, block_size);
     mp::nil(&mut w);
     mp::nil(&mut w);
     mp::uint(&mut w, u64::from(dp_rank));
@@ -23,6 +29,15 @@ fn stored(hash: u64, dp_rank: u32) -> Vec<u8> {
 }
 
 fn stream(replay: bool, dp_size: u32) -> (RankStream, Arc<SharedIndex>) {
+    stream_sized(replay, dp_size, Arc::new(AtomicU32::new(4)))
+}
+
+/// A stream whose worker's block size is `block_size` (0: to be learned).
+fn stream_sized(
+    replay: bool,
+    dp_size: u32,
+    block_size: Arc<AtomicU32>,
+) -> (RankStream, Arc<SharedIndex>) {
     let index = Arc::new(SharedIndex::new(Index::new(IndexConfig::default())));
     let target = RankTarget {
         worker: "w0".into(),
@@ -36,7 +51,7 @@ fn stream(replay: bool, dp_size: u32) -> (RankStream, Arc<SharedIndex>) {
             replay: replay.then(|| "tcp://127.0.0.1:2".into()),
         },
         topic: String::new(),
-        block_size: 4,
+        block_size,
         dp_size: Arc::new(AtomicU32::new(dp_size)),
         stats: Arc::new(RankStats::default()),
     };
@@ -140,4 +155,42 @@ fn a_quiet_stream_is_verified_and_an_unanswered_replay_times_out() {
     assert_eq!(s.take_requests(), [0]);
     s.tick(later + Timing::default().replay_timeout_ms + 1_000);
     assert_eq!(s.target().stats.counters().replay_timeouts, 1);
+}
+
+#[test]
+fn the_block_size_is_learned_from_the_first_stored_event_and_a_conflict_is_an_error() {
+    let shared = Arc::new(AtomicU32::new(0));
+    let (mut s, index) = stream_sized(true, 1, shared.clone());
+    connect_fresh(&mut s);
+    s.live(0, stored_at(1, 0, 8));
+    assert_eq!(shared.load(Ordering::Relaxed), 8, "learned");
+    assert_eq!(residencies(&index), 1);
+    assert_eq!(s.state().0, RankState::Live);
+    // A later event at another size is never hashed at the wrong size.
+    s.live(1, stored_at(2, 0, 16));
+    assert_eq!(residencies(&index), 1);
+    let (state, reason) = s.state();
+    assert_eq!(state, RankState::Error);
+    assert!(reason.is_some_and(|r| r.contains("block size conflict")));
+    assert_eq!(s.target().stats.counters().events_filtered, 1);
+}
+
+#[test]
+fn a_rank_takes_up_the_block_size_another_rank_learned() {
+    let shared = Arc::new(AtomicU32::new(0));
+    let (mut first, first_index) = stream_sized(true, 1, shared.clone());
+    let (mut second, second_index) = stream_sized(true, 1, shared.clone());
+    connect_fresh(&mut first);
+    connect_fresh(&mut second);
+    first.live(0, stored_at(1, 0, 8));
+    // The second rank's first event disagrees with what the worker learned.
+    second.live(0, stored_at(5, 0, 4));
+    assert_eq!(residencies(&first_index), 1);
+    assert_eq!(
+        residencies(&second_index),
+        0,
+        "not hashed at the wrong size"
+    );
+    assert_eq!(second.state().0, RankState::Error);
+    assert_eq!(first.state().0, RankState::Live);
 }
