@@ -120,6 +120,9 @@ pub enum Loss {
         /// Its seq.
         seq: u64,
     },
+    /// The state was restored from a snapshot taken while history was
+    /// already incomplete.
+    Restored,
 }
 
 impl std::fmt::Display for Loss {
@@ -131,6 +134,7 @@ impl std::fmt::Display for Loss {
             ),
             Loss::Gap { from, to } => write!(f, "batches {from}..{to} were lost"),
             Loss::Undecodable { seq } => write!(f, "batch {seq} could not be decoded"),
+            Loss::Restored => write!(f, "restored from a snapshot whose history was incomplete"),
         }
     }
 }
@@ -338,6 +342,26 @@ impl<T> StreamCursor<T> {
         if self.history == History::Exact {
             self.history = History::Incomplete(loss);
         }
+    }
+
+    /// The last applied batch, as (seq, fingerprint): what a snapshot of the
+    /// rank's state must record to be resumed later.
+    pub fn anchor(&self) -> Option<(u64, u64)> {
+        self.last.map(|a| (a.seq, a.fingerprint))
+    }
+
+    /// Resumes a stream whose state was restored from a snapshot: batch
+    /// `seq` with `fingerprint` was the last applied, and `exact` says
+    /// whether history was complete then. Nothing is trusted yet: the first
+    /// resync asks for that batch, which proves the engine is the same one
+    /// (and replays what followed) or shows it restarted (and clears).
+    pub fn resume(&mut self, seq: u64, fingerprint: u64, exact: bool) {
+        self.last = Some(Anchor { seq, fingerprint });
+        self.history = if exact {
+            History::Exact
+        } else {
+            History::Incomplete(Loss::Restored)
+        };
     }
 
     /// The rank's state is exact again from here on: the engine cleared its

@@ -20,6 +20,7 @@ pub mod listen;
 pub mod metrics;
 pub mod proxy;
 pub mod query;
+pub mod state;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -65,6 +66,17 @@ pub struct ServeConfig {
     pub http: HttpLimits,
     /// Bounds of `/query` and `/query_by_hash`.
     pub query: QueryLimits,
+    /// Where and how often the router's state is saved (`--state-dir`).
+    pub state: Option<StateConfig>,
+}
+
+/// `--state-dir` and `--snapshot-secs`.
+#[derive(Debug, Clone)]
+pub struct StateConfig {
+    /// The directory of the snapshot.
+    pub dir: std::path::PathBuf,
+    /// How often it is written (and once more at shutdown).
+    pub every: Duration,
 }
 
 impl Default for ServeConfig {
@@ -81,6 +93,7 @@ impl Default for ServeConfig {
             max_body_bytes: 32 << 20,
             http: HttpLimits::default(),
             query: QueryLimits::default(),
+            state: None,
         }
     }
 }
@@ -115,21 +128,11 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let index = Arc::new(SharedIndex::new(Index::new(config.index.clone())));
-    let registry = Arc::new(
-        Registry::new(
-            index.clone(),
-            config.ingest.clone(),
-            config.unreachable_grace,
-        )
-        .map_err(ServeError::Ingest)?
-        .with_allowed_hosts(config.allowed_worker_hosts.clone()),
-    );
-    for spec in config.workers {
-        let name = spec.name.clone();
-        registry
-            .register(spec)
-            .map_err(|source| ServeError::Worker { name, source })?;
-    }
+    let registry = start_registry(&config, index.clone())?;
+    let snapshots = config
+        .state
+        .clone()
+        .map(|state| spawn_snapshots(registry.clone(), state));
     let proxy = Arc::new(Proxy::new(config.proxy.clone(), index.clone())?);
     proxy.refresh(&registry);
     let connections = ConnectionMetrics::default();
@@ -199,8 +202,87 @@ pub async fn serve(
     .await;
     housekeeping.abort();
     context_lengths.abort();
-    let _ = tokio::task::spawn_blocking(move || registry.shutdown()).await;
+    if let Some(task) = snapshots {
+        task.abort();
+    }
+    let dir = config.state.map(|s| s.dir);
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Some(dir) = dir {
+            save_state(&registry, &dir);
+        }
+        registry.shutdown();
+    })
+    .await;
     result.map_err(ServeError::Http)
+}
+
+/// The registry, restored from `--state-dir` when there is a snapshot,
+/// with the configured workers and those the snapshot had registered.
+fn start_registry(
+    config: &ServeConfig,
+    index: Arc<SharedIndex>,
+) -> Result<Arc<Registry>, ServeError> {
+    let registry = Registry::new(index, config.ingest.clone(), config.unreachable_grace)
+        .map_err(ServeError::Ingest)?
+        .with_allowed_hosts(config.allowed_worker_hosts.clone());
+    let registry = Arc::new(registry);
+    if let Some(state) = &config.state {
+        restore_state(&registry, state);
+    }
+    for spec in &config.workers {
+        let name = spec.name.clone();
+        registry
+            .register(spec.clone())
+            .map_err(|source| ServeError::Worker { name, source })?;
+    }
+    registry.register_saved();
+    Ok(registry)
+}
+
+/// Saves the state every `state.every`, off the runtime's threads.
+fn spawn_snapshots(registry: Arc<Registry>, state: StateConfig) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(state.every);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let (registry, dir) = (registry.clone(), state.dir.clone());
+            let _ = tokio::task::spawn_blocking(move || save_state(&registry, &dir)).await;
+        }
+    })
+}
+
+/// Loads the snapshot in `state.dir`, if any; a damaged one is set aside
+/// (renamed `*.bad`) and the router starts cold.
+fn restore_state(registry: &Registry, state: &StateConfig) {
+    let loaded = state::load(&state.dir);
+    let restored = loaded.and_then(|snapshot| match snapshot {
+        Some(snapshot) => registry.restore(&snapshot).map(|()| true),
+        None => Ok(false),
+    });
+    match restored {
+        Ok(true) => {}
+        Ok(false) => info!(dir = %state.dir.display(), "no saved state yet; starting cold"),
+        Err(e) => {
+            let file = state::state_file(&state.dir);
+            let _ = std::fs::rename(&file, file.with_extension("state.bad"));
+            warn!(error = %e, "saved state unreadable (set aside as router.state.bad); starting cold");
+        }
+    }
+}
+
+/// Writes a snapshot into `dir`, logging a failure (routing goes on).
+fn save_state(registry: &Registry, dir: &std::path::Path) {
+    let started = std::time::Instant::now();
+    let snapshot = registry.snapshot();
+    match state::save(dir, &snapshot) {
+        Ok(()) => tracing::debug!(
+            bytes = snapshot.index.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "state saved"
+        ),
+        Err(e) => warn!(error = %e, "saving the router's state failed"),
+    }
 }
 
 /// One line at start saying what the admin and introspection endpoints

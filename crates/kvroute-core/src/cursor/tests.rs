@@ -502,3 +502,24 @@ fn a_live_batch_the_ring_no_longer_holds_is_old_news_not_a_restart() {
         History::Incomplete(Loss::RingTooShort { .. })
     ));
 }
+
+#[test]
+fn a_resumed_stream_is_proven_by_its_first_resync() {
+    let mut c = cursor();
+    c.resume(7, 7, true);
+    assert_eq!(resync(&mut c), [replay(7)]);
+    assert!(
+        replayed(&mut c, 7, 0).is_empty(),
+        "the same batch: continuous"
+    );
+    assert_eq!(replayed(&mut c, 8, 0), [apply(8, 0)]);
+    assert!(finished(&mut c, ReplayEnd::Complete).is_empty());
+    assert_eq!((c.stats().verifies, c.stats().restarts), (1, 0));
+    // Resumed again, against an engine that restarted meanwhile.
+    let mut c = cursor();
+    c.resume(7, 7, false);
+    assert!(matches!(c.history(), History::Incomplete(Loss::Restored)));
+    resync(&mut c);
+    assert_eq!(replayed(&mut c, 7, 1), [RESTART]);
+    assert_eq!(c.history(), History::Exact);
+}

@@ -17,7 +17,7 @@ use kvroute_core::wire::{DecodedBatch, DecoderConfig, SkipReason, StreamDecoder}
 use tracing::{debug, info, warn};
 
 use super::spec::RankEndpoints;
-use super::stats::{RankState, RankStats};
+use super::stats::{RankState, RankStats, ResumePoint};
 
 /// Live batches kept while a replay runs (beyond: dropped, and replayed later).
 const MAX_BUFFERED: usize = 10_000;
@@ -118,6 +118,17 @@ fn fingerprint(payload: &Vec<u8>) -> u64 {
 impl RankStream {
     /// A stream that has seen nothing and is not connected yet.
     pub fn new(target: RankTarget, index: Arc<SharedIndex>, timing: Timing) -> Self {
+        Self::resumed(target, index, timing, None)
+    }
+
+    /// A stream whose state up to `from` is already in the index (restored
+    /// from a snapshot): its first resync proves the engine is the same.
+    pub fn resumed(
+        target: RankTarget,
+        index: Arc<SharedIndex>,
+        timing: Timing,
+        from: Option<ResumePoint>,
+    ) -> Self {
         let decoder = StreamDecoder::new(DecoderConfig {
             block_size: known(&target.block_size),
             registered_rank: target.key.rank,
@@ -138,6 +149,9 @@ impl RankStream {
             requests: Vec::new(),
             announced: false,
         };
+        if let Some(at) = from {
+            stream.cursor.resume(at.seq, at.fingerprint, at.exact);
+        }
         stream.publish();
         stream
     }
@@ -423,7 +437,13 @@ impl RankStream {
     /// Publishes counters and state; logs a state change once.
     fn publish(&mut self) {
         let stats = &self.target.stats;
-        stats.set_cursor(self.cursor.stats(), self.cursor.next_seq());
+        let exact = self.cursor.history() == History::Exact;
+        let at = self.cursor.anchor().map(|(seq, fingerprint)| ResumePoint {
+            seq,
+            fingerprint,
+            exact,
+        });
+        stats.set_cursor(self.cursor.stats(), self.cursor.next_seq(), at);
         let (state, reason) = self.state();
         let old = stats.state();
         if stats.set_state(state, reason.clone()) {

@@ -16,7 +16,10 @@ use super::address::{worker_hosts, AllowedHosts};
 use super::pool::{IngestPool, PoolError};
 use super::rank::{RankStream, RankTarget, Timing};
 use super::spec::{RankEndpoints, SpecError, WorkerSpec};
-use super::stats::{RankCounters, RankState, RankStats};
+use super::stats::{RankCounters, RankState, RankStats, ResumePoint};
+use crate::state::SavedWorker;
+
+mod saved;
 
 /// Ingestion settings.
 #[derive(Debug, Clone)]
@@ -150,6 +153,8 @@ struct Worker {
 /// Registered workers and their ingestion.
 pub struct Registry {
     workers: Mutex<BTreeMap<String, Worker>>,
+    /// Workers of a restored snapshot not registered again yet, by name.
+    saved: Mutex<BTreeMap<String, SavedWorker>>,
     next_id: Mutex<u32>,
     index: Arc<SharedIndex>,
     pool: IngestPool,
@@ -186,6 +191,7 @@ impl Registry {
         )?;
         Ok(Registry {
             workers: Mutex::new(BTreeMap::new()),
+            saved: Mutex::new(BTreeMap::new()),
             next_id: Mutex::new(0),
             index,
             pool,
@@ -219,7 +225,12 @@ impl Registry {
         self.workers.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn start_rank(&self, worker: &Worker, endpoints: &RankEndpoints) -> Rank {
+    fn start_rank(
+        &self,
+        worker: &Worker,
+        endpoints: &RankEndpoints,
+        from: Option<ResumePoint>,
+    ) -> Rank {
         let stats = Arc::new(RankStats::default());
         let target = RankTarget {
             worker: worker.spec.name.clone(),
@@ -233,7 +244,7 @@ impl Registry {
             dp_size: worker.dp_size.clone(),
             stats: stats.clone(),
         };
-        let stream = RankStream::new(target, self.index.clone(), self.ingest.timing);
+        let stream = RankStream::resumed(target, self.index.clone(), self.ingest.timing, from);
         let thread = self.pool.add(stream);
         Rank {
             endpoints: endpoints.clone(),
@@ -302,13 +313,20 @@ impl Registry {
             }
         }
         self.check_capacity(&workers, &spec)?;
+        let saved = self.take_saved(&spec);
         let worker = match workers.remove(&spec.name) {
             Some(existing) => existing,
             None => {
-                let mut next = self.next_id.lock().unwrap_or_else(PoisonError::into_inner);
-                let id = WorkerId(*next);
-                *next += 1;
-                let block_size = spec.block_size.unwrap_or(0);
+                let id = match &saved {
+                    Some(s) => WorkerId(s.id),
+                    None => {
+                        let mut next = self.next_id.lock().unwrap_or_else(PoisonError::into_inner);
+                        *next += 1;
+                        WorkerId(*next - 1)
+                    }
+                };
+                let learned = saved.as_ref().and_then(|s| s.block_size);
+                let block_size = spec.block_size.or(learned).unwrap_or(0);
                 let mut spec = spec.clone();
                 spec.ranks.clear();
                 Worker {
@@ -322,14 +340,19 @@ impl Registry {
                 }
             }
         };
-        let worker = self.add_ranks(worker, &spec.ranks);
+        let worker = self.add_ranks(worker, &spec.ranks, saved.as_ref());
         let id = worker.id;
         workers.insert(spec.name, worker);
         Ok(id)
     }
 
     /// Starts the ranks of `endpoints` the worker does not have yet.
-    fn add_ranks(&self, mut worker: Worker, endpoints: &[RankEndpoints]) -> Worker {
+    fn add_ranks(
+        &self,
+        mut worker: Worker,
+        endpoints: &[RankEndpoints],
+        saved: Option<&SavedWorker>,
+    ) -> Worker {
         let new: Vec<&RankEndpoints> = endpoints
             .iter()
             .filter(|e| !worker.ranks.iter().any(|r| r.endpoints.rank == e.rank))
@@ -343,7 +366,8 @@ impl Registry {
         // Before its streams start: their first batches may be for the new ranks.
         worker.dp_size.store(size, Ordering::Relaxed);
         for endpoints in &new {
-            let rank = self.start_rank(&worker, endpoints);
+            let from = saved.and_then(|s| saved::resume_point(s, endpoints));
+            let rank = self.start_rank(&worker, endpoints, from);
             worker.ranks.push(rank);
             worker.spec.ranks.push((*endpoints).clone());
         }

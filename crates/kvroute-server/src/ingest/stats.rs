@@ -6,7 +6,21 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use kvroute_core::cursor::CursorStats;
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+
+/// Where a rank's stream stood: the last batch applied (its seq and
+/// fingerprint) and whether history up to it was complete. A snapshot
+/// records it so a restarted router can prove, from the engine's ring, that
+/// it can carry on from there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ResumePoint {
+    /// The last batch applied.
+    pub seq: u64,
+    /// Its fingerprint.
+    pub fingerprint: u64,
+    /// History up to it was complete.
+    pub exact: bool,
+}
 
 /// How far the router can trust what it knows of a rank.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -90,6 +104,7 @@ pub struct RankStats {
     /// Batches for a DP rank the worker does not have, dropped.
     pub foreign_rank_batches: AtomicU64,
     cursor: Mutex<CursorStats>,
+    resume: Mutex<Option<ResumePoint>>,
     state: AtomicU8,
     reason: Mutex<Option<String>>,
     /// Consecutive requests whose prediction matched the engine's report,
@@ -159,11 +174,18 @@ impl RankStats {
         }
     }
 
-    /// Publishes the cursor's counters.
-    pub fn set_cursor(&self, stats: CursorStats, next_seq: Option<u64>) {
+    /// Publishes the cursor's counters and where the stream stands (once
+    /// everything up to it is in the index).
+    pub fn set_cursor(&self, stats: CursorStats, next_seq: Option<u64>, at: Option<ResumePoint>) {
         *self.cursor.lock().unwrap_or_else(PoisonError::into_inner) = stats;
+        *self.resume.lock().unwrap_or_else(PoisonError::into_inner) = at;
         self.next_seq
             .store(next_seq.unwrap_or(0), Ordering::Relaxed);
+    }
+
+    /// Where the stream stands, for a snapshot.
+    pub fn resume_point(&self) -> Option<ResumePoint> {
+        *self.resume.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// The rank's state now.

@@ -20,7 +20,7 @@ use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
 use kvroute_server::proxy::ProxyConfig;
 use kvroute_server::query::QueryLimits;
-use kvroute_server::{serve, ServeConfig};
+use kvroute_server::{serve, ServeConfig, StateConfig};
 use std::sync::Arc;
 
 /// Arguments of `kvroute serve`.
@@ -180,6 +180,14 @@ pub struct ServeArgs {
     /// Ingest threads, each serving many ranks; default: the number of cores.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64), env = "KVROUTE_INGEST_THREADS")]
     ingest_threads: Option<u64>,
+    /// Directory where the router keeps its state (the index and where each
+    /// rank's stream stood), so that a restart resumes from it instead of
+    /// what the engines' replay rings still hold.
+    #[arg(long, env = "KVROUTE_STATE_DIR")]
+    state_dir: Option<std::path::PathBuf>,
+    /// Seconds between two saves of the state (with `--state-dir`; also at shutdown).
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86_400), env = "KVROUTE_SNAPSHOT_SECS")]
+    snapshot_secs: u64,
     /// Seconds between continuity checks of a quiet stream (a replay request
     /// for the last batch applied, which proves the engine did not restart).
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600), env = "KVROUTE_VERIFY_SECS")]
@@ -266,6 +274,10 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 ..IndexConfig::default()
             },
             ingest: ingest_config(args, max_connections, fd_limit),
+            state: args.state_dir.clone().map(|dir| StateConfig {
+                dir,
+                every: Duration::from_secs(args.snapshot_secs),
+            }),
             proxy: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
             query: QueryLimits {

@@ -14,3 +14,4 @@ mod restarts;
 mod safety;
 mod scale;
 mod serve;
+mod warm_restart;

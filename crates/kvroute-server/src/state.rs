@@ -1,0 +1,221 @@
+//! The router's state on disk (`--state-dir`): the index and, for every
+//! registered worker, its spec, its id in the index and where each rank's
+//! stream stood, so a restarted router comes back with what it knew, even
+//! when the engines' replay rings no longer reach back that far.
+//!
+//! A restored rank trusts nothing yet: its first resync asks the engine's
+//! ring for the batch the snapshot recorded (`ResumePoint`), which proves the
+//! engine is the same (and replays what followed) or shows that it restarted
+//! (and the rank is cleared). The snapshot is taken under the index's write
+//! lock, and a rank records a batch only once all of it is in the index, so
+//! what a snapshot holds for a rank is never ahead of its resume point (at
+//! most one batch behind, which is replayed again; stores are idempotent).
+//!
+//! Layout: magic `KVRSTATE`, version (`u32` LE), the length of the header
+//! (`u64` LE), the header as JSON (workers), then the index's own snapshot
+//! (`Index::dump`). Written to a temporary file and renamed over the old one,
+//! so a crash mid-write leaves the previous snapshot.
+
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+
+use kvroute_core::index::Index;
+use kvroute_core::index::SnapshotError;
+use serde::{Deserialize, Serialize};
+
+use crate::ingest::spec::WorkerSpec;
+use crate::ingest::stats::ResumePoint;
+
+const MAGIC: &[u8; 8] = b"KVRSTATE";
+const VERSION: u32 = 1;
+const FILE: &str = "router.state";
+
+/// One worker as the snapshot keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedWorker {
+    /// Its id in the index.
+    pub id: u32,
+    /// Its spec, as registered.
+    pub spec: WorkerSpec,
+    /// Its block size, configured or learned.
+    pub block_size: Option<u32>,
+    /// Where each rank's stream stood.
+    pub ranks: Vec<SavedRank>,
+}
+
+/// One rank as the snapshot keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SavedRank {
+    /// The rank.
+    pub rank: u32,
+    /// Where its stream stood (`None`: nothing applied yet).
+    pub at: Option<ResumePoint>,
+}
+
+/// A consistent picture of the router's state.
+#[derive(Debug)]
+pub struct Snapshot {
+    /// Every registered worker.
+    pub workers: Vec<SavedWorker>,
+    /// The index, as `Index::dump` wrote it.
+    pub index: Vec<u8>,
+}
+
+/// Why a snapshot could not be read or written.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StateError {
+    /// Reading or writing the file failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        source: std::io::Error,
+    },
+    /// The file is not a snapshot this build can read.
+    #[error("{0}")]
+    Format(String),
+    /// The index part is corrupt.
+    #[error("index snapshot: {0}")]
+    Index(#[from] SnapshotError),
+}
+
+fn format_error(what: &str) -> StateError {
+    StateError::Format(format!(
+        "not a kvroute state file this build can read: {what}"
+    ))
+}
+
+impl Snapshot {
+    /// The snapshot as bytes.
+    pub fn encode(&self) -> Vec<u8> {
+        let header = serde_json::to_vec(&self.workers).unwrap_or_else(|_| b"[]".to_vec());
+        let mut out = Vec::with_capacity(20 + header.len() + self.index.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&(header.len() as u64).to_le_bytes());
+        out.extend_from_slice(&header);
+        out.extend_from_slice(&self.index);
+        out
+    }
+
+    /// Reads [`Snapshot::encode`] output, checking every length against the
+    /// bytes there are; the index itself is checked by [`Snapshot::index`].
+    pub fn decode(bytes: &[u8]) -> Result<Snapshot, StateError> {
+        let rest = bytes
+            .strip_prefix(MAGIC)
+            .ok_or_else(|| format_error("bad magic"))?;
+        let (version, rest) = rest
+            .split_at_checked(4)
+            .ok_or_else(|| format_error("cut short"))?;
+        let version = u32::from_le_bytes(version.try_into().map_err(|_| format_error("version"))?);
+        if version != VERSION {
+            return Err(format_error(&format!(
+                "version {version}, this build reads {VERSION}"
+            )));
+        }
+        let (len, rest) = rest
+            .split_at_checked(8)
+            .ok_or_else(|| format_error("cut short"))?;
+        let len = u64::from_le_bytes(len.try_into().map_err(|_| format_error("length"))?);
+        let len = usize::try_from(len)
+            .ok()
+            .filter(|&n| n <= rest.len())
+            .ok_or_else(|| format_error("header longer than the file"))?;
+        let (header, index) = rest.split_at(len);
+        let workers =
+            serde_json::from_slice(header).map_err(|e| format_error(&format!("header: {e}")))?;
+        Ok(Snapshot {
+            workers,
+            index: index.to_vec(),
+        })
+    }
+
+    /// The index it holds.
+    pub fn index(&self) -> Result<Index, StateError> {
+        Ok(Index::restore(&self.index)?)
+    }
+}
+
+/// The snapshot file in `dir`.
+pub fn state_file(dir: &Path) -> PathBuf {
+    dir.join(FILE)
+}
+
+/// Writes `snapshot` into `dir` (created if missing), replacing the last one
+/// only once the new one is complete on disk.
+pub fn save(dir: &Path, snapshot: &Snapshot) -> Result<(), StateError> {
+    let io = |path: &Path| {
+        let path = path.to_owned();
+        move |source| StateError::Io { path, source }
+    };
+    std::fs::create_dir_all(dir).map_err(io(dir))?;
+    let target = state_file(dir);
+    let tmp = dir.join(format!("{FILE}.tmp"));
+    let mut file = std::fs::File::create(&tmp).map_err(io(&tmp))?;
+    file.write_all(&snapshot.encode()).map_err(io(&tmp))?;
+    file.sync_all().map_err(io(&tmp))?;
+    std::fs::rename(&tmp, &target).map_err(io(&target))
+}
+
+/// The snapshot in `dir`, if there is one.
+pub fn load(dir: &Path) -> Result<Option<Snapshot>, StateError> {
+    let path = state_file(dir);
+    match std::fs::read(&path) {
+        Ok(bytes) => Snapshot::decode(&bytes).map(Some),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(StateError::Io { path, source }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvroute_core::index::IndexConfig;
+
+    fn snapshot() -> Snapshot {
+        let spec = WorkerSpec::parse("name=w0,url=http://h:1,events=tcp://h:2,dp=2", Some(16))
+            .expect("spec");
+        let at = ResumePoint {
+            seq: 9,
+            fingerprint: 77,
+            exact: true,
+        };
+        Snapshot {
+            workers: vec![SavedWorker {
+                id: 3,
+                spec,
+                block_size: Some(16),
+                ranks: vec![
+                    SavedRank {
+                        rank: 0,
+                        at: Some(at),
+                    },
+                    SavedRank { rank: 1, at: None },
+                ],
+            }],
+            index: Index::new(IndexConfig::default()).dump(),
+        }
+    }
+
+    #[test]
+    fn a_snapshot_survives_disk_and_a_damaged_one_is_refused() {
+        let dir = std::env::temp_dir().join(format!("kvroute-state-{}", std::process::id()));
+        assert!(load(&dir).expect("no file yet").is_none());
+        let original = snapshot();
+        save(&dir, &original).expect("save");
+        let back = load(&dir).expect("load").expect("a snapshot");
+        assert_eq!(back.workers, original.workers);
+        back.index().expect("index");
+        let bytes = original.encode();
+        for cut in [0, 7, 12, 20, bytes.len() - 1] {
+            let damaged = Snapshot::decode(&bytes[..cut]).and_then(|s| s.index().map(|_| ()));
+            assert!(damaged.is_err(), "cut at {cut}");
+        }
+        let mut wrong = bytes.clone();
+        wrong[8] = 9;
+        assert!(Snapshot::decode(&wrong).is_err(), "another version");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+}
