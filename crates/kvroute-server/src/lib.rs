@@ -20,6 +20,7 @@ pub mod listen;
 pub mod metrics;
 pub mod proxy;
 pub mod query;
+pub mod replica;
 pub mod state;
 
 use std::future::Future;
@@ -68,6 +69,8 @@ pub struct ServeConfig {
     pub query: QueryLimits,
     /// Where and how often the router's state is saved (`--state-dir`).
     pub state: Option<StateConfig>,
+    /// Replicas sharing in-flight state and index snapshots over NATS (`--nats`).
+    pub replicas: Option<replica::ReplicaConfig>,
 }
 
 /// `--state-dir` and `--snapshot-secs`.
@@ -94,6 +97,7 @@ impl Default for ServeConfig {
             http: HttpLimits::default(),
             query: QueryLimits::default(),
             state: None,
+            replicas: None,
         }
     }
 }
