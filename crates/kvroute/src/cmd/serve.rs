@@ -20,6 +20,7 @@ use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
 use kvroute_server::proxy::ProxyConfig;
 use kvroute_server::query::QueryLimits;
+use kvroute_server::replica::ReplicaConfig;
 use kvroute_server::{serve, ServeConfig, StateConfig};
 use std::sync::Arc;
 
@@ -185,7 +186,20 @@ pub struct ServeArgs {
     /// what the engines' replay rings still hold.
     #[arg(long, env = "KVROUTE_STATE_DIR")]
     state_dir: Option<std::path::PathBuf>,
-    /// Seconds between two saves of the state (with `--state-dir`; also at shutdown).
+    /// A NATS server (with JetStream) shared by router replicas, e.g.
+    /// `nats://127.0.0.1:4222`: replicas share their in-flight requests and
+    /// an index snapshot there. Without it the router stands alone.
+    #[arg(long, value_name = "URL", env = "KVROUTE_NATS")]
+    nats: Option<String>,
+    /// This replica's name among its peers (default: host name and port).
+    #[arg(long, env = "KVROUTE_REPLICA_ID", requires = "nats")]
+    replica_id: Option<String>,
+    /// First token of the NATS subjects and bucket names, so several router
+    /// fleets can share one NATS server.
+    #[arg(long, default_value = "kvroute", env = "KVROUTE_NATS_PREFIX", value_parser = parse_nats_prefix)]
+    nats_prefix: String,
+    /// Seconds between two saves of the state (with `--state-dir`, also at
+    /// shutdown; with `--nats`, to the object store).
     #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86_400), env = "KVROUTE_SNAPSHOT_SECS")]
     snapshot_secs: u64,
     /// Seconds between continuity checks of a quiet stream (a replay request
@@ -278,6 +292,17 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 dir,
                 every: Duration::from_secs(args.snapshot_secs),
             }),
+            replicas: args.nats.clone().map(|url| {
+                let id = args
+                    .replica_id
+                    .clone()
+                    .unwrap_or_else(|| default_replica_id(addr.port()));
+                ReplicaConfig {
+                    prefix: args.nats_prefix.clone(),
+                    snapshot_every: Duration::from_secs(args.snapshot_secs),
+                    ..ReplicaConfig::new(url, id)
+                }
+            }),
             proxy: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
             query: QueryLimits {
@@ -361,5 +386,29 @@ fn ingest_config(args: &ServeArgs, max_connections: usize, fd_limit: u64) -> Ing
             verify_ms: args.verify_secs.saturating_mul(1_000),
             ..Timing::default()
         },
+    }
+}
+
+/// `--replica-id`'s default: the host's name and the listening port.
+fn default_replica_id(port: u16) -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .map(|h| h.trim().to_owned())
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "kvroute".into());
+    format!("{host}-{port}")
+}
+
+/// A NATS subject token that is also a valid bucket name: letters, digits,
+/// `-` and `_`.
+fn parse_nats_prefix(s: &str) -> Result<String, String> {
+    let ok = !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if ok {
+        Ok(s.to_owned())
+    } else {
+        Err("letters, digits, `-` and `_` only (at most 64)".into())
     }
 }
