@@ -212,7 +212,7 @@ const ROLLING_WINDOW: usize = 25;
 /// Where a bar's policy name goes: every other name one line lower, so long
 /// names side by side do not overlap.
 fn label_y(axis_y: f64, i: usize) -> f64 {
-    axis_y + if i % 2 == 0 { 16.0 } else { 30.0 }
+    axis_y + if i.is_multiple_of(2) { 16.0 } else { 30.0 }
 }
 
 /// For each point (in time order), the median of the last `window` values.

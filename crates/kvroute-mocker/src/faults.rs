@@ -56,12 +56,12 @@ impl FaultConfig {
 
     /// True when the batch with this seq must not be sent live.
     pub fn drops(&self, seq: u64) -> bool {
-        matches!(self.drop_every, Some(n) if (seq + 1) % n == 0)
+        matches!(self.drop_every, Some(n) if (seq + 1).is_multiple_of(n))
     }
 
     /// True when the batch with this seq carries a malformed event.
     pub fn corrupts(&self, seq: u64) -> bool {
-        matches!(self.bad_event_every, Some(n) if (seq + 1) % n == 0)
+        matches!(self.bad_event_every, Some(n) if (seq + 1).is_multiple_of(n))
     }
 }
 

@@ -13,6 +13,7 @@ use crate::api::{ApiError, Body};
 use crate::ingest::registry::{Registry, RegistryError};
 use crate::ingest::spec::{parse_flavor, RankEndpoints, WorkerFlavor, WorkerSpec};
 use crate::proxy::Proxy;
+use crate::replica::bus::ReplicaSync;
 
 /// Who may do what. Without an admin token the admin API (everything that
 /// changes which workers exist) is closed; with one, it takes that bearer
@@ -102,6 +103,8 @@ pub struct AdminState {
     /// Block size for registrations that do not give one (`None`: learned
     /// from each such worker's stream).
     pub default_block_size: Option<u32>,
+    /// The replica sync, when there are peer replicas (`--nats`).
+    pub replica: Option<Arc<ReplicaSync>>,
 }
 
 /// `GET /health`.
@@ -111,7 +114,8 @@ pub async fn health(State(state): State<AdminState>) -> Json<Value> {
 
 /// `GET /workers`: every worker and rank with its stream's state.
 pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
-    Json(json!({ "workers": state.registry.view() }))
+    let replicas = state.replica.as_ref().map(|sync| sync.view());
+    Json(json!({ "workers": state.registry.view(), "replicas": replicas }))
 }
 
 /// Parses a JSON body, answering 400 with serde's message when it is not JSON.

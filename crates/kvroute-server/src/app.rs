@@ -139,6 +139,7 @@ mod tests {
                     public_introspection: false,
                 },
                 default_block_size: Some(16),
+                replica: None,
             },
             proxy,
             metrics,

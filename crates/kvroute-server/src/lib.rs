@@ -36,10 +36,11 @@ use ingest::registry::IngestConfig;
 use ingest::registry::Registry;
 use ingest::spec::WorkerSpec;
 use listen::{serve_bounded, ConnectionMetrics, HttpLimits};
-use metrics::{IngestCollector, Metrics};
+use metrics::{IngestCollector, Metrics, ReplicaCollector};
 use proxy::active::ActiveCollector;
 use proxy::{Proxy, ProxyConfig};
 use query::QueryLimits;
+use replica::Replica;
 
 /// Everything `kvroute serve` needs, validated.
 #[derive(Debug, Clone)]
@@ -120,6 +121,9 @@ pub enum ServeError {
     /// The HTTP server failed.
     #[error("http server: {0}")]
     Http(#[from] std::io::Error),
+    /// The NATS URL is not one (`--nats`).
+    #[error("nats: {0}")]
+    Nats(async_nats::ConnectError),
     /// The HTTP client could not be built.
     #[error("http client: {0}")]
     Client(#[from] reqwest::Error),
@@ -132,22 +136,32 @@ pub async fn serve(
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let index = Arc::new(SharedIndex::new(Index::new(config.index.clone())));
-    let registry = start_registry(&config, index.clone())?;
+    let replica = match config.replicas.clone() {
+        Some(replicas) => Some(Replica::connect(replicas).await.map_err(ServeError::Nats)?),
+        None => None,
+    };
+    let from_peers = match &replica {
+        Some(r) => r.snapshot_at_start().await,
+        None => None,
+    };
+    let registry = start_registry(&config, index.clone(), from_peers)?;
     let snapshots = config
         .state
         .clone()
         .map(|state| spawn_snapshots(registry.clone(), state));
     let proxy = Arc::new(Proxy::new(config.proxy.clone(), index.clone())?);
     proxy.refresh(&registry);
+    let mut collectors: Vec<Box<dyn prometheus_client::collector::Collector>> = vec![
+        Box::new(IngestCollector::new(registry.clone(), index.clone())),
+        Box::new(ActiveCollector::new(proxy.clone())),
+    ];
+    let replica_tasks = replica.as_ref().map(|r| {
+        proxy.share_with(r.sync.outbox().clone());
+        collectors.push(Box::new(ReplicaCollector::new(r.sync.clone())));
+        r.run(proxy.clone(), registry.clone())
+    });
     let connections = ConnectionMetrics::default();
-    let metrics = Arc::new(Metrics::new(
-        &proxy.metrics,
-        &connections,
-        vec![
-            Box::new(IngestCollector::new(registry.clone(), index.clone())),
-            Box::new(ActiveCollector::new(proxy.clone())),
-        ],
-    ));
+    let metrics = Arc::new(Metrics::new(&proxy.metrics, &connections, collectors));
     let context_lengths = {
         let proxy = proxy.clone();
         tokio::spawn(async move {
@@ -185,6 +199,7 @@ pub async fn serve(
             proxy: proxy.clone(),
             access: config.access.clone(),
             default_block_size: config.block_size,
+            replica: replica.as_ref().map(|r| r.sync.clone()),
         },
         proxy,
         metrics,
@@ -209,6 +224,12 @@ pub async fn serve(
     if let Some(task) = snapshots {
         task.abort();
     }
+    for task in replica_tasks.into_iter().flatten() {
+        task.abort();
+    }
+    if let Some(r) = &replica {
+        r.save_now(&registry).await;
+    }
     let dir = config.state.map(|s| s.dir);
     let _ = tokio::task::spawn_blocking(move || {
         if let Some(dir) = dir {
@@ -220,17 +241,27 @@ pub async fn serve(
     result.map_err(ServeError::Http)
 }
 
-/// The registry, restored from `--state-dir` when there is a snapshot,
-/// with the configured workers and those the snapshot had registered.
+/// The registry, restored from the peers' snapshot (`--nats`) or else from
+/// `--state-dir` when there is one, with the configured workers and those
+/// the snapshot had registered.
 fn start_registry(
     config: &ServeConfig,
     index: Arc<SharedIndex>,
+    from_peers: Option<state::Snapshot>,
 ) -> Result<Arc<Registry>, ServeError> {
     let registry = Registry::new(index, config.ingest.clone(), config.unreachable_grace)
         .map_err(ServeError::Ingest)?
         .with_allowed_hosts(config.allowed_worker_hosts.clone());
     let registry = Arc::new(registry);
-    if let Some(state) = &config.state {
+    let restored_from_peers =
+        from_peers.is_some_and(|snapshot| match registry.restore(&snapshot) {
+            Ok(()) => true,
+            Err(e) => {
+                warn!(error = %e, "the peers' snapshot could not be restored");
+                false
+            }
+        });
+    if let (false, Some(state)) = (restored_from_peers, &config.state) {
         restore_state(&registry, state);
     }
     for spec in &config.workers {

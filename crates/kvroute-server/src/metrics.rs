@@ -26,6 +26,7 @@ use prometheus_client::registry::Registry;
 use crate::ingest::registry::{RankView, Registry as Workers};
 use crate::ingest::stats::{RankCounters, RankState};
 use crate::listen::ConnectionMetrics;
+use crate::replica::bus::ReplicaSync;
 
 /// The kind of a metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,6 +156,22 @@ catalogue! {
     HTTP_HEADER_TIMEOUTS:         kvroute_http_header_timeouts_total           Counter   NONE "Connections closed because a request head took longer than --header-timeout-secs.";
     HTTP_IDLE_TIMEOUTS:           kvroute_http_idle_timeouts_total             Counter   NONE "Kept-alive connections closed after --idle-timeout-secs without a request.";
     ACTIVE_DECODE_BLOCKS:         kvroute_active_decode_blocks                 Gauge     RANK "Distinct blocks held by requests in flight per (worker, rank).";
+    REPLICA_NATS_CONNECTED:       kvroute_replica_nats_connected               Gauge     NONE "Whether this replica is connected to NATS (--nats).";
+    REPLICA_NATS_OUTAGES:         kvroute_replica_nats_outages_total           Counter   NONE "Times the NATS connection went down.";
+    REPLICA_PEERS:                kvroute_replica_peers                        Gauge     NONE "Peer replicas heard within the last 3.5 s.";
+    REPLICA_MESSAGES_SENT:        kvroute_replica_messages_sent_total          Counter   NONE "Messages published to the peers.";
+    REPLICA_MESSAGES_RECEIVED:    kvroute_replica_messages_received_total      Counter   NONE "Peer messages received.";
+    REPLICA_MESSAGES_LOST:        kvroute_replica_messages_lost_total          Counter   NONE "Peer messages that never arrived (sequence gaps).";
+    REPLICA_MESSAGES_UNDECODABLE: kvroute_replica_messages_undecodable_total   Counter   NONE "Replica messages skipped as undecodable.";
+    REPLICA_EVENTS_DROPPED:       kvroute_replica_events_dropped_total         Counter   NONE "In-flight events not published (NATS down or too slow); the whole state is resent.";
+    REPLICA_UNKNOWN_WORKERS:      kvroute_replica_unknown_workers_total        Counter   NONE "Peer events about a worker or rank this replica does not have.";
+    REPLICA_RESYNCS_SENT:         kvroute_replica_resyncs_sent_total           Counter   NONE "Times this replica sent its whole in-flight state.";
+    REPLICA_RESYNCS_ASKED:        kvroute_replica_resyncs_asked_total          Counter   NONE "Times this replica asked a peer for its whole state.";
+    REPLICA_PEERS_EXPIRED:        kvroute_replica_peers_expired_total          Counter   NONE "Peers forgotten, with their requests, after 3.5 s of silence.";
+    REPLICA_SNAPSHOTS_WRITTEN:    kvroute_replica_snapshots_written_total      Counter   NONE "Index snapshots written to the JetStream object store.";
+    REPLICA_SNAPSHOT_FAILURES:    kvroute_replica_snapshot_failures_total      Counter   NONE "Index snapshots the object store did not take.";
+    REPLICA_PEER_DELAY:           kvroute_replica_peer_delay_seconds           Histogram NONE "Delay from a peer's admission of a request to this replica applying it.";
+    REPLICA_PUBLISH_COST:         kvroute_replica_publish_seconds              Histogram NONE "Time a request spends handing an event to the outbox.";
 }
 
 /// The catalogue as the Markdown table of `docs/metrics.md`.
@@ -644,5 +661,58 @@ mod tests {
         );
         assert!(text.contains("kvroute_proxy_routed_total{worker=\"w0\",dp_rank=\"1\"} 2"));
         assert!(text.ends_with("# EOF\n"));
+    }
+}
+
+/// The replica sync's metrics (`kvroute_replica_*`), read at scrape time.
+#[derive(Debug)]
+pub struct ReplicaCollector {
+    sync: Arc<ReplicaSync>,
+}
+
+impl ReplicaCollector {
+    /// A collector over `sync`.
+    pub fn new(sync: Arc<ReplicaSync>) -> Self {
+        ReplicaCollector { sync }
+    }
+}
+
+impl Collector for ReplicaCollector {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let c = &self.sync.counters;
+        let view = self.sync.view();
+        let singles = [
+            (REPLICA_NATS_CONNECTED, u64::from(view.connected)),
+            (REPLICA_NATS_OUTAGES, c.outages.load(Relaxed)),
+            (REPLICA_PEERS, view.peers.len() as u64),
+            (REPLICA_MESSAGES_SENT, c.sent.load(Relaxed)),
+            (REPLICA_MESSAGES_RECEIVED, c.received.load(Relaxed)),
+            (REPLICA_MESSAGES_LOST, c.lost.load(Relaxed)),
+            (REPLICA_MESSAGES_UNDECODABLE, c.undecodable.load(Relaxed)),
+            (REPLICA_EVENTS_DROPPED, view.dropped_events),
+            (REPLICA_UNKNOWN_WORKERS, c.unknown_workers.load(Relaxed)),
+            (REPLICA_RESYNCS_SENT, c.resyncs_sent.load(Relaxed)),
+            (REPLICA_RESYNCS_ASKED, c.resyncs_asked.load(Relaxed)),
+            (REPLICA_PEERS_EXPIRED, c.peers_expired.load(Relaxed)),
+            (REPLICA_SNAPSHOTS_WRITTEN, c.snapshots_written.load(Relaxed)),
+            (REPLICA_SNAPSHOT_FAILURES, c.snapshot_failures.load(Relaxed)),
+        ];
+        for (info, value) in singles {
+            encode_single(&mut encoder, &info, value)?;
+        }
+        for (info, histogram) in [
+            (REPLICA_PEER_DELAY, self.sync.delay_histogram()),
+            (REPLICA_PUBLISH_COST, self.sync.outbox().cost_histogram()),
+        ] {
+            let metric = encoder.encode_descriptor(
+                info.family(),
+                info.help,
+                None,
+                info.kind.metric_type(),
+            )?;
+            histogram.encode(metric)?;
+        }
+        Ok(())
     }
 }

@@ -48,7 +48,7 @@ enum Command {
     /// Run simulated vLLM / SGLang engines (HTTP, prefix cache, KV events over ZeroMQ).
     Mocker(cmd::mocker::MockerArgs),
     /// Ingest the workers' KV events and serve the HTTP API.
-    Serve(cmd::serve::ServeArgs),
+    Serve(Box<cmd::serve::ServeArgs>),
     /// One publisher process of `kvroute bench ingest` (started by it).
     #[command(hide = true)]
     BenchPublisher(cmd::bench::PublisherArgs),

@@ -21,6 +21,21 @@ struct Request {
     started_ms: u64,
 }
 
+/// One active request, as [`ActiveSequences::requests`] lists it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ActiveRequest<'a> {
+    /// Its id.
+    pub id: u64,
+    /// Its blocks' sequence hashes.
+    pub blocks: &'a [SequenceHash],
+    /// The prompt tokens it had to prefill.
+    pub prefill_tokens: u64,
+    /// Still in prefill.
+    pub prefilling: bool,
+    /// When it was added.
+    pub started_ms: u64,
+}
+
 /// The active requests of one (worker, rank).
 #[derive(Debug, Clone, Default)]
 pub struct ActiveSequences {
@@ -96,6 +111,33 @@ impl ActiveSequences {
         stale.len()
     }
 
+    /// Frees every request whose id `drop` accepts (a peer router's
+    /// requests when it died); returns how many.
+    pub fn free_where(&mut self, drop: impl Fn(u64) -> bool) -> usize {
+        let gone: Vec<u64> = self
+            .requests
+            .keys()
+            .copied()
+            .filter(|&id| drop(id))
+            .collect();
+        for id in &gone {
+            self.free(*id);
+        }
+        gone.len()
+    }
+
+    /// Every active request, in no particular order: what another router
+    /// needs to rebuild this router's share of the load.
+    pub fn requests(&self) -> impl Iterator<Item = ActiveRequest<'_>> {
+        self.requests.iter().map(|(&id, r)| ActiveRequest {
+            id,
+            blocks: &r.blocks,
+            prefill_tokens: r.prefill_tokens,
+            prefilling: r.prefilling,
+            started_ms: r.started_ms,
+        })
+    }
+
     /// Prompt tokens still in prefill.
     pub fn active_prefill_tokens(&self) -> u64 {
         self.prefill_tokens
@@ -169,6 +211,29 @@ mod tests {
         a.free(1);
         a.free(1);
         assert_eq!((a.active_blocks(), a.active_requests()), (0, 0));
+    }
+
+    #[test]
+    fn requests_are_listed_and_freed_by_id() {
+        let mut a = ActiveSequences::new();
+        a.add(1, &hashes(&[10, 11]), 32, 5);
+        a.add(1 << 40 | 1, &hashes(&[10, 12]), 16, 6);
+        a.prefill_done(1);
+        let mut listed: Vec<(u64, usize, bool)> = a
+            .requests()
+            .map(|r| (r.id, r.blocks.len(), r.prefilling))
+            .collect();
+        listed.sort_unstable();
+        assert_eq!(listed, vec![(1, 2, false), (1 << 40 | 1, 2, true)]);
+        assert_eq!(a.free_where(|id| id >> 40 == 1), 1);
+        assert_eq!(
+            (
+                a.active_requests(),
+                a.active_blocks(),
+                a.active_prefill_tokens()
+            ),
+            (1, 2, 0)
+        );
     }
 
     #[test]

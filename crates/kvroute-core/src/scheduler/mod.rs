@@ -11,7 +11,7 @@ pub mod candidates;
 pub mod cost;
 pub mod policy;
 
-pub use active::ActiveSequences;
+pub use active::{ActiveRequest, ActiveSequences};
 pub use candidates::{predicted_cached_tokens, BusyThresholds, Load, Pricing, Scored};
 pub use cost::{Candidate, CostBreakdown, CostWeights};
 pub use policy::{order, Policy};

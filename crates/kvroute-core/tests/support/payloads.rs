@@ -129,7 +129,7 @@ pub fn small_events_batch() -> Vec<u8> {
 /// Parses lowercase hex (no separators) into bytes.
 pub fn parse_hex(text: &str) -> Vec<u8> {
     let text = text.trim();
-    assert!(text.len() % 2 == 0, "odd hex length");
+    assert!(text.len().is_multiple_of(2), "odd hex length");
     (0..text.len())
         .step_by(2)
         .map(|i| u8::from_str_radix(&text[i..i + 2], 16).expect("hex digit"))

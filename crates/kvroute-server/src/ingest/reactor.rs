@@ -261,7 +261,7 @@ impl Reactor {
                 ROUTER_MONITOR => self.drain_router_monitor(),
                 Token(n) if n >= FIRST_SLOT => {
                     let slot = (n - FIRST_SLOT) / 2;
-                    if (n - FIRST_SLOT) % 2 == 0 {
+                    if (n - FIRST_SLOT).is_multiple_of(2) {
                         self.drain_sub(slot)
                     } else {
                         self.drain_sub_monitor(slot)

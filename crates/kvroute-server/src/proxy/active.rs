@@ -18,6 +18,9 @@ use super::Proxy;
 use crate::metrics::{
     encode_rank_family, RankLabels, ACTIVE_DECODE_BLOCKS, ACTIVE_PREFILL_TOKENS, ACTIVE_REQUESTS,
 };
+use crate::replica::message::RequestRef;
+use crate::replica::outbox::Outbox;
+use crate::replica::peers::tagged_id;
 
 /// The active requests of every rank.
 #[derive(Debug, Default)]
@@ -26,7 +29,7 @@ pub struct ActiveTable {
 }
 
 impl ActiveTable {
-    fn lock(&self) -> MutexGuard<'_, HashMap<WorkerRank, ActiveSequences>> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, HashMap<WorkerRank, ActiveSequences>> {
         self.ranks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -72,12 +75,20 @@ pub struct ActiveGuard {
     proxy: Arc<Proxy>,
     key: WorkerRank,
     id: u64,
+    /// The worker's name, when peer replicas are told of the request.
+    shared_as: Option<Arc<str>>,
 }
 
 impl ActiveGuard {
-    /// Adds a request with these blocks and uncached prompt tokens to `key`'s load.
-    pub fn add(proxy: &Arc<Proxy>, key: WorkerRank, blocks: &[SequenceHash], prefill: u64) -> Self {
-        let id = proxy.next_id.fetch_add(1, Ordering::Relaxed);
+    /// Adds a request with these blocks and uncached prompt tokens to the
+    /// load of `key` (a rank of worker `name`), and tells the peer replicas.
+    pub fn add(
+        proxy: &Arc<Proxy>,
+        (key, name): (WorkerRank, &Arc<str>),
+        blocks: &[SequenceHash],
+        prefill: u64,
+    ) -> Self {
+        let id = tagged_id(0, proxy.next_id.fetch_add(1, Ordering::Relaxed));
         let now = proxy.now_ms();
         proxy
             .active
@@ -85,11 +96,23 @@ impl ActiveGuard {
             .entry(key)
             .or_default()
             .add(id, blocks, prefill, now);
+        let outbox = proxy.outbox();
+        if let Some(outbox) = outbox {
+            let ttl = proxy.config.active_expiry.as_millis() as u64;
+            let hashes = blocks.iter().map(|b| b.0).collect();
+            outbox.admitted(request_ref(id, name, key), hashes, prefill, ttl);
+        }
         ActiveGuard {
             proxy: proxy.clone(),
             key,
             id,
+            shared_as: outbox.map(|_| name.clone()),
         }
+    }
+
+    fn reference(&self) -> Option<(&Outbox, RequestRef)> {
+        let name = self.shared_as.as_ref()?;
+        Some((self.proxy.outbox()?, request_ref(self.id, name, self.key)))
     }
 
     /// The proxy the request runs in.
@@ -102,6 +125,9 @@ impl ActiveGuard {
         if let Some(a) = self.proxy.active.lock().get_mut(&self.key) {
             a.prefill_done(self.id);
         }
+        if let Some((outbox, at)) = self.reference() {
+            outbox.prefilled(at);
+        }
         self.proxy.load_dropped.notify_waiters();
     }
 }
@@ -111,7 +137,18 @@ impl Drop for ActiveGuard {
         if let Some(a) = self.proxy.active.lock().get_mut(&self.key) {
             a.free(self.id);
         }
+        if let Some((outbox, at)) = self.reference() {
+            outbox.released(at);
+        }
         self.proxy.load_dropped.notify_waiters();
+    }
+}
+
+fn request_ref(id: u64, name: &str, key: WorkerRank) -> RequestRef {
+    RequestRef {
+        id,
+        worker: name.to_owned(),
+        rank: key.rank,
     }
 }
 

@@ -222,7 +222,12 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
         }
         let (locals, seqs) = hashes_for(&candidates, req, s);
         let cached = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
-        let guard = ActiveGuard::add(proxy, s.key, &seqs, request_tokens.saturating_sub(cached));
+        let guard = ActiveGuard::add(
+            proxy,
+            (s.key, &target.name),
+            &seqs,
+            request_tokens.saturating_sub(cached),
+        );
         let rewritten = {
             let (req, s, body) = (req.clone(), s.clone(), body.clone());
             let (in_body, ranks) = (proxy.config().dp_rank_in_body, target.ranks.len());

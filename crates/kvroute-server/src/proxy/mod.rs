@@ -23,9 +23,10 @@ pub mod candidates;
 pub mod context;
 pub mod relay;
 pub mod rewrite;
+pub mod shared;
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
@@ -40,6 +41,7 @@ use serde_json::{json, Map, Value};
 use crate::api::{ApiError, Body};
 use crate::ingest::registry::Registry;
 use crate::metrics::ProxyMetrics;
+use crate::replica::outbox::Outbox;
 use active::ActiveTable;
 use breaker::Breakers;
 use candidates::Target;
@@ -129,6 +131,8 @@ pub struct Proxy {
     queue: tokio::sync::Semaphore,
     /// Woken whenever a rank's load drops (a prefill ends or a request ends).
     load_dropped: tokio::sync::Notify,
+    /// Where requests tell peer replicas of themselves (`--nats`).
+    outbox: OnceLock<Arc<Outbox>>,
 }
 
 impl Proxy {
@@ -156,7 +160,19 @@ impl Proxy {
             turn: AtomicU64::new(0),
             rng: AtomicU64::new(seed | 1),
             started: Instant::now(),
+            outbox: OnceLock::new(),
         })
+    }
+
+    /// Tells peer replicas of every request from now on, through `outbox`
+    /// (once; later calls are ignored).
+    pub fn share_with(&self, outbox: Arc<Outbox>) {
+        let _ = self.outbox.set(outbox);
+    }
+
+    /// Where requests tell peer replicas of themselves, if anywhere.
+    pub fn outbox(&self) -> Option<&Outbox> {
+        self.outbox.get().map(|o| o.as_ref())
     }
 
     /// The configuration.

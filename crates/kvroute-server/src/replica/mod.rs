@@ -35,3 +35,186 @@ impl ReplicaConfig {
         }
     }
 }
+
+pub mod bus;
+pub mod delays;
+pub mod message;
+pub mod outbox;
+pub mod peers;
+pub mod snapshots;
+
+use std::sync::Arc;
+
+use futures_util::StreamExt;
+use tracing::{debug, info, warn};
+
+use crate::ingest::registry::Registry;
+use crate::state::Snapshot;
+use bus::{ReplicaSync, SharedLoad};
+use snapshots::SnapshotStore;
+
+/// A replica's connection to its peers: the sync of requests in flight and
+/// the snapshot store, over one NATS client.
+#[derive(Debug, Clone)]
+pub struct Replica {
+    /// The in-flight sync (its outbox is what requests publish to).
+    pub sync: Arc<ReplicaSync>,
+    client: async_nats::Client,
+}
+
+impl Replica {
+    /// Starts connecting to `config`'s NATS server (in the background,
+    /// retrying for ever: the router starts whether NATS is up or not).
+    pub async fn connect(config: ReplicaConfig) -> Result<Self, async_nats::ConnectError> {
+        let sync = ReplicaSync::new(config);
+        let client = sync.connect().await?;
+        Ok(Replica { sync, client })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ReplicaConfig {
+        self.sync.config()
+    }
+
+    /// Waits at most `within` for the connection; whether it is up.
+    pub async fn wait_connected(&self, within: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            if self.client.connection_state() == async_nats::connection::State::Connected {
+                return true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The snapshot a starting replica resumes from, if NATS is up and has
+    /// one; any failure is logged and the replica starts without it.
+    pub async fn snapshot_at_start(&self) -> Option<Snapshot> {
+        if !self.wait_connected(Duration::from_secs(2)).await {
+            warn!(url = %self.config().nats_url, "NATS unreachable at start: no snapshot to resume from");
+            return None;
+        }
+        let fetched = match snapshots::fetch_at_start(&self.client, self.config()).await {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                info!("no index snapshot in the object store yet; starting cold");
+                return None;
+            }
+            Err(e) => {
+                warn!(error = %e, "the object store could not be read; starting cold");
+                return None;
+            }
+        };
+        match Snapshot::decode(&fetched.bytes) {
+            Ok(snapshot) => Some(snapshot),
+            Err(e) => {
+                warn!(object = %fetched.object, error = %e, "an unreadable snapshot in the object store was skipped");
+                None
+            }
+        }
+    }
+
+    /// Runs the sync over `load`, the periodic snapshots of `registry` and
+    /// the answers to peers asking for a fresh one.
+    pub fn run(
+        &self,
+        load: Arc<dyn SharedLoad>,
+        registry: Arc<Registry>,
+    ) -> Vec<tokio::task::JoinHandle<()>> {
+        let mut tasks = self.sync.run(self.client.clone(), load);
+        let (client, sync) = (self.client.clone(), self.sync.clone());
+        tasks.push(tokio::spawn(snapshot_loop(client, sync, registry)));
+        tasks
+    }
+
+    /// Writes one snapshot now (at shutdown), if NATS is up.
+    pub async fn save_now(&self, registry: &Arc<Registry>) {
+        if self.client.connection_state() != async_nats::connection::State::Connected {
+            return;
+        }
+        if let Ok(store) = SnapshotStore::open(&self.client, self.config()).await {
+            write_snapshot(&store, registry, &self.sync).await;
+        }
+    }
+}
+
+/// Writes the snapshot every `snapshot_every` and whenever a starting peer
+/// asks (answering once it is written).
+async fn snapshot_loop(
+    client: async_nats::Client,
+    sync: Arc<ReplicaSync>,
+    registry: Arc<Registry>,
+) {
+    let config = sync.config().clone();
+    let store = loop {
+        match SnapshotStore::open(&client, &config).await {
+            Ok(store) => break store,
+            Err(e) => {
+                debug!(error = %e, "the snapshot bucket is not available yet");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    let mut asks = loop {
+        match client.subscribe(snapshots::request_subject(&config)).await {
+            Ok(s) => break s,
+            Err(e) => {
+                debug!(error = %e, "subscribing to snapshot requests failed; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    let mut tick = tokio::time::interval(config.snapshot_every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let reply = tokio::select! {
+            _ = tick.tick() => None,
+            ask = asks.next() => match ask {
+                Some(message) => message.reply,
+                None => return,
+            },
+        };
+        let written = write_snapshot(&store, &registry, &sync).await;
+        if let (Some(reply), true) = (reply, written) {
+            let _ = client
+                .publish(reply, store.object().to_owned().into())
+                .await;
+        }
+    }
+}
+
+/// Writes one snapshot; whether it was written.
+async fn write_snapshot(
+    store: &SnapshotStore,
+    registry: &Arc<Registry>,
+    sync: &ReplicaSync,
+) -> bool {
+    use std::sync::atomic::Ordering::Relaxed;
+    let started = std::time::Instant::now();
+    let registry = registry.clone();
+    let Ok(bytes) = tokio::task::spawn_blocking(move || registry.snapshot().encode()).await else {
+        return false;
+    };
+    match store.put(&bytes).await {
+        Ok(()) => {
+            sync.counters.snapshots_written.fetch_add(1, Relaxed);
+            debug!(
+                bytes = bytes.len(),
+                ms = started.elapsed().as_millis() as u64,
+                "snapshot written to the object store"
+            );
+            true
+        }
+        Err(e) => {
+            if sync.counters.snapshot_failures.fetch_add(1, Relaxed) == 0 {
+                warn!(error = %e, "writing the snapshot to the object store failed (further failures are only counted)");
+            } else {
+                debug!(error = %e, "writing the snapshot to the object store failed");
+            }
+            false
+        }
+    }
+}

@@ -95,7 +95,7 @@ fn parse_hex_file(bytes: &[u8]) -> Result<Vec<u8>> {
     if digits.is_empty() {
         bail!("no hex payload found (expected a line of hex digits after any # comment)");
     }
-    if digits.len() % 2 != 0 {
+    if !digits.len().is_multiple_of(2) {
         bail!("hex payload has an odd number of digits ({})", digits.len());
     }
     digits

@@ -1,0 +1,109 @@
+//! The load peer replicas put on the same workers, folded into this
+//! replica's: what [`crate::replica`] applies from their messages, and this
+//! replica's own requests as it tells them after a reset.
+//!
+//! A peer's request is kept under an id tagged with the peer's slot, next
+//! to this replica's own, so the cost sees one load per rank whichever
+//! replica routed it; it expires like a local one (at the owner's expiry)
+//! or with its owner.
+
+use kvroute_core::hash::SequenceHash;
+use kvroute_core::index::WorkerRank;
+
+use super::Proxy;
+use crate::replica::bus::SharedLoad;
+use crate::replica::message::{Admission, Event, RequestRef};
+use crate::replica::peers::{slot_of, tagged_id};
+
+impl Proxy {
+    /// The index key of `worker`'s `rank`, if this replica has them.
+    fn key_of(&self, worker: &str, rank: u32) -> Option<WorkerRank> {
+        self.targets()
+            .iter()
+            .find(|t| &*t.name == worker && t.ranks.contains(&rank))
+            .map(|t| WorkerRank { worker: t.id, rank })
+    }
+
+    fn expiry_ms(&self) -> u64 {
+        self.config.active_expiry.as_millis() as u64
+    }
+}
+
+impl SharedLoad for Proxy {
+    fn apply_peer(&self, slot: u32, event: &Event) -> bool {
+        let at = match event {
+            Event::Admit(a) => &a.at,
+            Event::Prefilled(r) | Event::Release(r) => r,
+        };
+        let Some(key) = self.key_of(&at.worker, at.rank) else {
+            return false;
+        };
+        let id = tagged_id(slot, at.id);
+        let mut table = self.active.lock();
+        match event {
+            Event::Admit(a) => {
+                let blocks: Vec<SequenceHash> = a.blocks.iter().map(|&h| SequenceHash(h)).collect();
+                // Expires here when it would at its owner: `ttl_ms` from now.
+                let max = self.expiry_ms();
+                let started = (self.now_ms() + a.ttl_ms.min(max)).saturating_sub(max);
+                let entry = table.entry(key).or_default();
+                entry.add(id, &blocks, a.prefill_tokens, started);
+                if !a.prefilling {
+                    entry.prefill_done(id);
+                }
+                return true;
+            }
+            Event::Prefilled(_) => {
+                if let Some(entry) = table.get_mut(&key) {
+                    entry.prefill_done(id);
+                }
+            }
+            Event::Release(_) => {
+                if let Some(entry) = table.get_mut(&key) {
+                    entry.free(id);
+                }
+            }
+        }
+        drop(table);
+        self.load_dropped.notify_waiters();
+        true
+    }
+
+    fn forget_slot(&self, slot: u32) -> usize {
+        let forgotten = self
+            .active
+            .lock()
+            .values_mut()
+            .map(|a| a.free_where(|id| slot_of(id) == slot))
+            .sum();
+        self.load_dropped.notify_waiters();
+        forgotten
+    }
+
+    fn own_state(&self) -> Vec<Event> {
+        let targets = self.targets();
+        let (now, max) = (self.now_ms(), self.expiry_ms());
+        let table = self.active.lock();
+        let mut events = Vec::new();
+        for (key, active) in table.iter() {
+            let Some(target) = targets.iter().find(|t| t.id == key.worker) else {
+                continue;
+            };
+            for r in active.requests().filter(|r| slot_of(r.id) == 0) {
+                events.push(Event::Admit(Admission {
+                    at: RequestRef {
+                        id: r.id,
+                        worker: target.name.to_string(),
+                        rank: key.rank,
+                    },
+                    prefill_tokens: r.prefill_tokens,
+                    prefilling: r.prefilling,
+                    blocks: r.blocks.iter().map(|b| b.0).collect(),
+                    ttl_ms: max.saturating_sub(now.saturating_sub(r.started_ms)),
+                    admitted_us: 0,
+                }));
+            }
+        }
+        events
+    }
+}

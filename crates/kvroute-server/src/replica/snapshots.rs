@@ -1,0 +1,213 @@
+//! The index's durable copy in a JetStream object store, so a replica that
+//! starts comes back complete even when the engines' rings have wrapped.
+//!
+//! Every replica writes its snapshot (the `--state-dir` format: workers,
+//! each rank's resume point, the index) as the object named after it, every
+//! `--snapshot-secs` and on demand. A replica that starts first asks its
+//! live peers for a fresh one (a request on `<prefix>.snapshot`, answered
+//! once the object is written), then loads the newest object in the bucket
+//! and resumes each rank from that snapshot's sequence number: what the
+//! engines published since is replayed from their rings, which need only
+//! reach back to the moment of that snapshot.
+
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::object_store::{self, ObjectMetadata, ObjectStore};
+use futures_util::StreamExt;
+use tokio::io::AsyncReadExt;
+use tracing::{debug, info, warn};
+
+use super::ReplicaConfig;
+
+/// Bytes per object-store chunk (a NATS message each).
+const CHUNK_BYTES: usize = 256 << 10;
+/// Objects older than this leave the bucket (replicas long gone).
+const MAX_AGE: Duration = Duration::from_secs(24 * 3600);
+
+/// Why the object store could not be used.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SnapshotStoreError {
+    /// The bucket could not be opened or created.
+    #[error("object store bucket `{bucket}`: {message}")]
+    Bucket {
+        /// The bucket.
+        bucket: String,
+        /// Why.
+        message: String,
+    },
+    /// Writing, listing or reading an object failed.
+    #[error("object `{object}`: {message}")]
+    Object {
+        /// The object.
+        object: String,
+        /// Why.
+        message: String,
+    },
+}
+
+fn object_error(object: &str, e: impl std::fmt::Display) -> SnapshotStoreError {
+    SnapshotStoreError::Object {
+        object: object.to_owned(),
+        message: e.to_string(),
+    }
+}
+
+/// The bucket of index snapshots and this replica's object in it.
+#[derive(Clone)]
+pub struct SnapshotStore {
+    store: ObjectStore,
+    object: String,
+    bucket: String,
+}
+
+impl std::fmt::Debug for SnapshotStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SnapshotStore")
+            .field("bucket", &self.bucket)
+            .field("object", &self.object)
+            .finish()
+    }
+}
+
+/// A snapshot read back, with where it came from.
+#[derive(Debug)]
+pub struct Fetched {
+    /// The object (the replica that wrote it).
+    pub object: String,
+    /// Its bytes.
+    pub bytes: Vec<u8>,
+}
+
+impl SnapshotStore {
+    /// Opens (or creates) `config`'s bucket.
+    pub async fn open(
+        client: &async_nats::Client,
+        config: &ReplicaConfig,
+    ) -> Result<Self, SnapshotStoreError> {
+        let bucket = format!("{}_index", config.prefix);
+        let js = async_nats::jetstream::new(client.clone());
+        let store = match js.get_object_store(&bucket).await {
+            Ok(store) => store,
+            Err(_) => js
+                .create_object_store(object_store::Config {
+                    bucket: bucket.clone(),
+                    description: Some("kvroute index snapshots, one object per replica".into()),
+                    max_age: MAX_AGE,
+                    ..object_store::Config::default()
+                })
+                .await
+                .map_err(|e| SnapshotStoreError::Bucket {
+                    bucket: bucket.clone(),
+                    message: e.to_string(),
+                })?,
+        };
+        Ok(SnapshotStore {
+            store,
+            object: config.replica_id.clone(),
+            bucket,
+        })
+    }
+
+    /// The name of this replica's object.
+    pub fn object(&self) -> &str {
+        &self.object
+    }
+
+    /// Writes `bytes` as this replica's snapshot, replacing the last one.
+    pub async fn put(&self, bytes: &[u8]) -> Result<(), SnapshotStoreError> {
+        let meta = ObjectMetadata {
+            name: self.object.clone(),
+            chunk_size: Some(CHUNK_BYTES),
+            ..ObjectMetadata::default()
+        };
+        let mut reader = bytes;
+        self.store
+            .put(meta, &mut reader)
+            .await
+            .map_err(|e| object_error(&self.object, e))?;
+        Ok(())
+    }
+
+    /// The newest snapshot in the bucket, whoever wrote it.
+    pub async fn newest(&self) -> Result<Option<Fetched>, SnapshotStoreError> {
+        let mut list = self.store.list().await.map_err(|e| object_error("*", e))?;
+        let mut newest: Option<object_store::ObjectInfo> = None;
+        while let Some(info) = list.next().await {
+            let info = info.map_err(|e| object_error("*", e))?;
+            let newer = newest
+                .as_ref()
+                .is_none_or(|best| info.modified > best.modified);
+            if !info.deleted && newer {
+                newest = Some(info);
+            }
+        }
+        let Some(info) = newest else {
+            return Ok(None);
+        };
+        let mut object = self
+            .store
+            .get(&info.name)
+            .await
+            .map_err(|e| object_error(&info.name, e))?;
+        let mut bytes = Vec::new();
+        object
+            .read_to_end(&mut bytes)
+            .await
+            .map_err(|e| object_error(&info.name, e))?;
+        Ok(Some(Fetched {
+            object: info.name,
+            bytes,
+        }))
+    }
+}
+
+/// The subject on which a starting replica asks for a fresh snapshot.
+pub fn request_subject(config: &ReplicaConfig) -> String {
+    format!("{}.snapshot", config.prefix)
+}
+
+/// Asks the live peers for a fresh snapshot and waits (at most `within`)
+/// for the first to say it is written; false when none answered.
+pub async fn ask_for_fresh(
+    client: &async_nats::Client,
+    config: &ReplicaConfig,
+    within: Duration,
+) -> bool {
+    let asked = client.request(request_subject(config), config.replica_id.clone().into());
+    match tokio::time::timeout(within, asked).await {
+        Ok(Ok(reply)) => {
+            debug!(by = %String::from_utf8_lossy(&reply.payload), "a peer wrote a fresh snapshot");
+            true
+        }
+        Ok(Err(e)) => {
+            debug!(error = %e, "no peer wrote a fresh snapshot");
+            false
+        }
+        Err(_) => {
+            warn!("no peer wrote a fresh snapshot in time; loading the newest there is");
+            false
+        }
+    }
+}
+
+/// Loads what a starting replica should resume from: a fresh snapshot
+/// from a live peer when there is one, else the newest in the bucket.
+pub async fn fetch_at_start(
+    client: &async_nats::Client,
+    config: &ReplicaConfig,
+) -> Result<Option<Fetched>, SnapshotStoreError> {
+    let started = Instant::now();
+    let store = SnapshotStore::open(client, config).await?;
+    ask_for_fresh(client, config, Duration::from_secs(2)).await;
+    let fetched = store.newest().await?;
+    if let Some(f) = &fetched {
+        info!(
+            object = %f.object,
+            bytes = f.bytes.len(),
+            ms = started.elapsed().as_millis() as u64,
+            "index snapshot fetched from the object store"
+        );
+    }
+    Ok(fetched)
+}
