@@ -16,6 +16,10 @@
 //! chunk or a stream that ends before `[DONE]` counts as failed, and the run
 //! goes on.
 //!
+//! `Endpoint::Balanced` spreads the requests round-robin over several
+//! servers (router replicas) and retries a refused connection on the next
+//! one (see the balancer module); those retries are counted in the report.
+//!
 //! Per request, from the SSE stream: TTFT is the time to the first chunk with
 //! non-empty text (`choices[].text` or `choices[].delta.content`), latency the
 //! time to `[DONE]`, output tokens `usage.completion_tokens` (else the number
@@ -28,9 +32,10 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinSet;
 
+use crate::balancer::Balancer;
 use crate::error::{Error, Result};
-use crate::exchange::{exchange, Measured};
-use crate::metrics::{accuracy_between, accuracy_counters};
+use crate::exchange::{exchange, Failure, Measured};
+use crate::metrics::{accuracy_between, accuracy_total};
 use crate::oracle::Oracle;
 use crate::progress::Progress;
 use crate::report::{PolicyReport, Report};
@@ -88,6 +93,15 @@ pub enum Endpoint {
         /// The mockers' base URLs.
         workers: Vec<String>,
     },
+    /// Several OpenAI-compatible servers behind a client-side load balancer
+    /// (router replicas): request n goes to URL n mod k, and a request whose
+    /// connection is refused (nothing was sent) is retried on the next URL,
+    /// each at most once per round, for a few rounds within 5 s. Other
+    /// failures are not retried.
+    Balanced {
+        /// The servers' base URLs, e.g. `http://127.0.0.1:8000`.
+        base_urls: Vec<String>,
+    },
 }
 
 /// One finished request.
@@ -106,6 +120,18 @@ struct Sample {
 enum Target {
     Url(String),
     Oracle(Oracle),
+    Balanced(Balancer),
+}
+
+impl Target {
+    /// The kvroute servers whose `/metrics` count the run's accuracy.
+    fn routers(&self) -> &[String] {
+        match self {
+            Target::Url(base) => std::slice::from_ref(base),
+            Target::Balanced(balancer) => balancer.urls(),
+            Target::Oracle(_) => &[],
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -182,24 +208,8 @@ pub async fn run(
         }
         _ => {}
     }
-    let target = match endpoint {
-        Endpoint::OpenAi { base_url } => Target::Url(normalize_base_url(base_url)),
-        Endpoint::Oracle { workers } => {
-            if workers.is_empty() {
-                return Err(Error::Invalid(
-                    "the oracle needs at least one worker URL".into(),
-                ));
-            }
-            Target::Oracle(Oracle::new(
-                workers.iter().map(|w| normalize_base_url(w)).collect(),
-                options.workload.seed,
-            ))
-        }
-    };
-    let accuracy_before = match &target {
-        Target::Url(base) => accuracy_counters(client, base).await,
-        Target::Oracle(_) => None,
-    };
+    let target = target(endpoint, options.workload.seed)?;
+    let accuracy_before = accuracy_total(client, target.routers()).await;
     let shared = Arc::new(Shared {
         client: client.clone(),
         target,
@@ -232,15 +242,15 @@ pub async fn run(
     if let Some(progress) = progress {
         progress.finish().await;
     }
-    let accuracy = match (&shared.target, accuracy_before) {
-        (Target::Url(base), Some(before)) => {
+    let accuracy = match accuracy_before {
+        Some(before) => {
             // The router compares after each response ends: give the last ones a moment.
             tokio::time::sleep(Duration::from_millis(200)).await;
-            accuracy_counters(client, base)
+            accuracy_total(client, shared.target.routers())
                 .await
                 .and_then(|after| accuracy_between(before, after))
         }
-        _ => None,
+        None => None,
     };
     let samples = std::mem::take(&mut *lock(&shared.samples));
     let mut report = summarize(
@@ -251,7 +261,29 @@ pub async fn run(
         options.workload.kind == WorkloadKind::Images,
     );
     report.index_accuracy = accuracy;
+    if let Target::Balanced(balancer) = &shared.target {
+        report.retried = balancer.retried();
+    }
     Ok(report)
+}
+
+/// What an endpoint becomes for a run (URLs normalized, lists checked).
+fn target(endpoint: &Endpoint, seed: u64) -> Result<Target> {
+    let urls = |list: &[String], what: &str| {
+        if list.is_empty() {
+            return Err(Error::Invalid(format!("{what} needs at least one URL")));
+        }
+        Ok(list.iter().map(|u| normalize_base_url(u)).collect())
+    };
+    Ok(match endpoint {
+        Endpoint::OpenAi { base_url } => Target::Url(normalize_base_url(base_url)),
+        Endpoint::Oracle { workers } => {
+            Target::Oracle(Oracle::new(urls(workers, "the oracle")?, seed))
+        }
+        Endpoint::Balanced { base_urls } => {
+            Target::Balanced(Balancer::new(urls(base_urls, "the balancer")?))
+        }
+    })
 }
 
 async fn closed_loop(
@@ -328,7 +360,11 @@ async fn sleep_until_opt(at: Option<Instant>) {
 async fn one_request(shared: &Shared, planned: PlannedRequest, scheduled: Instant) {
     let outcome = tokio::time::timeout(REQUEST_TIMEOUT, send(shared, &planned, scheduled))
         .await
-        .unwrap_or_else(|_| Err(format!("no answer within {REQUEST_TIMEOUT:?}")));
+        .unwrap_or_else(|_| {
+            Err(Failure::other(format!(
+                "no answer within {REQUEST_TIMEOUT:?}"
+            )))
+        });
     shared.workload.finished(&planned);
     match outcome {
         Ok(m) => {
@@ -346,8 +382,9 @@ async fn one_request(shared: &Shared, planned: PlannedRequest, scheduled: Instan
             };
             lock(&shared.samples).push(sample);
         }
-        Err(e) => {
+        Err(failure) => {
             shared.failed.fetch_add(1, Ordering::Relaxed);
+            let e = failure.message;
             if !shared.warned.swap(true, Ordering::Relaxed) {
                 tracing::warn!(error = %e, "a request failed (further failures are only counted)");
             } else {
@@ -362,13 +399,14 @@ async fn send(
     shared: &Shared,
     planned: &PlannedRequest,
     scheduled: Instant,
-) -> Result<Measured, String> {
+) -> Result<Measured, Failure> {
     match &shared.target {
         Target::Url(base) => {
             let url = format!("{base}{}", planned.path);
             exchange(&shared.client, &url, &planned.body, None, scheduled).await
         }
         Target::Oracle(oracle) => oracle.send(&shared.client, planned, scheduled).await,
+        Target::Balanced(balancer) => balancer.send(&shared.client, planned, scheduled).await,
     }
 }
 
@@ -410,6 +448,7 @@ fn summarize(
         },
         requests,
         failed,
+        retried: 0,
         prompt_tokens: prompt,
         cached_tokens: cached,
         duration_s: secs,
@@ -567,6 +606,83 @@ mod tests {
             .await
             .expect("run completes");
         assert_eq!((r.requests, r.failed), (3, 3));
+        assert_eq!(r.retried, 0, "only the balancer retries");
+        fleet.shutdown().await;
+    }
+
+    /// Requests an engine has finished, from its own `/metrics`.
+    async fn finished(client: &reqwest::Client, base: &str) -> u64 {
+        let text = client
+            .get(format!("{base}/metrics"))
+            .send()
+            .await
+            .expect("the engine's /metrics answers")
+            .text()
+            .await
+            .expect("a body");
+        crate::metrics::sum(&text, "vllm:request_success_total")
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn the_balancer_alternates_and_retries_refused_connections() {
+        let fleet = fleet().await;
+        let urls: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
+        let client = reqwest::Client::new();
+        let closed = Arrival::Closed { concurrency: 4 };
+        // A dead port first: every other request is refused there and retried.
+        let behind_a_dead_one = Endpoint::Balanced {
+            base_urls: vec!["127.0.0.1:9".into(), urls[0].clone()],
+        };
+        let before = finished(&client, &urls[0]).await;
+        let r = run(
+            &client,
+            &behind_a_dead_one,
+            &options(WorkloadKind::Random, closed, 20),
+        )
+        .await
+        .expect("run");
+        assert_eq!((r.requests, r.failed), (20, 0));
+        assert_eq!(r.retried, 10, "the requests whose turn was the dead port");
+        assert_eq!(finished(&client, &urls[0]).await - before, 20);
+        // Two live engines share the requests round-robin.
+        let both = Endpoint::Balanced {
+            base_urls: urls.clone(),
+        };
+        let before = [
+            finished(&client, &urls[0]).await,
+            finished(&client, &urls[1]).await,
+        ];
+        let r = run(
+            &client,
+            &both,
+            &options(WorkloadKind::SharedPrefix, closed, 24),
+        )
+        .await
+        .expect("run");
+        assert_eq!((r.requests, r.failed, r.retried), (24, 0, 0));
+        let after = [
+            finished(&client, &urls[0]).await,
+            finished(&client, &urls[1]).await,
+        ];
+        assert_eq!([after[0] - before[0], after[1] - before[1]], [12, 12]);
+        assert_eq!(r.index_accuracy, None, "engines have no kvroute metrics");
+        // Nothing listening at all: every request fails after its retries.
+        let dead = Endpoint::Balanced {
+            base_urls: vec!["127.0.0.1:9".into()],
+        };
+        let started = Instant::now();
+        let r = run(&client, &dead, &options(WorkloadKind::Random, closed, 2))
+            .await
+            .expect("run completes");
+        assert_eq!((r.requests, r.failed), (2, 2));
+        assert_eq!(r.retried, 2 * (crate::balancer::RETRY_ROUNDS as u64 - 1));
+        assert!(started.elapsed() < crate::balancer::RETRY_BUDGET * 2);
+        let none = Endpoint::Balanced { base_urls: vec![] };
+        assert!(
+            run(&client, &none, &options(WorkloadKind::Random, closed, 1))
+                .await
+                .is_err()
+        );
         fleet.shutdown().await;
     }
 }

@@ -27,6 +27,38 @@ pub(crate) struct Measured {
     pub text_chunks: u64,
 }
 
+/// Why an exchange failed, and whether the target never saw the request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Failure {
+    /// What went wrong, for the log.
+    pub message: String,
+    /// The connection could not be made (refused, unreachable, connect
+    /// timeout), so no byte of the request was sent: safe to send elsewhere.
+    pub not_connected: bool,
+}
+
+impl Failure {
+    /// A failure after the request may have reached the target.
+    pub fn other(message: impl Into<String>) -> Self {
+        Failure {
+            message: message.into(),
+            not_connected: false,
+        }
+    }
+}
+
+impl From<String> for Failure {
+    fn from(message: String) -> Self {
+        Failure::other(message)
+    }
+}
+
+impl From<&str> for Failure {
+    fn from(message: &str) -> Self {
+        Failure::other(message)
+    }
+}
+
 /// POSTs a body and reads the answer (SSE or a plain JSON body).
 pub(crate) async fn exchange(
     client: &reqwest::Client,
@@ -34,17 +66,20 @@ pub(crate) async fn exchange(
     body: &Value,
     rank: Option<u32>,
     scheduled: Instant,
-) -> Result<Measured, String> {
+) -> Result<Measured, Failure> {
     let mut request = client.post(url).json(body);
     if let Some(rank) = rank {
         request = request.header("X-data-parallel-rank", rank.to_string());
     }
-    let mut resp = request.send().await.map_err(|e| e.to_string())?;
+    let mut resp = request.send().await.map_err(|e| Failure {
+        not_connected: e.is_connect(),
+        message: e.to_string(),
+    })?;
     let status = resp.status();
     if !status.is_success() {
         let text = resp.text().await.unwrap_or_default();
         let text: String = text.chars().take(300).collect();
-        return Err(format!("{url} answered {status}: {text}"));
+        return Err(format!("{url} answered {status}: {text}").into());
     }
     let sse = resp
         .headers()
@@ -70,7 +105,7 @@ pub(crate) async fn exchange(
             let v: Value = serde_json::from_str(&event)
                 .map_err(|e| format!("bad SSE chunk ({e}): {event}"))?;
             if let Some(error) = v.get("error").filter(|e| !e.is_null()) {
-                return Err(format!("error chunk: {error}"));
+                return Err(format!("error chunk: {error}").into());
             }
             if has_text(&v) {
                 m.text_chunks += 1;

@@ -31,6 +31,7 @@
 //!
 //! See `docs/bench.md` for the workloads' sizes, arrival modes and fields.
 
+mod balancer;
 pub mod bench;
 pub mod demo;
 pub mod driver;

@@ -18,6 +18,23 @@ pub(crate) async fn accuracy_counters(client: &reqwest::Client, base: &str) -> O
     parse_accuracy(&resp.text().await.ok()?)
 }
 
+/// [`accuracy_counters`] summed over several routers (replicas behind a
+/// balancer); `None` when there is none or any of them has no counters.
+pub(crate) async fn accuracy_total(
+    client: &reqwest::Client,
+    bases: &[String],
+) -> Option<(u64, u64)> {
+    if bases.is_empty() {
+        return None;
+    }
+    let mut sum = (0u64, 0u64);
+    for base in bases {
+        let (compared, exact) = accuracy_counters(client, base).await?;
+        sum = (sum.0 + compared, sum.1 + exact);
+    }
+    Some(sum)
+}
+
 /// `kvroute_accuracy_comparisons_total` and `kvroute_accuracy_exact_total`.
 fn parse_accuracy(metrics: &str) -> Option<(u64, u64)> {
     Some((

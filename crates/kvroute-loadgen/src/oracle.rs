@@ -15,7 +15,7 @@ use serde_json::Value;
 use tokio::task::JoinSet;
 
 use crate::driver::lock;
-use crate::exchange::{exchange, Measured};
+use crate::exchange::{exchange, Failure, Measured};
 use crate::workload::PlannedRequest;
 
 /// The (worker, rank) picks of the oracle and their requests in flight.
@@ -43,7 +43,7 @@ impl Oracle {
         client: &reqwest::Client,
         planned: &PlannedRequest,
         scheduled: Instant,
-    ) -> Result<Measured, String> {
+    ) -> Result<Measured, Failure> {
         let (worker, rank) = pick(client, self, planned).await?;
         // Released on every exit, the request timeout's cancellation included.
         let _in_flight = InFlight {

@@ -28,6 +28,10 @@ pub struct PolicyReport {
     pub requests: u64,
     /// Of those, requests that failed (non-2xx, transport error, broken stream).
     pub failed: u64,
+    /// Attempts sent again to another URL after a refused connection
+    /// (`Endpoint::Balanced` only; 0 otherwise): the failures a load
+    /// balancer hid from the client.
+    pub retried: u64,
     /// Prompt tokens of the successful requests.
     pub prompt_tokens: u64,
     /// Of those, tokens served from a prefix cache.
@@ -122,7 +126,7 @@ pub fn table(report: &Report) -> String {
         .any(|(_, r)| r.text_repeat_hit_rate.is_some());
     let _ = write!(
         out,
-        "{:<14}{:>8}{:>9}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>8}{:>8}{:>9}",
+        "{:<14}{:>8}{:>9}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>8}{:>8}{:>8}{:>9}",
         "policy",
         "hit",
         "vs orc",
@@ -134,6 +138,7 @@ pub fn table(report: &Report) -> String {
         "out tok/s",
         "reqs",
         "failed",
+        "retried",
         "idx acc"
     );
     if images {
@@ -143,7 +148,7 @@ pub fn table(report: &Report) -> String {
     for (name, r) in &report.policies {
         let _ = write!(
             out,
-            "{name:<14}{:>8}{:>9}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>8}{:>8}{:>9}",
+            "{name:<14}{:>8}{:>9}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>8}{:>8}{:>8}{:>9}",
             format!("{:.1}%", r.hit_rate * 100.0),
             opt_pct(r.hit_rate_vs_oracle),
             r.ttft_ms.p50,
@@ -154,6 +159,7 @@ pub fn table(report: &Report) -> String {
             r.output_tokens_per_s,
             r.requests,
             r.failed,
+            r.retried,
             opt_pct(r.index_accuracy),
         );
         if images {
@@ -207,6 +213,7 @@ pub(crate) mod tests {
             "output_tokens_per_s",
             "requests",
             "failed",
+            "retried",
         ] {
             assert!(kv.get(key).is_some(), "{key}");
         }

@@ -41,9 +41,17 @@ enum BenchCommand {
 /// The load generator's flags (`kvroute bench` without a subcommand).
 #[derive(Debug, Args)]
 struct LoadArgs {
-    /// Base URL of the OpenAI-compatible target (kvroute, an engine, another router).
-    #[arg(long, default_value = "http://127.0.0.1:8000")]
-    url: String,
+    /// Base URL of the OpenAI-compatible target (kvroute, an engine, another
+    /// router). Several (comma-separated or repeated): router replicas behind
+    /// a client-side balancer, round-robin, with a refused connection retried
+    /// on the next URL.
+    #[arg(
+        long,
+        value_name = "URL",
+        value_delimiter = ',',
+        default_value = "http://127.0.0.1:8000"
+    )]
+    url: Vec<String>,
     /// Route like an oracle instead: ask these mockers' `/internal/cache_match`
     /// and send each request to the (worker, rank) holding the longest prefix
     /// (repeat the flag or separate with commas; `--url` is then unused).
@@ -439,13 +447,20 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             concurrency: a.concurrency,
         },
     };
-    let endpoint = if a.oracle.is_empty() {
-        load::Endpoint::OpenAi {
-            base_url: a.url.clone(),
-        }
-    } else {
+    if a.url.iter().any(|u| u.trim().is_empty()) {
+        bail!("--url has an empty URL");
+    }
+    let endpoint = if !a.oracle.is_empty() {
         load::Endpoint::Oracle {
             workers: a.oracle.clone(),
+        }
+    } else if let [url] = a.url.as_slice() {
+        load::Endpoint::OpenAi {
+            base_url: url.clone(),
+        }
+    } else {
+        load::Endpoint::Balanced {
+            base_urls: a.url.clone(),
         }
     };
     let label = a.label.clone().unwrap_or_else(|| {
@@ -500,7 +515,10 @@ fn run_load(a: &LoadArgs) -> Result<ExitCode> {
         load::write_svg_plot(path, &report)?;
     }
     if all_failed {
-        bail!("every request failed (is the target at {} up?)", a.url);
+        bail!(
+            "every request failed (is the target at {} up?)",
+            a.url.join(", ")
+        );
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -556,6 +574,19 @@ mod tests {
         );
         assert_eq!(o.label, "oracle");
         assert_eq!(o.arrival, load::Arrival::Closed { concurrency: 16 });
+
+        let cli = Cli::try_parse_from(["bench", "--url", "http://a:1,http://b:2", "--url", "c:3"])
+            .expect("parses");
+        let (endpoint, o) = load_options(&cli.bench.load).expect("valid");
+        assert_eq!(
+            endpoint,
+            load::Endpoint::Balanced {
+                base_urls: vec!["http://a:1".into(), "http://b:2".into(), "c:3".into()]
+            }
+        );
+        assert_eq!(o.label, "target");
+        let cli = Cli::try_parse_from(["bench", "--url", "http://a:1,"]).expect("parses");
+        assert!(load_options(&cli.bench.load).is_err());
     }
 
     #[test]
