@@ -36,10 +36,19 @@ pub(crate) async fn accuracy_total(
 }
 
 /// `kvroute_accuracy_comparisons_total` and `kvroute_accuracy_exact_total`.
+///
+/// The counters are labelled (`rank_state`), so a router that has compared
+/// nothing yet shows no sample of them: both are then 0, when the text is a
+/// router's (it has `kvroute_proxy_requests_total`). `None` otherwise (not
+/// kvroute: an engine, another router).
 fn parse_accuracy(metrics: &str) -> Option<(u64, u64)> {
+    let compared = total(metrics, "kvroute_accuracy_comparisons_total");
+    if compared.is_none() && total(metrics, "kvroute_proxy_requests_total").is_none() {
+        return None;
+    }
     Some((
-        total(metrics, "kvroute_accuracy_comparisons_total")?,
-        total(metrics, "kvroute_accuracy_exact_total")?,
+        compared.unwrap_or(0),
+        total(metrics, "kvroute_accuracy_exact_total").unwrap_or(0),
     ))
 }
 
@@ -78,6 +87,10 @@ mod tests {
         let text = "# TYPE kvroute_accuracy_comparisons_total counter\nkvroute_accuracy_comparisons_total 10\nkvroute_accuracy_exact_total 7\n";
         assert_eq!(parse_accuracy(text), Some((10, 7)));
         assert_eq!(parse_accuracy("vllm:num_requests_running 1\n"), None);
+        let fresh = "# TYPE kvroute_proxy_requests_total counter\nkvroute_proxy_requests_total 0\n";
+        assert_eq!(parse_accuracy(fresh), Some((0, 0)));
+        let labelled = "kvroute_accuracy_comparisons_total{rank_state=\"live\"} 4\nkvroute_accuracy_comparisons_total{rank_state=\"degraded\"} 1\nkvroute_accuracy_exact_total{rank_state=\"live\"} 3\n";
+        assert_eq!(parse_accuracy(labelled), Some((5, 3)));
         assert_eq!(accuracy_between((10, 7), (20, 16)), Some(0.9));
         assert_eq!(accuracy_between((10, 7), (10, 7)), None);
         assert_eq!(accuracy_between((10, 7), (0, 0)), None);
