@@ -6,26 +6,37 @@
 //! with that policy, drives the same seeded workload through it, and reads
 //! the engines' own `cached_tokens`. Everything runs in this process, so an
 //! interruption (or the end) stops the router, the engines and their sockets.
+//!
+//! With `replicas` ≥ 2 every router policy runs through that many routers
+//! (replicas sharing their state over a NATS server the demo starts as a
+//! child process) and the client balances its requests round-robin over
+//! them, as a load balancer in front of router replicas would.
 
 use std::fmt;
 use std::future::Future;
 use std::path::Path;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::scheduler::Policy;
 use kvroute_mocker::{Fleet, MockerConfig};
 use kvroute_server::ingest::spec::WorkerSpec;
-use serde_json::{Map, Value};
+use kvroute_server::replica::ReplicaConfig;
+use serde_json::{json, Map, Value};
 
 use crate::driver::{self, Endpoint, LoadOptions};
 use crate::error::{Error, Result};
+use crate::nats::NatsServer;
 use crate::report::{table, PolicyReport, Report, ORACLE};
 use crate::router::{RouterTokenizer, RunningRouter};
 use crate::workload::WorkloadKind;
 
 /// Positions each image takes, for the engines and the router alike.
 pub const MM_TOKENS_PER_IMAGE: usize = 64;
+
+/// How often each demo replica writes its index snapshot (short, so that a
+/// run of a few seconds writes some).
+const REPLICA_SNAPSHOT_EVERY: Duration = Duration::from_secs(2);
 
 /// One policy of the comparison: a router policy, or the oracle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -68,6 +79,19 @@ pub struct DemoConfig {
     /// The workload, arrivals and bounds every policy gets (the label is
     /// set per policy; `mm_tokens_per_image` should be [`MM_TOKENS_PER_IMAGE`]).
     pub load: LoadOptions,
+    /// Routers per router policy: 1 runs one router; 2 or more run that many
+    /// replicas sharing their state over a NATS server the demo starts
+    /// (`nats-server` must be installed), the client balancing round-robin
+    /// over them ([`Endpoint::Balanced`]).
+    pub replicas: usize,
+}
+
+/// The router policies that ran through replicas, and where they met.
+#[derive(Debug, Clone)]
+struct ReplicaRun {
+    count: usize,
+    nats_url: String,
+    policies: Vec<String>,
 }
 
 /// Per-policy fields the load generator does not know: router-side figures.
@@ -80,11 +104,14 @@ pub struct DemoReport {
     pub report: Report,
     extras: Extras,
     flavor: WorkerFlavor,
+    replicas: Option<ReplicaRun>,
 }
 
 impl DemoReport {
     /// The report as `demo-report.json` holds it: each router policy's entry
-    /// also has `kv_events`, `blocks_stored` and `decode_errors`.
+    /// also has `kv_events`, `blocks_stored` and `decode_errors` (of its
+    /// first replica, each replica ingesting every engine), and `replicas`
+    /// when it ran through several.
     pub fn document(&self) -> Result<Value> {
         let mut doc = serde_json::to_value(&self.report)?;
         if let Some(policies) = doc.get_mut("policies").and_then(Value::as_object_mut) {
@@ -158,6 +185,21 @@ impl fmt::Display for DemoReport {
                 self.extra("kv", "decode_errors")
             )?;
         }
+        if let Some(run) = &self.replicas {
+            let retried: u64 = run
+                .policies
+                .iter()
+                .filter_map(|name| self.policy(name))
+                .map(|p| p.retried)
+                .sum();
+            writeln!(
+                f,
+                "{} ran through {} router replicas each, sharing state over NATS at {}; the client balanced round-robin over them ({retried} connections retried).",
+                run.policies.join(", "),
+                run.count,
+                run.nats_url
+            )?;
+        }
         Ok(())
     }
 }
@@ -192,6 +234,25 @@ pub async fn run(
             "the demo needs at least one worker and one policy".into(),
         ));
     }
+    if config.replicas == 0 {
+        return Err(Error::Invalid(
+            "replicas must be at least 1 (one router per policy)".into(),
+        ));
+    }
+    let routed = config
+        .contenders
+        .iter()
+        .any(|(_, c)| matches!(c, Contender::Router(_)));
+    // Before the engines: a missing nats-server stops the demo at once.
+    let nats = if config.replicas >= 2 && routed {
+        Some(
+            tokio::task::spawn_blocking(NatsServer::start)
+                .await
+                .map_err(|e| Error::Unexpected(format!("starting nats-server: {e}")))??,
+        )
+    } else {
+        None
+    };
     let mut mocker = MockerConfig {
         flavor: config.flavor,
         workers: config.workers,
@@ -216,9 +277,16 @@ pub async fn run(
         config.load.requests,
         config.load.workload.kind.name(),
     );
+    if let Some(nats) = &nats {
+        eprintln!(
+            "  every router policy runs through {} replicas sharing state over NATS at {}, behind a round-robin balancer",
+            config.replicas,
+            nats.url()
+        );
+    }
     let fleet = Fleet::start(mocker).await?;
     let outcome = tokio::select! {
-        r = compare(&fleet, config, block_size, tokenizer) => Some(r),
+        r = compare(&fleet, config, block_size, tokenizer, nats.as_ref()) => Some(r),
         () = interrupt => None,
     };
     fleet.shutdown().await;
@@ -230,6 +298,7 @@ async fn compare(
     config: &DemoConfig,
     block_size: u32,
     tokenizer: RouterTokenizer,
+    nats: Option<&NatsServer>,
 ) -> Result<DemoReport> {
     let client = driver::client()?;
     let urls: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
@@ -239,7 +308,8 @@ async fn compare(
     }
     let mut report = Report::new(config.load.workload.describe());
     let mut extras = Extras::new();
-    for (name, contender) in &config.contenders {
+    let mut replicated = Vec::new();
+    for (k, (name, contender)) in config.contenders.iter().enumerate() {
         reset_caches(&client, &urls).await?;
         let mut options = config.load.clone();
         options.label = name.clone();
@@ -252,24 +322,30 @@ async fn compare(
                 (driver::run(&client, &endpoint, &options).await?, Map::new())
             }
             Contender::Router(policy) => {
-                let router =
-                    RunningRouter::start(&specs, *policy, block_size, tokenizer.clone()).await?;
-                router.ready(&client).await?;
-                let endpoint = Endpoint::OpenAi {
-                    base_url: router.url.clone(),
+                let replicas = replica_configs(nats, config.replicas, k);
+                if nats.is_some() {
+                    replicated.push(name.clone());
+                }
+                let routers = Routers {
+                    specs: &specs,
+                    policy: *policy,
+                    block_size,
+                    tokenizer: &tokenizer,
                 };
-                let result = driver::run(&client, &endpoint, &options).await?;
-                let extra = router.ingest_counts(&client).await?;
-                router.stop().await;
-                (result, extra)
+                routers.run(&client, replicas, &options).await?
             }
         };
         eprintln!(
-            "  {name:<12} hit rate {:>5.1} %   TTFT p50 {:>7.1} ms   p99 {:>7.1} ms   {} failed   ({:.1} s)",
+            "  {name:<12} hit rate {:>5.1} %   TTFT p50 {:>7.1} ms   p99 {:>7.1} ms   {} failed{}   ({:.1} s)",
             result.hit_rate * 100.0,
             result.ttft_ms.p50,
             result.ttft_ms.p99,
             result.failed,
+            if nats.is_some() {
+                format!(", {} retried", result.retried)
+            } else {
+                String::new()
+            },
             started.elapsed().as_secs_f64()
         );
         report.push(name.clone(), result);
@@ -279,7 +355,92 @@ async fn compare(
         report,
         extras,
         flavor: config.flavor,
+        replicas: nats.map(|nats| ReplicaRun {
+            count: config.replicas,
+            nats_url: nats.url(),
+            policies: replicated,
+        }),
     })
+}
+
+/// One router's replica setting per router a policy runs through: `[None]`
+/// without NATS; else `count` replicas named `demo-0`, `demo-1`, … under a
+/// prefix of the policy's own (`policy_index`), so no policy starts from
+/// the state an earlier one left in NATS.
+fn replica_configs(
+    nats: Option<&NatsServer>,
+    count: usize,
+    policy_index: usize,
+) -> Vec<Option<ReplicaConfig>> {
+    match nats {
+        None => vec![None],
+        Some(nats) => (0..count)
+            .map(|i| {
+                Some(ReplicaConfig {
+                    prefix: format!("kvroute-demo-{policy_index}"),
+                    snapshot_every: REPLICA_SNAPSHOT_EVERY,
+                    ..ReplicaConfig::new(nats.url(), format!("demo-{i}"))
+                })
+            })
+            .collect(),
+    }
+}
+
+/// What every router of one policy is started with.
+struct Routers<'a> {
+    specs: &'a [WorkerSpec],
+    policy: Policy,
+    block_size: u32,
+    tokenizer: &'a RouterTokenizer,
+}
+
+impl Routers<'_> {
+    /// Starts one router per entry of `replicas`, waits until each has every
+    /// event stream connected, drives the workload through them (straight to
+    /// a lone one, round-robin over several) and stops them. The extras are
+    /// the first router's ingestion counts, and `replicas` when several ran.
+    async fn run(
+        &self,
+        client: &reqwest::Client,
+        replicas: Vec<Option<ReplicaConfig>>,
+        options: &LoadOptions,
+    ) -> Result<(PolicyReport, Map<String, Value>)> {
+        let mut routers = Vec::with_capacity(replicas.len());
+        for replica in replicas {
+            let router = RunningRouter::start(
+                self.specs,
+                self.policy,
+                self.block_size,
+                self.tokenizer.clone(),
+                replica,
+            )
+            .await?;
+            routers.push(router);
+        }
+        for router in &routers {
+            router.ready(client).await?;
+        }
+        let endpoint = match routers.as_slice() {
+            [one] => Endpoint::OpenAi {
+                base_url: one.url.clone(),
+            },
+            many => Endpoint::Balanced {
+                base_urls: many.iter().map(|r| r.url.clone()).collect(),
+            },
+        };
+        let result = driver::run(client, &endpoint, options).await?;
+        let mut extra = match routers.first() {
+            Some(first) => first.ingest_counts(client).await?,
+            None => Map::new(),
+        };
+        if routers.len() > 1 {
+            extra.insert("replicas".into(), json!(routers.len()));
+        }
+        for router in routers {
+            router.stop().await;
+        }
+        Ok((result, extra))
+    }
 }
 
 #[cfg(test)]
@@ -294,5 +455,67 @@ mod tests {
             Some(Contender::Router(Policy::Kv))
         );
         assert!("best".parse::<Contender>().is_err());
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn router_policies_run_through_two_replicas_sharing_a_nats_server() {
+        use crate::driver::Arrival;
+        use crate::workload::WorkloadSpec;
+        use kvroute_prompt::{ImageTokenRule, Renderer, Tokenizer};
+
+        if !NatsServer::available() {
+            eprintln!("skipped: {}", Error::NatsNotFound);
+            return;
+        }
+        let config = DemoConfig {
+            flavor: WorkerFlavor::Vllm,
+            workers: 2,
+            gpu_blocks: 2048,
+            speedup: 200.0,
+            seed: 1,
+            contenders: vec![
+                ("kv".into(), Contender::Router(Policy::Kv)),
+                ("round-robin".into(), Contender::Router(Policy::RoundRobin)),
+            ],
+            load: LoadOptions {
+                workload: WorkloadSpec {
+                    kind: WorkloadKind::SharedPrefix,
+                    scale: 0.05,
+                    groups: 3,
+                    max_tokens: 4,
+                    mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
+                    ..WorkloadSpec::default()
+                },
+                arrival: Arrival::Closed { concurrency: 4 },
+                requests: 24,
+                max_duration: Some(Duration::from_secs(60)),
+                progress: false,
+                label: String::new(),
+            },
+            replicas: 2,
+        };
+        let tokenizer = std::sync::Arc::new(Renderer::new(
+            Tokenizer::builtin(),
+            ImageTokenRule::fixed(MM_TOKENS_PER_IMAGE),
+        ));
+        let done = run(&config, tokenizer, std::future::pending())
+            .await
+            .expect("the demo runs")
+            .expect("not interrupted");
+        let doc = done.document().expect("a document");
+        for name in ["kv", "round-robin"] {
+            let p = done.report.get(name).expect("the policy ran");
+            assert_eq!((p.requests, p.failed, p.retried), (24, 0, 0), "{name}");
+            assert_eq!(doc["policies"][name]["replicas"], 2, "{name}");
+            assert!(
+                p.index_accuracy.is_some(),
+                "{name}: summed over both replicas"
+            );
+        }
+        let text = done.to_string();
+        assert!(
+            text.contains("kv, round-robin ran through 2 router replicas each, sharing state over NATS at nats://127.0.0.1:"),
+            "{text}"
+        );
     }
 }

@@ -10,6 +10,7 @@ use kvroute_prompt::Renderer;
 use kvroute_server::ingest::registry::IngestConfig;
 use kvroute_server::ingest::spec::WorkerSpec;
 use kvroute_server::proxy::ProxyConfig;
+use kvroute_server::replica::ReplicaConfig;
 use kvroute_server::{serve, ServeConfig};
 use serde_json::{json, Map, Value};
 use tokio::sync::oneshot;
@@ -63,12 +64,14 @@ pub(crate) struct RunningRouter {
 }
 
 impl RunningRouter {
-    /// Serves `specs` with `policy` on an ephemeral port of 127.0.0.1.
+    /// Serves `specs` with `policy` on an ephemeral port of 127.0.0.1; with
+    /// `replicas`, as one replica sharing its state with its peers over NATS.
     pub async fn start(
         specs: &[WorkerSpec],
         policy: Policy,
         block_size: u32,
         tokenizer: RouterTokenizer,
+        replicas: Option<ReplicaConfig>,
     ) -> Result<Self> {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -91,6 +94,7 @@ impl RunningRouter {
                 ingest: IngestConfig::default(),
                 proxy,
                 max_body_bytes: 64 << 20,
+                replicas,
                 ..ServeConfig::default()
             },
             listener,

@@ -70,6 +70,11 @@ pub struct DemoArgs {
         default_value = "kv,approx,least-loaded,round-robin,random,oracle"
     )]
     policies: Vec<String>,
+    /// Routers per router policy: with 2 or more, that many replicas share
+    /// their state over a NATS server the demo starts (`nats-server` must be
+    /// installed) and the client balances round-robin over them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
+    replicas: u16,
     /// Where the JSON report goes.
     #[arg(long, default_value = "demo-report.json")]
     report: PathBuf,
@@ -121,6 +126,7 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
             progress: true,
             label: String::new(),
         },
+        replicas: usize::from(args.replicas),
     })
 }
 
