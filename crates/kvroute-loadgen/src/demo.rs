@@ -38,6 +38,9 @@ pub const MM_TOKENS_PER_IMAGE: usize = 64;
 /// run of a few seconds writes some).
 const REPLICA_SNAPSHOT_EVERY: Duration = Duration::from_secs(2);
 
+/// Longest wait for each replica to connect to NATS and hear its peers.
+const REPLICA_READY_WITHIN: Duration = Duration::from_secs(10);
+
 /// One policy of the comparison: a router policy, or the oracle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Contender {
@@ -111,7 +114,8 @@ impl DemoReport {
     /// The report as `demo-report.json` holds it: each router policy's entry
     /// also has `kv_events`, `blocks_stored` and `decode_errors` (of its
     /// first replica, each replica ingesting every engine), and `replicas`
-    /// when it ran through several.
+    /// and `replica_messages_received` (peer messages over NATS, all
+    /// replicas together) when it ran through several.
     pub fn document(&self) -> Result<Value> {
         let mut doc = serde_json::to_value(&self.report)?;
         if let Some(policies) = doc.get_mut("policies").and_then(Value::as_object_mut) {
@@ -420,6 +424,21 @@ impl Routers<'_> {
         for router in &routers {
             router.ready(client).await?;
         }
+        let peers = routers.len() as u64 - 1;
+        if peers > 0 {
+            for router in &routers {
+                if !router
+                    .replica_ready(client, peers, REPLICA_READY_WITHIN)
+                    .await
+                {
+                    tracing::warn!(
+                        router = %router.url,
+                        "a replica did not connect to NATS and hear its {peers} peer(s) within {} s; running anyway",
+                        REPLICA_READY_WITHIN.as_secs()
+                    );
+                }
+            }
+        }
         let endpoint = match routers.as_slice() {
             [one] => Endpoint::OpenAi {
                 base_url: one.url.clone(),
@@ -435,6 +454,11 @@ impl Routers<'_> {
         };
         if routers.len() > 1 {
             extra.insert("replicas".into(), json!(routers.len()));
+            let mut received = 0;
+            for router in &routers {
+                received += router.replica_messages_received(client).await?;
+            }
+            extra.insert("replica_messages_received".into(), json!(received));
         }
         for router in routers {
             router.stop().await;
@@ -511,6 +535,8 @@ mod tests {
                 p.index_accuracy.is_some(),
                 "{name}: summed over both replicas"
             );
+            let received = doc["policies"][name]["replica_messages_received"].as_u64();
+            assert!(received.is_some_and(|n| n > 0), "{name}: shared over NATS");
         }
         let text = done.to_string();
         assert!(

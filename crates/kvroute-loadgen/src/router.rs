@@ -117,15 +117,7 @@ impl RunningRouter {
     /// What the router's ingestion did: events and blocks applied, and
     /// events or envelopes it could not decode.
     pub async fn ingest_counts(&self, client: &reqwest::Client) -> Result<Map<String, Value>> {
-        let url = format!("{}/metrics", self.url);
-        let text = client
-            .get(&url)
-            .send()
-            .await
-            .map_err(Error::http(format!("GET {url}")))?
-            .text()
-            .await
-            .map_err(Error::http(format!("reading {url}")))?;
+        let text = self.metrics(client).await?;
         let mut counts = Map::new();
         counts.insert(
             "kv_events".into(),
@@ -143,6 +135,52 @@ impl RunningRouter {
             ),
         );
         Ok(counts)
+    }
+
+    /// Peer messages this replica received over NATS
+    /// (`kvroute_replica_messages_received_total`).
+    pub async fn replica_messages_received(&self, client: &reqwest::Client) -> Result<u64> {
+        let text = self.metrics(client).await?;
+        Ok(metrics::sum(
+            &text,
+            "kvroute_replica_messages_received_total",
+        ))
+    }
+
+    /// Waits (at most `within`) until this replica is connected to NATS and
+    /// hears at least `peers` other replicas; false when it did not in time.
+    pub async fn replica_ready(
+        &self,
+        client: &reqwest::Client,
+        peers: u64,
+        within: Duration,
+    ) -> bool {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Ok(text) = self.metrics(client).await {
+                let connected = metrics::sum(&text, "kvroute_replica_nats_connected") == 1;
+                if connected && metrics::sum(&text, "kvroute_replica_peers") >= peers {
+                    return true;
+                }
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    /// The router's `/metrics` text.
+    async fn metrics(&self, client: &reqwest::Client) -> Result<String> {
+        let url = format!("{}/metrics", self.url);
+        client
+            .get(&url)
+            .send()
+            .await
+            .map_err(Error::http(format!("GET {url}")))?
+            .text()
+            .await
+            .map_err(Error::http(format!("reading {url}")))
     }
 
     /// Stops the router and waits (at most 10 s) for it to finish.
