@@ -1,14 +1,18 @@
 //! A client-side load balancer over several OpenAI-compatible servers
-//! (router replicas): round-robin, and a retry of refused connections.
+//! (router replicas): round-robin, and a retry of requests no server began
+//! to answer.
 //!
-//! Request n goes to URL n mod k. When the connection cannot be made (the
-//! port refuses it, the host is unreachable, the connect times out) no byte
-//! of the request was sent, so it is tried on the next URL, each URL at most
-//! once per round, for a few rounds with a short backoff between them and
-//! never longer than [`RETRY_BUDGET`] in all: a replica that was killed costs
-//! the client nothing while another one is up. Every other failure (an error
-//! status, a stream cut mid-way) may have reached a replica and is not
-//! retried, as a load balancer would not retry it either.
+//! Request n goes to URL n mod k. When no response head comes back (the
+//! port refuses the connection, the host is unreachable, the connect times
+//! out, or the connection closes before an answer because the process
+//! died) the client has received nothing, so the request is tried on the
+//! next URL, each URL at most once per round, for a few rounds with a short
+//! backoff between them and never longer than [`RETRY_BUDGET`] in all: a
+//! replica that was killed costs the client nothing while another one is
+//! up. This is what Envoy's `connect-failure,reset` retry policy does.
+//! Every other failure (an error status, a stream cut after its head, a
+//! timeout) is not retried: the client already saw part of an answer, or
+//! the request may still be running.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -90,8 +94,8 @@ impl Balancer {
                 attempts += 1;
                 let url = format!("{}{}", self.urls[(first + i) % k], planned.path);
                 match exchange(client, &url, &planned.body, None, scheduled).await {
-                    Err(failure) if failure.not_connected => {
-                        tracing::debug!(%url, error = %failure.message, "connection refused; trying the next URL");
+                    Err(failure) if failure.no_response => {
+                        tracing::debug!(%url, error = %failure.message, "no answer began; trying the next URL");
                         last = Some(failure.message);
                     }
                     outcome => return outcome,
@@ -103,7 +107,7 @@ impl Balancer {
                 "no URL accepted the connection in {attempts} attempts (last: {})",
                 last.unwrap_or_default()
             ),
-            not_connected: true,
+            no_response: true,
         })
     }
 }

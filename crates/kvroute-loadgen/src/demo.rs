@@ -487,10 +487,7 @@ mod tests {
         use crate::workload::WorkloadSpec;
         use kvroute_prompt::{ImageTokenRule, Renderer, Tokenizer};
 
-        if !NatsServer::available() {
-            eprintln!("skipped: {}", Error::NatsNotFound);
-            return;
-        }
+        assert!(NatsServer::available(), "{}", Error::NatsNotFound);
         let config = DemoConfig {
             flavor: WorkerFlavor::Vllm,
             workers: 2,

@@ -27,14 +27,18 @@ pub(crate) struct Measured {
     pub text_chunks: u64,
 }
 
-/// Why an exchange failed, and whether the target never saw the request.
+/// Why an exchange failed, and whether no answer of the target began.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Failure {
     /// What went wrong, for the log.
     pub message: String,
-    /// The connection could not be made (refused, unreachable, connect
-    /// timeout), so no byte of the request was sent: safe to send elsewhere.
-    pub not_connected: bool,
+    /// No response head came back: the connection could not be made
+    /// (refused, unreachable, connect timeout) or it closed before the
+    /// target answered (the process died). Nothing reached the client, so
+    /// a balancer may send the request elsewhere, as Envoy's
+    /// `connect-failure` and `reset` retry policies do. A request that timed
+    /// out waiting is not one: it may still be running.
+    pub no_response: bool,
 }
 
 impl Failure {
@@ -42,7 +46,7 @@ impl Failure {
     pub fn other(message: impl Into<String>) -> Self {
         Failure {
             message: message.into(),
-            not_connected: false,
+            no_response: false,
         }
     }
 }
@@ -72,7 +76,7 @@ pub(crate) async fn exchange(
         request = request.header("X-data-parallel-rank", rank.to_string());
     }
     let mut resp = request.send().await.map_err(|e| Failure {
-        not_connected: e.is_connect(),
+        no_response: e.is_connect() || !e.is_timeout(),
         message: e.to_string(),
     })?;
     let status = resp.status();
@@ -88,7 +92,10 @@ pub(crate) async fn exchange(
         .is_some_and(|v| v.contains("event-stream"));
     let mut m = Measured::default();
     if !sse {
-        let bytes = resp.bytes().await.map_err(|e| e.to_string())?;
+        let bytes = resp.bytes().await.map_err(|e| Failure {
+            message: e.to_string(),
+            no_response: true,
+        })?;
         let v: Value = serde_json::from_slice(&bytes).map_err(|e| format!("not JSON: {e}"))?;
         m.latency = scheduled.elapsed();
         m.ttft = Some(m.latency);
@@ -96,7 +103,13 @@ pub(crate) async fn exchange(
         return Ok(m);
     }
     let mut sse = SseParser::default();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| e.to_string())? {
+    // A stream cut before its first text showed the client nothing: as
+    // retryable as an answer that never began.
+    let cut = |m: &Measured, message: String| Failure {
+        message,
+        no_response: m.text_chunks == 0,
+    };
+    while let Some(chunk) = resp.chunk().await.map_err(|e| cut(&m, e.to_string()))? {
         for event in sse.push(&chunk) {
             if event == "[DONE]" {
                 m.latency = scheduled.elapsed();
@@ -114,7 +127,7 @@ pub(crate) async fn exchange(
             read_usage(&v, &mut m);
         }
     }
-    Err("the stream ended before [DONE]".into())
+    Err(cut(&m, "the stream ended before [DONE]".into()))
 }
 
 /// True when a chunk carries generated text.

@@ -146,6 +146,8 @@ pub struct WorkloadSpec {
     /// Renders completion prompts as real text (a tokenizer's decoding of
     /// the ids) instead of ids or `text`'s made-up words.
     pub text_renderer: Option<TextRenderer>,
+    /// Ask for streamed answers (SSE, the default) or whole ones.
+    pub stream: bool,
 }
 
 /// The function inside a [`TextRenderer`].
@@ -202,6 +204,7 @@ impl Default for WorkloadSpec {
             model: None,
             question_tokens: None,
             text_renderer: None,
+            stream: true,
         }
     }
 }
@@ -535,8 +538,10 @@ impl Workload {
 
     fn common(&self, body: &mut Value) {
         body["max_tokens"] = json!(self.spec.max_tokens.max(1));
-        body["stream"] = json!(true);
-        body["stream_options"] = json!({"include_usage": true});
+        body["stream"] = json!(self.spec.stream);
+        if self.spec.stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
         body["ignore_eos"] = json!(true);
         if let Some(model) = &self.spec.model {
             body["model"] = json!(model);

@@ -116,6 +116,9 @@ struct LoadArgs {
     /// No progress bar (it is drawn only when stderr is a terminal anyway).
     #[arg(long)]
     no_progress: bool,
+    /// Ask for whole answers instead of streams (TTFT is then the latency).
+    #[arg(long)]
+    no_stream: bool,
 }
 
 /// Arguments of `kvroute bench index`.
@@ -481,6 +484,7 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             text: a.text || a.tokenizer.is_some(),
             model: a.model.clone(),
             question_tokens: a.question_tokens,
+            stream: !a.no_stream,
             text_renderer: match &a.tokenizer {
                 None => None,
                 Some(path) => Some(

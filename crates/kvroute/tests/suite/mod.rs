@@ -10,6 +10,7 @@ mod metrics;
 mod mocker;
 mod multimodal;
 mod proxy;
+mod replicas;
 mod restarts;
 mod safety;
 mod scale;

@@ -1,0 +1,247 @@
+//! Router replicas over a real `nats-server -js`: a replica that starts
+//! fresh resumes from its peer's snapshot beyond what the engines' rings
+//! hold, replicas see each other's requests in flight and forget a dead
+//! peer's, and neither a replica killed with `kill -9` nor NATS going away
+//! costs a client request behind a retrying balancer. Real `kvroute serve`,
+//! `kvroute mocker` and `kvroute bench` processes.
+//!
+//! The replica settings go in as `KVROUTE_NATS` / `KVROUTE_REPLICA_ID`,
+//! which a build without replicas ignores: against such a build these tests
+//! fail on what they assert, not on a refused flag.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use kvroute_loadgen::nats::NatsServer;
+use serde_json::Value;
+
+use super::restarts::{call, completion, predicted, prompt, rank, settle, Engine, TOKEN};
+use crate::support::*;
+
+/// A replica named `id` following `lines`, sharing state over `nats`.
+fn replica(lines: &[String], nats: &NatsServer, id: &str, extra: &[&str]) -> (Proc, String) {
+    let url = nats.url();
+    let env = [("KVROUTE_NATS", url.as_str()), ("KVROUTE_REPLICA_ID", id)];
+    let mut flags = vec!["--admin-token", TOKEN];
+    flags.extend_from_slice(extra);
+    let (proc, serve) = spawn_serve_with_env(lines, &flags, &env);
+    let up = settle(
+        30,
+        || {
+            std::net::TcpStream::connect(&serve).is_ok()
+                && call(&serve, "GET", "/workers", "").json()["workers"]
+                    .as_array()
+                    .is_some_and(|w| {
+                        w.len() == lines.len()
+                            && w.iter().all(|w| {
+                                w["ranks"]
+                                    .as_array()
+                                    .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+                            })
+                    })
+        },
+        |up| *up,
+    );
+    assert!(up, "replica {id} never connected to its engines");
+    (proc, serve)
+}
+
+/// The replica section of `/workers`.
+fn sync(serve: &str) -> Value {
+    call(serve, "GET", "/workers", "").json()["replicas"].clone()
+}
+
+/// Requests in flight at `serve`, over every rank (its own and its peers').
+fn in_flight(serve: &str) -> f64 {
+    let text = call(serve, "GET", "/metrics", "").body;
+    text.lines()
+        .filter(|l| l.starts_with("kvroute_active_requests{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+/// 40 prompts through replica A, whose engine's ring keeps 4 batches; then
+/// replica B starts with nothing of its own: within 3 s it predicts every
+/// prompt exactly as A does (it asked A for a fresh snapshot, loaded it
+/// from the object store and resumed the rank from its sequence number).
+/// Without the snapshot B could rebuild only the ring's last 4 batches.
+#[test]
+fn a_fresh_replica_resumes_from_its_peers_snapshot_beyond_the_ring() {
+    let nats = NatsServer::start().expect("nats-server starts");
+    let engine = Engine::start(1, &["--replay-buffer", "4"]);
+    let lines = [engine.line.clone()];
+    let (_a, a) = replica(&lines, &nats, "a", &[]);
+    let prompts: Vec<Vec<u32>> = (0..40).map(prompt).collect();
+    for tokens in &prompts {
+        let r = call(&a, "POST", "/v1/completions", &completion(tokens));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let at_a = |t: &Vec<u32>| predicted(&a, "w0", t);
+    let held = settle(
+        10,
+        || prompts.iter().map(at_a).collect::<Vec<_>>(),
+        |p| p.iter().all(|&n| n >= 64),
+    );
+    assert!(held.iter().all(|&n| n >= 64), "replica A: {held:?}");
+    let started = Instant::now();
+    let (_b, b) = replica(&lines, &nats, "b", &[]);
+    let differ = || {
+        prompts
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| predicted(&b, "w0", t) != at_a(t))
+            .map(|(i, _)| i)
+            .collect::<Vec<_>>()
+    };
+    let left = settle(3, differ, Vec::is_empty);
+    assert!(
+        left.is_empty(),
+        "replica B after {:?} predicts differently from A for prompts {left:?}",
+        started.elapsed()
+    );
+    assert_eq!(rank(&b, "w0", 0)["state"], "live");
+}
+
+/// A long request routed by A is in B's load within a second, leaves it
+/// when it ends, and when A is killed with requests in flight B forgets
+/// them after A's silence (3.5 s) instead of keeping them until they expire.
+#[test]
+fn replicas_share_requests_in_flight_and_forget_a_dead_peers() {
+    let nats = NatsServer::start().expect("nats-server starts");
+    let (_fleet, lines) = start_mocker(2, "1");
+    let (a_proc, a) = replica(&lines, &nats, "a", &[]);
+    let (_b, b) = replica(&lines, &nats, "b", &[]);
+    let peers_heard = settle(
+        5,
+        || sync(&b)["peers"].as_array().map_or(0, Vec::len),
+        |n| *n == 1,
+    );
+    assert_eq!(peers_heard, 1, "B never heard A: {}", sync(&b));
+    let long = serde_json::json!({"prompt": prompt(1), "max_tokens": 150}).to_string();
+    let sender = {
+        let (a, body) = (a.clone(), long.clone());
+        std::thread::spawn(move || call(&a, "POST", "/v1/completions", &body).status)
+    };
+    let seen = settle(2, || in_flight(&b), |n| *n >= 1.0);
+    assert_eq!(seen, 1.0, "B does not see A's request in flight");
+    assert_eq!(sender.join().expect("sender"), 200);
+    let after = settle(2, || in_flight(&b), |n| *n == 0.0);
+    assert_eq!(after, 0.0, "B kept A's finished request");
+    for n in 0..2 {
+        let (a, body) = (
+            a.clone(),
+            serde_json::json!({"prompt": prompt(10 + n), "max_tokens": 2000}).to_string(),
+        );
+        std::thread::spawn(move || call(&a, "POST", "/v1/completions", &body));
+    }
+    let seen = settle(2, || in_flight(&b), |n| *n >= 2.0);
+    assert_eq!(seen, 2.0, "B does not see A's two requests");
+    drop(a_proc);
+    let killed = Instant::now();
+    let after = settle(8, || in_flight(&b), |n| *n == 0.0);
+    assert_eq!(after, 0.0, "B kept a dead peer's requests");
+    assert!(
+        killed.elapsed() >= Duration::from_secs(3),
+        "forgotten before the silence ran out"
+    );
+    let expired = super::restarts::metric(&b, "kvroute_replica_peers_expired_total");
+    assert_eq!(expired, Some(1.0));
+}
+
+/// `kvroute bench` over both replicas as a balancer that retries requests
+/// no replica began to answer, for `secs` seconds, asking for whole
+/// answers (a stream a dying replica was relaying cannot be retried by any
+/// balancer once its first token reached the client).
+fn bench(urls: &[&str], secs: &str) -> std::process::Child {
+    let urls: Vec<String> = urls.iter().map(|u| format!("http://{u}")).collect();
+    kvroute()
+        .args([
+            "bench",
+            "--url",
+            &urls.join(","),
+            "--requests",
+            "0",
+            "--duration-secs",
+            secs,
+            "--no-stream",
+        ])
+        .args([
+            "--concurrency",
+            "8",
+            "--scale",
+            "0.05",
+            "--max-tokens",
+            "8",
+            "--json",
+            "--no-progress",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute bench runs")
+}
+
+/// The bench's report of its one policy.
+fn report(child: std::process::Child) -> Value {
+    let out = child.wait_with_output().expect("bench ends");
+    assert!(out.status.success(), "bench failed");
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("bench JSON");
+    doc["policies"]
+        .as_object()
+        .and_then(|p| p.values().next().cloned())
+        .expect("one policy")
+}
+
+/// Under load through both replicas: NATS killed and restarted, then one
+/// replica killed with `kill -9`. No client request fails; the replicas
+/// count the outage, reconnect and hear each other again.
+#[test]
+fn neither_nats_nor_a_replica_going_away_fails_a_request() {
+    let mut nats = NatsServer::start().expect("nats-server starts");
+    let (_fleet, lines) = start_mocker(4, "100");
+    let (a_proc, a) = replica(&lines, &nats, "a", &[]);
+    let (_b, b) = replica(&lines, &nats, "b", &[]);
+    let load = bench(&[&a, &b], "5");
+    std::thread::sleep(Duration::from_millis(1_500));
+    nats.kill().expect("nats killed");
+    std::thread::sleep(Duration::from_millis(1_000));
+    for serve in [&a, &b] {
+        assert_eq!(
+            sync(serve)["connected"],
+            false,
+            "{serve} did not notice the outage"
+        );
+    }
+    nats.restart().expect("nats restarts");
+    let r = report(load);
+    assert_eq!(r["failed"], 0, "NATS outage: {r}");
+    assert!(r["requests"].as_u64().unwrap_or(0) > 50, "{r}");
+    for serve in [&a, &b] {
+        let back = settle(
+            10,
+            || sync(serve),
+            |s| s["connected"] == true && s["peers"].as_array().map_or(0, Vec::len) == 1,
+        );
+        assert_eq!(back["connected"], true, "{serve}: {back}");
+        assert!(
+            back["outages"].as_u64().unwrap_or(0) >= 1,
+            "{serve}: {back}"
+        );
+        assert_eq!(
+            back["peers"].as_array().map_or(0, Vec::len),
+            1,
+            "{serve} lost its peer: {back}"
+        );
+        let gauge = super::restarts::metric(serve, "kvroute_replica_nats_connected");
+        assert_eq!(gauge, Some(1.0));
+    }
+    let load = bench(&[&a, &b], "4");
+    std::thread::sleep(Duration::from_millis(1_500));
+    drop(a_proc);
+    let r = report(load);
+    assert_eq!(r["failed"], 0, "replica killed: {r}");
+    assert!(
+        r["retried"].as_u64().unwrap_or(0) >= 1,
+        "nothing went to the dead replica: {r}"
+    );
+}
