@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use kvroute_loadgen as load;
-use kvroute_loadgen::bench::{self, index, ingest, proxy};
+use kvroute_loadgen::bench::{self, index, ingest, proxy, restore};
 
 /// Arguments of `kvroute bench`.
 #[derive(Debug, Args)]
@@ -36,6 +36,29 @@ enum BenchCommand {
     Ingest(IngestArgs),
     /// Latency `kvroute serve` adds per request: through the router vs straight to mock engines.
     Proxy(ProxyArgs),
+    /// Time to ready of a `kvroute serve` that starts on a saved index
+    /// (`--state-dir`, or its peers' snapshot over `--nats`).
+    Restore(RestoreArgs),
+}
+
+/// Arguments of `kvroute bench restore`.
+#[derive(Debug, Args)]
+struct RestoreArgs {
+    /// Residencies of the saved index.
+    #[arg(long, default_value_t = 1_000_000, value_parser = clap::value_parser!(u64).range(1..))]
+    residencies: u64,
+    /// Workers of the saved fleet.
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..))]
+    workers: u32,
+    /// Starts timed per source (the median is reported).
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=100))]
+    runs: u64,
+    /// Seed of the trace.
+    #[arg(long, default_value_t = 42)]
+    seed: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// The load generator's flags (`kvroute bench` without a subcommand).
@@ -311,6 +334,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
         Some(BenchCommand::Index(a)) => run_index(a),
         Some(BenchCommand::Ingest(a)) => run_ingest(a),
         Some(BenchCommand::Proxy(a)) => run_proxy(a),
+        Some(BenchCommand::Restore(a)) => run_restore(a),
         None => run_load(&args.load),
     }
 }
@@ -369,6 +393,23 @@ fn run_ingest(a: &IngestArgs) -> Result<ExitCode> {
         ..ingest::IngestBenchConfig::new(exe)
     };
     print_flat(&ingest::run(&config)?, a.json, 36);
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_restore(a: &RestoreArgs) -> Result<ExitCode> {
+    let config = restore::RestoreBenchConfig {
+        router_exe: std::env::current_exe().context("the path of this kvroute executable")?,
+        workers: a.workers,
+        residencies: a.residencies,
+        runs: a.runs as usize,
+        seed: a.seed,
+    };
+    let report = super::runtime()?.block_on(restore::run(&config))?;
+    if a.json {
+        println!("{report}");
+    } else {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    }
     Ok(ExitCode::SUCCESS)
 }
 

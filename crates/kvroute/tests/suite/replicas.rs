@@ -245,3 +245,29 @@ fn neither_nats_nor_a_replica_going_away_fails_a_request() {
         "nothing went to the dead replica: {r}"
     );
 }
+
+/// `kvroute bench restore` starts routers on a saved index from each
+/// source and checks each came back with every residency.
+#[test]
+fn bench_restore_times_a_start_from_the_state_dir_and_from_nats() {
+    let out = kvroute()
+        .args([
+            "bench",
+            "restore",
+            "--residencies",
+            "20000",
+            "--workers",
+            "8",
+        ])
+        .args(["--runs", "1", "--json"])
+        .stderr(Stdio::null())
+        .output()
+        .expect("kvroute bench restore runs");
+    assert!(out.status.success(), "bench restore failed");
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert!(doc["residencies"].as_u64().unwrap_or(0) >= 20_000, "{doc}");
+    for source in ["state_dir", "nats_with_a_live_peer", "nats_from_the_bucket"] {
+        let ms = doc[source]["ready_ms_median"].as_f64().unwrap_or(0.0);
+        assert!(ms > 0.0, "{source}: {doc}");
+    }
+}
