@@ -162,37 +162,9 @@ pub async fn serve(
     });
     let connections = ConnectionMetrics::default();
     let metrics = Arc::new(Metrics::new(&proxy.metrics, &connections, collectors));
-    let context_lengths = {
-        let proxy = proxy.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(10));
-            loop {
-                tick.tick().await;
-                proxy.learn_context_lengths().await;
-            }
-        })
-    };
-    let housekeeping = {
-        let registry = registry.clone();
-        let index = index.clone();
-        let proxy = proxy.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            loop {
-                tick.tick().await;
-                let registry = registry.clone();
-                let index = index.clone();
-                let proxy = proxy.clone();
-                let _ = tokio::task::spawn_blocking(move || {
-                    registry.check_unreachable();
-                    proxy.refresh(&registry);
-                    proxy.expire_active();
-                    index.write().expire(proxy.now_ms());
-                })
-                .await;
-            }
-        })
-    };
+    let mut background = spawn_housekeeping(&registry, &index, &proxy);
+    background.extend(snapshots);
+    background.extend(replica_tasks.into_iter().flatten());
     let state = AppState {
         admin: admin::AdminState {
             registry: registry.clone(),
@@ -219,12 +191,7 @@ pub async fn serve(
         shutdown,
     )
     .await;
-    housekeeping.abort();
-    context_lengths.abort();
-    if let Some(task) = snapshots {
-        task.abort();
-    }
-    for task in replica_tasks.into_iter().flatten() {
+    for task in background {
         task.abort();
     }
     if let Some(r) = &replica {
@@ -239,6 +206,42 @@ pub async fn serve(
     })
     .await;
     result.map_err(ServeError::Http)
+}
+
+/// The periodic chores: every 10 s the workers' context lengths; every
+/// second unreachable workers, the workers' list, expired requests and
+/// approximate blocks.
+fn spawn_housekeeping(
+    registry: &Arc<Registry>,
+    index: &Arc<SharedIndex>,
+    proxy: &Arc<Proxy>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let context_lengths = {
+        let proxy = proxy.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(10));
+            loop {
+                tick.tick().await;
+                proxy.learn_context_lengths().await;
+            }
+        })
+    };
+    let (registry, index, proxy) = (registry.clone(), index.clone(), proxy.clone());
+    let housekeeping = tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let (registry, index, proxy) = (registry.clone(), index.clone(), proxy.clone());
+            let _ = tokio::task::spawn_blocking(move || {
+                registry.check_unreachable();
+                proxy.refresh(&registry);
+                proxy.expire_active();
+                index.write().expire(proxy.now_ms());
+            })
+            .await;
+        }
+    });
+    vec![context_lengths, housekeeping]
 }
 
 /// The registry, restored from the peers' snapshot (`--nats`) or else from

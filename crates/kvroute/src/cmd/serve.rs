@@ -292,17 +292,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 dir,
                 every: Duration::from_secs(args.snapshot_secs),
             }),
-            replicas: args.nats.clone().map(|url| {
-                let id = args
-                    .replica_id
-                    .clone()
-                    .unwrap_or_else(|| default_replica_id(addr.port()));
-                ReplicaConfig {
-                    prefix: args.nats_prefix.clone(),
-                    snapshot_every: Duration::from_secs(args.snapshot_secs),
-                    ..ReplicaConfig::new(url, id)
-                }
-            }),
+            replicas: replica_config(args, addr.port()),
             proxy: router_config(args)?,
             max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
             query: QueryLimits {
@@ -387,6 +377,20 @@ fn ingest_config(args: &ServeArgs, max_connections: usize, fd_limit: u64) -> Ing
             ..Timing::default()
         },
     }
+}
+
+/// `--nats` and what goes with it.
+fn replica_config(args: &ServeArgs, port: u16) -> Option<ReplicaConfig> {
+    let url = args.nats.clone()?;
+    let id = args
+        .replica_id
+        .clone()
+        .unwrap_or_else(|| default_replica_id(port));
+    Some(ReplicaConfig {
+        prefix: args.nats_prefix.clone(),
+        snapshot_every: Duration::from_secs(args.snapshot_secs),
+        ..ReplicaConfig::new(url, id)
+    })
 }
 
 /// `--replica-id`'s default: the host's name and the listening port.
