@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::config::{ConfigError, MockerConfig};
-use crate::driver::{self, DriverOptions};
+use crate::driver::{self, DriverOptions, RankHandle};
 use crate::encode::EncodeOptions;
 use crate::engine::{Engine, EngineConfig};
 use crate::faults::FailureDice;
@@ -188,6 +188,76 @@ impl Fleet {
         prompts: &Prompts,
         shutdown_rx: &watch::Receiver<bool>,
     ) -> Result<(), MockerError> {
+        let (ranks, drivers, events, replay) = self.spawn_ranks(config, k, shutdown_rx).await?;
+        let addr = SocketAddr::new(config.host, offset(config.port, u32::from(k)));
+        let listener = match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(source) => {
+                let _ = self.shutdown.send(true);
+                for d in drivers {
+                    stop_driver(d).await;
+                }
+                return Err(MockerError::Http { addr, source });
+            }
+        };
+        let http_addr = listener.local_addr().unwrap_or(addr);
+        let name = format!("w{k}");
+        let host = connect_host(config.host);
+        let port_of = |e: &str| {
+            e.rsplit(':')
+                .next()
+                .and_then(|p| p.parse().ok())
+                .unwrap_or(0)
+        };
+        let state = Arc::new(EngineState {
+            name: name.clone(),
+            model: config.model.clone(),
+            flavor: config.flavor,
+            ranks,
+            renderer: prompts.renderer.clone(),
+            filler: prompts.filler.clone(),
+            prompt: PromptSettings {
+                flavor: config.flavor,
+                seed: config.seed,
+            },
+            block_size: config.block_size,
+            delay: config.faults.delay,
+            dice: Mutex::new(FailureDice::new(
+                config.faults.fail_rate,
+                config.seed.wrapping_add(u64::from(k)),
+            )),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            endpoints: EventEndpoints {
+                host: host.clone(),
+                events_port_base: events.first().map_or(0, |e| port_of(e)),
+                replay_port_base: replay.first().map_or(0, |e| port_of(e)),
+            },
+            counter: AtomicU64::new(0),
+        });
+        let server = serve_http(listener, http::app(state), shutdown_rx.clone());
+        tracing::info!(worker = %name, %http_addr, ?events, ?replay, "engine started");
+        self.engines.push(RunningEngine { server, drivers });
+        self.workers.push(WorkerInfo {
+            name,
+            http_addr,
+            connect_host: host,
+            events,
+            replay,
+            block_size: config.block_size,
+            flavor: config.flavor,
+        });
+        Ok(())
+    }
+
+    /// Engine `k`'s ranks: a publisher and a scheduler driver each.
+    async fn spawn_ranks(
+        &mut self,
+        config: &MockerConfig,
+        k: u16,
+        shutdown_rx: &watch::Receiver<bool>,
+    ) -> Result<SpawnedRanks, MockerError> {
         let ctx = zmq::Context::new();
         let dp = u32::from(config.dp_size);
         let mut ranks = Vec::new();
@@ -238,89 +308,7 @@ impl Fleet {
             drivers.push(task);
         }
 
-        let addr = SocketAddr::new(config.host, offset(config.port, u32::from(k)));
-        let listener = match tokio::net::TcpListener::bind(addr).await {
-            Ok(l) => l,
-            Err(source) => {
-                let _ = self.shutdown.send(true);
-                for d in drivers {
-                    stop_driver(d).await;
-                }
-                return Err(MockerError::Http { addr, source });
-            }
-        };
-        let http_addr = listener.local_addr().unwrap_or(addr);
-        let name = format!("w{k}");
-        let host = connect_host(config.host);
-        let port_of = |e: &str| {
-            e.rsplit(':')
-                .next()
-                .and_then(|p| p.parse().ok())
-                .unwrap_or(0)
-        };
-        let state = Arc::new(EngineState {
-            name: name.clone(),
-            model: config.model.clone(),
-            flavor: config.flavor,
-            ranks,
-            renderer: prompts.renderer.clone(),
-            filler: prompts.filler.clone(),
-            prompt: PromptSettings {
-                flavor: config.flavor,
-                seed: config.seed,
-            },
-            block_size: config.block_size,
-            delay: config.faults.delay,
-            dice: Mutex::new(FailureDice::new(
-                config.faults.fail_rate,
-                config.seed.wrapping_add(u64::from(k)),
-            )),
-            created: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            endpoints: EventEndpoints {
-                host: host.clone(),
-                events_port_base: events.first().map_or(0, |e| port_of(e)),
-                replay_port_base: replay.first().map_or(0, |e| port_of(e)),
-            },
-            counter: AtomicU64::new(0),
-        });
-        let app = http::app(state);
-        let mut stop = shutdown_rx.clone();
-        let server = tokio::spawn(async move {
-            let graceful = async move {
-                while !*stop.borrow() {
-                    if stop.changed().await.is_err() {
-                        break;
-                    }
-                }
-            };
-            // Tokens stream as small writes: send each at once (no Nagle
-            // delay behind the client's delayed ACK on kept-alive connections).
-            let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-                if let Err(e) = tcp.set_nodelay(true) {
-                    tracing::debug!("cannot set TCP_NODELAY: {e}");
-                }
-            });
-            if let Err(e) = axum::serve(listener, app)
-                .with_graceful_shutdown(graceful)
-                .await
-            {
-                tracing::error!("HTTP server failed: {e}");
-            }
-        });
-        tracing::info!(worker = %name, %http_addr, ?events, ?replay, "engine started");
-        self.engines.push(RunningEngine { server, drivers });
-        self.workers.push(WorkerInfo {
-            name,
-            http_addr,
-            connect_host: host,
-            events,
-            replay,
-            block_size: config.block_size,
-            flavor: config.flavor,
-        });
-        Ok(())
+        Ok((ranks, drivers, events, replay))
     }
 
     /// The engines, in order.
@@ -348,6 +336,45 @@ impl Fleet {
             tracing::debug!("drivers and publishers stopped");
         }
     }
+}
+
+/// One engine's ranks as [`Fleet::spawn_ranks`] starts them: their handles,
+/// their driver tasks, and their event and replay endpoints.
+type SpawnedRanks = (
+    Vec<RankHandle>,
+    Vec<JoinHandle<PublisherHandle>>,
+    Vec<String>,
+    Vec<String>,
+);
+
+/// Serves `app` on `listener` until `stop` turns true.
+fn serve_http(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    mut stop: watch::Receiver<bool>,
+) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let graceful = async move {
+            while !*stop.borrow() {
+                if stop.changed().await.is_err() {
+                    break;
+                }
+            }
+        };
+        // Tokens stream as small writes: send each at once (no Nagle
+        // delay behind the client's delayed ACK on kept-alive connections).
+        let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+            if let Err(e) = tcp.set_nodelay(true) {
+                tracing::debug!("cannot set TCP_NODELAY: {e}");
+            }
+        });
+        if let Err(e) = axum::serve(listener, app)
+            .with_graceful_shutdown(graceful)
+            .await
+        {
+            tracing::error!("HTTP server failed: {e}");
+        }
+    })
 }
 
 async fn stop_driver(task: JoinHandle<PublisherHandle>) {
