@@ -168,6 +168,7 @@ catalogue! {
     REPLICA_RESYNCS_SENT:         kvroute_replica_resyncs_sent_total           Counter   NONE "Times this replica sent its whole in-flight state.";
     REPLICA_RESYNCS_ASKED:        kvroute_replica_resyncs_asked_total          Counter   NONE "Times this replica asked a peer for its whole state.";
     REPLICA_PEERS_EXPIRED:        kvroute_replica_peers_expired_total          Counter   NONE "Peers forgotten, with their requests, after 3.5 s of silence.";
+    REPLICA_ID_CONFLICTS:         kvroute_replica_id_conflicts_total           Counter   NONE "Messages skipped because another router uses this replica's --replica-id.";
     REPLICA_SNAPSHOTS_WRITTEN:    kvroute_replica_snapshots_written_total      Counter   NONE "Index snapshots written to the JetStream object store.";
     REPLICA_SNAPSHOT_FAILURES:    kvroute_replica_snapshot_failures_total      Counter   NONE "Index snapshots the object store did not take.";
     REPLICA_PEER_DELAY:           kvroute_replica_peer_delay_seconds           Histogram NONE "Delay from a peer's admission of a request to this replica applying it.";
@@ -695,6 +696,7 @@ impl Collector for ReplicaCollector {
             (REPLICA_RESYNCS_SENT, c.resyncs_sent.load(Relaxed)),
             (REPLICA_RESYNCS_ASKED, c.resyncs_asked.load(Relaxed)),
             (REPLICA_PEERS_EXPIRED, c.peers_expired.load(Relaxed)),
+            (REPLICA_ID_CONFLICTS, c.id_conflicts.load(Relaxed)),
             (REPLICA_SNAPSHOTS_WRITTEN, c.snapshots_written.load(Relaxed)),
             (REPLICA_SNAPSHOT_FAILURES, c.snapshot_failures.load(Relaxed)),
         ];

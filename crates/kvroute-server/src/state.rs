@@ -132,6 +132,16 @@ impl Snapshot {
         })
     }
 
+    /// Whether every rank's history up to its resume point was complete:
+    /// a router that started cold after an engine's ring wrapped, or whose
+    /// rank has applied nothing yet, knows less than the engine holds.
+    pub fn complete(&self) -> bool {
+        self.workers
+            .iter()
+            .flat_map(|w| &w.ranks)
+            .all(|r| r.at.is_some_and(|at| at.exact))
+    }
+
     /// The index it holds.
     pub fn index(&self) -> Result<Index, StateError> {
         Ok(Index::restore(&self.index)?)
@@ -208,6 +218,7 @@ mod tests {
         let back = load(&dir).expect("load").expect("a snapshot");
         assert_eq!(back.workers, original.workers);
         back.index().expect("index");
+        assert!(!back.complete(), "rank 1 has applied nothing");
         let bytes = original.encode();
         for cut in [0, 7, 12, 20, bytes.len() - 1] {
             let damaged = Snapshot::decode(&bytes[..cut]).and_then(|s| s.index().map(|_| ()));

@@ -72,6 +72,8 @@ pub struct SyncCounters {
     pub peers_expired: AtomicU64,
     /// Publishes NATS refused.
     pub publish_errors: AtomicU64,
+    /// Messages from another process using this replica's id.
+    pub id_conflicts: AtomicU64,
     /// Index snapshots written to the object store.
     pub snapshots_written: AtomicU64,
     /// Index snapshots the object store did not take.
@@ -387,14 +389,23 @@ impl ReplicaSync {
                 envelope.seq,
                 self.now_ms(),
             );
-        let Verdict::Apply {
-            slot,
-            lost,
-            replaced,
-            first,
-        } = verdict
-        else {
-            return None;
+        let (slot, lost, replaced, first) = match verdict {
+            Verdict::Own => return None,
+            Verdict::SameId => {
+                if self.counters.id_conflicts.fetch_add(1, Ordering::Relaxed) == 0 {
+                    warn!(
+                        replica = %envelope.replica,
+                        "another router uses this replica's --replica-id; its messages are skipped: give each replica its own"
+                    );
+                }
+                return None;
+            }
+            Verdict::Apply {
+                slot,
+                lost,
+                replaced,
+                first,
+            } => (slot, lost, replaced, first),
         };
         self.counters.received.fetch_add(1, Ordering::Relaxed);
         if let Some(old) = replaced {
@@ -482,5 +493,129 @@ impl ReplicaSync {
                 })
                 .collect(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replica::message::{Admission, RequestRef};
+
+    /// A load table that records what the sync does to it.
+    #[derive(Default)]
+    struct Recorder {
+        applied: Mutex<Vec<(u32, Event)>>,
+        forgotten: Mutex<Vec<u32>>,
+    }
+
+    impl SharedLoad for Recorder {
+        fn apply_peer(&self, slot: u32, event: &Event) -> bool {
+            let known = match event {
+                Event::Admit(a) => a.at.worker == "w0",
+                Event::Prefilled(r) | Event::Release(r) => r.worker == "w0",
+            };
+            self.applied
+                .lock()
+                .expect("lock")
+                .push((slot, event.clone()));
+            known
+        }
+        fn forget_slot(&self, slot: u32) -> usize {
+            self.forgotten.lock().expect("lock").push(slot);
+            0
+        }
+        fn own_state(&self) -> Vec<Event> {
+            Vec::new()
+        }
+    }
+
+    fn admission(worker: &str, admitted_us: u64) -> Event {
+        Event::Admit(Admission {
+            at: RequestRef {
+                id: 1,
+                worker: worker.into(),
+                rank: 0,
+            },
+            prefill_tokens: 64,
+            prefilling: true,
+            blocks: vec![1, 2, 3, 4],
+            ttl_ms: 1_000,
+            admitted_us,
+        })
+    }
+
+    fn from_b(seq: u64, body: Body) -> Envelope {
+        Envelope {
+            replica: "b".into(),
+            epoch: 7,
+            seq,
+            body,
+        }
+    }
+
+    #[test]
+    fn peer_messages_are_applied_gaps_ask_for_a_resync_and_a_reset_clears() {
+        let sync = ReplicaSync::new(ReplicaConfig::new("nats://127.0.0.1:1", "a"));
+        let load = Recorder::default();
+        let joined = sync.apply(
+            from_b(3, Body::Events(vec![admission("w0", unix_us())])),
+            &load,
+        );
+        assert_eq!(
+            joined.as_deref(),
+            Some("b"),
+            "a peer heard mid-stream is asked for its state"
+        );
+        let reset = sync.apply(from_b(4, Body::Reset), &load);
+        assert_eq!(reset, None, "its reset is the answer");
+        assert_eq!(*load.forgotten.lock().expect("lock"), vec![1]);
+        let fine = sync.apply(from_b(5, Body::Events(vec![admission("w9", 0)])), &load);
+        assert_eq!(fine, None);
+        let gap = sync.apply(from_b(9, Body::Events(Vec::new())), &load);
+        assert_eq!(gap.as_deref(), Some("b"), "three lost messages");
+        let view = sync.view();
+        assert_eq!((view.lost_messages, view.peers.len()), (3, 1));
+        assert_eq!(sync.counters.unknown_workers.load(Ordering::Relaxed), 1);
+        assert_eq!(
+            view.peer_delay.map(|d| d.count),
+            Some(1),
+            "only fresh admissions measure a delay"
+        );
+        assert_eq!(load.applied.lock().expect("lock").len(), 2);
+        assert!(load
+            .applied
+            .lock()
+            .expect("lock")
+            .iter()
+            .all(|(slot, _)| *slot == 1));
+        let own = Envelope {
+            replica: "a".into(),
+            epoch: sync.epoch,
+            seq: 0,
+            body: Body::Events(vec![admission("w0", 1)]),
+        };
+        assert_eq!(sync.apply(own, &load), None);
+        assert_eq!(
+            load.applied.lock().expect("lock").len(),
+            2,
+            "own messages are not applied"
+        );
+    }
+
+    #[test]
+    fn a_resync_request_for_this_replica_schedules_its_state() {
+        let sync = ReplicaSync::new(ReplicaConfig::new("nats://127.0.0.1:1", "a"));
+        let load = Recorder::default();
+        sync.need_reset.store(false, Ordering::Relaxed);
+        let other = Body::ResyncRequest {
+            replica: "c".into(),
+        };
+        sync.apply(from_b(0, other), &load);
+        assert!(!sync.need_reset.load(Ordering::Relaxed));
+        let mine = Body::ResyncRequest {
+            replica: "a".into(),
+        };
+        sync.apply(from_b(1, mine), &load);
+        assert!(sync.need_reset.load(Ordering::Relaxed));
     }
 }

@@ -195,10 +195,14 @@ async fn write_snapshot(
     use std::sync::atomic::Ordering::Relaxed;
     let started = std::time::Instant::now();
     let registry = registry.clone();
-    let Ok(bytes) = tokio::task::spawn_blocking(move || registry.snapshot().encode()).await else {
+    let taken = tokio::task::spawn_blocking(move || {
+        let snapshot = registry.snapshot();
+        (snapshot.encode(), snapshot.complete())
+    });
+    let Ok((bytes, complete)) = taken.await else {
         return false;
     };
-    match store.put(&bytes).await {
+    match store.put(&bytes, complete).await {
         Ok(()) => {
             sync.counters.snapshots_written.fetch_add(1, Relaxed);
             debug!(

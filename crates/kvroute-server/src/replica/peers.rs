@@ -29,6 +29,9 @@ pub fn slot_of(tagged: u64) -> u32 {
 pub enum Verdict {
     /// This replica's own message, back from the server: nothing.
     Own,
+    /// Another process uses this replica's id: its messages cannot be told
+    /// from a restart of this one, so they are skipped (and the operator told).
+    SameId,
     /// Apply it under `slot`.
     Apply {
         /// The sender's slot.
@@ -92,8 +95,12 @@ impl Peers {
 
     /// Takes note of message `seq` from (`replica`, `epoch`) at `now_ms`.
     pub fn receive(&mut self, replica: &str, epoch: u64, seq: u64, now_ms: u64) -> Verdict {
-        if replica == self.me && epoch == self.my_epoch {
-            return Verdict::Own;
+        if replica == self.me {
+            return if epoch == self.my_epoch {
+                Verdict::Own
+            } else {
+                Verdict::SameId
+            };
         }
         let known = self.peers.get(replica).map(|p| (p.epoch, p.slot));
         let (replaced, first) = match known {
@@ -184,6 +191,7 @@ mod tests {
     fn own_messages_gaps_restarts_and_silence() {
         let mut peers = Peers::new("a", 1);
         assert_eq!(peers.receive("a", 1, 0, 0), Verdict::Own);
+        assert_eq!(peers.receive("a", 2, 0, 0), Verdict::SameId);
         let first = peers.receive("b", 9, 5, 10);
         assert_eq!(
             first,

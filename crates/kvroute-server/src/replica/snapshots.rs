@@ -5,8 +5,9 @@
 //! each rank's resume point, the index) as the object named after it, every
 //! `--snapshot-secs` and on demand. A replica that starts first asks its
 //! live peers for a fresh one (a request on `<prefix>.snapshot`, answered
-//! once the object is written), then loads the newest object in the bucket
-//! and resumes each rank from that snapshot's sequence number: what the
+//! once the object is written), then loads the newest *complete* object
+//! in the bucket (every rank's history known up to its resume point; an
+//! incomplete one only when there is no other) and resumes each rank from that snapshot's sequence number: what the
 //! engines published since is replayed from their rings, which need only
 //! reach back to the moment of that snapshot.
 
@@ -18,6 +19,9 @@ use tokio::io::AsyncReadExt;
 use tracing::{debug, info, warn};
 
 use super::ReplicaConfig;
+
+/// The object metadata key saying whether a snapshot is complete.
+const COMPLETE: &str = "complete";
 
 /// Bytes per object-store chunk (a NATS message each).
 const CHUNK_BYTES: usize = 256 << 10;
@@ -114,11 +118,13 @@ impl SnapshotStore {
         &self.object
     }
 
-    /// Writes `bytes` as this replica's snapshot, replacing the last one.
-    pub async fn put(&self, bytes: &[u8]) -> Result<(), SnapshotStoreError> {
+    /// Writes `bytes` as this replica's snapshot, replacing the last one;
+    /// `complete` says whether every rank's history in it was complete.
+    pub async fn put(&self, bytes: &[u8], complete: bool) -> Result<(), SnapshotStoreError> {
         let meta = ObjectMetadata {
             name: self.object.clone(),
             chunk_size: Some(CHUNK_BYTES),
+            metadata: [(COMPLETE.to_owned(), complete.to_string())].into(),
             ..ObjectMetadata::default()
         };
         let mut reader = bytes;
@@ -129,20 +135,25 @@ impl SnapshotStore {
         Ok(())
     }
 
-    /// The newest snapshot in the bucket, whoever wrote it.
-    pub async fn newest(&self) -> Result<Option<Fetched>, SnapshotStoreError> {
+    /// The snapshot to resume from: the newest complete one in the bucket,
+    /// whoever wrote it, else the newest (a replica that started cold after
+    /// a ring wrapped writes an incomplete one, which must not hide a peer's
+    /// complete one).
+    pub async fn best(&self) -> Result<Option<Fetched>, SnapshotStoreError> {
         let mut list = self.store.list().await.map_err(|e| object_error("*", e))?;
-        let mut newest: Option<object_store::ObjectInfo> = None;
+        let mut best: Option<object_store::ObjectInfo> = None;
+        let rank = |i: &object_store::ObjectInfo| {
+            let complete = i.metadata.get(COMPLETE).is_some_and(|c| c == "true");
+            (complete, i.modified)
+        };
         while let Some(info) = list.next().await {
             let info = info.map_err(|e| object_error("*", e))?;
-            let newer = newest
-                .as_ref()
-                .is_none_or(|best| info.modified > best.modified);
-            if !info.deleted && newer {
-                newest = Some(info);
+            let better = best.as_ref().is_none_or(|b| rank(&info) > rank(b));
+            if !info.deleted && better {
+                best = Some(info);
             }
         }
-        let Some(info) = newest else {
+        let Some(info) = best else {
             return Ok(None);
         };
         let mut object = self
@@ -191,8 +202,8 @@ pub async fn ask_for_fresh(
     }
 }
 
-/// Loads what a starting replica should resume from: a fresh snapshot
-/// from a live peer when there is one, else the newest in the bucket.
+/// Loads what a starting replica should resume from: fresh snapshots from
+/// the live peers when there are any, then the best in the bucket.
 pub async fn fetch_at_start(
     client: &async_nats::Client,
     config: &ReplicaConfig,
@@ -200,7 +211,7 @@ pub async fn fetch_at_start(
     let started = Instant::now();
     let store = SnapshotStore::open(client, config).await?;
     ask_for_fresh(client, config, Duration::from_secs(2)).await;
-    let fetched = store.newest().await?;
+    let fetched = store.best().await?;
     if let Some(f) = &fetched {
         info!(
             object = %f.object,
