@@ -196,6 +196,7 @@ pub async fn serve(
     }
     if let Some(r) = &replica {
         r.save_now(&registry).await;
+        r.stop();
     }
     let dir = config.state.map(|s| s.dir);
     let _ = tokio::task::spawn_blocking(move || {

@@ -21,6 +21,7 @@ use std::time::{Duration, Instant};
 use async_nats::connection::State;
 use futures_util::StreamExt;
 use prometheus_client::metrics::histogram::Histogram;
+use tokio::runtime::Handle;
 use tracing::{debug, info, warn};
 
 use super::delays::{Reservoir, Summary};
@@ -29,8 +30,10 @@ use super::outbox::{unix_us, Outbox};
 use super::peers::{Peer, Peers, Verdict};
 use super::ReplicaConfig;
 
-/// How long a batch waits for more events after its first.
+/// How long a batch gathers events while they come.
 const BATCH_WINDOW: Duration = Duration::from_micros(250);
+/// Empty batch windows after which the publisher sleeps until an event.
+const QUIET_ROUNDS: u32 = 40;
 /// A heartbeat goes out when nothing else did for this long.
 const HEARTBEAT: Duration = Duration::from_secs(1);
 /// A peer not heard from for this long is forgotten, with its requests.
@@ -91,6 +94,8 @@ pub struct ReplicaSync {
     need_reset: AtomicBool,
     /// The connection was lost: forget the peers' requests until they resend them.
     peers_stale: AtomicBool,
+    /// The publisher is to end.
+    stopped: AtomicBool,
     /// Peers to ask for their whole state.
     asks: Mutex<Vec<String>>,
     /// What the sync did.
@@ -158,6 +163,7 @@ impl ReplicaSync {
             ]),
             need_reset: AtomicBool::new(true),
             peers_stale: AtomicBool::new(false),
+            stopped: AtomicBool::new(false),
             asks: Mutex::new(Vec::new()),
             counters: SyncCounters::default(),
             started: Instant::now(),
@@ -211,8 +217,8 @@ impl ReplicaSync {
             .await
     }
 
-    /// Runs the publisher (with the peer watch) and the subscriber over
-    /// `client` until the returned tasks are aborted.
+    /// Runs the subscriber (a task, returned) and the publisher with the
+    /// peer watch (a thread, until [`ReplicaSync::stop`]) over `client`.
     pub fn run(
         self: &Arc<Self>,
         client: async_nats::Client,
@@ -222,11 +228,14 @@ impl ReplicaSync {
             let (sync, client, load) = (self.clone(), client.clone(), load.clone());
             tokio::spawn(async move { sync.receive(client, load).await })
         };
-        let publisher = {
-            let sync = self.clone();
-            tokio::spawn(async move { sync.publish(client, load).await })
-        };
-        vec![subscriber, publisher]
+        let (sync, runtime) = (self.clone(), Handle::current());
+        let spawned = std::thread::Builder::new()
+            .name("kvroute-replica".into())
+            .spawn(move || sync.publish(&client, load.as_ref(), &runtime));
+        if let Err(e) = spawned {
+            warn!(error = %e, "the replica publisher thread could not start: peers will not hear this replica");
+        }
+        vec![subscriber]
     }
 
     fn on_connection_event(&self, event: async_nats::Event) {
@@ -249,19 +258,29 @@ impl ReplicaSync {
         }
     }
 
-    /// Publishes the outbox, the whole state when needed, and heartbeats.
-    async fn publish(self: Arc<Self>, client: async_nats::Client, load: Arc<dyn SharedLoad>) {
+    /// Publishes the outbox, the whole state when needed, and heartbeats,
+    /// on its own thread until [`ReplicaSync::stop`]: a batch window every
+    /// [`BATCH_WINDOW`] while events come, asleep after [`QUIET_ROUNDS`]
+    /// empty ones (std sleeps: tokio's timers tick by the millisecond).
+    fn publish(&self, client: &async_nats::Client, load: &dyn SharedLoad, runtime: &Handle) {
+        self.outbox.attach_publisher();
         let mut batcher = Batcher::new(self.config.replica_id.clone(), self.epoch);
         let subject = self.subject();
         let mut last_sent = Instant::now();
-        loop {
-            let woken = tokio::time::timeout(HEARTBEAT, self.outbox.woken())
-                .await
-                .is_ok();
-            if woken {
-                tokio::time::sleep(BATCH_WINDOW).await;
+        let mut quiet = 0u32;
+        while !self.stopped.load(Ordering::Relaxed) {
+            if quiet >= QUIET_ROUNDS {
+                self.outbox.sleep(HEARTBEAT);
+                quiet = 0;
+            } else {
+                std::thread::sleep(BATCH_WINDOW);
             }
             let (events, overflowed) = self.outbox.take();
+            quiet = if events.is_empty() {
+                quiet.saturating_add(1)
+            } else {
+                0
+            };
             if client.connection_state() != State::Connected {
                 continue;
             }
@@ -279,11 +298,17 @@ impl ReplicaSync {
                 envelopes.extend(batcher.events(events));
             }
             for envelope in envelopes {
-                self.send(&client, &subject, &envelope).await;
+                runtime.block_on(self.send(client, &subject, &envelope));
                 last_sent = Instant::now();
             }
-            self.watch_peers(load.as_ref());
+            self.watch_peers(load);
         }
+    }
+
+    /// Stops the publisher thread.
+    pub fn stop(&self) {
+        self.stopped.store(true, Ordering::Relaxed);
+        self.outbox.nudge();
     }
 
     async fn send(&self, client: &async_nats::Client, subject: &str, envelope: &Envelope) {

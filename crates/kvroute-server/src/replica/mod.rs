@@ -130,6 +130,11 @@ impl Replica {
         tasks
     }
 
+    /// Stops the publisher (the tasks of [`Replica::run`] are aborted by their caller).
+    pub fn stop(&self) {
+        self.sync.stop();
+    }
+
     /// Writes one snapshot now (at shutdown), if NATS is up.
     pub async fn save_now(&self, registry: &Arc<Registry>) {
         if self.client.connection_state() != async_nats::connection::State::Connected {

@@ -2,10 +2,16 @@
 //! prefill and release here and return at once; the publisher drains the
 //! outbox in batches. Bounded: when NATS is slow or down, the overflow is
 //! dropped and the whole state is sent again instead.
+//!
+//! A request never wakes the publisher while it is busy: under load the
+//! publisher polls every batch window on its own thread, and only once it
+//! has gone to sleep after a quiet spell does the next event unpark it
+//! (one futex call, on the first event of a burst).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::sync::{Mutex, OnceLock, PoisonError};
+use std::thread::Thread;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use prometheus_client::metrics::histogram::Histogram;
 
@@ -33,7 +39,9 @@ struct Pending {
 #[derive(Debug)]
 pub struct Outbox {
     pending: Mutex<Pending>,
-    wake: tokio::sync::Notify,
+    /// The publisher's thread, unparked when it sleeps and there is work.
+    publisher: OnceLock<Thread>,
+    sleeping: AtomicBool,
     connected: AtomicBool,
     dropped: AtomicU64,
     cost: Histogram,
@@ -44,7 +52,8 @@ impl Default for Outbox {
     fn default() -> Self {
         Outbox {
             pending: Mutex::default(),
-            wake: tokio::sync::Notify::new(),
+            publisher: OnceLock::new(),
+            sleeping: AtomicBool::new(false),
             connected: AtomicBool::new(false),
             dropped: AtomicU64::new(0),
             cost: Histogram::new([1e-6, 2e-6, 5e-6, 10e-6, 20e-6, 50e-6, 100e-6, 1e-3]),
@@ -56,19 +65,17 @@ impl Default for Outbox {
 impl Outbox {
     fn push(&self, event: Event) {
         let started = Instant::now();
-        let wake = {
+        {
             let mut p = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
             if p.events.len() >= CAPACITY || !self.connected.load(Ordering::Relaxed) {
                 p.overflowed = true;
                 self.dropped.fetch_add(1, Ordering::Relaxed);
-                false
             } else {
                 p.events.push(event);
-                p.events.len() == 1
             }
-        };
-        if wake {
-            self.wake.notify_one();
+        }
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.wake();
         }
         let cost = started.elapsed();
         self.cost.observe(cost.as_secs_f64());
@@ -99,9 +106,31 @@ impl Outbox {
         self.push(Event::Release(at));
     }
 
-    /// Waits until there is something to publish.
-    pub(super) async fn woken(&self) {
-        self.wake.notified().await;
+    fn wake(&self) {
+        if let Some(publisher) = self.publisher.get() {
+            publisher.unpark();
+        }
+    }
+
+    /// Makes the calling thread the publisher (the one [`Outbox::sleep`] parks).
+    pub(super) fn attach_publisher(&self) {
+        let _ = self.publisher.set(std::thread::current());
+    }
+
+    /// The publisher sleeps at most `max`, or until an event comes (at
+    /// once if one is pending).
+    pub(super) fn sleep(&self, max: Duration) {
+        self.sleeping.store(true, Ordering::SeqCst);
+        let empty = self
+            .pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .events
+            .is_empty();
+        if empty {
+            std::thread::park_timeout(max);
+        }
+        self.sleeping.store(false, Ordering::SeqCst);
     }
 
     /// Takes what is pending, and whether some was dropped since the last take.
@@ -113,14 +142,14 @@ impl Outbox {
 
     /// Wakes the publisher with nothing new pending (a resync to send).
     pub(super) fn nudge(&self) {
-        self.wake.notify_one();
+        self.wake();
     }
 
     /// Whether the NATS connection is up (events are dropped while it is not).
     pub(super) fn set_connected(&self, up: bool) {
         self.connected.store(up, Ordering::Relaxed);
         if up {
-            self.wake.notify_one();
+            self.wake();
         }
     }
 
