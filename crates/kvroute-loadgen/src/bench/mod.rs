@@ -1,12 +1,14 @@
 //! Measurements of kvroute's own parts: the prefix index alone
 //! ([`index`]), a router process ingesting thousands of event streams
-//! ([`ingest`]), and the latency and CPU the router adds to a request
-//! ([`proxy`]). The last two run the router as a child process.
+//! ([`ingest`]), the latency and CPU the router adds to a request
+//! ([`proxy`]), and what router replicas cost and buy ([`replicas`]). The
+//! last three run the router as a child process.
 
 mod child;
 pub mod index;
 pub mod ingest;
 pub mod proxy;
+pub mod replicas;
 
 /// A flat JSON report as aligned `key  value` lines, keys right-aligned to
 /// `width` (how `kvroute bench index` and `bench ingest` print without `--json`).
