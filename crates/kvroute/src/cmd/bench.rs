@@ -314,6 +314,10 @@ struct ReplicasArgs {
     /// Mock engines behind the routers (one DP rank each).
     #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
     engines: u16,
+    /// KV-cache blocks per engine (the mocker's default; fewer than the
+    /// workload's prefixes need make where requests go show in the hit rate).
+    #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(1..))]
+    gpu_blocks: u64,
     /// Requests per phase.
     #[arg(long, default_value_t = 10_000)]
     requests: usize,
@@ -465,6 +469,7 @@ fn run_replicas(a: &ReplicasArgs) -> Result<ExitCode> {
     super::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
     let config = replicas::ReplicasBenchConfig {
         engines: a.engines,
+        gpu_blocks: usize::try_from(a.gpu_blocks).context("--gpu-blocks is too large")?,
         requests: a.requests,
         concurrency: a.concurrency,
         workload: a.workload,
@@ -671,6 +676,7 @@ mod tests {
             panic!("bench replicas parses as its subcommand");
         };
         assert_eq!((r.engines, r.requests, r.concurrency), (4, 200, 16));
+        assert_eq!(r.gpu_blocks, 16_384);
         assert_eq!((r.scale, r.groups, r.max_tokens), (0.05, 8, 16));
         assert_eq!((r.speedup, r.seed, r.kill_after_ms), (50.0, 1, 1_000));
         assert_eq!(r.workload, load::WorkloadKind::SharedPrefix);

@@ -54,6 +54,10 @@ pub struct ReplicasBenchConfig {
     pub router_exe: PathBuf,
     /// Mock engines (one DP rank each) behind the routers.
     pub engines: u16,
+    /// KV-cache blocks per engine: fewer than the workload's prefixes need
+    /// make the engines evict, so that where requests go shows in the hit
+    /// rate.
+    pub gpu_blocks: usize,
     /// Requests per phase.
     pub requests: usize,
     /// Requests in flight at once (closed loop).
@@ -82,6 +86,7 @@ impl ReplicasBenchConfig {
         ReplicasBenchConfig {
             router_exe,
             engines: 4,
+            gpu_blocks: MockerConfig::default().num_gpu_blocks,
             requests: 10_000,
             concurrency: 16,
             workload: WorkloadKind::SharedPrefix,
@@ -96,8 +101,10 @@ impl ReplicasBenchConfig {
     }
 
     fn validate(&self) -> Result<()> {
-        if self.engines == 0 {
-            return Err(Error::Invalid("engines must be at least 1".into()));
+        if self.engines == 0 || self.gpu_blocks == 0 {
+            return Err(Error::Invalid(
+                "engines and gpu_blocks must be at least 1".into(),
+            ));
         }
         if self.concurrency == 0 || self.requests < self.concurrency {
             return Err(Error::Invalid(
@@ -157,6 +164,7 @@ async fn run_phase(
 ) -> Result<PhaseReport> {
     let mut mocker = MockerConfig {
         workers: config.engines,
+        num_gpu_blocks: config.gpu_blocks,
         port: 0,
         kv_events_port: 0,
         replay_port: 0,
