@@ -9,6 +9,7 @@
 //! | [`measure`] / [`run`] | one workload against one endpoint ([`driver`]) |
 //! | [`demo::run`] | a mock fleet, a router per policy and the oracle |
 //! | [`bench::index::run`], [`bench::ingest::run`], [`bench::proxy::run`] | the index alone; a router process ingesting thousands of ranks; the latency a router process adds |
+//! | [`bench::replicas::run`] | one router, two synced replicas, two unsynced routers, a replica killed under load |
 //!
 //! Inside: [`workload`] (the traffic, [`image`] for its PNGs), [`driver`]
 //! (arrivals, bounds, samples), the oracle, [`stats`] (every percentile),

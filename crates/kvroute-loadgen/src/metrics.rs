@@ -1,6 +1,7 @@
 //! Reading kvroute's Prometheus `/metrics` text: the counters the load
 //! generator and the demo report beside their own measurements.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 /// The router's accuracy counters (comparisons, exact agreements) from its
@@ -66,6 +67,42 @@ pub(crate) fn total(text: &str, name: &str) -> Option<u64> {
         .map(|v| v as u64)
 }
 
+/// The samples of the metric `name` in `text` summed per value of their
+/// label `label` (e.g. `kvroute_proxy_routed_total` per `worker`, over its
+/// `dp_rank`s); samples without that label are left out.
+pub(crate) fn by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((key, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let Some((metric, labels)) = key.split_once('{') else {
+            continue;
+        };
+        let Ok(value) = value.trim().parse::<f64>() else {
+            continue;
+        };
+        if metric != name {
+            continue;
+        }
+        if let Some(v) = label_value(labels, label) {
+            *out.entry(v.to_owned()).or_insert(0) += value as u64;
+        }
+    }
+    out
+}
+
+/// The value of `label` in a sample's label set (`a="x",b="y"}`), when it
+/// has one; values are taken up to their closing quote (no escapes: the
+/// labels read here are worker names and ranks).
+fn label_value<'a>(labels: &'a str, label: &str) -> Option<&'a str> {
+    labels
+        .trim_end_matches('}')
+        .split(',')
+        .find_map(|pair| pair.trim().strip_prefix(label)?.strip_prefix("=\""))
+        .and_then(|rest| rest.split('"').next())
+}
+
 /// [`total`], 0 when there is no sample.
 pub(crate) fn sum(text: &str, name: &str) -> u64 {
     total(text, name).unwrap_or(0)
@@ -102,5 +139,16 @@ mod tests {
         assert_eq!(sum(text, "kvroute_a"), 7);
         assert_eq!(sum(text, "kvroute_ab"), 100);
         assert_eq!(sum(text, "kvroute_c"), 0);
+    }
+
+    #[test]
+    fn labelled_counters_are_summed_per_value_of_one_label() {
+        let text = "# TYPE kvroute_proxy_routed_total counter\nkvroute_proxy_routed_total{worker=\"w0\",dp_rank=\"0\"} 3\nkvroute_proxy_routed_total{worker=\"w0\",dp_rank=\"1\"} 4\nkvroute_proxy_routed_total{dp_rank=\"0\",worker=\"w1\"} 5\nkvroute_proxy_routed_total_other{worker=\"w2\"} 9\nkvroute_proxy_routed_total 1\n";
+        let per = by_label(text, "kvroute_proxy_routed_total", "worker");
+        assert_eq!(
+            per.into_iter().collect::<Vec<_>>(),
+            [("w0".into(), 7), ("w1".into(), 5)]
+        );
+        assert!(by_label(text, "kvroute_proxy_routed_total", "rank").is_empty());
     }
 }

@@ -1,7 +1,7 @@
 //! The router under test as a real child process: `kvroute serve` started
 //! from a given executable on an ephemeral port, its CPU time, resident
 //! memory and threads read from `/proc/PID/{stat,status}`, killed when
-//! dropped. Used by `bench proxy` and `bench ingest`.
+//! dropped. Used by `bench proxy`, `bench ingest` and `bench replicas`.
 //!
 //! A separate process is what makes the router's CPU and memory measurable
 //! apart from the load generator's and the mock engines' or publishers'.
@@ -98,6 +98,17 @@ impl RouterProcess {
     /// The router's CPU time so far, user and system.
     pub(crate) fn cpu_time(&self) -> Result<Duration> {
         cpu_time_of(self.child.id())
+    }
+
+    /// Kills the router with SIGKILL (no clean shutdown: a crash, as
+    /// `kill -9` would) and waits for it to exit.
+    pub(crate) fn kill(&mut self) -> Result<()> {
+        // `kill` fails only when the child has already exited; `wait` reaps it either way.
+        let _ = self.child.kill();
+        self.child
+            .wait()
+            .map_err(Error::io("waiting for the killed router to exit"))?;
+        Ok(())
     }
 }
 

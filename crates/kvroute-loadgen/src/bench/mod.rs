@@ -1,13 +1,15 @@
 //! Measurements of kvroute's own parts: the prefix index alone
 //! ([`index`]), a router process ingesting thousands of event streams
-//! ([`ingest`]), and the latency and CPU the router adds to a request
-//! ([`proxy`]), and the time a router takes to be ready on a saved index
-//! ([`restore`]). The last three run the router as a child process.
+//! ([`ingest`]), the latency and CPU the router adds to a request
+//! ([`proxy`]), the time a router takes to be ready on a saved index
+//! ([`restore`]), and what router replicas cost and buy ([`replicas`]).
+//! All but the first run the router as a child process.
 
 mod child;
 pub mod index;
 pub mod ingest;
 pub mod proxy;
+pub mod replicas;
 pub mod restore;
 
 /// A flat JSON report as aligned `key  value` lines, keys right-aligned to

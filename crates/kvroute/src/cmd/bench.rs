@@ -1,7 +1,7 @@
 //! `kvroute bench`: measurements that all come from one tool.
 //!
 //! With a subcommand it measures one of kvroute's parts (`index`, `ingest`,
-//! `proxy`); without one it is the load generator: a seeded workload sent at
+//! `proxy`, `replicas`); without one it is the load generator: a seeded workload sent at
 //! any OpenAI-compatible endpoint (kvroute, one engine, another router) or
 //! through the oracle, so policies compare side by side. The measurements
 //! live in `kvroute-loadgen`; this module turns flags into its configs.
@@ -14,7 +14,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use kvroute_loadgen as load;
-use kvroute_loadgen::bench::{self, index, ingest, proxy, restore};
+use kvroute_loadgen::bench::{self, index, ingest, proxy, replicas, restore};
 
 /// Arguments of `kvroute bench`.
 #[derive(Debug, Args)]
@@ -36,6 +36,9 @@ enum BenchCommand {
     Ingest(IngestArgs),
     /// Latency `kvroute serve` adds per request: through the router vs straight to mock engines.
     Proxy(ProxyArgs),
+    /// Router replicas: one router vs two synced over NATS vs two unsynced,
+    /// and one replica killed under load (hit rate, balance, peer delay).
+    Replicas(ReplicasArgs),
     /// Time to ready of a `kvroute serve` that starts on a saved index
     /// (`--state-dir`, or its peers' snapshot over `--nats`).
     Restore(RestoreArgs),
@@ -328,6 +331,48 @@ struct ProxyArgs {
     interleave: bool,
 }
 
+/// Arguments of `kvroute bench replicas`.
+#[derive(Debug, Args)]
+struct ReplicasArgs {
+    /// Mock engines behind the routers (one DP rank each).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..))]
+    engines: u16,
+    /// KV-cache blocks per engine (the mocker's default; fewer than the
+    /// workload's prefixes need make where requests go show in the hit rate).
+    #[arg(long, default_value_t = 16_384, value_parser = clap::value_parser!(u64).range(1..))]
+    gpu_blocks: u64,
+    /// Requests per phase.
+    #[arg(long, default_value_t = 10_000)]
+    requests: usize,
+    /// Requests in flight at once (closed loop).
+    #[arg(long, default_value_t = 16)]
+    concurrency: usize,
+    /// The traffic (the same seeded requests in every phase).
+    #[arg(long, default_value = "shared-prefix", value_parser = workload_parser())]
+    workload: load::WorkloadKind,
+    /// Multiplies every workload size.
+    #[arg(long, default_value_t = 0.05)]
+    scale: f64,
+    /// Prefix groups, conversations, documents or image pool size (per workload).
+    #[arg(long, default_value_t = 8)]
+    groups: usize,
+    /// Tokens generated per request.
+    #[arg(long, default_value_t = 16)]
+    max_tokens: u32,
+    /// Divides the engines' simulated time.
+    #[arg(long, default_value_t = 50.0)]
+    speedup: f64,
+    /// Seed of the workload.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
+    /// Milliseconds after the load of the last phase starts that replica r0 is killed.
+    #[arg(long, default_value_t = 1_000)]
+    kill_after_ms: u64,
+    /// Print one JSON object instead of the tables.
+    #[arg(long)]
+    json: bool,
+}
+
 /// Runs the chosen benchmark, or the load generator without a subcommand.
 pub fn run(args: &BenchArgs) -> Result<ExitCode> {
     match &args.what {
@@ -335,6 +380,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
         Some(BenchCommand::Ingest(a)) => run_ingest(a),
         Some(BenchCommand::Proxy(a)) => run_proxy(a),
         Some(BenchCommand::Restore(a)) => run_restore(a),
+        Some(BenchCommand::Replicas(a)) => run_replicas(a),
         None => run_load(&args.load),
     }
 }
@@ -454,6 +500,34 @@ fn run_proxy(a: &ProxyArgs) -> Result<ExitCode> {
         for run in report.to_json() {
             println!("{run}");
         }
+    } else {
+        print!("{report}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn run_replicas(a: &ReplicasArgs) -> Result<ExitCode> {
+    super::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
+    let config = replicas::ReplicasBenchConfig {
+        engines: a.engines,
+        gpu_blocks: usize::try_from(a.gpu_blocks).context("--gpu-blocks is too large")?,
+        requests: a.requests,
+        concurrency: a.concurrency,
+        workload: a.workload,
+        scale: a.scale,
+        groups: a.groups,
+        max_tokens: a.max_tokens,
+        speedup: a.speedup,
+        seed: a.seed,
+        kill_after: Duration::from_millis(a.kill_after_ms),
+        progress: std::io::stderr().is_terminal(),
+        ..replicas::ReplicasBenchConfig::new(
+            std::env::current_exe().context("the path of this kvroute executable")?,
+        )
+    };
+    let report = super::runtime()?.block_on(replicas::run(&config))?;
+    if a.json {
+        println!("{}", report.to_json());
     } else {
         print!("{report}");
     }
@@ -638,6 +712,16 @@ mod tests {
     fn subcommands_still_work_and_conflict_with_load_flags() {
         let cli = Cli::try_parse_from(["bench", "index", "--quick"]).expect("parses");
         assert!(matches!(cli.bench.what, Some(BenchCommand::Index(_))));
+        let cli = Cli::try_parse_from(["bench", "replicas", "--requests", "200"]).expect("parses");
+        let Some(BenchCommand::Replicas(r)) = cli.bench.what else {
+            panic!("bench replicas parses as its subcommand");
+        };
+        assert_eq!((r.engines, r.requests, r.concurrency), (4, 200, 16));
+        assert_eq!(r.gpu_blocks, 16_384);
+        assert_eq!((r.scale, r.groups, r.max_tokens), (0.05, 8, 16));
+        assert_eq!((r.speedup, r.seed, r.kill_after_ms), (50.0, 1, 1_000));
+        assert_eq!(r.workload, load::WorkloadKind::SharedPrefix);
+        assert!(Cli::try_parse_from(["bench", "replicas", "--engines", "0"]).is_err());
         assert!(Cli::try_parse_from(["bench", "--requests", "5", "index"]).is_err());
         assert!(Cli::try_parse_from(["bench", "--rate", "5", "--concurrency", "2"]).is_err());
         let cli = Cli::try_parse_from(["bench", "--rate", "0"]).expect("parses");

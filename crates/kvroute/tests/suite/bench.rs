@@ -1,6 +1,7 @@
-//! `kvroute bench proxy` and `bench ingest` as a user runs them: the real
-//! binary starts the router (and, for ingest, the publishers) as its own
-//! child processes and measures them from outside.
+//! `kvroute bench proxy`, `bench ingest` and `bench replicas` as a user
+//! runs them: the real binary starts the routers (and, for ingest, the
+//! publishers; for replicas, nats-server) as its own child processes and
+//! measures them from outside.
 
 use serde_json::Value;
 
@@ -77,4 +78,74 @@ fn bench_ingest_brings_every_rank_of_a_small_fleet_live_and_measures_its_apply_r
     assert_eq!(r["decode_errors"], 0, "{r}");
     // A flood may leave ranks replaying or degraded, never in error.
     assert!(r["rank_states_after_flood"].get("error").is_none(), "{r}");
+}
+
+#[test]
+fn bench_replicas_runs_every_phase_without_a_failure_and_only_synced_replicas_hear_peers() {
+    let out = kvroute()
+        .args([
+            "bench",
+            "replicas",
+            "--requests",
+            "200",
+            "--concurrency",
+            "8",
+        ])
+        .args(["--engines", "2", "--json"])
+        // Early enough that the 200 requests are still running.
+        .args(["--kill-after-ms", "150"])
+        .output()
+        .expect("kvroute bench replicas runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    let phases = r["phases"].as_array().expect("phases");
+    let keys: Vec<&str> = phases.iter().filter_map(|p| p["phase"].as_str()).collect();
+    assert_eq!(keys, ["one_router", "synced", "no_sync", "kill_one"], "{r}");
+    for p in phases {
+        assert_eq!(
+            (&p["requests"], &p["failed"]),
+            (&200.into(), &0.into()),
+            "{p}"
+        );
+        let counted: u64 = p["requests_per_engine"]
+            .as_object()
+            .map_or(0, |m| m.values().filter_map(Value::as_u64).sum());
+        assert!(counted > 0, "{p}");
+    }
+    let delays = |p: &Value| -> Vec<u64> {
+        p["replicas"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|s| s["peer_delay"]["count"].as_u64())
+            .collect()
+    };
+    let synced = &phases[1];
+    assert_eq!(
+        delays(synced).len(),
+        2,
+        "both replicas applied the other's requests: {synced}"
+    );
+    assert!(delays(synced).iter().all(|&n| n > 0), "{synced}");
+    assert!(
+        delays(&phases[2]).is_empty(),
+        "no sync, no peer delay: {}",
+        phases[2]
+    );
+    let killed = &phases[3];
+    assert_eq!(killed["stream"], false, "{killed}");
+    assert_eq!(killed["killed_during_load"], true, "{killed}");
+    assert_eq!(
+        killed["counted_from"],
+        serde_json::json!(["r1"]),
+        "{killed}"
+    );
+    assert!(
+        killed["retried"].as_u64().is_some_and(|n| n > 0),
+        "{killed}"
+    );
 }
