@@ -142,6 +142,15 @@ impl Snapshot {
             .all(|r| r.at.is_some_and(|at| at.exact))
     }
 
+    /// Whether any rank has applied anything (a router that just started
+    /// has nothing to save for others).
+    pub fn knows_anything(&self) -> bool {
+        self.workers
+            .iter()
+            .flat_map(|w| &w.ranks)
+            .any(|r| r.at.is_some())
+    }
+
     /// The index it holds.
     pub fn index(&self) -> Result<Index, StateError> {
         Ok(Index::restore(&self.index)?)
@@ -219,6 +228,7 @@ mod tests {
         assert_eq!(back.workers, original.workers);
         back.index().expect("index");
         assert!(!back.complete(), "rank 1 has applied nothing");
+        assert!(back.knows_anything(), "rank 0 has");
         let bytes = original.encode();
         for cut in [0, 7, 12, 20, bytes.len() - 1] {
             let damaged = Snapshot::decode(&bytes[..cut]).and_then(|s| s.index().map(|_| ()));

@@ -53,6 +53,10 @@ use crate::state::Snapshot;
 use bus::{ReplicaSync, SharedLoad};
 use snapshots::SnapshotStore;
 
+/// Longest a starting replica spends getting its peers' snapshot (asking
+/// for a fresh one included); past it, it starts without.
+const START_WITHIN: Duration = Duration::from_secs(8);
+
 /// A replica's connection to its peers: the sync of requests in flight and
 /// the snapshot store, over one NATS client.
 #[derive(Debug, Clone)]
@@ -97,7 +101,15 @@ impl Replica {
             warn!(url = %self.config().nats_url, "NATS unreachable at start: no snapshot to resume from");
             return None;
         }
-        let fetched = match snapshots::fetch_at_start(&self.client, self.config()).await {
+        let fetch = snapshots::fetch_at_start(&self.client, self.config());
+        let Ok(fetched) = tokio::time::timeout(START_WITHIN, fetch).await else {
+            warn!(
+                secs = START_WITHIN.as_secs(),
+                "the object store did not give a snapshot in time; starting without it"
+            );
+            return None;
+        };
+        let fetched = match fetched {
             Ok(Some(f)) => f,
             Ok(None) => {
                 info!("no index snapshot in the object store yet; starting cold");
@@ -202,10 +214,15 @@ async fn write_snapshot(
     let registry = registry.clone();
     let taken = tokio::task::spawn_blocking(move || {
         let snapshot = registry.snapshot();
-        (snapshot.encode(), snapshot.complete())
+        let knows = snapshot.knows_anything();
+        (knows.then(|| snapshot.encode()), snapshot.complete())
     });
     let Ok((bytes, complete)) = taken.await else {
         return false;
+    };
+    // Nothing applied yet (a replica just started): nothing worth a peer's load.
+    let Some(bytes) = bytes else {
+        return true;
     };
     match store.put(&bytes, complete).await {
         Ok(()) => {
