@@ -234,7 +234,14 @@ async fn phase_on(
         });
     }
     for router in &routers {
-        wait_until_connected(client, &router.url, CONNECTED_WITHIN).await?;
+        if let Err(e) = wait_until_connected(client, &router.url, CONNECTED_WITHIN).await {
+            let ranks = scrape::rank_states(client, &router.url).await;
+            return Err(Error::Unexpected(format!(
+                "{}, router {}: {e}; its ranks: {ranks}",
+                kind.title(),
+                router.id
+            )));
+        }
     }
     if kind.synced() {
         for router in &routers {

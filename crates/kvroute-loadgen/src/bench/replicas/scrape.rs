@@ -133,6 +133,63 @@ fn parse_sync(workers: &str) -> Result<Option<SyncFigures>> {
     Ok(sync.map(SyncFigures::from))
 }
 
+/// Each rank of the router at `base` as `worker/rank state` (with
+/// `disconnected` and the state's reason when there are), for an error
+/// message; what went wrong when `/workers` does not answer.
+pub(crate) async fn rank_states(client: &reqwest::Client, base: &str) -> String {
+    match get_text(client, base, "/workers").await {
+        Ok(text) => describe_ranks(&text),
+        Err(e) => format!("/workers did not answer ({e})"),
+    }
+}
+
+/// The counters of a rank's stream that say how its replays went.
+const RANK_COUNTERS: [&str; 6] = [
+    "batches",
+    "resyncs",
+    "replays_ok",
+    "replays_incomplete",
+    "replay_timeouts",
+    "verifies",
+];
+
+/// [`rank_states`] of a `/workers` body.
+fn describe_ranks(workers: &str) -> String {
+    let Ok(doc) = serde_json::from_str::<Value>(workers) else {
+        return "/workers is not JSON".into();
+    };
+    let mut out = Vec::new();
+    for w in doc["workers"].as_array().into_iter().flatten() {
+        for r in w["ranks"].as_array().into_iter().flatten() {
+            let mut s = format!(
+                "{}/{} {}",
+                w["name"].as_str().unwrap_or("?"),
+                r["dp_rank"],
+                r["state"].as_str().unwrap_or("?")
+            );
+            if r["connected"] != true && r["state"] != "disconnected" {
+                s.push_str(" disconnected");
+            }
+            if let Some(reason) = r["state_reason"].as_str() {
+                s.push_str(&format!(" ({reason})"));
+            }
+            let counters: Vec<String> = RANK_COUNTERS
+                .iter()
+                .filter_map(|&k| Some(format!("{k} {}", r[k].as_u64()?)))
+                .collect();
+            if !counters.is_empty() {
+                s.push_str(&format!(" [{}]", counters.join(", ")));
+            }
+            out.push(s);
+        }
+    }
+    if out.is_empty() {
+        "no worker listed".into()
+    } else {
+        out.join(", ")
+    }
+}
+
 /// Waits (at most `within`) until the replica at `base` is connected to
 /// NATS and lists `peer` among the peers it heard.
 pub(crate) async fn wait_for_peer(
@@ -183,5 +240,18 @@ mod tests {
             None
         );
         assert!(parse_sync("not json").is_err());
+    }
+
+    #[test]
+    fn rank_states_name_each_rank_and_what_is_wrong_with_it() {
+        let body = r#"{"workers": [{"name": "w0", "ranks": [
+            {"dp_rank": 0, "connected": true, "state": "live", "state_reason": null},
+            {"dp_rank": 1, "connected": false, "state": "replaying", "state_reason": "gap",
+             "resyncs": 2, "replays_ok": 1}]}]}"#;
+        assert_eq!(
+            describe_ranks(body),
+            "w0/0 live, w0/1 replaying disconnected (gap) [resyncs 2, replays_ok 1]"
+        );
+        assert_eq!(describe_ranks(r#"{"workers": []}"#), "no worker listed");
     }
 }
