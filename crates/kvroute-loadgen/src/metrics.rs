@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use crate::error::{Error, Result};
+
 /// The router's accuracy counters (comparisons, exact agreements) from its
 /// `/metrics`; `None` when the target is not kvroute or does not answer.
 pub(crate) async fn accuracy_counters(client: &reqwest::Client, base: &str) -> Option<(u64, u64)> {
@@ -113,6 +115,26 @@ pub(crate) fn accuracy_between(before: (u64, u64), after: (u64, u64)) -> Option<
     let compared = after.0.checked_sub(before.0)?;
     let exact = after.1.checked_sub(before.1)?;
     (compared > 0).then(|| exact as f64 / compared as f64)
+}
+
+/// GETs `base` + `path` and returns the body as text.
+pub(crate) async fn get_text(client: &reqwest::Client, base: &str, path: &str) -> Result<String> {
+    let url = format!("{base}{path}");
+    let resp = client
+        .get(&url)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .map_err(Error::http(format!("GET {url}")))?;
+    let status = resp.status();
+    let text = resp
+        .text()
+        .await
+        .map_err(Error::http(format!("reading {url}")))?;
+    if !status.is_success() {
+        return Err(Error::Unexpected(format!("{url} answered {status}")));
+    }
+    Ok(text)
 }
 
 #[cfg(test)]

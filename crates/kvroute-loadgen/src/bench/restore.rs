@@ -125,15 +125,7 @@ async fn timed_start(exe: &Path, flags: Vec<String>) -> Result<(f64, u64, Router
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
     let ready_ms = started.elapsed().as_secs_f64() * 1e3;
-    let text = client
-        .get(format!("{}/metrics", router.url))
-        .bearer_auth("bench")
-        .send()
-        .await
-        .map_err(Error::http("GET /metrics"))?
-        .text()
-        .await
-        .map_err(Error::http("reading /metrics"))?;
+    let text = metrics::get_text(&client, &router.url, "/metrics").await?;
     let held = metrics::sum(&text, "kvroute_index_residencies");
     Ok((ready_ms, held, router))
 }
@@ -263,15 +255,7 @@ async fn wait_for_snapshot(router: &RouterProcess) -> Result<()> {
     let client = crate::driver::client()?;
     let deadline = Instant::now() + Duration::from_secs(30);
     while Instant::now() < deadline {
-        let text = client
-            .get(format!("{}/metrics", router.url))
-            .bearer_auth("bench")
-            .send()
-            .await
-            .map_err(Error::http("GET /metrics"))?
-            .text()
-            .await
-            .map_err(Error::http("reading /metrics"))?;
+        let text = metrics::get_text(&client, &router.url, "/metrics").await?;
         if metrics::sum(&text, "kvroute_replica_snapshots_written_total") >= 1 {
             return Ok(());
         }

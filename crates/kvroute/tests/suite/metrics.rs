@@ -1,6 +1,7 @@
 //! `/metrics` of a running router: every metric of the catalogue
 //! (`kvroute_server::metrics::CATALOGUE`, which `docs/metrics.md` lists) is
-//! exposed, in the Prometheus text format and in OpenMetrics.
+//! exposed, in the Prometheus text format and in OpenMetrics (by a router
+//! with `--nats`: the replica families exist only then).
 
 use kvroute_server::metrics::{Kind, CATALOGUE};
 use serde_json::json;
@@ -17,7 +18,9 @@ fn has_sample(text: &str, name: &str) -> bool {
 #[test]
 fn every_catalogue_metric_is_scraped_from_a_running_router() {
     let (_mocker, lines) = start_mocker(1, "100");
-    let (_serve, serve) = start_serve(&lines, &[]);
+    // As a replica, so that the `kvroute_replica_*` families exist too.
+    let nats = kvroute_loadgen::nats::NatsServer::start().expect("nats-server starts");
+    let (_serve, serve) = start_serve(&lines, &["--nats", &nats.url()]);
     // One routed request, so that the per-request and per-rank families
     // have samples.
     let body =

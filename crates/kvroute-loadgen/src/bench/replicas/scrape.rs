@@ -86,33 +86,13 @@ impl From<SyncDoc> for SyncFigures {
     }
 }
 
-/// GETs `base` + `path` and returns the body as text.
-async fn get_text(client: &reqwest::Client, base: &str, path: &str) -> Result<String> {
-    let url = format!("{base}{path}");
-    let resp = client
-        .get(&url)
-        .timeout(Duration::from_secs(10))
-        .send()
-        .await
-        .map_err(Error::http(format!("GET {url}")))?;
-    let status = resp.status();
-    let text = resp
-        .text()
-        .await
-        .map_err(Error::http(format!("reading {url}")))?;
-    if !status.is_success() {
-        return Err(Error::Unexpected(format!("{url} answered {status}")));
-    }
-    Ok(text)
-}
-
 /// Requests the router at `base` routed to each worker so far, summed over
 /// the worker's ranks.
 pub(crate) async fn routed_per_worker(
     client: &reqwest::Client,
     base: &str,
 ) -> Result<BTreeMap<String, u64>> {
-    let text = get_text(client, base, "/metrics").await?;
+    let text = metrics::get_text(client, base, "/metrics").await?;
     Ok(metrics::by_label(&text, ROUTED, "worker"))
 }
 
@@ -122,7 +102,7 @@ pub(crate) async fn sync_figures(
     client: &reqwest::Client,
     base: &str,
 ) -> Result<Option<SyncFigures>> {
-    let text = get_text(client, base, "/workers").await?;
+    let text = metrics::get_text(client, base, "/workers").await?;
     parse_sync(&text)
 }
 
@@ -137,7 +117,7 @@ fn parse_sync(workers: &str) -> Result<Option<SyncFigures>> {
 /// `disconnected` and the state's reason when there are), for an error
 /// message; what went wrong when `/workers` does not answer.
 pub(crate) async fn rank_states(client: &reqwest::Client, base: &str) -> String {
-    match get_text(client, base, "/workers").await {
+    match metrics::get_text(client, base, "/workers").await {
         Ok(text) => describe_ranks(&text),
         Err(e) => format!("/workers did not answer ({e})"),
     }
