@@ -250,9 +250,47 @@ async fn phase_on(
             }
         }
     }
-    let (load, killed_at) = drive(config, kind, &mut routers, client).await?;
-    read_figures(kind, fleet, &routers, client, load, killed_at).await
+    let engines: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = tokio::spawn(sample_imbalance(client.clone(), engines, stop.clone()));
+    let driven = drive(config, kind, &mut routers, client).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let imbalance = sampler.await.unwrap_or_default();
+    let (load, killed_at) = driven?;
+    let mut report = read_figures(kind, fleet, &routers, client, load, killed_at).await?;
+    report.in_flight_imbalance = imbalance;
+    Ok(report)
 }
+
+/// Every [`SAMPLE_EVERY`] until `stop`: the engines' requests in flight
+/// (running and waiting), as max / mean over the engines, for each sample
+/// with any in flight. Herding shows here, while it happens: the phase's
+/// request totals smooth it out.
+async fn sample_imbalance(
+    client: reqwest::Client,
+    engines: Vec<String>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+) -> Vec<f64> {
+    let mut samples = Vec::new();
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let mut counts = Vec::with_capacity(engines.len());
+        for engine in &engines {
+            if let Ok(n) = scrape::engine_in_flight(&client, engine).await {
+                counts.push(n);
+            }
+        }
+        let total: u64 = counts.iter().sum();
+        if counts.len() == engines.len() && total > 0 {
+            let max = counts.iter().copied().max().unwrap_or(0);
+            samples.push(max as f64 * counts.len() as f64 / total as f64);
+        }
+        tokio::time::sleep(SAMPLE_EVERY).await;
+    }
+    samples
+}
+
+/// How often the engines' requests in flight are sampled.
+const SAMPLE_EVERY: Duration = Duration::from_millis(20);
 
 /// Runs the load through the phase's routers (killing `r0` in phase 4 if
 /// the load is still running then); the report, and when `r0` was killed
@@ -368,6 +406,7 @@ async fn read_figures(
         sync,
         router_cpu_s,
         killed_at_s: killed_at,
+        in_flight_imbalance: Vec::new(),
     })
 }
 

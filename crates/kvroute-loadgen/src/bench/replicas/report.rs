@@ -108,6 +108,9 @@ pub struct PhaseReport {
     pub router_cpu_s: f64,
     /// Phase 4: seconds into the load `r0` was killed; `None` when nothing was.
     pub killed_at_s: Option<f64>,
+    /// Samples of the engines' requests in flight as max / mean over the
+    /// engines (1.00: even at that moment), every 20 ms of the load.
+    pub in_flight_imbalance: Vec<f64>,
 }
 
 impl PhaseReport {
@@ -117,6 +120,19 @@ impl PhaseReport {
         let total: u64 = self.per_engine.values().sum();
         let max = self.per_engine.values().copied().max()?;
         (total > 0).then(|| max as f64 * self.per_engine.len() as f64 / total as f64)
+    }
+
+    /// The mean and the 99th percentile of [`PhaseReport::in_flight_imbalance`];
+    /// `None` without samples.
+    pub fn imbalance(&self) -> Option<(f64, f64)> {
+        let mut v = self.in_flight_imbalance.clone();
+        if v.is_empty() {
+            return None;
+        }
+        v.sort_by(f64::total_cmp);
+        let mean = v.iter().sum::<f64>() / v.len() as f64;
+        let rank = ((0.99 * v.len() as f64).ceil() as usize).clamp(1, v.len());
+        Some((mean, v[rank - 1]))
     }
 
     /// Whether phase 4's kill came before the load's last request (not
@@ -151,6 +167,9 @@ impl PhaseReport {
             "index_accuracy": l.index_accuracy,
             "requests_per_engine": self.per_engine,
             "balance": self.balance(),
+            "in_flight_imbalance_samples": self.in_flight_imbalance.len(),
+            "in_flight_imbalance_mean": self.imbalance().map(|i| i.0),
+            "in_flight_imbalance_p99": self.imbalance().map(|i| i.1),
             "counted_from": self.counted_from,
             "replicas": self.sync,
             "router_cpu_s": self.router_cpu_s,
@@ -241,7 +260,7 @@ impl ReplicasBenchReport {
     fn main_table(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "\n{:<22}{:>9}{:>8}{:>9}{:>10}{:>10}{:>10}{:>10}{:>10}{:>9}{:>12}",
+            "\n{:<22}{:>9}{:>8}{:>9}{:>10}{:>10}{:>10}{:>10}{:>10}{:>9}{:>13}{:>12}",
             "phase",
             "requests",
             "failed",
@@ -252,13 +271,14 @@ impl ReplicasBenchReport {
             "lat. p50",
             "lat. p99",
             "balance",
+            "in flight ×",
             "CPU µs/req"
         )?;
         for p in &self.phases {
             let l = &p.load;
             writeln!(
                 f,
-                "{:<22}{:>9}{:>8}{:>9}{:>10.4}{:>10.2}{:>10.2}{:>10.2}{:>10.2}{:>9}{:>12.0}",
+                "{:<22}{:>9}{:>8}{:>9}{:>10.4}{:>10.2}{:>10.2}{:>10.2}{:>10.2}{:>9}{:>13}{:>12.0}",
                 p.kind.label(),
                 l.requests,
                 l.failed,
@@ -270,13 +290,16 @@ impl ReplicasBenchReport {
                 l.latency_ms.p99,
                 p.balance()
                     .map_or_else(|| "-".into(), |b| format!("{b:.2}")),
+                p.imbalance()
+                    .map_or_else(|| "-".into(), |(m, p99)| format!("{m:.2}/{p99:.2}")),
                 p.router_cpu_us_per_request(),
             )?;
         }
         writeln!(
             f,
             "(TTFT and latency in ms; balance: max/mean of requests per engine, 1.00 = even; \
-             CPU: the routers' user + system time per request answered)"
+             in flight ×: max/mean of the engines' requests in flight, sampled every 20 ms, \
+             mean/p99; CPU: the routers' user + system time per request answered)"
         )
     }
 
@@ -465,6 +488,7 @@ mod tests {
             },
             router_cpu_s: 0.01,
             killed_at_s: (kind == PhaseKind::KillOne).then_some(1.0),
+            in_flight_imbalance: vec![1.0, 1.5, 2.0],
         }
     }
 
@@ -489,6 +513,8 @@ mod tests {
         assert_eq!(b(PhaseKind::OneRouter), Some(1.0));
         assert_eq!(b(PhaseKind::NoSync), Some(1.5));
         assert_eq!(b(PhaseKind::KillOne), None);
+        let sampled = r.phase(PhaseKind::OneRouter).and_then(PhaseReport::imbalance);
+        assert_eq!(sampled, Some((1.5, 2.0)), "mean and p99 of the in-flight samples");
         let d = r
             .hit_rate_minus_one_router(PhaseKind::NoSync)
             .expect("both ran");

@@ -235,3 +235,10 @@ mod tests {
         assert_eq!(describe_ranks(r#"{"workers": []}"#), "no worker listed");
     }
 }
+
+/// Requests at the mock engine `base` now: running and waiting.
+pub(crate) async fn engine_in_flight(client: &reqwest::Client, base: &str) -> Result<u64> {
+    let text = metrics::get_text(client, base, "/metrics").await?;
+    Ok(metrics::sum(&text, "vllm:num_requests_running")
+        + metrics::sum(&text, "vllm:num_requests_waiting"))
+}
