@@ -513,8 +513,14 @@ mod tests {
         assert_eq!(b(PhaseKind::OneRouter), Some(1.0));
         assert_eq!(b(PhaseKind::NoSync), Some(1.5));
         assert_eq!(b(PhaseKind::KillOne), None);
-        let sampled = r.phase(PhaseKind::OneRouter).and_then(PhaseReport::imbalance);
-        assert_eq!(sampled, Some((1.5, 2.0)), "mean and p99 of the in-flight samples");
+        let sampled = r
+            .phase(PhaseKind::OneRouter)
+            .and_then(PhaseReport::imbalance);
+        assert_eq!(
+            sampled,
+            Some((1.5, 2.0)),
+            "mean and p99 of the in-flight samples"
+        );
         let d = r
             .hit_rate_minus_one_router(PhaseKind::NoSync)
             .expect("both ran");

@@ -195,6 +195,13 @@ pub(crate) async fn wait_for_peer(
     }
 }
 
+/// Requests at the mock engine `base` now: running and waiting.
+pub(crate) async fn engine_in_flight(client: &reqwest::Client, base: &str) -> Result<u64> {
+    let text = metrics::get_text(client, base, "/metrics").await?;
+    Ok(metrics::sum(&text, "vllm:num_requests_running")
+        + metrics::sum(&text, "vllm:num_requests_waiting"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -234,11 +241,4 @@ mod tests {
         );
         assert_eq!(describe_ranks(r#"{"workers": []}"#), "no worker listed");
     }
-}
-
-/// Requests at the mock engine `base` now: running and waiting.
-pub(crate) async fn engine_in_flight(client: &reqwest::Client, base: &str) -> Result<u64> {
-    let text = metrics::get_text(client, base, "/metrics").await?;
-    Ok(metrics::sum(&text, "vllm:num_requests_running")
-        + metrics::sum(&text, "vllm:num_requests_waiting"))
 }
