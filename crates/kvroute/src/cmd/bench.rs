@@ -145,6 +145,11 @@ struct LoadArgs {
     /// Ask for whole answers instead of streams (TTFT is then the latency).
     #[arg(long)]
     no_stream: bool,
+    /// A named workload (`long`, `short`): its groups, prefix and suffix
+    /// sizes, requests and concurrency; run its engines with `kvroute
+    /// mocker --preset` of the same name.
+    #[arg(long, value_parser = parse_preset, conflicts_with_all = ["workload", "groups", "scale", "question_tokens", "requests", "concurrency", "rate"])]
+    preset: Option<load::Preset>,
 }
 
 /// Arguments of `kvroute bench index`.
@@ -557,13 +562,12 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
     if a.requests == 0 && max_duration.is_none() {
         bail!("--requests 0 needs --duration-secs");
     }
+    let concurrency = a.preset.map_or(a.concurrency, |p| p.concurrency());
     let arrival = match a.rate {
         Some(rate) if rate.is_finite() && rate > 0.0 => load::Arrival::Poisson { rate },
         Some(_) => bail!("--rate must be a positive number"),
-        None if a.concurrency == 0 => bail!("--concurrency must be at least 1"),
-        None => load::Arrival::Closed {
-            concurrency: a.concurrency,
-        },
+        None if concurrency == 0 => bail!("--concurrency must be at least 1"),
+        None => load::Arrival::Closed { concurrency },
     };
     if a.url.iter().any(|u| u.trim().is_empty()) {
         bail!("--url has an empty URL");
@@ -588,17 +592,23 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             load::ORACLE.into()
         }
     });
-    let options = load::LoadOptions {
-        workload: load::WorkloadSpec {
+    let base = match a.preset {
+        Some(preset) => preset.workload(a.seed, a.max_tokens),
+        None => load::WorkloadSpec {
             kind: a.workload,
             seed: a.seed,
             scale: a.scale,
             groups: a.groups.max(1),
-            mm_tokens_per_image: a.mm_tokens_per_image,
             max_tokens: a.max_tokens,
+            question_tokens: a.question_tokens,
+            ..load::WorkloadSpec::default()
+        },
+    };
+    let options = load::LoadOptions {
+        workload: load::WorkloadSpec {
+            mm_tokens_per_image: a.mm_tokens_per_image,
             text: a.text || a.tokenizer.is_some(),
             model: a.model.clone(),
-            question_tokens: a.question_tokens,
             stream: !a.no_stream,
             text_renderer: match &a.tokenizer {
                 None => None,
@@ -607,9 +617,10 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
                         .with_context(|| format!("--tokenizer {}", path.display()))?,
                 ),
             },
+            ..base
         },
         arrival,
-        requests: a.requests,
+        requests: a.preset.map_or(a.requests, |p| p.requests()),
         max_duration,
         progress: !a.no_progress && std::io::stderr().is_terminal(),
         label,
@@ -642,6 +653,14 @@ fn run_load(a: &LoadArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--preset`'s value.
+pub fn parse_preset(name: &str) -> Result<load::Preset, String> {
+    load::Preset::parse(name).ok_or_else(|| {
+        let names: Vec<&str> = load::Preset::ALL.iter().map(|p| p.name()).collect();
+        format!("unknown preset `{name}` (known: {})", names.join(", "))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -651,6 +670,24 @@ mod tests {
     struct Cli {
         #[command(flatten)]
         bench: BenchArgs,
+    }
+
+    #[test]
+    fn a_preset_sets_the_workload_requests_and_concurrency() {
+        let cli = Cli::try_parse_from(["bench", "--preset", "long", "--seed", "3", "--no-stream"])
+            .expect("parses");
+        let (_, o) = load_options(&cli.bench.load).expect("valid");
+        assert_eq!(o.requests, 1_000);
+        assert_eq!(o.arrival, load::Arrival::Closed { concurrency: 16 });
+        assert_eq!(o.workload.groups, 32);
+        assert_eq!(o.workload.describe()["sizes"]["prefix_tokens"], 2_048);
+        assert_eq!((o.workload.seed, o.workload.stream), (3, false));
+        assert!(Cli::try_parse_from(["bench", "--preset", "long", "--groups", "4"]).is_err());
+        let unknown = Cli::try_parse_from(["bench", "--preset", "huge"]).expect_err("unknown");
+        assert!(
+            unknown.to_string().contains("known: long, short"),
+            "{unknown}"
+        );
     }
 
     #[test]

@@ -42,6 +42,10 @@ pub struct MockerArgs {
     /// KV-cache blocks per rank.
     #[arg(long, default_value_t = 16384)]
     num_gpu_blocks: usize,
+    /// The engines of a named workload (`long`, `short`): its KV-cache
+    /// blocks of 16 tokens per rank; send it with `kvroute bench --preset`.
+    #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["num_gpu_blocks", "block_size"])]
+    preset: Option<kvroute_loadgen::Preset>,
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]
     block_size: usize,
@@ -118,7 +122,7 @@ impl MockerArgs {
             kv_events_port: self.kv_events_port,
             replay_port: self.replay_port,
             dp_size: self.dp_size,
-            num_gpu_blocks: self.num_gpu_blocks,
+            num_gpu_blocks: self.preset.map_or(self.num_gpu_blocks, |p| p.gpu_blocks()),
             block_size: self.block_size,
             max_num_seqs: self.max_num_seqs,
             max_num_batched_tokens: self.max_num_batched_tokens,

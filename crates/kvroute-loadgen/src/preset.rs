@@ -1,0 +1,128 @@
+//! Named workloads with the engines' cache sizes they were measured at, so
+//! a comparison with another router can be run again exactly:
+//! `kvroute mocker --preset NAME` for the engines, `kvroute bench --preset
+//! NAME` for the load.
+//!
+//! | preset | groups | prefix + suffix tokens | blocks of 16 per engine | requests | in flight |
+//! | --- | --- | --- | --- | --- | --- |
+//! | `long` | 32 | 2 048 + 64 | 2 048 | 1 000 | 16 |
+//! | `short` | 32 | 256 + 32 | 256 | 1 000 | 16 |
+//!
+//! Both are `shared-prefix`: each request is one group's prefix and a
+//! suffix of its own. The engines' caches cannot hold every group's prefix
+//! on every engine, so where requests go shows in the hit rate.
+
+use crate::workload::{WorkloadKind, WorkloadSpec};
+
+/// A named workload and the engines it runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Preset {
+    /// 32 groups of 2 048-token prefixes with 64-token suffixes, 2 048
+    /// blocks per engine.
+    Long,
+    /// 32 groups of 256-token prefixes with 32-token suffixes, 256 blocks
+    /// per engine.
+    Short,
+}
+
+impl Preset {
+    /// Every preset.
+    pub const ALL: [Preset; 2] = [Preset::Long, Preset::Short];
+
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            Preset::Long => "long",
+            Preset::Short => "short",
+        }
+    }
+
+    /// The preset of that name.
+    pub fn parse(name: &str) -> Option<Preset> {
+        Preset::ALL.into_iter().find(|p| p.name() == name)
+    }
+
+    /// (prefix tokens, suffix tokens, KV blocks per engine).
+    fn sizes(self) -> (usize, usize, usize) {
+        match self {
+            Preset::Long => (2_048, 64, 2_048),
+            Preset::Short => (256, 32, 256),
+        }
+    }
+
+    /// Prefix groups.
+    pub fn groups(self) -> usize {
+        32
+    }
+
+    /// Requests a run sends.
+    pub fn requests(self) -> usize {
+        1_000
+    }
+
+    /// Requests in flight (closed loop).
+    pub fn concurrency(self) -> usize {
+        16
+    }
+
+    /// KV-cache blocks of 16 tokens per engine (`kvroute mocker --num-gpu-blocks`).
+    pub fn gpu_blocks(self) -> usize {
+        self.sizes().2
+    }
+
+    /// The workload, with `seed` and `max_tokens` out per request.
+    pub fn workload(self, seed: u64, max_tokens: u32) -> WorkloadSpec {
+        let (prefix, suffix, _) = self.sizes();
+        WorkloadSpec {
+            kind: WorkloadKind::SharedPrefix,
+            seed,
+            groups: self.groups(),
+            max_tokens,
+            prefix_tokens: Some(prefix),
+            question_tokens: Some(suffix),
+            ..WorkloadSpec::default()
+        }
+    }
+}
+
+impl std::fmt::Display for Preset {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_the_published_sizes_and_their_names() {
+        let long = Preset::Long.workload(3, 32);
+        assert_eq!(long.describe()["sizes"]["prefix_tokens"], 2_048);
+        assert_eq!(long.describe()["sizes"]["question_tokens"], 64);
+        assert_eq!(
+            (long.groups, long.seed, long.kind),
+            (32, 3, WorkloadKind::SharedPrefix)
+        );
+        let short = Preset::Short.workload(1, 8).describe();
+        assert_eq!(short["sizes"]["prefix_tokens"], 256);
+        assert_eq!(short["sizes"]["question_tokens"], 32);
+        assert_eq!(
+            (Preset::Long.gpu_blocks(), Preset::Short.gpu_blocks()),
+            (2_048, 256)
+        );
+        for p in Preset::ALL {
+            assert_eq!(Preset::parse(p.name()), Some(p));
+            assert_eq!((p.requests(), p.concurrency()), (1_000, 16));
+        }
+        assert_eq!(Preset::parse("medium"), None);
+    }
+
+    #[test]
+    fn a_preset_request_is_its_groups_prefix_and_a_suffix() {
+        let workload = crate::workload::Workload::new(&Preset::Short.workload(1, 4));
+        let request = workload.try_next().expect("a request");
+        let prompt = request.body["prompt"].as_array().map_or(0, Vec::len);
+        assert_eq!(prompt, 256 + 32);
+    }
+}
