@@ -62,7 +62,6 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::event::{ExternalHash, KvEvent, Stored, StoredBlock};
     use crate::index::{IndexConfig, WorkerId};
 
     fn key() -> WorkerRank {
@@ -83,21 +82,8 @@ mod tests {
         index.learn_cached_prefix(key(), &locals, 3, 0);
         assert_eq!(depth(&index, &locals), 3);
         // The engine stores block 1 for real: no longer a guess.
-        let stored = Stored {
-            parent: None,
-            blocks: vec![StoredBlock {
-                local: locals[0],
-                external: ExternalHash(77),
-            }],
-            tier: Tier::Device,
-            block_size: 4,
-            lora_name: None,
-            cache_salt: None,
-            lookahead: 0,
-            dropped_blocks: 0,
-            token_ids: None,
-        };
-        index.apply(key(), &KvEvent::Stored(stored));
+        let stored = crate::index::tests::stored(None, &[(77, locals[0].0)], Tier::Device);
+        index.apply(key(), &stored);
         // A later answer says it holds only one block: guesses 2 and 3 go.
         index.learn_cached_prefix(key(), &locals, 1, 10);
         assert_eq!(depth(&index, &locals), 1);

@@ -19,7 +19,8 @@ fn ext_of(chain: &[u64]) -> u64 {
     })
 }
 
-fn stored(parent: Option<u64>, blocks: &[(u64, u64)], tier: Tier) -> KvEvent {
+/// A stored event of `(engine hash, local hash)` blocks of 4 tokens.
+pub(super) fn stored(parent: Option<u64>, blocks: &[(u64, u64)], tier: Tier) -> KvEvent {
     KvEvent::Stored(Stored {
         parent: parent.map(ExternalHash),
         blocks: blocks
