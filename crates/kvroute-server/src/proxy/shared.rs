@@ -10,63 +10,75 @@
 use kvroute_core::hash::SequenceHash;
 use kvroute_core::index::WorkerRank;
 
+use super::candidates::Target;
 use super::Proxy;
 use crate::replica::bus::SharedLoad;
 use crate::replica::message::{Admission, Event, RequestRef};
 use crate::replica::peers::{slot_of, tagged_id};
 
 impl Proxy {
-    /// The index key of `worker`'s `rank`, if this replica has them.
-    fn key_of(&self, worker: &str, rank: u32) -> Option<WorkerRank> {
-        self.targets()
-            .iter()
-            .find(|t| &*t.name == worker && t.ranks.contains(&rank))
-            .map(|t| WorkerRank { worker: t.id, rank })
-    }
-
     fn expiry_ms(&self) -> u64 {
         self.config.active_expiry.as_millis() as u64
     }
 }
 
+/// The index key of `worker`'s `rank` among `targets`, if this replica has them.
+fn key_of(targets: &[Target], worker: &str, rank: u32) -> Option<WorkerRank> {
+    targets
+        .iter()
+        .find(|t| &*t.name == worker && t.ranks.contains(&rank))
+        .map(|t| WorkerRank { worker: t.id, rank })
+}
+
 impl SharedLoad for Proxy {
-    fn apply_peer(&self, slot: u32, event: &Event) -> bool {
-        let at = match event {
-            Event::Admit(a) => &a.at,
-            Event::Prefilled(r) | Event::Release(r) => r,
-        };
-        let Some(key) = self.key_of(&at.worker, at.rank) else {
-            return false;
-        };
-        let id = tagged_id(slot, at.id);
+    fn apply_peer(&self, slot: u32, events: &[Event]) -> u64 {
+        // One read of the workers and one lock of the table per message.
+        let targets = self.targets();
+        let (now, max) = (self.now_ms(), self.expiry_ms());
+        let mut unknown = 0;
+        let mut load_dropped = false;
         let mut table = self.active.lock();
-        match event {
-            Event::Admit(a) => {
-                let blocks: Vec<SequenceHash> = a.blocks.iter().map(|&h| SequenceHash(h)).collect();
-                // Expires here when it would at its owner: `ttl_ms` from now.
-                let max = self.expiry_ms();
-                let started = (self.now_ms() + a.ttl_ms.min(max)).saturating_sub(max);
-                let entry = table.entry(key).or_default();
-                entry.add(id, &blocks, a.prefill_tokens, started);
-                if !a.prefilling {
-                    entry.prefill_done(id);
+        for event in events {
+            let at = match event {
+                Event::Admit(a) => &a.at,
+                Event::Prefilled(r) | Event::Release(r) => r,
+            };
+            let Some(key) = key_of(&targets, &at.worker, at.rank) else {
+                unknown += 1;
+                continue;
+            };
+            let id = tagged_id(slot, at.id);
+            match event {
+                Event::Admit(a) => {
+                    let blocks: Vec<SequenceHash> =
+                        a.blocks.iter().map(|&h| SequenceHash(h)).collect();
+                    // Expires here when it would at its owner: `ttl_ms` from now.
+                    let started = (now + a.ttl_ms.min(max)).saturating_sub(max);
+                    let entry = table.entry(key).or_default();
+                    entry.add(id, &blocks, a.prefill_tokens, started);
+                    if !a.prefilling {
+                        entry.prefill_done(id);
+                    }
                 }
-                return true;
-            }
-            Event::Prefilled(_) => {
-                if let Some(entry) = table.get_mut(&key) {
-                    entry.prefill_done(id);
+                Event::Prefilled(_) => {
+                    if let Some(entry) = table.get_mut(&key) {
+                        entry.prefill_done(id);
+                    }
+                    load_dropped = true;
                 }
-            }
-            Event::Release(_) => {
-                if let Some(entry) = table.get_mut(&key) {
-                    entry.free(id);
+                Event::Release(_) => {
+                    if let Some(entry) = table.get_mut(&key) {
+                        entry.free(id);
+                    }
+                    load_dropped = true;
                 }
             }
         }
         drop(table);
-        self.load_dropped.notify_waiters();
-        true
+        if load_dropped {
+            self.load_dropped.notify_waiters();
+        }
+        unknown
     }
 
     fn forget_slot(&self, slot: u32) -> usize {

@@ -42,9 +42,9 @@ pub const SILENCE: Duration = Duration::from_millis(3_500);
 /// What the sync does to the load table: the proxy implements it, so this
 /// module never reaches into the proxy.
 pub trait SharedLoad: Send + Sync + 'static {
-    /// Applies a peer's event under its slot; false when the event names
-    /// a worker or rank this replica does not have.
-    fn apply_peer(&self, slot: u32, event: &Event) -> bool;
+    /// Applies one message's events of a peer under its slot; returns how
+    /// many named a worker or rank this replica does not have.
+    fn apply_peer(&self, slot: u32, events: &[Event]) -> u64;
     /// Drops every request of the peer in `slot`; returns how many.
     fn forget_slot(&self, slot: u32) -> usize;
     /// This replica's own requests in flight, as admissions (with
@@ -463,21 +463,19 @@ impl ReplicaSync {
     }
 
     fn apply_events(&self, slot: u32, events: &[Event], load: &dyn SharedLoad) {
+        let unknown = load.apply_peer(slot, events);
+        self.counters
+            .unknown_workers
+            .fetch_add(unknown, Ordering::Relaxed);
         let now = unix_us();
-        let mut delays = Vec::new();
-        for event in events {
-            if !load.apply_peer(slot, event) {
-                self.counters
-                    .unknown_workers
-                    .fetch_add(1, Ordering::Relaxed);
-            }
-            if let Event::Admit(a) = event {
-                if a.admitted_us > 0 {
-                    delays.push(now.saturating_sub(a.admitted_us));
-                }
-            }
-        }
-        if delays.is_empty() {
+        let mut delays = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Admit(a) if a.admitted_us > 0 => Some(now.saturating_sub(a.admitted_us)),
+                _ => None,
+            })
+            .peekable();
+        if delays.peek().is_none() {
             return;
         }
         let mut reservoir = self.delays.lock().unwrap_or_else(PoisonError::into_inner);
@@ -534,16 +532,20 @@ mod tests {
     }
 
     impl SharedLoad for Recorder {
-        fn apply_peer(&self, slot: u32, event: &Event) -> bool {
-            let known = match event {
-                Event::Admit(a) => a.at.worker == "w0",
-                Event::Prefilled(r) | Event::Release(r) => r.worker == "w0",
-            };
-            self.applied
-                .lock()
-                .expect("lock")
-                .push((slot, event.clone()));
-            known
+        fn apply_peer(&self, slot: u32, events: &[Event]) -> u64 {
+            let mut unknown = 0;
+            for event in events {
+                let worker = match event {
+                    Event::Admit(a) => &a.at.worker,
+                    Event::Prefilled(r) | Event::Release(r) => &r.worker,
+                };
+                unknown += u64::from(worker != "w0");
+                self.applied
+                    .lock()
+                    .expect("lock")
+                    .push((slot, event.clone()));
+            }
+            unknown
         }
         fn forget_slot(&self, slot: u32) -> usize {
             self.forgotten.lock().expect("lock").push(slot);
