@@ -15,7 +15,7 @@
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use kvroute_core::index::{Index, IndexConfig, WorkerRank};
+use kvroute_core::index::{Index, IndexConfig};
 use kvroute_server::ingest::spec::WorkerSpec;
 use kvroute_server::ingest::stats::ResumePoint;
 use kvroute_server::state::{self, SavedRank, SavedWorker, Snapshot};
@@ -70,7 +70,6 @@ fn saved_state(config: &RestoreBenchConfig) -> Result<(Snapshot, u64)> {
             let line = format!("name=w{i},url=http://127.0.0.1:9,events=tcp://127.0.0.1:9");
             let spec = WorkerSpec::parse(&line, Some(16))
                 .map_err(|e| Error::Unexpected(format!("worker spec: {e}")))?;
-            debug_assert_eq!(WorkerRank::new(i, 0).worker.0, i);
             Ok(SavedWorker {
                 id: i,
                 spec,
