@@ -65,6 +65,7 @@ fn query_answer(
                     "prefill": s.cost.prefill,
                     "decode_blocks": s.cost.decode_blocks,
                     "requests": s.cost.requests,
+                    "decode_load": s.cost.decode_load,
                     "total": s.cost.total,
                 },
             })

@@ -42,6 +42,7 @@ pub struct ActiveSequences {
     requests: HashMap<u64, Request>,
     block_refs: FxHashMap<SequenceHash, u32>,
     prefill_tokens: u64,
+    request_blocks: u64,
 }
 
 impl ActiveSequences {
@@ -58,6 +59,7 @@ impl ActiveSequences {
             *self.block_refs.entry(*b).or_insert(0) += 1;
         }
         self.prefill_tokens += prefill_tokens;
+        self.request_blocks += blocks.len() as u64;
         self.requests.insert(
             id,
             Request {
@@ -87,6 +89,7 @@ impl ActiveSequences {
         if r.prefilling {
             self.prefill_tokens -= r.prefill_tokens;
         }
+        self.request_blocks -= r.blocks.len() as u64;
         for b in &r.blocks {
             if let Some(count) = self.block_refs.get_mut(b) {
                 *count -= 1;
@@ -148,6 +151,12 @@ impl ActiveSequences {
         self.block_refs.len() as u64
     }
 
+    /// Blocks of the active requests counted once per request: what a
+    /// decode step reads (a prefix shared by n requests counts n times).
+    pub fn request_blocks(&self) -> u64 {
+        self.request_blocks
+    }
+
     /// Active requests.
     pub fn active_requests(&self) -> u64 {
         self.requests.len() as u64
@@ -196,6 +205,7 @@ mod tests {
         assert_eq!(a.new_blocks(&hashes(&[10, 30])), 1);
         assert_eq!(a.active_prefix(&hashes(&[10, 11, 30, 12])), 2);
         assert_eq!(a.active_prefix(&hashes(&[30, 10])), 0);
+        assert_eq!(a.request_blocks(), 6);
         a.prefill_done(1);
         a.prefill_done(1);
         assert_eq!(a.active_prefill_tokens(), 16);
@@ -211,6 +221,7 @@ mod tests {
         a.free(1);
         a.free(1);
         assert_eq!((a.active_blocks(), a.active_requests()), (0, 0));
+        assert_eq!(a.request_blocks(), 0);
     }
 
     #[test]

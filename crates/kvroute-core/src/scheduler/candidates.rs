@@ -20,6 +20,8 @@ pub struct BusyThresholds {
     pub prefill_tokens: Option<u64>,
     /// Active decode blocks.
     pub decode_blocks: Option<u64>,
+    /// Active requests.
+    pub requests: Option<u64>,
 }
 
 impl BusyThresholds {
@@ -30,6 +32,7 @@ impl BusyThresholds {
             || self
                 .decode_blocks
                 .is_some_and(|t| c.active_decode_blocks >= t)
+            || self.requests.is_some_and(|t| c.active_requests >= t)
     }
 }
 
@@ -46,6 +49,8 @@ pub struct Load {
     pub active_prefix: u32,
     /// Active requests.
     pub requests: u64,
+    /// Blocks of the active requests, counted once per request.
+    pub request_blocks: u64,
 }
 
 impl Load {
@@ -62,6 +67,7 @@ impl Load {
                 new_blocks: a.new_blocks(seqs),
                 active_prefix: a.active_prefix(seqs),
                 requests: a.active_requests(),
+                request_blocks: a.request_blocks(),
             },
         }
     }
@@ -117,6 +123,8 @@ impl Scored {
             active_decode_blocks: load.decode_blocks,
             new_active_blocks: load.new_blocks,
             active_requests: load.requests,
+            active_request_blocks: load.request_blocks,
+            request_blocks: seqs_len(pricing.request_tokens, block_size),
         };
         Scored {
             worker,
@@ -129,11 +137,24 @@ impl Scored {
         }
     }
 
+    /// The prompt tokens this candidate still has to compute for a
+    /// `request_tokens`-token request: what the request adds to the rank's
+    /// prefill load until its first token.
+    pub fn uncached_prefill_tokens(&self, request_tokens: u64) -> u64 {
+        let cached = u64::from(self.candidate.device_blocks) * u64::from(self.block_size);
+        request_tokens.saturating_sub(cached)
+    }
+
     /// The prompt tokens the engine will report cached if this candidate is
     /// chosen for a `prompt_tokens`-token prompt.
     pub fn predicted_cached_tokens(&self, prompt_tokens: u64) -> u64 {
         predicted_cached_tokens(self.candidate.device_blocks, self.block_size, prompt_tokens)
     }
+}
+
+/// Blocks of a `request_tokens`-token request at `block_size`, partial last block included.
+fn seqs_len(request_tokens: u64, block_size: u32) -> u64 {
+    request_tokens.div_ceil(u64::from(block_size.max(1)))
 }
 
 /// The prompt tokens an engine will report as cached if the first
@@ -163,6 +184,7 @@ mod tests {
         let busy = BusyThresholds {
             prefill_tokens: Some(100),
             decode_blocks: None,
+            requests: None,
         };
         let pricing = Pricing {
             request_tokens: 64,

@@ -7,13 +7,17 @@
 //!                + w.host_weight × host_only_blocks + w.disk_weight × disk_only_blocks
 //!                + w.active_prefix_weight × in_flight_only_blocks
 //! cost = prefill + decode_blocks + w.active_request_weight × active_requests
+//!      + w.request_kv_weight × (active_request_blocks + request_blocks)
 //! ```
 //!
 //! `w` are the [`CostWeights`]. `decode_blocks` is what the worker would hold active with this request:
 //! its current active blocks plus this request's blocks it does not already
 //! have active (blocks shared by requests count once). `in_flight_only_blocks`
 //! are leading blocks that a request active there holds but the index does not
-//! show yet (the engine has not announced them). The defaults
+//! show yet (the engine has not announced them). `active_request_blocks`
+//! counts the blocks of the requests active there once per request: what
+//! each decode step reads, so what makes it slow (`decode_blocks` counts
+//! shared blocks once: what the requests hold). The defaults
 //! ([`CostWeights::default`]) are kvroute's, tuned on a mock fleet: prefill
 //! weighs 4, a cached block credits 2, a block in flight 1. Dynamo's KV
 //! router weighs prefill 1, credits a cached block 1 and ignores blocks in
@@ -45,6 +49,9 @@ pub struct CostWeights {
     /// Credit per leading block held by an active request there (beyond the
     /// device blocks the index knows): 0 ignores prefixes in flight.
     pub active_prefix_weight: f64,
+    /// Cost per block the rank's decode steps would read with this request
+    /// (its requests' blocks counted once per request): the decode-load term.
+    pub request_kv_weight: f64,
 }
 
 impl CostWeights {
@@ -58,6 +65,7 @@ impl CostWeights {
         disk_weight: 0.25,
         active_request_weight: 0.0,
         active_prefix_weight: 0.0,
+        request_kv_weight: 0.0,
     };
 }
 
@@ -76,6 +84,7 @@ impl Default for CostWeights {
             disk_weight: 0.25,
             active_request_weight: 0.0,
             active_prefix_weight: 1.0,
+            request_kv_weight: 0.0,
         }
     }
 }
@@ -100,6 +109,10 @@ pub struct Candidate {
     pub new_active_blocks: u64,
     /// Requests active there.
     pub active_requests: u64,
+    /// Blocks of the requests active there, counted once per request.
+    pub active_request_blocks: u64,
+    /// The request's own blocks.
+    pub request_blocks: u64,
 }
 
 /// A cost and its parts, for `/query` and logs.
@@ -115,6 +128,8 @@ pub struct CostBreakdown {
     pub decode_blocks: f64,
     /// `active_request_weight × active_requests`.
     pub requests: f64,
+    /// `request_kv_weight × (active_request_blocks + request_blocks)`.
+    pub decode_load: f64,
     /// The sum.
     pub total: f64,
 }
@@ -134,13 +149,16 @@ impl Candidate {
         let prefill = w.prefill_load_scale * (prefill_blocks - overlap_credit).max(0.0);
         let decode_blocks = (self.active_decode_blocks + self.new_active_blocks) as f64;
         let requests = w.active_request_weight * self.active_requests as f64;
+        let decode_load =
+            w.request_kv_weight * (self.active_request_blocks + self.request_blocks) as f64;
         CostBreakdown {
             prefill_blocks,
             overlap_credit,
             prefill,
             decode_blocks,
             requests,
-            total: prefill + decode_blocks + requests,
+            decode_load,
+            total: prefill + decode_blocks + requests + decode_load,
         }
     }
 }
@@ -216,13 +234,35 @@ mod tests {
             active_decode_blocks: 8,
             new_active_blocks: 2,
             active_requests: 1,
+            ..Candidate::default()
         };
         let c = computing.cost(160, 16, &w);
         assert_eq!(c.overlap_credit, 2.0 * 2.0 + 6.0);
         assert_eq!(c.total, 4.0 * (16.0 - 10.0) + 10.0);
         assert!(c.total < idle.cost(160, 16, &w).total);
         let ignored = computing.cost(160, 16, &CostWeights::DYNAMO);
+        assert_eq!(ignored.decode_load, 0.0);
         assert_eq!(ignored.overlap_credit, 2.0);
         assert!(ignored.total > idle.cost(160, 16, &CostWeights::DYNAMO).total);
+    }
+
+    #[test]
+    fn the_decode_load_counts_a_shared_prefix_once_per_request() {
+        let w = CostWeights {
+            request_kv_weight: 0.5,
+            ..CostWeights::DYNAMO
+        };
+        // Three requests of 10 blocks sharing 8: 14 blocks held, 30 read per step.
+        let shared = Candidate {
+            active_decode_blocks: 14,
+            active_request_blocks: 30,
+            request_blocks: 10,
+            new_active_blocks: 10,
+            active_requests: 3,
+            ..Candidate::default()
+        };
+        let c = shared.cost(160, 16, &w);
+        assert_eq!((c.decode_blocks, c.decode_load), (24.0, 20.0));
+        assert_eq!(c.total, 10.0 + 24.0 + 20.0);
     }
 }

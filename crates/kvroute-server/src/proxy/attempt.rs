@@ -221,12 +221,11 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
             proxy.metrics.retries.inc();
         }
         let (locals, seqs) = hashes_for(&candidates, req, s);
-        let cached = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
         let guard = ActiveGuard::add(
             proxy,
             (s.key, &target.name),
             &seqs,
-            request_tokens.saturating_sub(cached),
+            s.uncached_prefill_tokens(request_tokens),
         );
         let rewritten = {
             let (req, s, body) = (req.clone(), s.clone(), body.clone());

@@ -400,6 +400,7 @@ mod tests {
             &BusyThresholds {
                 prefill_tokens: Some(100),
                 decode_blocks: None,
+                requests: None,
             },
         );
         assert_eq!(scored.len(), 3);

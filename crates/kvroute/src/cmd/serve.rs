@@ -102,6 +102,11 @@ pub struct ServeArgs {
     /// (a prefix in flight, not yet announced by the engine's events).
     #[arg(long, default_value_t = CostWeights::default().active_prefix_weight, env = "KVROUTE_ACTIVE_PREFIX_WEIGHT")]
     active_prefix_weight: f64,
+    /// Cost per block that the worker's decode steps would read with the
+    /// request (its requests' blocks counted once per request: a shared
+    /// prefix read by n requests counts n times).
+    #[arg(long, default_value_t = CostWeights::default().request_kv_weight, env = "KVROUTE_REQUEST_KV_WEIGHT")]
+    request_kv_weight: f64,
     /// 0: lowest cost wins; > 0: softmax sampling over normalised costs.
     #[arg(long, default_value_t = 0.0, env = "KVROUTE_TEMPERATURE")]
     temperature: f64,
@@ -111,6 +116,10 @@ pub struct ServeArgs {
     /// A rank with this many active decode blocks is skipped (busy).
     #[arg(long, value_name = "BLOCKS", env = "KVROUTE_BUSY_DECODE_BLOCKS")]
     busy_decode_blocks: Option<u64>,
+    /// A rank with this many requests in flight from this router (and its
+    /// peers) is skipped (busy).
+    #[arg(long, value_name = "REQUESTS", env = "KVROUTE_BUSY_REQUESTS")]
+    busy_requests: Option<u64>,
     /// Workers tried per request at most (connection errors and 5xx before the first byte).
     #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MAX_ATTEMPTS")]
     max_attempts: u32,
@@ -342,11 +351,13 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             disk_weight: args.disk_cache_weight,
             active_request_weight: args.active_request_weight,
             active_prefix_weight: args.active_prefix_weight,
+            request_kv_weight: args.request_kv_weight,
         },
         temperature: args.temperature,
         busy: BusyThresholds {
             prefill_tokens: args.busy_prefill_tokens,
             decode_blocks: args.busy_decode_blocks,
+            requests: args.busy_requests,
         },
         max_attempts: args.max_attempts as usize,
         request_timeout: Duration::from_secs(args.request_timeout_secs),
