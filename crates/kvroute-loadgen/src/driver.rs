@@ -58,6 +58,9 @@ pub enum Arrival {
         /// Requests in flight.
         concurrency: usize,
     },
+    /// Open loop at the arrival times of the workload's trace
+    /// ([`WorkloadSpec::trace`](crate::WorkloadSpec::trace)).
+    Trace,
 }
 
 /// What to run, how, and for how long.
@@ -106,14 +109,14 @@ pub enum Endpoint {
 
 /// One finished request.
 #[derive(Debug, Clone, Copy, PartialEq)]
-struct Sample {
-    start_s: f64,
-    ttft_ms: f64,
-    latency_ms: f64,
-    prompt_tokens: u64,
-    cached_tokens: u64,
-    output_tokens: u64,
-    label: RepeatLabel,
+pub(crate) struct Sample {
+    pub(crate) start_s: f64,
+    pub(crate) ttft_ms: f64,
+    pub(crate) latency_ms: f64,
+    pub(crate) prompt_tokens: u64,
+    pub(crate) cached_tokens: u64,
+    pub(crate) output_tokens: u64,
+    pub(crate) label: RepeatLabel,
 }
 
 #[derive(Debug)]
@@ -235,7 +238,24 @@ pub async fn run(
     match options.arrival {
         Arrival::Closed { concurrency } => closed_loop(&shared, concurrency, limit, deadline).await,
         Arrival::Poisson { rate } => {
-            open_loop(&shared, rate, options.workload.seed, limit, deadline).await
+            let mut arrivals = PoissonArrivals::new(rate, options.workload.seed ^ 0xA55E_55ED);
+            open_loop(
+                &shared,
+                move || Some(arrivals.next_arrival()),
+                limit,
+                deadline,
+            )
+            .await
+        }
+        Arrival::Trace => {
+            let Some(trace) = options.workload.trace.clone() else {
+                return Err(Error::Invalid("a trace arrival needs a trace".into()));
+            };
+            let mut next = trace.requests.iter().map(|r| r.timestamp as f64 / 1e3);
+            let limit = limit.map_or(trace.requests.len() as u64, |l| {
+                l.min(trace.requests.len() as u64)
+            });
+            open_loop(&shared, move || next.next(), Some(limit), deadline).await
         }
     }
     let duration = shared.started.elapsed();
@@ -320,20 +340,23 @@ async fn closed_loop(
     while tasks.join_next().await.is_some() {}
 }
 
+/// Starts a request at each time `arrivals` gives (s since the start)
+/// until it gives none, the limit is reached or the deadline passes.
 async fn open_loop(
     shared: &Arc<Shared>,
-    rate: f64,
-    seed: u64,
+    mut arrivals: impl FnMut() -> Option<f64>,
     limit: Option<u64>,
     deadline: Option<Instant>,
 ) {
-    let mut arrivals = PoissonArrivals::new(rate, seed ^ 0xA55E_55ED);
     let mut tasks = JoinSet::new();
     loop {
         if limit.is_some_and(|l| shared.issued.load(Ordering::Relaxed) >= l) {
             break;
         }
-        let at = shared.started + Duration::from_secs_f64(arrivals.next_arrival());
+        let Some(offset) = arrivals() else {
+            break;
+        };
+        let at = shared.started + Duration::from_secs_f64(offset);
         if deadline.is_some_and(|d| at >= d) {
             break;
         }
@@ -410,8 +433,8 @@ async fn send(
     }
 }
 
-/// The per-policy summary of a run's samples.
-fn summarize(
+/// The per-policy summary of a run's samples (the simulator's too).
+pub(crate) fn summarize(
     samples: &[Sample],
     requests: u64,
     failed: u64,

@@ -70,6 +70,8 @@ pub enum WorkloadKind {
     Images,
     /// All-unique prompts: no reuse, the router's overhead case.
     Random,
+    /// A Mooncake-format trace's requests, in order ([`WorkloadSpec::trace`]).
+    Trace,
 }
 
 impl WorkloadKind {
@@ -90,6 +92,7 @@ impl WorkloadKind {
             WorkloadKind::LongDoc => "long-doc",
             WorkloadKind::Images => "images",
             WorkloadKind::Random => "random",
+            WorkloadKind::Trace => "trace",
         }
     }
 }
@@ -151,6 +154,9 @@ pub struct WorkloadSpec {
     pub text_renderer: Option<TextRenderer>,
     /// Ask for streamed answers (SSE, the default) or whole ones.
     pub stream: bool,
+    /// `trace`: the requests to replay (prompts drawn from their hash ids,
+    /// `max_tokens` from their output lengths).
+    pub trace: Option<crate::mooncake::Trace>,
 }
 
 /// The function inside a [`TextRenderer`].
@@ -209,6 +215,7 @@ impl Default for WorkloadSpec {
             prefix_tokens: None,
             text_renderer: None,
             stream: true,
+            trace: None,
         }
     }
 }
@@ -261,6 +268,10 @@ impl WorkloadSpec {
                 "mm_tokens_per_image": self.mm_tokens_per_image,
             }),
             WorkloadKind::Random => json!({"prompt_tokens": s(sizes::RANDOM)}),
+            WorkloadKind::Trace => json!({
+                "trace": self.trace.as_ref().map(|t| t.name.as_str()),
+                "requests": self.trace.as_ref().map_or(0, |t| t.requests.len()),
+            }),
         };
         json!({
             "name": self.kind.name(),
@@ -412,7 +423,7 @@ impl Workload {
                     images.push(crate::image::png_data_url(&mut rng, sizes::IMAGE_SIDE));
                 }
             }
-            WorkloadKind::Random => {}
+            WorkloadKind::Random | WorkloadKind::Trace => {}
         }
         Workload {
             spec: spec.clone(),
@@ -450,7 +461,7 @@ impl Workload {
     }
 
     /// The next request, or `None` when every `multi-turn` conversation has a
-    /// turn in flight.
+    /// turn in flight, or a `trace` has no request left.
     pub fn try_next(&self) -> Option<PlannedRequest> {
         let spec = &self.spec;
         let mut guard = self.lock();
@@ -473,6 +484,12 @@ impl Workload {
                 let mut rng = SplitMix64::new(mix(spec.seed, (1 << 40) | n));
                 let prompt = ids(&mut rng, spec.scaled(sizes::RANDOM));
                 self.completion(&prompt, None)
+            }
+            WorkloadKind::Trace => {
+                let r = spec.trace.as_ref()?.requests.get(n as usize)?;
+                let mut request = self.completion(&crate::mooncake::prompt_tokens(r), None);
+                request.body["max_tokens"] = json!(r.output_length);
+                request
             }
             WorkloadKind::MultiTurn => {
                 let count = st.conversations.len();

@@ -87,6 +87,21 @@ pub struct MockerConfig {
     pub replay_buffer_steps: usize,
 }
 
+impl MockerConfig {
+    /// The engine core each rank runs (`kvroute bench sim` runs the same one
+    /// on a virtual clock).
+    pub fn engine_config(&self) -> crate::engine::EngineConfig {
+        crate::engine::EngineConfig {
+            flavor: self.flavor,
+            block_size: self.block_size,
+            num_gpu_blocks: self.num_gpu_blocks,
+            max_num_seqs: self.max_num_seqs,
+            max_num_batched_tokens: self.max_num_batched_tokens,
+            timing: self.timing,
+        }
+    }
+}
+
 impl Default for MockerConfig {
     fn default() -> Self {
         MockerConfig {

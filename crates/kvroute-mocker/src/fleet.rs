@@ -17,7 +17,7 @@ use tokio::task::JoinHandle;
 use crate::config::{ConfigError, MockerConfig};
 use crate::driver::{self, DriverOptions, RankHandle};
 use crate::encode::EncodeOptions;
-use crate::engine::{Engine, EngineConfig};
+use crate::engine::Engine;
 use crate::faults::FailureDice;
 use crate::filler::{Filler, FillerError};
 use crate::http::openai::PromptSettings;
@@ -291,14 +291,7 @@ impl Fleet {
             };
             events.push(publisher.events_endpoint().to_owned());
             replay.push(publisher.replay_endpoint().to_owned());
-            let engine = Engine::new(EngineConfig {
-                flavor: config.flavor,
-                block_size: config.block_size,
-                num_gpu_blocks: config.num_gpu_blocks,
-                max_num_seqs: config.max_num_seqs,
-                max_num_batched_tokens: config.max_num_batched_tokens,
-                timing: config.timing,
-            });
+            let engine = Engine::new(config.engine_config());
             let options = DriverOptions {
                 ts_source: config.ts_source,
                 restart_every: config.faults.restart_every,
