@@ -17,8 +17,8 @@ use std::future::Future;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::routing::Routing;
 use kvroute_core::event::WorkerFlavor;
-use kvroute_core::scheduler::Policy;
 use kvroute_mocker::{Fleet, MockerConfig};
 use kvroute_server::ingest::spec::WorkerSpec;
 use kvroute_server::replica::ReplicaConfig;
@@ -41,28 +41,7 @@ const REPLICA_SNAPSHOT_EVERY: Duration = Duration::from_secs(2);
 /// Longest wait for each replica to connect to NATS and hear its peers.
 const REPLICA_READY_WITHIN: Duration = Duration::from_secs(10);
 
-/// One policy of the comparison: a router policy, or the oracle.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Contender {
-    /// A fresh `kvroute serve` with this policy.
-    Router(Policy),
-    /// The oracle over the mock engines' true caches ([`ORACLE`]).
-    Oracle,
-}
-
-impl std::str::FromStr for Contender {
-    type Err = Error;
-
-    /// `oracle`, or a router policy's name (`kv`, `round-robin`, …).
-    fn from_str(name: &str) -> Result<Self> {
-        if name == ORACLE {
-            return Ok(Contender::Oracle);
-        }
-        name.parse::<Policy>()
-            .map(Contender::Router)
-            .map_err(|e| Error::Invalid(e.to_string()))
-    }
-}
+pub use crate::routing::Contender;
 
 /// What the demo runs: the engines, the policies, the workload.
 #[derive(Debug, Clone)]
@@ -273,6 +252,7 @@ pub async fn run(
     let concurrency = match config.load.arrival {
         driver::Arrival::Closed { concurrency } => concurrency.to_string(),
         driver::Arrival::Poisson { rate } => format!("{rate} req/s"),
+        driver::Arrival::Trace => "the trace's".to_owned(),
     };
     eprintln!(
         "kvroute demo: {} {} mock engines, {} {} requests per policy, concurrency {concurrency}",
@@ -325,14 +305,14 @@ async fn compare(
                 };
                 (driver::run(&client, &endpoint, &options).await?, Map::new())
             }
-            Contender::Router(policy) => {
+            Contender::Router(routing) => {
                 let replicas = replica_configs(nats, config.replicas, k);
                 if nats.is_some() {
                     replicated.push(name.clone());
                 }
                 let routers = Routers {
                     specs: &specs,
-                    policy: *policy,
+                    routing: *routing,
                     block_size,
                     tokenizer: &tokenizer,
                 };
@@ -393,7 +373,7 @@ fn replica_configs(
 /// What every router of one policy is started with.
 struct Routers<'a> {
     specs: &'a [WorkerSpec],
-    policy: Policy,
+    routing: Routing,
     block_size: u32,
     tokenizer: &'a RouterTokenizer,
 }
@@ -413,7 +393,7 @@ impl Routers<'_> {
         for replica in replicas {
             let router = RunningRouter::start(
                 self.specs,
-                self.policy,
+                self.routing,
                 self.block_size,
                 self.tokenizer.clone(),
                 replica,
@@ -470,16 +450,7 @@ impl Routers<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn policies_parse_and_unknown_ones_are_refused() {
-        assert_eq!("oracle".parse::<Contender>().ok(), Some(Contender::Oracle));
-        assert_eq!(
-            "kv".parse::<Contender>().ok(),
-            Some(Contender::Router(Policy::Kv))
-        );
-        assert!("best".parse::<Contender>().is_err());
-    }
+    use kvroute_core::scheduler::Policy;
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn router_policies_run_through_two_replicas_sharing_a_nats_server() {
@@ -495,8 +466,11 @@ mod tests {
             speedup: 200.0,
             seed: 1,
             contenders: vec![
-                ("kv".into(), Contender::Router(Policy::Kv)),
-                ("round-robin".into(), Contender::Router(Policy::RoundRobin)),
+                ("kv".into(), Contender::Router(Routing::new(Policy::Kv))),
+                (
+                    "round-robin".into(),
+                    Contender::Router(Routing::new(Policy::RoundRobin)),
+                ),
             ],
             load: LoadOptions {
                 workload: WorkloadSpec {

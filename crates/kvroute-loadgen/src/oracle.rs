@@ -99,14 +99,29 @@ async fn pick(
             Err(e) => last_error = Some(e.to_string()),
         }
     }
-    let best = candidates.iter().map(|c| c.2).max().ok_or_else(|| {
+    let mut in_flight = lock(&oracle.in_flight);
+    let load = |w: usize, r: u32| in_flight.get(&(w, r)).copied().unwrap_or(0);
+    let pick = choose(&candidates, load, &mut lock(&oracle.rng)).ok_or_else(|| {
         format!(
             "no worker answered /internal/cache_match ({})",
             last_error.unwrap_or_else(|| "no ranks".into())
         )
     })?;
-    let mut in_flight = lock(&oracle.in_flight);
-    let load = |c: &(usize, u32, u64)| in_flight.get(&(c.0, c.1)).copied().unwrap_or(0);
+    *in_flight.entry(pick).or_insert(0) += 1;
+    Ok(pick)
+}
+
+/// The oracle's rule, given each (worker, rank, matched tokens) and each
+/// (worker, rank)'s requests in flight: the most matched tokens, then the
+/// fewest in flight, then `rng`'s coin among what is left. `None` when
+/// there is no candidate. `kvroute bench sim` routes its oracle by it too.
+pub(crate) fn choose(
+    candidates: &[(usize, u32, u64)],
+    in_flight: impl Fn(usize, u32) -> usize,
+    rng: &mut SplitMix64,
+) -> Option<(usize, u32)> {
+    let best = candidates.iter().map(|c| c.2).max()?;
+    let load = |c: &(usize, u32, u64)| in_flight(c.0, c.1);
     let tied: Vec<(usize, u32, u64)> = candidates.iter().copied().filter(|c| c.2 == best).collect();
     let least = tied.iter().map(load).min().unwrap_or(0);
     let mut tied: Vec<(usize, u32)> = tied
@@ -115,9 +130,7 @@ async fn pick(
         .map(|c| (c.0, c.1))
         .collect();
     tied.sort_unstable();
-    let pick = tied[lock(&oracle.rng).below(tied.len())];
-    *in_flight.entry(pick).or_insert(0) += 1;
-    Ok(pick)
+    Some(tied[rng.below(tied.len())])
 }
 
 /// One worker's `/internal/cache_match` answer: (rank, matched tokens).

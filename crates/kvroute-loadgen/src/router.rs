@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use crate::routing::Routing;
 use kvroute_core::index::IndexConfig;
-use kvroute_core::scheduler::Policy;
 use kvroute_prompt::Renderer;
 use kvroute_server::ingest::registry::IngestConfig;
 use kvroute_server::ingest::spec::WorkerSpec;
@@ -68,7 +68,7 @@ impl RunningRouter {
     /// `replicas`, as one replica sharing its state with its peers over NATS.
     pub async fn start(
         specs: &[WorkerSpec],
-        policy: Policy,
+        routing: Routing,
         block_size: u32,
         tokenizer: RouterTokenizer,
         replicas: Option<ReplicaConfig>,
@@ -81,7 +81,10 @@ impl RunningRouter {
             .map_err(Error::io("the router's address"))?;
         let (stop, stopped) = oneshot::channel::<()>();
         let proxy = ProxyConfig {
-            policy,
+            policy: routing.policy,
+            weights: routing.weights,
+            temperature: routing.temperature,
+            busy: routing.busy,
             renderer: Some(tokenizer),
             ..ProxyConfig::default()
         };

@@ -42,6 +42,12 @@ enum BenchCommand {
     /// Time to ready of a `kvroute serve` that starts on a saved index
     /// (`--state-dir`, or its peers' snapshot over `--nats`).
     Restore(RestoreArgs),
+    /// Routing quality on a virtual clock: the mocker's engines and
+    /// kvroute's scheduler with no sockets and no sleeping, per policy,
+    /// seed and cost weights (a sweep in seconds).
+    Sim(Box<super::sim::SimArgs>),
+    /// Print a synthesized Mooncake-format trace (JSONL) for `--trace`.
+    SynthTrace(super::sim::SynthTraceArgs),
 }
 
 /// Arguments of `kvroute bench restore`.
@@ -148,8 +154,12 @@ struct LoadArgs {
     /// A named workload (`long`, `short`): its groups, prefix and suffix
     /// sizes, requests and concurrency; run its engines with `kvroute
     /// mocker --preset` of the same name.
-    #[arg(long, value_parser = parse_preset, conflicts_with_all = ["workload", "groups", "scale", "question_tokens", "requests", "concurrency", "rate"])]
+    #[arg(long, value_parser = parse_preset, conflicts_with_all = ["workload", "groups", "scale", "question_tokens", "requests", "concurrency", "rate", "max_tokens"])]
     preset: Option<load::Preset>,
+    /// Replay a Mooncake-format trace (JSONL: timestamp, input_length,
+    /// output_length, hash_ids) at its own times, every request of it.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "workload", "requests", "concurrency", "rate"])]
+    trace: Option<PathBuf>,
 }
 
 /// Arguments of `kvroute bench index`.
@@ -386,6 +396,8 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
         Some(BenchCommand::Proxy(a)) => run_proxy(a),
         Some(BenchCommand::Restore(a)) => run_restore(a),
         Some(BenchCommand::Replicas(a)) => run_replicas(a),
+        Some(BenchCommand::Sim(a)) => super::sim::run(a),
+        Some(BenchCommand::SynthTrace(a)) => super::sim::synth_trace(a),
         None => run_load(&args.load),
     }
 }
@@ -592,9 +604,20 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             load::ORACLE.into()
         }
     });
-    let base = match a.preset {
-        Some(preset) => preset.workload(a.seed, a.max_tokens),
-        None => load::WorkloadSpec {
+    let trace = a
+        .trace
+        .as_deref()
+        .map(load::mooncake::Trace::read)
+        .transpose()?;
+    let base = match (a.preset, &trace) {
+        (Some(preset), _) => preset.workload(a.seed),
+        (None, Some(trace)) => load::WorkloadSpec {
+            kind: load::WorkloadKind::Trace,
+            seed: a.seed,
+            trace: Some(trace.clone()),
+            ..load::WorkloadSpec::default()
+        },
+        (None, None) => load::WorkloadSpec {
             kind: a.workload,
             seed: a.seed,
             scale: a.scale,
@@ -619,8 +642,16 @@ fn load_options(a: &LoadArgs) -> Result<(load::Endpoint, load::LoadOptions)> {
             },
             ..base
         },
-        arrival,
-        requests: a.preset.map_or(a.requests, |p| p.requests()),
+        arrival: if trace.is_some() {
+            load::Arrival::Trace
+        } else {
+            arrival
+        },
+        requests: match (a.preset, &trace) {
+            (Some(p), _) => p.requests(),
+            (None, Some(t)) => t.requests.len(),
+            (None, None) => a.requests,
+        },
         max_duration,
         progress: !a.no_progress && std::io::stderr().is_terminal(),
         label,

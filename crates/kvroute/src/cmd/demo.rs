@@ -75,6 +75,11 @@ pub struct DemoArgs {
     /// installed) and the client balances round-robin over them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     replicas: u16,
+    /// A named workload (`long`, `short`): its prefix groups and sizes,
+    /// engines' cache, requests and concurrency, with no time limit (add
+    /// `--speedup 1` for real time).
+    #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["workload", "groups", "scale", "question_tokens", "gpu_blocks", "requests", "concurrency", "quick", "max_tokens"])]
+    preset: Option<kvroute_loadgen::Preset>,
     /// Where the JSON report goes.
     #[arg(long, default_value = "demo-report.json")]
     report: PathBuf,
@@ -94,6 +99,35 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
         .unwrap_or(if images { 2 } else { 16 })
         .max(1);
     let requests = args.requests.unwrap_or(if args.quick { 160 } else { 400 });
+    let workload = WorkloadSpec {
+        kind: args.workload,
+        seed: args.seed,
+        scale: args.scale,
+        groups: args.groups,
+        mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
+        max_tokens: args.max_tokens,
+        question_tokens: args.question_tokens,
+        ..WorkloadSpec::default()
+    };
+    let (workload, gpu_blocks, requests, concurrency, max_duration) = match args.preset {
+        Some(p) => (
+            WorkloadSpec {
+                mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
+                ..p.workload(args.seed)
+            },
+            p.gpu_blocks(),
+            p.requests(),
+            p.concurrency(),
+            None,
+        ),
+        None => (
+            workload,
+            args.gpu_blocks,
+            requests,
+            concurrency,
+            Some(Duration::from_secs(if args.quick { 20 } else { 40 })),
+        ),
+    };
     let mut contenders = Vec::new();
     for name in &args.policies {
         let contender: Contender = name.parse().with_context(|| "--policies".to_owned())?;
@@ -105,24 +139,15 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
     Ok(DemoConfig {
         flavor: args.flavor,
         workers,
-        gpu_blocks: args.gpu_blocks,
+        gpu_blocks,
         speedup: args.speedup,
         seed: args.seed,
         contenders,
         load: LoadOptions {
-            workload: WorkloadSpec {
-                kind: args.workload,
-                seed: args.seed,
-                scale: args.scale,
-                groups: args.groups,
-                mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
-                max_tokens: args.max_tokens,
-                question_tokens: args.question_tokens,
-                ..WorkloadSpec::default()
-            },
+            workload,
             arrival: Arrival::Closed { concurrency },
             requests,
-            max_duration: Some(Duration::from_secs(if args.quick { 20 } else { 40 })),
+            max_duration,
             progress: true,
             label: String::new(),
         },

@@ -5,6 +5,7 @@ pub mod demo;
 pub mod inspect;
 pub mod mocker;
 pub mod serve;
+pub mod sim;
 
 use tracing_subscriber::filter::{LevelFilter, Targets};
 

@@ -1,0 +1,233 @@
+//! The router of a simulation: the index, fed by the engines' encoded
+//! event batches through the same decoder `kvroute serve` runs, the same
+//! candidate scoring (`kvroute_server::proxy::candidates`), the same policy
+//! order (`kvroute_core::scheduler::order`) and the same in-flight
+//! accounting (`ActiveSequences`, charged with the uncached prefill tokens,
+//! released at the first token and at the end). Or the oracle, which reads
+//! the engines' true caches.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use kvroute_core::event::WorkerFlavor;
+use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
+use kvroute_core::rng::SplitMix64;
+use kvroute_core::scheduler::{order, ActiveSequences, Load, Policy};
+use kvroute_core::wire::{DecoderConfig, StreamDecoder};
+use kvroute_mocker::engine::{Engine, NewRequest};
+use kvroute_prompt::body::RoutingRequest;
+use kvroute_server::proxy::candidates::{request_hashes, score, RequestHashes, Target};
+
+use crate::routing::{Contender, Routing};
+
+/// Where a request went and what the router recorded for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Placement {
+    /// The engine.
+    pub engine: usize,
+    /// Its id in the router's load table.
+    pub active_id: u64,
+    /// The cached tokens the router predicted (`None`: the oracle, which
+    /// predicts nothing).
+    pub predicted_cached: Option<u64>,
+}
+
+/// The simulated router.
+#[derive(Debug)]
+pub struct SimRouter {
+    policy: Contender,
+    index: SharedIndex,
+    decoders: Vec<StreamDecoder>,
+    targets: Arc<Vec<Target>>,
+    active: HashMap<WorkerRank, ActiveSequences>,
+    oracle_in_flight: Vec<usize>,
+    rng: SplitMix64,
+    turn: u64,
+    next_id: u64,
+}
+
+/// Engine `i`'s key in the index (one rank per engine).
+fn key(i: usize) -> WorkerRank {
+    WorkerRank::new(i as u32, 0)
+}
+
+impl SimRouter {
+    /// A router over `engines` engines of `block_size` and `flavor`.
+    pub fn new(
+        policy: Contender,
+        engines: usize,
+        (block_size, flavor): (u32, WorkerFlavor),
+        seed: u64,
+    ) -> Self {
+        let targets = (0..engines)
+            .map(|i| Target {
+                name: Arc::from(format!("sim{i}").as_str()),
+                id: WorkerId(i as u32),
+                url: String::new(),
+                block_size,
+                ranks: vec![0],
+                flavor,
+                rank_stats: Vec::new(),
+            })
+            .collect();
+        let decoders = (0..engines)
+            .map(|_| {
+                StreamDecoder::new(DecoderConfig {
+                    block_size: Some(block_size),
+                    ..DecoderConfig::default()
+                })
+            })
+            .collect();
+        SimRouter {
+            policy,
+            index: SharedIndex::new(Index::new(IndexConfig::default())),
+            decoders,
+            targets: Arc::new(targets),
+            active: HashMap::new(),
+            oracle_in_flight: vec![0; engines],
+            rng: SplitMix64::new(seed ^ 0x0005_1AE5),
+            turn: 0,
+            next_id: 0,
+        }
+    }
+
+    /// Applies one published batch of engine `engine` (msgpack, as on the wire);
+    /// returns the events the decoder skipped.
+    pub fn ingest(&mut self, engine: usize, payload: &[u8]) -> u64 {
+        let Some(decoder) = self.decoders.get_mut(engine) else {
+            return 0;
+        };
+        let Ok(batch) = decoder.decode(payload) else {
+            return 1;
+        };
+        for event in batch.decoded() {
+            self.index.apply(key(engine), event);
+        }
+        batch.skipped().count() as u64
+    }
+
+    /// Chooses the engine for a prompt and records it as in flight there.
+    pub fn route(&mut self, tokens: &[u32], now_ms: u64, engines: &[Engine]) -> Placement {
+        match self.policy {
+            Contender::Oracle => self.route_oracle(tokens, engines),
+            Contender::Router(routing) => self.route_scored(tokens, now_ms, routing),
+        }
+    }
+
+    fn route_scored(
+        &mut self,
+        tokens: &[u32],
+        now_ms: u64,
+        Routing {
+            policy,
+            weights,
+            temperature,
+            busy,
+        }: Routing,
+    ) -> Placement {
+        let req = RoutingRequest {
+            tokens: Some(tokens.to_vec()),
+            ..RoutingRequest::default()
+        };
+        let targets = self.targets.clone();
+        let hashes = RequestHashes::compute(
+            &targets,
+            &self.index,
+            &mut |bs, flavor| request_hashes(&req, bs, flavor),
+            false,
+        );
+        let active = &self.active;
+        let mut scored = score(
+            &targets,
+            &hashes,
+            tokens.len() as u64,
+            &|k, seqs| Load::of(active.get(&k), seqs),
+            &|_| true,
+            &weights,
+            &busy,
+        );
+        let turn = self.turn;
+        self.turn += 1;
+        let random = self.rng.next_f64();
+        let ordered = order(&scored, policy, temperature, random, turn);
+        // Every rank busy: `kvroute serve` would queue the request; here it
+        // goes where the policy sends it with the thresholds ignored.
+        let chosen = match ordered.first() {
+            Some(&i) => i,
+            None => {
+                for s in &mut scored {
+                    s.overloaded = false;
+                }
+                let relaxed = order(&scored, policy, temperature, random, turn);
+                relaxed.first().copied().unwrap_or(0)
+            }
+        };
+        let s = &scored[chosen];
+        let seqs = hashes
+            .get(s.block_size, s.flavor)
+            .map_or(&[][..], |set| &set.seqs[..]);
+        let id = self.next_id;
+        self.next_id += 1;
+        self.active.entry(s.key).or_default().add(
+            id,
+            seqs,
+            s.uncached_prefill_tokens(tokens.len() as u64),
+            now_ms,
+        );
+        if policy == Policy::Approx {
+            if let Some(set) = hashes.get(s.block_size, s.flavor) {
+                self.index
+                    .write()
+                    .record_routing_decision(s.key, &set.locals, now_ms);
+            }
+        }
+        Placement {
+            engine: s.worker,
+            active_id: id,
+            predicted_cached: Some(s.predicted_cached_tokens(tokens.len() as u64)),
+        }
+    }
+
+    fn route_oracle(&mut self, tokens: &[u32], engines: &[Engine]) -> Placement {
+        let probe = NewRequest {
+            prompt: tokens.iter().map(|&t| u64::from(t)).collect(),
+            output: Vec::new(),
+            mm_items: Vec::new(),
+        };
+        let candidates: Vec<(usize, u32, u64)> = engines
+            .iter()
+            .enumerate()
+            .map(|(i, e)| (i, 0, e.cached_prefix_tokens(&probe) as u64))
+            .collect();
+        let loads = &self.oracle_in_flight;
+        let (engine, _) =
+            crate::oracle::choose(&candidates, |w, _| loads[w], &mut self.rng).unwrap_or((0, 0));
+        self.oracle_in_flight[engine] += 1;
+        let id = self.next_id;
+        self.next_id += 1;
+        Placement {
+            engine,
+            active_id: id,
+            predicted_cached: None,
+        }
+    }
+
+    /// The request's first token reached the router: its prefill is over.
+    pub fn first_token(&mut self, at: Placement) {
+        if let Some(a) = self.active.get_mut(&key(at.engine)) {
+            a.prefill_done(at.active_id);
+        }
+    }
+
+    /// The request ended.
+    pub fn finished(&mut self, at: Placement) {
+        if let Some(a) = self.active.get_mut(&key(at.engine)) {
+            a.free(at.active_id);
+        }
+        if self.policy == Contender::Oracle {
+            if let Some(n) = self.oracle_in_flight.get_mut(at.engine) {
+                *n = n.saturating_sub(1);
+            }
+        }
+    }
+}

@@ -1,0 +1,408 @@
+//! `kvroute bench sim`: the fleet, the router and the clients on a virtual
+//! clock (see `kvroute_loadgen::sim`), for each named policy, each seed and
+//! each combination of the cost weights given as lists: a sweep.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvroute_core::scheduler::{CostWeights, Policy};
+use kvroute_loadgen as load;
+use kvroute_loadgen::mooncake::Trace;
+use kvroute_loadgen::routing::{Contender, Routing};
+use kvroute_loadgen::sim::{simulate, Delays, SimConfig, SimLoad, SimReport};
+use kvroute_mocker::MockerConfig;
+use serde_json::{json, Value};
+
+/// Arguments of `kvroute bench sim`.
+#[derive(Debug, Args)]
+pub struct SimArgs {
+    /// A named workload and its engines' cache (`long`, `short`).
+    #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["workload", "trace", "max_tokens"])]
+    preset: Option<load::Preset>,
+    /// A Mooncake-format trace (JSONL: timestamp, input_length,
+    /// output_length, hash_ids), replayed at its own times.
+    #[arg(long, value_name = "FILE", conflicts_with = "workload")]
+    trace: Option<PathBuf>,
+    /// The traffic (token-id workloads: shared-prefix, multi-turn, long-doc, random).
+    #[arg(long, default_value = "shared-prefix", value_parser = super::bench::workload_parser())]
+    workload: load::WorkloadKind,
+    /// Requests per run (a trace: at most this many; 0: all of it).
+    #[arg(long)]
+    requests: Option<usize>,
+    /// Closed loop: requests in flight at once.
+    #[arg(long)]
+    concurrency: Option<usize>,
+    /// Open loop: Poisson arrivals at this many requests per second.
+    #[arg(long, conflicts_with = "concurrency")]
+    rate: Option<f64>,
+    /// Multiplies every workload size.
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Prefix groups, conversations or documents.
+    #[arg(long, default_value_t = 8)]
+    groups: usize,
+    /// `shared-prefix`: tokens per question.
+    #[arg(long)]
+    question_tokens: Option<usize>,
+    /// Tokens generated per request (a trace sets its own).
+    #[arg(long, default_value_t = 32)]
+    max_tokens: u32,
+    /// Seeds of the workload and the router; one run each.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    seeds: Vec<u64>,
+    /// Engines (one rank each).
+    #[arg(long, default_value_t = 4)]
+    engines: usize,
+    /// KV-cache blocks per engine (a preset sets its own).
+    #[arg(long)]
+    gpu_blocks: Option<usize>,
+    /// Divides the engines' step times, as `kvroute mocker --speedup`.
+    #[arg(long, default_value_t = 1.0)]
+    speedup: f64,
+    /// What routes, in order: router policies, `dynamo` (kv with Dynamo's
+    /// weights) and `oracle`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "kv,dynamo,least-loaded,round-robin,oracle"
+    )]
+    policies: Vec<String>,
+    #[command(flatten)]
+    sweep: SweepArgs,
+    /// Microseconds each way between client and router.
+    #[arg(long, default_value_t = Delays::default().client_us)]
+    client_us: u64,
+    /// Microseconds each way between router and engine.
+    #[arg(long, default_value_t = Delays::default().engine_us)]
+    engine_us: u64,
+    /// Microseconds from an engine's step end to its events in the index.
+    #[arg(long, default_value_t = Delays::default().event_us)]
+    event_us: u64,
+    /// Print one JSON object per run (one per line) instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The `kv` policy's weights; each takes a list, and every combination runs.
+#[derive(Debug, Args)]
+struct SweepArgs {
+    /// Multiplies the prefill term.
+    #[arg(long, value_delimiter = ',')]
+    prefill_load_scale: Vec<f64>,
+    /// Credit per cached device block.
+    #[arg(long, value_delimiter = ',')]
+    overlap_credit: Vec<f64>,
+    /// Credit per leading block held by a request in flight.
+    #[arg(long, value_delimiter = ',')]
+    active_prefix_weight: Vec<f64>,
+    /// Cost per request running on the rank.
+    #[arg(long, value_delimiter = ',')]
+    active_request_weight: Vec<f64>,
+    /// Cost per block the rank's decode steps read (the decode-load term).
+    #[arg(long, value_delimiter = ',')]
+    request_kv_weight: Vec<f64>,
+    /// Softmax temperature (0: lowest cost).
+    #[arg(long, value_delimiter = ',')]
+    temperature: Vec<f64>,
+    /// Requests in flight at which a rank is skipped (busy).
+    #[arg(long, value_delimiter = ',')]
+    busy_requests: Vec<f64>,
+}
+
+/// One axis of the sweep: its short name, its values, and how it sets a routing.
+type Axis<'a> = (&'static str, &'a [f64], fn(&mut Routing, f64));
+
+impl SweepArgs {
+    fn axes(&self) -> Vec<Axis<'_>> {
+        let all: [Axis<'_>; 7] = [
+            ("pls", &self.prefill_load_scale, |r, v| {
+                r.weights.prefill_load_scale = v
+            }),
+            ("oc", &self.overlap_credit, |r, v| {
+                r.weights.overlap_credit = v
+            }),
+            ("apw", &self.active_prefix_weight, |r, v| {
+                r.weights.active_prefix_weight = v
+            }),
+            ("arw", &self.active_request_weight, |r, v| {
+                r.weights.active_request_weight = v
+            }),
+            ("kvw", &self.request_kv_weight, |r, v| {
+                r.weights.request_kv_weight = v
+            }),
+            ("t", &self.temperature, |r, v| r.temperature = v),
+            ("busy", &self.busy_requests, |r, v| {
+                r.busy.requests = Some(v as u64)
+            }),
+        ];
+        all.into_iter().filter(|a| !a.1.is_empty()).collect()
+    }
+
+    /// Every combination of the listed values applied to `base`, with a label each.
+    fn expand(&self, base: Routing) -> Vec<(String, Routing)> {
+        let mut out = vec![(String::new(), base)];
+        for (name, values, set) in self.axes() {
+            let mut next = Vec::with_capacity(out.len() * values.len());
+            for (label, routing) in &out {
+                for &v in values {
+                    let mut r = *routing;
+                    set(&mut r, v);
+                    let sep = if label.is_empty() { "" } else { "," };
+                    next.push((format!("{label}{sep}{name}={v}"), r));
+                }
+            }
+            out = next;
+        }
+        out
+    }
+}
+
+/// The contenders of the run: each named policy, the `kv` one once per
+/// combination of the sweep.
+fn contenders(a: &SimArgs) -> Result<Vec<(String, Contender)>> {
+    let mut out = Vec::new();
+    for name in &a.policies {
+        let contender: Contender = name.parse().context("--policies")?;
+        match contender {
+            Contender::Router(base)
+                if base.policy == Policy::Kv && base.weights == CostWeights::default() =>
+            {
+                for (label, routing) in a.sweep.expand(base) {
+                    let label = if label.is_empty() {
+                        name.clone()
+                    } else {
+                        format!("{name}[{label}]")
+                    };
+                    out.push((label, Contender::Router(routing)));
+                }
+            }
+            c => out.push((name.clone(), c)),
+        }
+    }
+    if out.is_empty() {
+        bail!("--policies is empty");
+    }
+    Ok(out)
+}
+
+/// The traffic of one seed.
+fn sim_load(a: &SimArgs, seed: u64, trace: Option<&Trace>) -> SimLoad {
+    let concurrency = a
+        .concurrency
+        .or(a.preset.map(|p| p.concurrency()))
+        .unwrap_or(16);
+    let arrival = match (trace, a.rate) {
+        (Some(_), _) => load::Arrival::Trace,
+        (None, Some(rate)) => load::Arrival::Poisson { rate },
+        (None, None) => load::Arrival::Closed { concurrency },
+    };
+    let workload = match (a.preset, trace) {
+        (Some(p), _) => p.workload(seed),
+        (None, Some(t)) => load::WorkloadSpec {
+            kind: load::WorkloadKind::Trace,
+            trace: Some(t.clone()),
+            seed,
+            ..load::WorkloadSpec::default()
+        },
+        (None, None) => load::WorkloadSpec {
+            kind: a.workload,
+            seed,
+            scale: a.scale,
+            groups: a.groups,
+            max_tokens: a.max_tokens,
+            question_tokens: a.question_tokens,
+            ..load::WorkloadSpec::default()
+        },
+    };
+    let requests = a.requests.unwrap_or(match (a.preset, trace) {
+        (Some(p), _) => p.requests(),
+        (None, Some(_)) => 0,
+        (None, None) => 1_000,
+    });
+    SimLoad {
+        workload,
+        arrival,
+        requests,
+    }
+}
+
+/// One run's result as a JSON object.
+fn row(name: &str, seed: u64, r: &SimReport, cpu_ms: f64) -> Value {
+    json!({
+        "policy": name,
+        "seed": seed,
+        "report": r.report,
+        "per_engine": r.per_engine,
+        "steps": r.steps,
+        "skipped_events": r.skipped_events,
+        "sim_cpu_ms": cpu_ms,
+    })
+}
+
+/// Runs `kvroute bench sim`.
+pub fn run(a: &SimArgs) -> Result<ExitCode> {
+    if !(a.speedup.is_finite() && a.speedup > 0.0) {
+        bail!("--speedup must be a positive number");
+    }
+    let trace = a.trace.as_deref().map(Trace::read).transpose()?;
+    let mut mocker = MockerConfig {
+        num_gpu_blocks: a
+            .gpu_blocks
+            .or(a.preset.map(|p| p.gpu_blocks()))
+            .unwrap_or(MockerConfig::default().num_gpu_blocks),
+        ..MockerConfig::default()
+    };
+    mocker.timing.speedup = a.speedup;
+    let delays = Delays {
+        client_us: a.client_us,
+        engine_us: a.engine_us,
+        event_us: a.event_us,
+    };
+    let mut jobs = Vec::new();
+    for (name, contender) in contenders(a)? {
+        for &seed in &a.seeds {
+            let config = SimConfig {
+                engines: a.engines,
+                engine: mocker.engine_config(),
+                policy: contender,
+                delays,
+                seed,
+            };
+            jobs.push((
+                name.clone(),
+                seed,
+                config,
+                sim_load(a, seed, trace.as_ref()),
+            ));
+        }
+    }
+    let rows = run_all(&jobs)?;
+    if a.json {
+        for r in &rows {
+            println!("{r}");
+        }
+    } else {
+        print!("{}", table(&rows, a.seeds.len()));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Runs every job on every core; results in the jobs' order.
+fn run_all(jobs: &[(String, u64, SimConfig, SimLoad)]) -> Result<Vec<Value>> {
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<Result<Value>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(jobs.len().max(1));
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some((name, seed, config, load)) = jobs.get(i) else {
+                    break;
+                };
+                let started = std::time::Instant::now();
+                let out = simulate(config, load)
+                    .map(|r| row(name, *seed, &r, started.elapsed().as_secs_f64() * 1e3))
+                    .map_err(anyhow::Error::from);
+                if let Ok(mut slots) = results.lock() {
+                    slots[i] = Some(out);
+                }
+            });
+        }
+    });
+    let slots = results
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("a simulation panicked"))?;
+    slots
+        .into_iter()
+        .map(|r| r.unwrap_or_else(|| Err(anyhow::anyhow!("a simulation did not finish"))))
+        .collect()
+}
+
+/// One line per run, then the mean over seeds of each policy when there are several.
+fn table(rows: &[Value], seeds: usize) -> String {
+    use std::fmt::Write as _;
+    let mut out = format!(
+        "{:<34}{:>6}{:>8}{:>10}{:>10}{:>10}{:>10}{:>10}{:>9}  per engine\n",
+        "policy", "seed", "hit", "ttft p50", "ttft p90", "ttft p99", "lat p50", "lat p99", "cpu ms"
+    );
+    let f = |r: &Value, path: &[&str]| path.iter().fold(r, |v, k| &v[*k]).as_f64().unwrap_or(0.0);
+    let line = |out: &mut String, name: &str, seed: &str, r: &[&Value]| {
+        let mean =
+            |path: &[&str]| r.iter().map(|v| f(v, path)).sum::<f64>() / r.len().max(1) as f64;
+        let _ = write!(
+            out,
+            "{name:<34}{seed:>6}{:>8.4}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>9.0}",
+            mean(&["report", "hit_rate"]),
+            mean(&["report", "ttft_ms", "p50"]),
+            mean(&["report", "ttft_ms", "p90"]),
+            mean(&["report", "ttft_ms", "p99"]),
+            mean(&["report", "latency_ms", "p50"]),
+            mean(&["report", "latency_ms", "p99"]),
+            mean(&["sim_cpu_ms"]),
+        );
+        if let [one] = r {
+            let _ = write!(out, "  {}", one["per_engine"]);
+        }
+        out.push('\n');
+    };
+    for group in rows.chunks(seeds.max(1)) {
+        for r in group {
+            let name = r["policy"].as_str().unwrap_or("?");
+            line(
+                &mut out,
+                name,
+                &r["seed"].to_string(),
+                std::slice::from_ref(&r),
+            );
+        }
+        if group.len() > 1 {
+            let name = group[0]["policy"].as_str().unwrap_or("?");
+            let refs: Vec<&Value> = group.iter().collect();
+            line(&mut out, name, "mean", &refs);
+        }
+    }
+    out
+}
+
+/// Arguments of `kvroute bench synth-trace`.
+#[derive(Debug, Args)]
+pub struct SynthTraceArgs {
+    /// Requests in the trace.
+    #[arg(long, default_value_t = 1_000)]
+    requests: usize,
+    /// Mean arrivals per second.
+    #[arg(long, default_value_t = 8.0)]
+    rate: f64,
+    /// Shared system prompts.
+    #[arg(long, default_value_t = 16)]
+    system_prompts: usize,
+    /// Conversations open at a time.
+    #[arg(long, default_value_t = 24)]
+    conversations: usize,
+    /// Seed of every choice.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+}
+
+/// Prints a synthesized Mooncake-format trace (JSONL) on stdout.
+pub fn synth_trace(a: &SynthTraceArgs) -> Result<ExitCode> {
+    if !(a.rate.is_finite() && a.rate > 0.0) {
+        bail!("--rate must be a positive number");
+    }
+    let trace = load::mooncake::synthesize(&load::mooncake::SynthesisConfig {
+        requests: a.requests,
+        rate: a.rate,
+        system_prompts: a.system_prompts,
+        conversations: a.conversations,
+        seed: a.seed,
+    });
+    print!("{}", trace.to_jsonl());
+    Ok(ExitCode::SUCCESS)
+}
