@@ -111,6 +111,10 @@ mod tests {
         assert_eq!(long.describe()["sizes"]["prefix_tokens"], 2_048);
         assert_eq!(long.describe()["sizes"]["question_tokens"], 64);
         assert_eq!(
+            long.max_tokens, 16,
+            "the published comparison's output length"
+        );
+        assert_eq!(
             (long.groups, long.seed, long.kind),
             (32, 3, WorkloadKind::SharedPrefix)
         );

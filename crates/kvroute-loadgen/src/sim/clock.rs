@@ -87,7 +87,11 @@ impl<'a> Sim<'a> {
             seq: 0,
             queue: BinaryHeap::new(),
             engines: (0..config.engines)
-                .map(|_| Engine::new(config.engine.clone()))
+                .map(|i| {
+                    let mut engine = config.engine.clone();
+                    engine.timing.speedup *= config.engine_speeds.get(i).copied().unwrap_or(1.0);
+                    Engine::new(engine)
+                })
                 .collect(),
             stepping: vec![None; config.engines],
             router: SimRouter::new(
@@ -275,7 +279,12 @@ impl<'a> Sim<'a> {
     fn start_step(&mut self, e: usize) {
         if let Some(step) = self.engines[e].step() {
             self.steps += 1;
-            let end = self.now + step.duration.as_micros() as u64;
+            let lag = if step.duration.is_zero() {
+                0
+            } else {
+                self.config.delays.step_us
+            };
+            let end = self.now + step.duration.as_micros() as u64 + lag;
             self.stepping[e] = Some(step);
             self.at(end, Event::StepEnd(e));
         }

@@ -38,6 +38,9 @@ pub struct Delays {
     pub engine_us: u64,
     /// From the end of an engine's step to its events in the router's index.
     pub event_us: u64,
+    /// Added to every step that computes something: the real driver's
+    /// wake-up after each step's sleep.
+    pub step_us: u64,
 }
 
 impl Default for Delays {
@@ -45,9 +48,10 @@ impl Default for Delays {
     /// against real-time runs (docs/bench.md, "The simulator").
     fn default() -> Self {
         Delays {
-            client_us: 1_000,
-            engine_us: 600,
-            event_us: 500,
+            client_us: 600,
+            engine_us: 400,
+            event_us: 400,
+            step_us: 1_200,
         }
     }
 }
@@ -59,6 +63,9 @@ pub struct SimConfig {
     pub engines: usize,
     /// Every engine's configuration (`MockerConfig::engine_config`).
     pub engine: EngineConfig,
+    /// Engine `i`'s speed relative to `engine`'s timing (its speedup is
+    /// multiplied by `engine_speeds[i]`; missing entries are 1).
+    pub engine_speeds: Vec<f64>,
     /// Who routes.
     pub policy: Contender,
     /// Message delays.

@@ -80,6 +80,10 @@ pub struct DemoArgs {
     /// `--speedup 1` for real time).
     #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["workload", "groups", "scale", "question_tokens", "gpu_blocks", "requests", "concurrency", "quick", "max_tokens"])]
     preset: Option<kvroute_loadgen::Preset>,
+    /// Replay a Mooncake-format trace (JSONL: timestamp, input_length,
+    /// output_length, hash_ids) at its own times instead of a workload.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "workload", "requests", "concurrency", "quick"])]
+    trace: Option<PathBuf>,
     /// Where the JSON report goes.
     #[arg(long, default_value = "demo-report.json")]
     report: PathBuf,
@@ -109,22 +113,43 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
         question_tokens: args.question_tokens,
         ..WorkloadSpec::default()
     };
-    let (workload, gpu_blocks, requests, concurrency, max_duration) = match args.preset {
-        Some(p) => (
+    let trace = args
+        .trace
+        .as_deref()
+        .map(kvroute_loadgen::mooncake::Trace::read)
+        .transpose()?;
+    let arrival = match &trace {
+        Some(_) => Arrival::Trace,
+        None => Arrival::Closed {
+            concurrency: args.preset.map_or(concurrency, |p| p.concurrency()),
+        },
+    };
+    let (workload, gpu_blocks, requests, max_duration) = match (args.preset, trace) {
+        (Some(p), _) => (
             WorkloadSpec {
                 mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
                 ..p.workload(args.seed)
             },
             p.gpu_blocks(),
             p.requests(),
-            p.concurrency(),
             None,
         ),
-        None => (
+        (None, Some(trace)) => (
+            WorkloadSpec {
+                kind: WorkloadKind::Trace,
+                seed: args.seed,
+                mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
+                trace: Some(trace.clone()),
+                ..WorkloadSpec::default()
+            },
+            args.gpu_blocks,
+            trace.requests.len(),
+            None,
+        ),
+        (None, None) => (
             workload,
             args.gpu_blocks,
             requests,
-            concurrency,
             Some(Duration::from_secs(if args.quick { 20 } else { 40 })),
         ),
     };
@@ -145,7 +170,7 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
         contenders,
         load: LoadOptions {
             workload,
-            arrival: Arrival::Closed { concurrency },
+            arrival,
             requests,
             max_duration,
             progress: true,

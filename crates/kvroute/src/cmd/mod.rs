@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod demo;
 pub mod inspect;
+pub mod load;
 pub mod mocker;
 pub mod serve;
 pub mod sim;

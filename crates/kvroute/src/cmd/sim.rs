@@ -63,6 +63,10 @@ pub struct SimArgs {
     /// Divides the engines' step times, as `kvroute mocker --speedup`.
     #[arg(long, default_value_t = 1.0)]
     speedup: f64,
+    /// Each engine's own speedup, multiplying `--speedup` (a fleet of
+    /// unequal engines: `1,1,1,0.5` makes the last one half as fast).
+    #[arg(long, value_delimiter = ',')]
+    engine_speeds: Vec<f64>,
     /// What routes, in order: router policies, `dynamo` (kv with Dynamo's
     /// weights) and `oracle`.
     #[arg(
@@ -82,6 +86,9 @@ pub struct SimArgs {
     /// Microseconds from an engine's step end to its events in the index.
     #[arg(long, default_value_t = Delays::default().event_us)]
     event_us: u64,
+    /// Microseconds added to each engine step (the real driver's wake-up).
+    #[arg(long, default_value_t = Delays::default().step_us)]
+    step_us: u64,
     /// Print one JSON object per run (one per line) instead of a table.
     #[arg(long)]
     json: bool,
@@ -248,6 +255,9 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
     if !(a.speedup.is_finite() && a.speedup > 0.0) {
         bail!("--speedup must be a positive number");
     }
+    if a.engine_speeds.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+        bail!("--engine-speeds must be positive numbers");
+    }
     let trace = a.trace.as_deref().map(Trace::read).transpose()?;
     let mut mocker = MockerConfig {
         num_gpu_blocks: a
@@ -261,6 +271,7 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         client_us: a.client_us,
         engine_us: a.engine_us,
         event_us: a.event_us,
+        step_us: a.step_us,
     };
     let mut jobs = Vec::new();
     for (name, contender) in contenders(a)? {
@@ -268,6 +279,7 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
             let config = SimConfig {
                 engines: a.engines,
                 engine: mocker.engine_config(),
+                engine_speeds: a.engine_speeds.clone(),
                 policy: contender,
                 delays,
                 seed,

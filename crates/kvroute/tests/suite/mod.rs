@@ -12,6 +12,7 @@ mod multimodal;
 mod proxy;
 mod replicas;
 mod restarts;
+mod routing;
 mod safety;
 mod scale;
 mod serve;

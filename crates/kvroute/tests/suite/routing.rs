@@ -1,0 +1,242 @@
+//! Routing quality as `kvroute bench sim` and `kvroute demo` measure it:
+//! the real binary runs the mocker's engines and kvroute's scheduler on a
+//! virtual clock (deterministic), or a real mock fleet and router in real
+//! time, on the published comparison's presets and on Mooncake traces.
+
+use std::collections::HashMap;
+
+use serde_json::Value;
+
+use crate::support::{kvroute, start_mocker_with, start_serve};
+
+/// Runs `kvroute bench sim ARGS --json` and returns its rows.
+fn sim(args: &[&str]) -> Vec<Value> {
+    let out = kvroute()
+        .args(["bench", "sim", "--json"])
+        .args(args)
+        .output()
+        .expect("kvroute bench sim runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+        .collect()
+}
+
+/// Each policy's mean of `field` (a path in its report) over its rows.
+fn means(rows: &[Value], path: &[&str]) -> HashMap<String, f64> {
+    let mut sums: HashMap<String, (f64, f64)> = HashMap::new();
+    for r in rows {
+        let v = path
+            .iter()
+            .fold(&r["report"], |v, k| &v[*k])
+            .as_f64()
+            .expect("a number");
+        let e = sums
+            .entry(r["policy"].as_str().expect("named").to_owned())
+            .or_default();
+        *e = (e.0 + v, e.1 + 1.0);
+    }
+    sums.into_iter().map(|(k, (s, n))| (k, s / n)).collect()
+}
+
+#[test]
+fn on_the_long_preset_prefixes_stay_where_they_are_cached_and_the_burst_is_spread() {
+    // The published comparison: kvroute's hit rate 0.92 against 0.94 for a
+    // router that keeps each prefix on one engine, because prefixes went to
+    // a second engine while the first was busy. The earlier weights
+    // (prefill 4, no decode-load term) reproduce the gap; the defaults close it.
+    let rows = sim(&[
+        "--preset",
+        "long",
+        "--seeds",
+        "1,2,3",
+        "--policies",
+        "kv,dynamo,least-loaded,oracle",
+    ]);
+    let earlier = sim(&[
+        "--preset",
+        "long",
+        "--seeds",
+        "1,2,3",
+        "--policies",
+        "kv",
+        "--prefill-load-scale",
+        "4",
+        "--request-kv-weight",
+        "0",
+    ]);
+    assert_eq!(rows.len(), 12);
+    for r in rows.iter().chain(&earlier) {
+        assert_eq!(r["report"]["requests"], 1_000, "{r}");
+        assert_eq!(r["report"]["failed"], 0, "{r}");
+        assert_eq!(r["skipped_events"], 0, "{r}");
+    }
+    let hit = means(&rows, &["hit_rate"]);
+    let earlier_hit = means(&earlier, &["hit_rate"])["kv[pls=4,kvw=0]"];
+    assert!(earlier_hit < hit["oracle"] - 0.01, "{earlier_hit} {hit:?}");
+    assert!(hit["kv"] >= hit["oracle"] - 0.005, "{hit:?}");
+    assert!(hit["kv"] > hit["dynamo"] + 0.2, "{hit:?}");
+    // The cold burst at the start sets TTFT p99; kvroute spreads it no worse
+    // than the load-only routers do.
+    let ttft_p99 = means(&rows, &["ttft_ms", "p99"]);
+    assert!(
+        ttft_p99["kv"] <= ttft_p99["dynamo"].min(ttft_p99["least-loaded"]),
+        "{ttft_p99:?}"
+    );
+}
+
+#[test]
+fn a_real_router_on_the_long_workload_keeps_each_prefix_where_it_is_cached() {
+    // The published comparison's `long` workload at ten times real speed,
+    // with flags every build has: four engines of 2 048 blocks, 32 groups of
+    // a 2 048-token prefix (6 000 × 0.341333) and a 64-token question, 16 in
+    // flight, 16 output tokens. The earlier weights placed prefixes on a
+    // second engine while the first was busy (0.923 here, 0.916–0.920 in the
+    // comparison); the ceiling, each group's first request missing, is 0.9387.
+    let (_mocker, lines) = start_mocker_with(4, &["--num-gpu-blocks", "2048", "--speedup", "10"]);
+    let (_serve, serve) = start_serve(&lines, &[]);
+    let out = kvroute()
+        .args(["bench", "--url", &format!("http://{serve}")])
+        .args([
+            "--workload",
+            "shared-prefix",
+            "--groups",
+            "32",
+            "--scale",
+            "0.341333",
+        ])
+        .args([
+            "--question-tokens",
+            "64",
+            "--requests",
+            "1000",
+            "--concurrency",
+            "16",
+        ])
+        .args([
+            "--max-tokens",
+            "16",
+            "--seed",
+            "1",
+            "--json",
+            "--no-progress",
+        ])
+        .output()
+        .expect("kvroute bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(doc["workload"]["sizes"]["prefix_tokens"], 2_048);
+    let run = &doc["policies"]["target"];
+    assert_eq!(
+        (run["requests"].as_u64(), run["failed"].as_u64()),
+        (Some(1_000), Some(0)),
+        "{run}"
+    );
+    let hit = run["hit_rate"].as_f64().expect("a hit rate");
+    assert!(hit >= 0.93, "hit rate {hit}");
+}
+
+#[test]
+fn a_weight_sweep_runs_every_combination_and_a_bad_trace_names_its_line() {
+    let rows = sim(&[
+        "--preset",
+        "short",
+        "--requests",
+        "200",
+        "--policies",
+        "kv,round-robin",
+        "--prefill-load-scale",
+        "1,8",
+        "--request-kv-weight",
+        "0,0.5",
+    ]);
+    let names: Vec<&str> = rows.iter().filter_map(|r| r["policy"].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "kv[pls=1,kvw=0]",
+            "kv[pls=1,kvw=0.5]",
+            "kv[pls=8,kvw=0]",
+            "kv[pls=8,kvw=0.5]",
+            "round-robin"
+        ]
+    );
+    let dir = std::env::temp_dir().join(format!("kvroute-trace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let bad = dir.join("bad.jsonl");
+    std::fs::write(
+        &bad,
+        "{\"timestamp\": 0, \"input_length\": 10, \"output_length\": 2, \"hash_ids\": [1]}\n{\"timestamp\": 5}\n",
+    )
+    .expect("written");
+    let out = kvroute()
+        .args(["bench", "sim", "--trace"])
+        .arg(&bad)
+        .output()
+        .expect("runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(stderr.contains("bad.jsonl line 2"), "{stderr}");
+}
+
+#[test]
+fn a_synthesized_trace_replays_in_the_simulator_and_through_a_real_router() {
+    let dir = std::env::temp_dir().join(format!("kvroute-synth-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let trace = dir.join("trace.jsonl");
+    let out = kvroute()
+        .args(["bench", "synth-trace", "--requests", "60", "--rate", "40"])
+        .output()
+        .expect("runs");
+    assert!(out.status.success());
+    std::fs::write(&trace, &out.stdout).expect("written");
+    let path = trace.to_str().expect("utf-8 path");
+    let rows = sim(&["--trace", path, "--policies", "kv,oracle"]);
+    for r in &rows {
+        assert_eq!(r["report"]["requests"], 60, "{r}");
+        assert_eq!(r["report"]["failed"], 0, "{r}");
+        assert!(
+            r["report"]["hit_rate"].as_f64().is_some_and(|h| h > 0.3),
+            "{r}"
+        );
+    }
+    let report = dir.join("report.json");
+    let out = kvroute()
+        .args(["demo", "--trace", path, "--speedup", "10"])
+        .args(["--policies", "kv,round-robin", "--report"])
+        .arg(&report)
+        .arg("--plot")
+        .arg(dir.join("report.svg"))
+        .output()
+        .expect("kvroute demo runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value =
+        serde_json::from_str(&std::fs::read_to_string(&report).expect("written")).expect("JSON");
+    assert_eq!(doc["workload"]["name"], "trace");
+    let kv = &doc["policies"]["kv"];
+    let rr = &doc["policies"]["round-robin"];
+    for p in [kv, rr] {
+        assert_eq!(
+            (p["requests"].as_u64(), p["failed"].as_u64()),
+            (Some(60), Some(0)),
+            "{p}"
+        );
+    }
+    assert!(
+        kv["hit_rate"].as_f64() > rr["hit_rate"].as_f64(),
+        "{kv} {rr}"
+    );
+}
