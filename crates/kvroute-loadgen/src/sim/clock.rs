@@ -43,6 +43,7 @@ enum Event {
 #[derive(Debug)]
 struct Request {
     planned: PlannedRequest,
+    prompt_tokens: u64,
     tokens: Vec<u32>,
     max_tokens: usize,
     sent_us: u64,
@@ -228,15 +229,18 @@ impl<'a> Sim<'a> {
         if self.requests.len() >= self.limit() {
             return Ok(());
         }
-        let Some(planned) = self.workload.try_next() else {
+        let Some(mut planned) = self.workload.try_next() else {
             self.waiting += 1;
             return Ok(());
         };
         let tokens = prompt_ids(&planned.body)?;
         let max_tokens = planned.body["max_tokens"].as_u64().unwrap_or(1).max(1) as usize;
+        // Only the conversation and the label are needed from here on.
+        planned.body = serde_json::Value::Null;
         let n = self.requests.len();
         self.requests.push(Request {
             planned,
+            prompt_tokens: tokens.len() as u64,
             tokens,
             max_tokens,
             sent_us: self.now,
@@ -339,7 +343,7 @@ impl<'a> Sim<'a> {
         let first = r
             .first_token_us
             .map_or(seen, |t| t + d.engine_us + d.client_us);
-        let prompt_tokens = r.planned.body["prompt"].as_array().map_or(0, Vec::len) as u64;
+        let prompt_tokens = r.prompt_tokens;
         self.samples.push(Sample {
             start_s: r.sent_us as f64 / 1e6,
             ttft_ms: (first - r.sent_us) as f64 / 1e3,

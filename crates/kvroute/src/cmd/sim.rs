@@ -193,6 +193,9 @@ fn contenders(a: &SimArgs) -> Result<Vec<(String, Contender)>> {
     if out.is_empty() {
         bail!("--policies is empty");
     }
+    if !a.sweep.axes().is_empty() && !out.iter().any(|(name, _)| name.starts_with("kv[")) {
+        bail!("the weight lists sweep the `kv` policy: add kv to --policies");
+    }
     Ok(out)
 }
 
