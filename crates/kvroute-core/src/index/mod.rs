@@ -13,8 +13,12 @@
 //! * engine hashes map to nodes so that parents and removals, which name blocks
 //!   only by engine hash, resolve. Engines hash deterministically (the same
 //!   prefix gets the same engine hash on every worker of a deployment), so the
-//!   map is shared by all workers; a worker whose engine hash disagrees gets a
-//!   private binding, counted as a conflict.
+//!   map is shared by all workers: a node's first engine hash is its shared
+//!   name. A worker that names a block otherwise (another hash for the same
+//!   block, or a hash another worker uses for another block, the latter
+//!   counted as a conflict) gets a private binding, and an engine hash
+//!   resolves only within the worker that published it: a worker's parents
+//!   and removals never reach a block through another worker's name for it.
 //!
 //! Guarantees: a match never extends past a block the worker does not hold
 //! (prefix semantics: a worker's match stops at its first missing block); a
@@ -141,8 +145,12 @@ struct Slot {
     key: WorkerRank,
     capacity: Option<u64>,
     per_tier: [u64; 4],
-    /// Engine hashes whose shared binding disagrees with this rank's.
+    /// Engine hashes this rank names a block by that are not the block's
+    /// shared name: engine hash → (node, sequence hash).
     private_ext: FxHashMap<u64, (NodeId, u64)>,
+    /// The same bindings by node: node → (engine hash, sequence hash). A
+    /// node here is not named by its shared engine hash for this rank.
+    private_name: FxHashMap<NodeId, (u64, u64)>,
     /// Approximate residencies: deadline per node, and deadlines in order.
     approx_deadline: FxHashMap<NodeId, u64>,
     approx_queue: VecDeque<(u64, NodeId)>,
@@ -157,6 +165,7 @@ impl Slot {
             capacity,
             per_tier: [0; 4],
             private_ext: FxHashMap::default(),
+            private_name: FxHashMap::default(),
             approx_deadline: FxHashMap::default(),
             approx_queue: VecDeque::new(),
             sweep_cursor: 0,
@@ -266,15 +275,48 @@ impl Index {
         }
     }
 
-    /// The node an engine hash names for this rank.
+    /// The node an engine hash names for this rank: its private binding, or
+    /// the node whose shared name it is, unless this rank names that node
+    /// otherwise. Another rank's name for a block never resolves here.
     fn resolve_ext(&self, slot: SlotId, ext: u64) -> Option<NodeId> {
-        if let Some(Some(s)) = self.slots.get(slot as usize) {
-            if let Some(&(node, seq)) = s.private_ext.get(&ext) {
-                // A private binding holds while its node still is the same block.
-                return (self.nodes.is_live(node) && self.nodes.seq(node) == seq).then_some(node);
+        let s = self.slots.get(slot as usize).and_then(Option::as_ref);
+        let same_block =
+            |node: NodeId, seq: u64| self.nodes.is_live(node) && self.nodes.seq(node) == seq;
+        if let Some(&(node, seq)) = s.and_then(|s| s.private_ext.get(&ext)) {
+            // A private binding holds while its node still is the same block.
+            return same_block(node, seq).then_some(node);
+        }
+        let node = self.nodes.find_ext(ext)?;
+        if self.nodes.primary_ext(node) != Some(ext) {
+            // Another rank's second name for the block.
+            return None;
+        }
+        match s.and_then(|s| s.private_name.get(&node)) {
+            Some(&(_, seq)) if same_block(node, seq) => None,
+            _ => Some(node),
+        }
+    }
+
+    /// Records that this rank names `node` (the block `seq`) by `ext`, which
+    /// is not the node's shared name.
+    fn bind_private(&mut self, slot: SlotId, node: NodeId, seq: u64, ext: u64) {
+        if let Some(s) = self.slot_mut(slot) {
+            if let Some((old, _)) = s.private_name.insert(node, (ext, seq)) {
+                if old != ext {
+                    s.private_ext.remove(&old);
+                }
+            }
+            s.private_ext.insert(ext, (node, seq));
+        }
+    }
+
+    /// Forgets this rank's private name `ext`, if it has one.
+    fn unbind_private(&mut self, slot: SlotId, ext: u64) {
+        if let Some(s) = self.slot_mut(slot) {
+            if let Some((node, _)) = s.private_ext.remove(&ext) {
+                s.private_name.remove(&node);
             }
         }
-        self.nodes.find_ext(ext)
     }
 
     fn store(&mut self, key: WorkerRank, stored: &Stored) {
@@ -298,13 +340,13 @@ impl Index {
                 Some(p) => next_sequence_hash(SequenceHash(p), block.local).0,
             };
             let node = self.nodes.insert_seq(seq);
-            if self.nodes.bind_ext(node, block.external.0) == Bind::Conflict
-                && self.resolve_ext(slot, block.external.0) != Some(node)
-            {
-                self.counters.hash_conflicts += 1;
-                if let Some(s) = self.slot_mut(slot) {
-                    s.private_ext.insert(block.external.0, (node, seq));
+            let ext = block.external.0;
+            let bind = self.nodes.bind_ext(node, ext);
+            if self.nodes.primary_ext(node) != Some(ext) || bind == Bind::Conflict {
+                if bind == Bind::Conflict && self.resolve_ext(slot, ext) != Some(node) {
+                    self.counters.hash_conflicts += 1;
                 }
+                self.bind_private(slot, node, seq, ext);
             }
             self.add_residency(slot, node, stored.tier);
             if let Some(s) = self
@@ -355,9 +397,7 @@ impl Index {
             };
             if dropped {
                 self.counters.blocks_removed += 1;
-                if let Some(s) = self.slot_mut(slot) {
-                    s.private_ext.remove(&ext.0);
-                }
+                self.unbind_private(slot, ext.0);
             } else {
                 self.counters.unknown_removals += 1;
             }
@@ -565,6 +605,7 @@ impl Index {
             .flatten()
             .map(|s| {
                 s.private_ext.capacity() * 25
+                    + s.private_name.capacity() * 29
                     + s.approx_deadline.capacity() * 13
                     + s.approx_queue.capacity() * 16
             })

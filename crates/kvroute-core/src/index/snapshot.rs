@@ -298,6 +298,7 @@ impl Index {
                 .slot_mut(slot)
                 .ok_or(SnapshotError::Corrupt("binding of an unknown rank"))?;
             s.private_ext.insert(ext, (node, seq));
+            s.private_name.insert(node, (ext, seq));
         }
         let mut approx: Vec<(u64, SlotId, super::NodeId)> = Vec::new();
         for _ in 0..r.count(20)? {

@@ -310,6 +310,45 @@ fn conflicting_engine_hashes_stay_private_to_their_worker() {
 }
 
 #[test]
+fn an_engine_hash_resolves_only_within_the_worker_that_published_it() {
+    let mut index = Index::new(no_cap());
+    let x = 5;
+    // w0 stores block x as engine hash 10; w1 stores the same block as 11.
+    index.apply(wr(0, 0), &stored(None, &[(10, x)], Tier::Device));
+    index.apply(wr(1, 0), &stored(None, &[(11, x)], Tier::Device));
+    // w1 stores z as hash 10 under a parent it never published: dropped.
+    index.apply(wr(1, 0), &stored(Some(999), &[(10, 6)], Tier::Device));
+    assert_eq!(index.counters().parent_missing, 1);
+    // w1 removes hash 10, which it never published for x: w1 keeps x.
+    index.apply(wr(1, 0), &removed(&[10], Tier::Device));
+    let both = matches(&index, &[x]);
+    assert_eq!((both[&wr(0, 0)].0, both[&wr(1, 0)].0), (1, 1), "{both:?}");
+    assert_eq!(index.counters().unknown_removals, 1);
+    // w1 stores y under parent hash 10, which it never published: dropped,
+    // not attached under x.
+    index.apply(wr(1, 0), &stored(Some(10), &[(12, 7)], Tier::Device));
+    assert_eq!(
+        matches(&index, &[x, 7]).get(&wr(1, 0)).map(|m| m.0),
+        Some(1)
+    );
+    assert_eq!(index.counters().parent_missing, 2);
+    // Each worker's own names still work: w1 under 11, w0 under 10.
+    index.apply(wr(1, 0), &stored(Some(11), &[(13, 8)], Tier::Device));
+    assert_eq!(matches(&index, &[x, 8])[&wr(1, 0)].0, 2);
+    index.apply(wr(0, 0), &removed(&[11], Tier::Device));
+    assert_eq!(matches(&index, &[x])[&wr(0, 0)].0, 1, "w0 never named x 11");
+    index.apply(wr(0, 0), &removed(&[10], Tier::Device));
+    index.apply(wr(1, 0), &removed(&[11], Tier::Device));
+    assert!(matches(&index, &[x]).is_empty());
+    // A snapshot keeps the private names.
+    index.apply(wr(1, 0), &stored(None, &[(11, x)], Tier::Device));
+    index.apply(wr(0, 0), &stored(None, &[(10, x)], Tier::Device));
+    let mut restored = Index::restore(&index.dump()).expect("restores");
+    restored.apply(wr(1, 0), &removed(&[10], Tier::Device));
+    assert_eq!(matches(&restored, &[x]).len(), 2, "w1 did not name x 10");
+}
+
+#[test]
 fn many_ranks_widen_the_bitmaps_without_losing_state() {
     let mut index = Index::new(no_cap());
     store_chain(&mut index, wr(0, 0), &[1, 2, 3], Tier::Device);

@@ -593,3 +593,83 @@ fn a_worker_unreachable_past_the_grace_period_loses_its_blocks() {
     });
     assert_eq!(registry.len(), 1, "the worker stays registered");
 }
+
+/// A removal of `hashes`.
+fn removed(out: &mut Vec<u8>, hashes: &[u64]) {
+    mp::map(out, 2);
+    mp::str(out, "type");
+    mp::str(out, "BlockRemoved");
+    mp::str(out, "block_hashes");
+    mp::array(out, hashes.len());
+    for &h in hashes {
+        mp::uint64(out, h);
+    }
+}
+
+#[test]
+fn an_engine_hash_reaches_only_the_blocks_of_the_worker_that_published_it() {
+    // The differential test's finding: w0 stores block x as engine hash 10,
+    // w1 stores x as 11; then w1's removal of hash 10, and w1's store under
+    // parent 10, must not reach x through w0's name for it.
+    let ctx = zmq::Context::new();
+    let (e0, e1) = (Engine::start(&ctx, 4, 100), Engine::start(&ctx, 4, 100));
+    let f = fixture();
+    let w0 = f
+        .registry
+        .register(worker("w0", vec![e0.endpoints(0)]))
+        .expect("w0");
+    let w1 = f
+        .registry
+        .register(worker("w1", vec![e1.endpoints(0)]))
+        .expect("w1");
+    let (k0, k1) = (
+        WorkerRank {
+            worker: w0,
+            rank: 0,
+        },
+        WorkerRank {
+            worker: w1,
+            rank: 0,
+        },
+    );
+    let x = tokens_of(1, 1);
+    let one = |hashes: &[u64], parent: Option<u64>, tokens: &[u32]| {
+        let mut e = Vec::new();
+        stored(&mut e, hashes, parent, tokens);
+        batch(&[e], 0)
+    };
+    eventually("both connected", || {
+        e0.publish(0, &one(&[10], None, &x), true, 100);
+        e1.publish(0, &one(&[11], None, &x), true, 100);
+        device_depth(&f.index, k0, &x) == 1 && device_depth(&f.index, k1, &x) == 1
+    });
+    let mut gone = Vec::new();
+    removed(&mut gone, &[10]);
+    e1.publish(1, &one(&[10], Some(999), &tokens_of(2, 1)), true, 100);
+    e1.publish(2, &batch(&[gone], 0), true, 100);
+    let mut xy = x.clone();
+    xy.extend(tokens_of(3, 1));
+    e1.publish(3, &one(&[12], Some(10), &tokens_of(3, 1)), true, 100);
+    let mut xw = x.clone();
+    xw.extend(tokens_of(4, 1));
+    e1.publish(4, &one(&[13], Some(11), &tokens_of(4, 1)), true, 100);
+    eventually("w1's batches applied", || {
+        rank_field(&f.registry, "w1", 0, "last_seq") == 4
+    });
+    assert_eq!(device_depth(&f.index, k0, &x), 1, "w0 keeps x");
+    assert_eq!(
+        device_depth(&f.index, k1, &x),
+        1,
+        "w1 keeps x: it never named it 10"
+    );
+    assert_eq!(
+        device_depth(&f.index, k1, &xy),
+        1,
+        "y is not attached under x"
+    );
+    assert_eq!(
+        device_depth(&f.index, k1, &xw),
+        2,
+        "w1's own name for x works"
+    );
+}
