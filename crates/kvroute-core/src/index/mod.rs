@@ -279,18 +279,21 @@ impl Index {
     /// the node whose shared name it is, unless this rank names that node
     /// otherwise. Another rank's name for a block never resolves here.
     fn resolve_ext(&self, slot: SlotId, ext: u64) -> Option<NodeId> {
-        let s = self.slots.get(slot as usize).and_then(Option::as_ref);
+        // Private bindings are rare: most ranks have none to look in.
+        let s = self
+            .slots
+            .get(slot as usize)
+            .and_then(Option::as_ref)
+            .filter(|s| !s.private_ext.is_empty());
         let same_block =
             |node: NodeId, seq: u64| self.nodes.is_live(node) && self.nodes.seq(node) == seq;
         if let Some(&(node, seq)) = s.and_then(|s| s.private_ext.get(&ext)) {
             // A private binding holds while its node still is the same block.
             return same_block(node, seq).then_some(node);
         }
-        let node = self.nodes.find_ext(ext)?;
-        if self.nodes.primary_ext(node) != Some(ext) {
-            // Another rank's second name for the block.
-            return None;
-        }
+        // Second names resolve through their rank's private binding above,
+        // never through the shared aliases.
+        let node = self.nodes.find_primary(ext)?;
         match s.and_then(|s| s.private_name.get(&node)) {
             Some(&(_, seq)) if same_block(node, seq) => None,
             _ => Some(node),
@@ -312,7 +315,7 @@ impl Index {
 
     /// Forgets this rank's private name `ext`, if it has one.
     fn unbind_private(&mut self, slot: SlotId, ext: u64) {
-        if let Some(s) = self.slot_mut(slot) {
+        if let Some(s) = self.slot_mut(slot).filter(|s| !s.private_ext.is_empty()) {
             if let Some((node, _)) = s.private_ext.remove(&ext) {
                 s.private_name.remove(&node);
             }
@@ -342,7 +345,7 @@ impl Index {
             let node = self.nodes.insert_seq(seq);
             let ext = block.external.0;
             let bind = self.nodes.bind_ext(node, ext);
-            if self.nodes.primary_ext(node) != Some(ext) || bind == Bind::Conflict {
+            if bind != Bind::Primary {
                 if bind == Bind::Conflict && self.resolve_ext(slot, ext) != Some(node) {
                     self.counters.hash_conflicts += 1;
                 }

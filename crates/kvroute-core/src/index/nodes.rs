@@ -44,8 +44,11 @@ fn mix(key: u64) -> u64 {
 /// What binding an engine hash to a node did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Bind {
-    /// The hash now names this node (or already did).
-    Bound,
+    /// The hash is the node's shared name (now or already).
+    Primary,
+    /// The hash is a second name of the node (now or already); the caller
+    /// keeps it private to the rank that published it.
+    Alias,
     /// The hash already names another node; the caller keeps a private binding.
     Conflict,
 }
@@ -154,13 +157,13 @@ impl NodeStore {
     }
 
     /// The node an engine hash names, if any.
-    pub(super) fn find_ext(&self, ext: u64) -> Option<NodeId> {
+    /// The node whose shared name (first engine hash) `ext` is.
+    pub(super) fn find_primary(&self, ext: u64) -> Option<NodeId> {
         let records = &self.records;
         let stride = self.stride;
         self.by_ext
             .find(mix(ext), |&id| records[id as usize * stride + EXT] == ext)
             .copied()
-            .or_else(|| self.aliases.get(&ext).copied())
     }
 
     /// The node of a sequence hash, created empty when new.
@@ -212,7 +215,7 @@ impl NodeStore {
         match entry {
             hashbrown::hash_table::Entry::Occupied(e) => {
                 return if *e.get() == node {
-                    Bind::Bound
+                    Bind::Primary
                 } else {
                     Bind::Conflict
                 };
@@ -220,7 +223,7 @@ impl NodeStore {
             hashbrown::hash_table::Entry::Vacant(v) => {
                 if let Some(&existing) = self.aliases.get(&ext) {
                     return if existing == node {
-                        Bind::Bound
+                        Bind::Alias
                     } else {
                         Bind::Conflict
                     };
@@ -234,12 +237,13 @@ impl NodeStore {
         if has_primary {
             self.aliases.insert(ext, node);
             self.set_meta(node, meta | HAS_ALIAS);
+            Bind::Alias
         } else {
             let base = self.base(node);
             self.records[base + EXT] = ext;
             self.set_meta(node, meta | HAS_EXT);
+            Bind::Primary
         }
-        Bind::Bound
     }
 
     /// Residents of the node, counted over (slot, tier) pairs.
