@@ -7,6 +7,7 @@
 
 mod child;
 pub mod index;
+pub mod index_trace;
 pub mod ingest;
 pub mod proxy;
 pub mod replicas;

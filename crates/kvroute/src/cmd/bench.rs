@@ -90,6 +90,15 @@ struct IndexArgs {
     /// Blocks per lookup query.
     #[arg(long, default_value_t = 64)]
     query_blocks: usize,
+    /// Also replay a Mooncake-format trace (JSONL: timestamp, input_length,
+    /// output_length, hash_ids) over `--workers` simulated workers; its
+    /// figures are reported under `trace`.
+    #[arg(long, value_name = "FILE")]
+    trace: Option<std::path::PathBuf>,
+    /// `--trace`: blocks each simulated worker's cache holds (default:
+    /// `--blocks` ÷ `--workers`).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    trace_blocks_per_worker: Option<u64>,
 }
 
 /// Arguments of `kvroute bench ingest`.
@@ -338,7 +347,23 @@ fn run_index(a: &IndexArgs) -> Result<ExitCode> {
              (estimated_heap_bytes_per_residency, from table capacities, is reported either way)"
         );
     }
-    print_flat(&index::run(&config)?, a.json, 40);
+    let trace = a
+        .trace
+        .as_deref()
+        .map(load::mooncake::Trace::read)
+        .transpose()?;
+    let mut report = index::run(&config)?;
+    if let Some(trace) = trace {
+        let replay = bench::index_trace::TraceReplayConfig {
+            workers: a.workers,
+            blocks_per_worker: a
+                .trace_blocks_per_worker
+                .unwrap_or((config.residencies / u64::from(a.workers)).max(1)),
+            seed: a.seed,
+        };
+        report["trace"] = bench::index_trace::replay(&trace, &replay)?;
+    }
+    print_flat(&report, a.json, 40);
     Ok(ExitCode::SUCCESS)
 }
 

@@ -149,3 +149,46 @@ fn bench_replicas_runs_every_phase_without_a_failure_and_only_synced_replicas_he
         "{killed}"
     );
 }
+
+#[test]
+fn bench_index_replays_the_repositorys_mooncake_trace_beside_the_synthetic_fleet() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../bench/traces/synthetic-mooncake.jsonl"
+    );
+    let out = kvroute()
+        .args(["bench", "index", "--workers", "8", "--blocks", "4000"])
+        .args([
+            "--trace",
+            trace,
+            "--trace-blocks-per-worker",
+            "32",
+            "--json",
+        ])
+        .output()
+        .expect("kvroute bench index runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: Value = serde_json::from_slice(&out.stdout).expect("one JSON object");
+    assert!(
+        report["apply_block_ops_per_s"].as_f64() > Some(0.0),
+        "{report}"
+    );
+    let replay = &report["trace"];
+    assert_eq!(replay["requests"], 600, "{replay}");
+    assert_eq!(replay["workers"], 8);
+    let residencies = replay["residencies"].as_u64().expect("residencies");
+    assert!(residencies > 0 && residencies <= 8 * 32, "{replay}");
+    assert!(
+        replay["mean_matched_device_blocks"].as_f64() > Some(0.0),
+        "{replay}"
+    );
+    let (p50, p99) = (
+        replay["lookup_p50_us"].as_f64(),
+        replay["lookup_p99_us"].as_f64(),
+    );
+    assert!(p50 > Some(0.0) && p50 <= p99, "{replay}");
+}
