@@ -149,10 +149,14 @@ impl SweepArgs {
         all.into_iter().filter(|a| !a.1.is_empty()).collect()
     }
 
-    /// Every combination of the listed values applied to `base`, with a label each.
-    fn expand(&self, base: Routing) -> Vec<(String, Routing)> {
+    /// Every combination of the listed values applied to `base`, with a
+    /// label each; an error past [`MAX_RUNS`] combinations.
+    fn expand(&self, base: Routing) -> Result<Vec<(String, Routing)>> {
         let mut out = vec![(String::new(), base)];
         for (name, values, set) in self.axes() {
+            if out.len().saturating_mul(values.len()) > MAX_RUNS {
+                bail!("the sweep asks for more than {MAX_RUNS} runs; split it");
+            }
             let mut next = Vec::with_capacity(out.len() * values.len());
             for (label, routing) in &out {
                 for &v in values {
@@ -164,9 +168,12 @@ impl SweepArgs {
             }
             out = next;
         }
-        out
+        Ok(out)
     }
 }
+
+/// The most runs one command makes (policies × sweep points × seeds).
+const MAX_RUNS: usize = 100_000;
 
 /// The contenders of the run: each named policy, the `kv` one once per
 /// combination of the sweep.
@@ -178,7 +185,7 @@ fn contenders(a: &SimArgs) -> Result<Vec<(String, Contender)>> {
             Contender::Router(base)
                 if base.policy == Policy::Kv && base.weights == CostWeights::default() =>
             {
-                for (label, routing) in a.sweep.expand(base) {
+                for (label, routing) in a.sweep.expand(base)? {
                     let label = if label.is_empty() {
                         name.clone()
                     } else {
@@ -192,6 +199,9 @@ fn contenders(a: &SimArgs) -> Result<Vec<(String, Contender)>> {
     }
     if out.is_empty() {
         bail!("--policies is empty");
+    }
+    if out.len().saturating_mul(a.seeds.len()) > MAX_RUNS {
+        bail!("the sweep asks for more than {MAX_RUNS} runs; split it");
     }
     if !a.sweep.axes().is_empty() && !out.iter().any(|(name, _)| name.starts_with("kv[")) {
         bail!("the weight lists sweep the `kv` policy: add kv to --policies");
