@@ -111,3 +111,42 @@ fn what_cannot_be_simulated_is_refused() {
     };
     assert!(simulate(&config(kv(Policy::Kv), 256), &no_trace).is_err());
 }
+
+#[test]
+fn conversations_wait_for_their_previous_turn_and_poisson_arrivals_keep_their_rate() {
+    // 16 clients, 4 conversations: at most 4 requests can be in flight, and
+    // each turn resends the previous one, so turns after the first hit.
+    let turns = SimLoad {
+        workload: WorkloadSpec {
+            kind: WorkloadKind::MultiTurn,
+            groups: 4,
+            scale: 0.1,
+            max_tokens: 8,
+            ..WorkloadSpec::default()
+        },
+        arrival: Arrival::Closed { concurrency: 16 },
+        requests: 64,
+    };
+    let r = simulate(&config(kv(Policy::Kv), 16_384), &turns).expect("runs");
+    assert_eq!((r.report.requests, r.report.failed), (64, 0));
+    assert!(r.report.hit_rate > 0.5, "hit {}", r.report.hit_rate);
+    let poisson = SimLoad {
+        workload: WorkloadSpec {
+            kind: WorkloadKind::Random,
+            scale: 0.01,
+            max_tokens: 4,
+            ..WorkloadSpec::default()
+        },
+        arrival: Arrival::Poisson { rate: 50.0 },
+        requests: 500,
+    };
+    let r = simulate(&config(kv(Policy::RoundRobin), 16_384), &poisson).expect("runs");
+    assert_eq!(r.report.requests, 500);
+    // 500 arrivals at 50/s take about 10 s.
+    assert!(
+        (8.0..12.5).contains(&r.report.duration_s),
+        "{}",
+        r.report.duration_s
+    );
+    assert_eq!(r.per_engine, vec![125; 4]);
+}
