@@ -101,6 +101,29 @@ pub struct Stored {
     pub token_ids: Option<Vec<u32>>,
 }
 
+impl Stored {
+    /// Blocks on one tier with nothing else attached (no LoRA, salt,
+    /// lookahead or tokens): what traces and tests build.
+    pub fn plain(
+        parent: Option<ExternalHash>,
+        blocks: Vec<StoredBlock>,
+        tier: Tier,
+        block_size: u32,
+    ) -> Stored {
+        Stored {
+            parent,
+            blocks,
+            tier,
+            block_size,
+            lora_name: None,
+            cache_salt: None,
+            lookahead: 0,
+            dropped_blocks: 0,
+            token_ids: None,
+        }
+    }
+}
+
 /// Blocks evicted from one tier of a worker.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Removed {

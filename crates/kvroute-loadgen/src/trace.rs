@@ -223,17 +223,12 @@ impl TraceGen {
             ops += blocks.len() as u64;
             out.push((
                 key,
-                KvEvent::Stored(Stored {
-                    parent: held.checked_sub(1).map(|p| ExternalHash(c.exts[p])),
+                KvEvent::Stored(Stored::plain(
+                    held.checked_sub(1).map(|p| ExternalHash(c.exts[p])),
                     blocks,
-                    tier: Tier::Device,
-                    block_size: BLOCK_SIZE,
-                    lora_name: None,
-                    cache_salt: None,
-                    lookahead: 0,
-                    dropped_blocks: 0,
-                    token_ids: None,
-                }),
+                    Tier::Device,
+                    BLOCK_SIZE,
+                )),
             ));
         }
         // Touch the chain tail first, so the head is the most recent.

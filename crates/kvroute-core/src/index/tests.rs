@@ -21,23 +21,14 @@ fn ext_of(chain: &[u64]) -> u64 {
 
 /// A stored event of `(engine hash, local hash)` blocks of 4 tokens.
 pub(super) fn stored(parent: Option<u64>, blocks: &[(u64, u64)], tier: Tier) -> KvEvent {
-    KvEvent::Stored(Stored {
-        parent: parent.map(ExternalHash),
-        blocks: blocks
-            .iter()
-            .map(|&(e, l)| StoredBlock {
-                external: ExternalHash(e),
-                local: LocalBlockHash(l),
-            })
-            .collect(),
-        tier,
-        block_size: 4,
-        lora_name: None,
-        cache_salt: None,
-        lookahead: 0,
-        dropped_blocks: 0,
-        token_ids: None,
-    })
+    let blocks = blocks
+        .iter()
+        .map(|&(e, l)| StoredBlock {
+            external: ExternalHash(e),
+            local: LocalBlockHash(l),
+        })
+        .collect();
+    KvEvent::Stored(Stored::plain(parent.map(ExternalHash), blocks, tier, 4))
 }
 
 fn removed(exts: &[u64], tier: Tier) -> KvEvent {

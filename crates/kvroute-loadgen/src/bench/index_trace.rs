@@ -74,23 +74,19 @@ fn local(id: u64) -> LocalBlockHash {
 }
 
 fn stored(parent: Option<u64>, ids: &[u64]) -> KvEvent {
-    KvEvent::Stored(Stored {
-        parent: parent.map(ExternalHash),
-        blocks: ids
-            .iter()
-            .map(|&id| StoredBlock {
-                external: ExternalHash(id),
-                local: local(id),
-            })
-            .collect(),
-        tier: Tier::Device,
-        block_size: TRACE_BLOCK_TOKENS as u32,
-        lora_name: None,
-        cache_salt: None,
-        lookahead: 0,
-        dropped_blocks: 0,
-        token_ids: None,
-    })
+    let blocks = ids
+        .iter()
+        .map(|&id| StoredBlock {
+            external: ExternalHash(id),
+            local: local(id),
+        })
+        .collect();
+    KvEvent::Stored(Stored::plain(
+        parent.map(ExternalHash),
+        blocks,
+        Tier::Device,
+        TRACE_BLOCK_TOKENS as u32,
+    ))
 }
 
 /// The fleet's events for the whole trace, with their block operations.
