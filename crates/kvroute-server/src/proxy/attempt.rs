@@ -122,8 +122,8 @@ fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ApiError {
         StatusCode::SERVICE_UNAVAILABLE,
         "overloaded",
         format!(
-            "all {ranks} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}){wait}; retry later",
-            config.busy.prefill_tokens, config.busy.decode_blocks,
+            "all {ranks} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}, requests {:?}){wait}; retry later",
+            config.busy.prefill_tokens, config.busy.decode_blocks, config.busy.requests,
         ),
     )
 }

@@ -645,3 +645,37 @@ fn streams_without_include_usage_get_no_usage_chunk_but_are_measured() {
     assert!(asked.body.contains("cached_tokens"), "{}", asked.body);
     assert_eq!(metric(&serve, "kvroute_accuracy_comparisons_total"), 2);
 }
+
+#[test]
+fn a_rank_with_as_many_requests_in_flight_as_busy_requests_is_skipped() {
+    let (_mocker, lines) = start_mocker(1, "1");
+    let (_serve, serve) = start_serve(&lines, &["--busy-requests", "1"]);
+    let (socket, head) = open_stream(
+        &serve,
+        &completion(&(0..64).collect::<Vec<u32>>(), 1000, true),
+    );
+    assert!(head.starts_with("http/1.1 200"), "{head}");
+    let r = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        &completion(&[1, 2, 3], 1, false),
+    );
+    assert_eq!(r.status, 503, "{}", r.body);
+    let message = r.json()["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned();
+    assert!(message.contains("requests Some(1)"), "{message}");
+    drop(socket);
+    eventually("the worker takes requests again", || {
+        request(
+            &serve,
+            "POST",
+            "/v1/completions",
+            &completion(&[1, 2, 3], 1, false),
+        )
+        .status
+            == 200
+    });
+}
