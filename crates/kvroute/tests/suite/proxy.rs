@@ -307,32 +307,8 @@ fn overload_and_bad_input_are_refused_clearly() {
     let q = request(&serve, "POST", "/query", r#"{"token_ids":"x"}"#);
     assert_eq!(q.status, 400);
     // One long stream holds the only worker's blocks: the next request is refused.
-    let (socket, head) = open_stream(
-        &serve,
-        &completion(&(0..64).collect::<Vec<u32>>(), 1000, true),
-    );
-    assert!(head.starts_with("http/1.1 200"), "{head}");
-    let r = request(
-        &serve,
-        "POST",
-        "/v1/completions",
-        &completion(&[1, 2, 3], 1, false),
-    );
-    assert_eq!(r.status, 503, "{}", r.body);
-    assert!(r.json()["error"]["message"]
-        .as_str()
-        .is_some_and(|m| m.contains("busy thresholds")));
-    drop(socket);
-    eventually("the worker accepts requests again", || {
-        request(
-            &serve,
-            "POST",
-            "/v1/completions",
-            &completion(&[1, 2, 3], 1, false),
-        )
-        .status
-            == 200
-    });
+    let message = refused_while_a_stream_holds_the_worker(&serve);
+    assert!(message.contains("busy thresholds"), "{message}");
     // Text prompts without a tokenizer are routed on load and counted.
     let text = request(
         &serve,
@@ -646,36 +622,33 @@ fn streams_without_include_usage_get_no_usage_chunk_but_are_measured() {
     assert_eq!(metric(&serve, "kvroute_accuracy_comparisons_total"), 2);
 }
 
-#[test]
-fn a_rank_with_as_many_requests_in_flight_as_busy_requests_is_skipped() {
-    let (_mocker, lines) = start_mocker(1, "1");
-    let (_serve, serve) = start_serve(&lines, &["--busy-requests", "1"]);
+/// Opens a long stream to the only worker, sends one more request, which
+/// must be refused with a 503, and waits until the worker takes requests
+/// again once the stream is closed; returns the refusal's message.
+fn refused_while_a_stream_holds_the_worker(serve: &str) -> String {
     let (socket, head) = open_stream(
-        &serve,
+        serve,
         &completion(&(0..64).collect::<Vec<u32>>(), 1000, true),
     );
     assert!(head.starts_with("http/1.1 200"), "{head}");
-    let r = request(
-        &serve,
-        "POST",
-        "/v1/completions",
-        &completion(&[1, 2, 3], 1, false),
-    );
+    let small = completion(&[1, 2, 3], 1, false);
+    let r = request(serve, "POST", "/v1/completions", &small);
     assert_eq!(r.status, 503, "{}", r.body);
     let message = r.json()["error"]["message"]
         .as_str()
         .unwrap_or_default()
         .to_owned();
-    assert!(message.contains("requests Some(1)"), "{message}");
     drop(socket);
     eventually("the worker takes requests again", || {
-        request(
-            &serve,
-            "POST",
-            "/v1/completions",
-            &completion(&[1, 2, 3], 1, false),
-        )
-        .status
-            == 200
+        request(serve, "POST", "/v1/completions", &small).status == 200
     });
+    message
+}
+
+#[test]
+fn a_rank_with_as_many_requests_in_flight_as_busy_requests_is_skipped() {
+    let (_mocker, lines) = start_mocker(1, "1");
+    let (_serve, serve) = start_serve(&lines, &["--busy-requests", "1"]);
+    let message = refused_while_a_stream_holds_the_worker(&serve);
+    assert!(message.contains("requests Some(1)"), "{message}");
 }
