@@ -94,6 +94,7 @@ impl RunningRouter {
                 workers: specs.to_vec(),
                 unreachable_grace: Duration::from_secs(60),
                 index: IndexConfig::default(),
+                index_shards: kvroute_server::default_index_shards(),
                 ingest: IngestConfig::default(),
                 proxy,
                 max_body_bytes: 64 << 20,

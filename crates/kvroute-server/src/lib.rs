@@ -58,6 +58,8 @@ pub struct ServeConfig {
     pub unreachable_grace: Duration,
     /// Index settings.
     pub index: IndexConfig,
+    /// Shards of ranks the index is split into (`--index-shards`).
+    pub index_shards: usize,
     /// Ingestion settings.
     pub ingest: IngestConfig,
     /// Routing and forwarding settings.
@@ -72,6 +74,12 @@ pub struct ServeConfig {
     pub state: Option<StateConfig>,
     /// Replicas sharing in-flight state and index snapshots over NATS (`--nats`).
     pub replicas: Option<replica::ReplicaConfig>,
+}
+
+/// Index shards when none are asked for: one per core, at most 8, so the
+/// events of as many ranks are applied at once.
+pub fn default_index_shards() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get().min(8))
 }
 
 /// `--state-dir` and `--snapshot-secs`.
@@ -92,6 +100,7 @@ impl Default for ServeConfig {
             allowed_worker_hosts: AllowedHosts::default(),
             unreachable_grace: Duration::from_secs(30),
             index: IndexConfig::default(),
+            index_shards: default_index_shards(),
             ingest: IngestConfig::default(),
             proxy: ProxyConfig::default(),
             max_body_bytes: 32 << 20,
@@ -135,7 +144,10 @@ pub async fn serve(
     listener: tokio::net::TcpListener,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    let index = Arc::new(SharedIndex::new(Index::new(config.index.clone())));
+    let index = Arc::new(SharedIndex::sharded(
+        Index::new(config.index.clone()),
+        config.index_shards,
+    ));
     let replica = match config.replicas.clone() {
         Some(replicas) => Some(Replica::connect(replicas).await.map_err(ServeError::Nats)?),
         None => None,
@@ -237,7 +249,7 @@ fn spawn_housekeeping(
                 registry.check_unreachable();
                 proxy.refresh(&registry);
                 proxy.expire_active();
-                index.write().expire(proxy.now_ms());
+                index.expire(proxy.now_ms());
             })
             .await;
         }

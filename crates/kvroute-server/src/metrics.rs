@@ -125,7 +125,7 @@ catalogue! {
     INGEST_CONNECTED:             kvroute_ingest_connected                     Gauge     RANK "Whether the rank's engine is reachable.";
     INGEST_RANK_STATE:            kvroute_ingest_rank_state                    Gauge     RANK_STATE "1 for the rank's current state (live, replaying, unverified, degraded, disconnected, error).";
     INGEST_RANKS:                 kvroute_ingest_ranks                         Gauge     STATE "Ranks in each state.";
-    INDEX_NODES:                  kvroute_index_nodes                          Gauge     NONE "Distinct block prefixes in the index.";
+    INDEX_NODES:                  kvroute_index_nodes                          Gauge     NONE "Block prefixes in the index, once per index shard holding them.";
     INDEX_RESIDENCIES:            kvroute_index_residencies                    Gauge     NONE "(block, rank, tier) residencies in the index.";
     INDEX_HEAP_BYTES:             kvroute_index_heap_bytes                     Gauge     NONE "Heap bytes held by the index.";
     INDEX_BLOCKS_STORED:          kvroute_index_blocks_stored_total            Counter   NONE "Blocks stored in the index.";
@@ -412,7 +412,7 @@ impl Collector for IngestCollector {
         encode_rank_family(&mut encoder, &INGEST_CONNECTED, connected)?;
         encode_states(&mut encoder, &ranks)?;
         let (counters, stats) = {
-            let index = self.index.read();
+            let index = self.index.frozen();
             (index.counters(), index.stats())
         };
         let singles = [

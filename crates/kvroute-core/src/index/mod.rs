@@ -8,8 +8,10 @@
 //! * a block is identified by its **sequence hash**, the chain of local hashes
 //!   from the first block to it, so one hash-table probe finds the node for
 //!   "this block after exactly this prefix", and a lookup is a walk of probes;
-//! * each node holds one bit per (worker, rank) per tier, so a lookup step is a
-//!   few word-wide ANDs however many workers share the prefix;
+//! * each node holds a sorted list of the (worker, rank)s that hold it, with
+//!   their tiers, inline when one rank does; a node costs what its holders
+//!   cost, whatever the size of the fleet, and a lookup step over a block
+//!   held by the same ranks as the previous one costs one comparison;
 //! * engine hashes map to nodes so that parents and removals, which name blocks
 //!   only by engine hash, resolve. Engines hash deterministically (the same
 //!   prefix gets the same engine hash on every worker of a deployment), so the
@@ -27,12 +29,17 @@
 //! nothing. Memory is bounded per (worker, rank) by a residency cap.
 //!
 //! The index is single-writer: `&mut self` applies events, `&self` answers
-//! lookups. [`SharedIndex`] wraps it for many reader threads and one writer.
+//! lookups. [`SharedIndex`] splits it into shards of ranks for many reader
+//! threads and parallel writers.
 
+mod dense;
 mod feedback;
+mod holders;
 mod nodes;
+mod regroup;
 mod shared;
 mod snapshot;
+mod walk;
 
 use std::collections::VecDeque;
 
@@ -42,7 +49,7 @@ use crate::event::{KvEvent, Removed, Stored, Tier};
 use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
 use nodes::{Bind, NodeId, NodeStore, SlotId};
 
-pub use shared::SharedIndex;
+pub use shared::{Frozen, SharedIndex, MAX_SHARDS};
 pub use snapshot::SnapshotError;
 
 /// A worker, as numbered by the registry that owns worker names.
@@ -210,7 +217,7 @@ impl Index {
     pub fn new(config: IndexConfig) -> Self {
         Index {
             config,
-            nodes: NodeStore::new(1),
+            nodes: NodeStore::default(),
             slot_of: FxHashMap::default(),
             slots: Vec::new(),
             free_slots: Vec::new(),
@@ -245,9 +252,10 @@ impl Index {
             }
         };
         let words_needed = (slot as usize / 64) + 1;
-        if words_needed > self.nodes.words() {
-            // Double, so registering many ranks re-lays the records O(log n) times.
-            self.nodes.widen(words_needed.max(self.nodes.words() * 2));
+        if words_needed > self.nodes.dense_words() {
+            // Double, so registering many ranks re-lays the dense sets O(log n) times.
+            self.nodes
+                .widen(words_needed.max(self.nodes.dense_words() * 2));
         }
         self.slot_of.insert(key, slot);
         slot
@@ -499,41 +507,12 @@ impl Index {
     /// leading blocks of `locals` it holds on the device, on device or host,
     /// and on any tier. Ranks are returned in slot order.
     pub fn find_matches(&self, locals: &[LocalBlockHash]) -> Vec<RankMatch> {
-        let Some(first) = locals.first() else {
-            return Vec::new();
-        };
-        let Some(node) = self.nodes.find_seq(first.0) else {
-            return Vec::new();
-        };
-        let words = self.nodes.words();
-        let mut sets = WalkSets::new(words);
-        sets.init(&self.nodes, node);
-        let mut out =
-            sets.results(|slot| self.slots.get(slot).and_then(Option::as_ref).map(|s| s.key));
-        let mut seq = first.0;
-        let mut depth: u32 = 1;
-        // Probe a few blocks ahead before walking them: the probes are independent
-        // memory loads, so the processor overlaps their cache misses.
-        'walk: for chunk in locals[1..].chunks(PROBE_AHEAD) {
-            if sets.is_empty() {
-                break;
-            }
-            let mut ids = [None; PROBE_AHEAD];
-            for (id, local) in ids.iter_mut().zip(chunk) {
-                seq = next_sequence_hash(SequenceHash(seq), *local).0;
-                *id = self.nodes.find_seq(seq);
-            }
-            for id in &ids[..chunk.len()] {
-                sets.step(&self.nodes, *id, depth, &mut out);
-                if id.is_none() || sets.is_empty() {
-                    break 'walk;
-                }
-                depth += 1;
-            }
-        }
-        sets.finish(depth, &mut out);
-        out.retain(|m| m.any > 0);
-        out
+        walk::find_matches(&self.nodes, locals, |slot| {
+            self.slots
+                .get(slot as usize)
+                .and_then(Option::as_ref)
+                .map(|s| s.key)
+        })
     }
 
     /// Records that a request with these local hashes was routed to a rank of
@@ -618,168 +597,6 @@ impl Index {
             residencies,
             per_rank,
             heap_bytes: (self.nodes.heap_bytes() + slot_bytes) as u64,
-        }
-    }
-}
-
-/// Blocks probed ahead of the walk in [`Index::find_matches`].
-const PROBE_AHEAD: usize = 8;
-
-/// Slots covered by [`WalkSets`] without a heap allocation.
-const INLINE_WORDS: usize = 4;
-
-/// The ranks still matching during a lookup walk, per tier group: device,
-/// device or host, any tier. One bit per slot, `words` words per group.
-struct WalkSets {
-    words: usize,
-    active: [u64; 3 * INLINE_WORDS],
-    heap: Vec<u64>,
-    /// Slots that matched the first block on any tier: the result rows, in slot order.
-    rows: [u64; INLINE_WORDS],
-    rows_heap: Vec<u64>,
-    /// Rows before each word of `rows`.
-    row_base: Vec<u32>,
-}
-
-impl WalkSets {
-    fn new(words: usize) -> Self {
-        let big = words > INLINE_WORDS;
-        WalkSets {
-            words,
-            active: [0; 3 * INLINE_WORDS],
-            heap: if big { vec![0; 3 * words] } else { Vec::new() },
-            rows: [0; INLINE_WORDS],
-            rows_heap: if big { vec![0; words] } else { Vec::new() },
-            row_base: Vec::new(),
-        }
-    }
-
-    fn active(&mut self) -> &mut [u64] {
-        if self.words > INLINE_WORDS {
-            &mut self.heap
-        } else {
-            &mut self.active[..3 * self.words]
-        }
-    }
-
-    fn rows(&self) -> &[u64] {
-        if self.words > INLINE_WORDS {
-            &self.rows_heap
-        } else {
-            &self.rows[..self.words]
-        }
-    }
-
-    fn is_empty(&self) -> bool {
-        if self.words > INLINE_WORDS {
-            self.heap.iter().all(|&w| w == 0)
-        } else {
-            self.active[..3 * self.words].iter().all(|&w| w == 0)
-        }
-    }
-
-    /// Starts from the first node's bitmaps.
-    fn init(&mut self, nodes: &NodeStore, node: NodeId) {
-        let words = self.words;
-        let device = nodes.device(node);
-        let lower = nodes.lower(node);
-        let active = self.active();
-        for w in 0..words {
-            let (host, rest) = lower.map_or((0, 0), |l| (l[w], l[words + w] | l[2 * words + w]));
-            active[w] = device[w];
-            active[words + w] = device[w] | host;
-            active[2 * words + w] = device[w] | host | rest;
-        }
-        let any: Vec<u64> = active[2 * words..3 * words].to_vec();
-        let rows = if words > INLINE_WORDS {
-            &mut self.rows_heap[..]
-        } else {
-            &mut self.rows[..words]
-        };
-        rows.copy_from_slice(&any);
-        let mut base = 0u32;
-        self.row_base = any
-            .iter()
-            .map(|w| {
-                let b = base;
-                base += w.count_ones();
-                b
-            })
-            .collect();
-    }
-
-    /// One zeroed result row per slot that matched the first block, in slot order.
-    fn results(&self, key_of: impl Fn(usize) -> Option<WorkerRank>) -> Vec<RankMatch> {
-        let mut out = Vec::with_capacity(self.row_base.last().copied().unwrap_or(0) as usize + 64);
-        for (w, &word) in self.rows().iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let slot = w * 64 + bits.trailing_zeros() as usize;
-                bits &= bits - 1;
-                let worker_rank = key_of(slot).unwrap_or(WorkerRank::new(u32::MAX, u32::MAX));
-                out.push(RankMatch {
-                    worker_rank,
-                    device: 0,
-                    host: 0,
-                    any: 0,
-                });
-            }
-        }
-        out
-    }
-
-    /// Records `depth` as the match length of `group` for every slot in `bits` of word `w`.
-    fn record(&self, w: usize, mut bits: u64, group: usize, depth: u32, out: &mut [RankMatch]) {
-        let row_word = self.rows()[w];
-        while bits != 0 {
-            let bit = bits.trailing_zeros();
-            bits &= bits - 1;
-            let row = self.row_base[w] + (row_word & ((1u64 << bit) - 1)).count_ones();
-            if let Some(m) = out.get_mut(row as usize) {
-                match group {
-                    0 => m.device = depth,
-                    1 => m.host = depth,
-                    _ => m.any = depth,
-                }
-            }
-        }
-    }
-
-    /// Advances by one block: ranks that do not hold it stop at `depth`.
-    fn step(&mut self, nodes: &NodeStore, node: Option<NodeId>, depth: u32, out: &mut [RankMatch]) {
-        let words = self.words;
-        for w in 0..words {
-            let (device, host, rest) = match node {
-                None => (0, 0, 0),
-                Some(node) => {
-                    let device = nodes.device(node)[w];
-                    nodes.lower(node).map_or((device, 0, 0), |l| {
-                        (device, l[w], l[words + w] | l[2 * words + w])
-                    })
-                }
-            };
-            let held = [device, device | host, device | host | rest];
-            for (group, held) in held.into_iter().enumerate() {
-                let word = self.active()[group * words + w];
-                let stopped = word & !held;
-                if stopped != 0 {
-                    self.record(w, stopped, group, depth, out);
-                }
-                self.active()[group * words + w] = word & held;
-            }
-        }
-    }
-
-    /// Ranks still matching after the walk hold all `depth` blocks walked.
-    fn finish(&mut self, depth: u32, out: &mut [RankMatch]) {
-        let words = self.words;
-        for group in 0..3 {
-            for w in 0..words {
-                let bits = self.active()[group * words + w];
-                if bits != 0 {
-                    self.record(w, bits, group, depth, out);
-                }
-            }
         }
     }
 }

@@ -1,36 +1,60 @@
 //! The node store: one record per distinct block prefix, found by its
 //! sequence hash or by any engine hash bound to it.
 //!
-//! Records live in one flat `Vec<u64>` with a fixed stride, `[seq, ext, meta,
-//! device bitmap…]`, so a lookup step reads one record, usually one cache line.
-//! The two hash tables hold only 4-byte node ids (the keys are in the records),
-//! which keeps an entry at about 5 bytes. Each (worker, rank) is one bit in the
-//! bitmaps; blocks on host, disk or external tiers get a side record of three
-//! more bitmaps, allocated only for nodes that have such blocks.
+//! A record is 24 bytes, `{seq, ext, meta, holder}`, whatever the size of the
+//! fleet: the ranks holding the block are a sorted holder list (see
+//! [`super::holders`]), inline when one rank holds it. The two hash tables hold
+//! only 4-byte node ids (the keys are in the records), about 5 bytes an entry.
 
 use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
 
+use super::dense::{DenseArena, DenseView};
+use super::holders::{self, Entry, HolderArena, ListRef};
 use crate::event::Tier;
 
 /// Index of a node record.
 pub(super) type NodeId = u32;
 
-/// Index of a (worker, rank) bit.
+/// Index of a (worker, rank) slot.
 pub(super) type SlotId = u32;
 
-const SEQ: usize = 0;
-const EXT: usize = 1;
-const META: usize = 2;
-const HEADER: usize = 3;
+const LIVE: u32 = 1 << 31;
+const HAS_EXT: u32 = 1 << 30;
+const HAS_ALIAS: u32 = 1 << 29;
+const CLASS_SHIFT: u32 = 24;
+const CLASS_MASK: u32 = 0x1f;
+const LEN_MASK: u32 = (1 << CLASS_SHIFT) - 1;
+/// The class of a dense holder set (a bitmap block of [`DenseArena`]).
+const DENSE: u8 = 31;
 
-const NO_LOWER: u64 = u32::MAX as u64;
-const LOWER_MASK: u64 = u32::MAX as u64;
-const OCC_SHIFT: u32 = 32;
-const OCC_MASK: u64 = (1 << 29) - 1;
-const LIVE: u64 = 1 << 61;
-const HAS_ALIAS: u64 = 1 << 62;
-const HAS_EXT: u64 = 1 << 63;
+/// One node: its sequence hash, its shared engine hash, flags with the
+/// holder list's class and length, and the list's block (or its one entry).
+#[derive(Debug, Clone, Copy, Default)]
+struct Record {
+    seq: u64,
+    ext: u64,
+    meta: u32,
+    holder: u32,
+}
+
+impl Record {
+    #[inline]
+    fn list(&self) -> ListRef {
+        ListRef {
+            class: ((self.meta >> CLASS_SHIFT) & CLASS_MASK) as u8,
+            len: self.meta & LEN_MASK,
+            at: self.holder,
+        }
+    }
+
+    #[inline]
+    fn set_list(&mut self, list: ListRef) {
+        let flags = self.meta & (LIVE | HAS_EXT | HAS_ALIAS);
+        self.meta = flags | (u32::from(list.class) << CLASS_SHIFT) | (list.len & LEN_MASK);
+        self.holder = list.at;
+    }
+}
 
 /// A well-mixed 64-bit hash of a key, for hashbrown's bucket and tag bits.
 /// Engine hashes can be small or structured (test ids, other engines), so they
@@ -53,43 +77,61 @@ pub(super) enum Bind {
     Conflict,
 }
 
-/// Block-prefix nodes with their residency bitmaps.
-#[derive(Debug, Clone)]
+/// Block-prefix nodes with their holder lists.
+#[derive(Debug, Clone, Default)]
 pub(super) struct NodeStore {
-    words: usize,
-    stride: usize,
-    records: Vec<u64>,
+    records: Vec<Record>,
     free: Vec<NodeId>,
     live: usize,
     by_seq: HashTable<NodeId>,
     by_ext: HashTable<NodeId>,
     aliases: FxHashMap<u64, NodeId>,
-    lower: Vec<u64>,
-    lower_free: Vec<u32>,
+    holders: HolderArena,
+    dense: DenseArena,
 }
 
-impl NodeStore {
-    pub(super) fn new(words: usize) -> Self {
-        let words = words.max(1);
-        NodeStore {
-            words,
-            stride: HEADER + words,
-            records: Vec::new(),
-            free: Vec::new(),
-            live: 0,
-            by_seq: HashTable::new(),
-            by_ext: HashTable::new(),
-            aliases: FxHashMap::default(),
-            lower: Vec::new(),
-            lower_free: Vec::new(),
+/// The ranks holding a node: a sorted list, or bitmaps when many do.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Holders<'a> {
+    /// Entries sorted by slot.
+    List(&'a [Entry]),
+    /// One bit per slot and tier.
+    Dense(DenseView<'a>),
+}
+
+impl Holders<'_> {
+    /// The tier mask of a slot.
+    #[inline]
+    pub(super) fn tiers_of(&self, slot: SlotId) -> u8 {
+        match self {
+            Holders::List(list) => {
+                holders::search(list, slot).map_or(0, |i| holders::tiers_of(list[i]))
+            }
+            Holders::Dense(d) => d.tiers_of(slot),
         }
     }
 
-    /// Bitmap words per tier.
-    pub(super) fn words(&self) -> usize {
-        self.words
+    /// Every holder as a list entry, in slot order.
+    pub(super) fn for_each(&self, mut f: impl FnMut(Entry)) {
+        match self {
+            Holders::List(list) => list.iter().for_each(|&e| f(e)),
+            Holders::Dense(d) => d.for_each(f),
+        }
     }
 
+    /// The same ranks on the same tiers (compared as stored: a list and a
+    /// dense set are never the same).
+    #[inline]
+    pub(super) fn same_as(&self, other: &Holders<'_>) -> bool {
+        match (self, other) {
+            (Holders::List(a), Holders::List(b)) => a == b,
+            (Holders::Dense(a), Holders::Dense(b)) => a.device == b.device && a.lower == b.lower,
+            _ => false,
+        }
+    }
+}
+
+impl NodeStore {
     /// Nodes in use.
     pub(super) fn live(&self) -> usize {
         self.live
@@ -97,72 +139,73 @@ impl NodeStore {
 
     /// One past the highest node id ever allocated.
     pub(super) fn capacity(&self) -> usize {
-        self.records.len() / self.stride
+        self.records.len()
     }
 
     #[inline]
-    fn base(&self, node: NodeId) -> usize {
-        node as usize * self.stride
-    }
-
-    #[inline]
-    fn meta(&self, node: NodeId) -> u64 {
-        self.records[self.base(node) + META]
-    }
-
-    #[inline]
-    fn set_meta(&mut self, node: NodeId, meta: u64) {
-        let base = self.base(node);
-        self.records[base + META] = meta;
+    fn record(&self, node: NodeId) -> Record {
+        self.records.get(node as usize).copied().unwrap_or_default()
     }
 
     pub(super) fn is_live(&self, node: NodeId) -> bool {
-        (node as usize) < self.capacity() && self.meta(node) & LIVE != 0
+        self.record(node).meta & LIVE != 0
     }
 
     pub(super) fn seq(&self, node: NodeId) -> u64 {
-        self.records[self.base(node) + SEQ]
+        self.record(node).seq
     }
 
     /// The node's first bound engine hash, if any.
     pub(super) fn primary_ext(&self, node: NodeId) -> Option<u64> {
-        let base = self.base(node);
-        (self.records[base + META] & HAS_EXT != 0).then(|| self.records[base + EXT])
+        let r = self.record(node);
+        (r.meta & HAS_EXT != 0).then_some(r.ext)
     }
 
-    /// The device bitmap.
+    /// The ranks holding the node, with their tiers.
     #[inline]
-    pub(super) fn device(&self, node: NodeId) -> &[u64] {
-        let base = self.base(node) + HEADER;
-        &self.records[base..base + self.words]
+    pub(super) fn holders(&self, node: NodeId) -> Holders<'_> {
+        match self.records.get(node as usize) {
+            Some(r) => match r.list() {
+                list if list.class == 0 => {
+                    let len = list.len.min(1) as usize;
+                    Holders::List(&std::slice::from_ref(&r.holder)[..len])
+                }
+                list if list.class == DENSE => Holders::Dense(self.dense.view(list.at)),
+                list => Holders::List(self.holders.block(list)),
+            },
+            None => Holders::List(&[]),
+        }
     }
 
-    /// The host, disk and external bitmaps, back to back, when the node has any.
-    #[inline]
-    pub(super) fn lower(&self, node: NodeId) -> Option<&[u64]> {
-        let index = self.meta(node) & LOWER_MASK;
-        (index != NO_LOWER).then(|| {
-            let start = index as usize * 3 * self.words;
-            &self.lower[start..start + 3 * self.words]
-        })
+    /// Bitmap words per tier of dense holder sets.
+    pub(super) fn dense_words(&self) -> usize {
+        self.dense.words()
+    }
+
+    /// Makes dense holder sets `words` words wide (more slots than bits).
+    pub(super) fn widen(&mut self, words: usize) {
+        self.dense.widen(words);
+    }
+
+    /// Holders beyond which a list becomes a dense set: where the bitmap is
+    /// no larger than the list.
+    fn dense_threshold(&self) -> u32 {
+        (2 * (self.dense.words() as u32 + 1)).max(16)
     }
 
     #[inline]
     pub(super) fn find_seq(&self, seq: u64) -> Option<NodeId> {
         let records = &self.records;
-        let stride = self.stride;
         self.by_seq
-            .find(mix(seq), |&id| records[id as usize * stride + SEQ] == seq)
+            .find(mix(seq), |&id| records[id as usize].seq == seq)
             .copied()
     }
 
-    /// The node an engine hash names, if any.
     /// The node whose shared name (first engine hash) `ext` is.
     pub(super) fn find_primary(&self, ext: u64) -> Option<NodeId> {
         let records = &self.records;
-        let stride = self.stride;
         self.by_ext
-            .find(mix(ext), |&id| records[id as usize * stride + EXT] == ext)
+            .find(mix(ext), |&id| records[id as usize].ext == ext)
             .copied()
     }
 
@@ -173,14 +216,13 @@ impl NodeStore {
         // never rehashes (`entry` reserves room first).
         let next = match self.free.last() {
             Some(&id) => id,
-            None => NodeId::try_from(self.capacity()).unwrap_or(NodeId::MAX),
+            None => NodeId::try_from(self.records.len()).unwrap_or(NodeId::MAX),
         };
         let records = &self.records;
-        let stride = self.stride;
         let entry = self.by_seq.entry(
             mix(seq),
-            |&id| records[id as usize * stride + SEQ] == seq,
-            |&id| mix(records[id as usize * stride + SEQ]),
+            |&id| records[id as usize].seq == seq,
+            |&id| mix(records[id as usize].seq),
         );
         match entry {
             hashbrown::hash_table::Entry::Occupied(e) => return *e.get(),
@@ -188,29 +230,36 @@ impl NodeStore {
                 v.insert(next);
             }
         }
+        let record = Record {
+            seq,
+            ext: 0,
+            meta: LIVE,
+            holder: 0,
+        };
         if self.free.last() == Some(&next) {
             self.free.pop();
+            self.records[next as usize] = record;
         } else {
-            grow_gently(&mut self.records, self.stride);
-            self.records.resize(self.records.len() + self.stride, 0);
+            grow_gently(&mut self.records, 1);
+            self.records.push(record);
         }
-        let base = self.base(next);
-        self.records[base + SEQ] = seq;
-        self.records[base + EXT] = 0;
-        self.records[base + META] = LIVE | NO_LOWER;
         self.live += 1;
         next
     }
 
     /// Makes `ext` name `node`.
     pub(super) fn bind_ext(&mut self, node: NodeId, ext: u64) -> Bind {
-        let has_primary = self.meta(node) & HAS_EXT != 0;
+        let record = self.record(node);
+        let has_primary = record.meta & HAS_EXT != 0;
+        if has_primary && record.ext == ext {
+            // Already the shared name: the table says so too, no need to probe it.
+            return Bind::Primary;
+        }
         let records = &self.records;
-        let stride = self.stride;
         let entry = self.by_ext.entry(
             mix(ext),
-            |&id| records[id as usize * stride + EXT] == ext,
-            |&id| mix(records[id as usize * stride + EXT]),
+            |&id| records[id as usize].ext == ext,
+            |&id| mix(records[id as usize].ext),
         );
         match entry {
             hashbrown::hash_table::Entry::Occupied(e) => {
@@ -233,173 +282,190 @@ impl NodeStore {
                 }
             }
         }
-        let meta = self.meta(node);
+        let Some(record) = self.records.get_mut(node as usize) else {
+            return Bind::Conflict;
+        };
         if has_primary {
             self.aliases.insert(ext, node);
-            self.set_meta(node, meta | HAS_ALIAS);
+            record.meta |= HAS_ALIAS;
             Bind::Alias
         } else {
-            let base = self.base(node);
-            self.records[base + EXT] = ext;
-            self.set_meta(node, meta | HAS_EXT);
+            record.ext = ext;
+            record.meta |= HAS_EXT;
             Bind::Primary
         }
     }
 
-    /// Residents of the node, counted over (slot, tier) pairs.
-    pub(super) fn occupancy(&self, node: NodeId) -> u64 {
-        (self.meta(node) >> OCC_SHIFT) & OCC_MASK
-    }
-
-    fn add_occupancy(&mut self, node: NodeId, delta: i64) {
-        let meta = self.meta(node);
-        let occ = ((meta >> OCC_SHIFT) & OCC_MASK) as i64 + delta;
-        let occ = (occ.max(0) as u64) & OCC_MASK;
-        self.set_meta(node, (meta & !(OCC_MASK << OCC_SHIFT)) | (occ << OCC_SHIFT));
-    }
-
-    /// The word index and bit of a slot.
-    #[inline]
-    fn bit(slot: SlotId) -> (usize, u64) {
-        (slot as usize / 64, 1u64 << (slot % 64))
+    /// Ranks holding the node, on any tier.
+    pub(super) fn holder_count(&self, node: NodeId) -> usize {
+        self.record(node).list().len as usize
     }
 
     /// The tier mask (bit 0 device … bit 3 external) of a slot on a node.
     pub(super) fn tiers_of(&self, node: NodeId, slot: SlotId) -> u8 {
-        if !self.is_live(node) {
-            return 0;
-        }
-        let (word, bit) = Self::bit(slot);
-        let mut mask = u8::from(self.device(node)[word] & bit != 0);
-        if let Some(lower) = self.lower(node) {
-            for t in 0..3 {
-                if lower[t * self.words + word] & bit != 0 {
-                    mask |= 2 << t;
-                }
-            }
-        }
-        mask
+        self.holders(node).tiers_of(slot)
     }
 
     /// Sets a slot's bit for a tier; true when it was not set before.
     pub(super) fn set(&mut self, node: NodeId, slot: SlotId, tier: Tier) -> bool {
-        let (word, bit) = Self::bit(slot);
-        let index = match tier_index(tier) {
-            None => self.base(node) + HEADER + word,
-            Some(t) => {
-                let lower = self.ensure_lower(node);
-                lower * 3 * self.words + t * self.words + word
-            }
+        let bit = tier_bit(tier);
+        let Some(record) = self.records.get(node as usize).copied() else {
+            return false;
         };
-        let store = if tier == Tier::Device {
-            &mut self.records
-        } else {
-            &mut self.lower
-        };
-        let newly = store[index] & bit == 0;
-        store[index] |= bit;
-        if newly {
-            self.add_occupancy(node, 1);
+        if record.meta & LIVE == 0 || slot >= holders::MAX_SLOTS {
+            return false;
         }
-        newly
+        let mut list = record.list();
+        if list.class == 0 && (list.len == 0 || holders::slot_of(list.at) == slot) {
+            // One holder or none, kept in the record: the common case.
+            let tiers = if list.len == 0 {
+                0
+            } else {
+                holders::tiers_of(list.at)
+            };
+            if tiers & bit != 0 {
+                return false;
+            }
+            list.len = 1;
+            list.at = holders::entry(slot, tiers | bit);
+        } else if list.class == DENSE {
+            if slot as usize >= self.dense.words() * 64 {
+                return false;
+            }
+            let before = self.dense.set(list.at, slot, bit);
+            if before & bit != 0 {
+                return false;
+            }
+            if before == 0 {
+                list.len += 1;
+            }
+        } else {
+            let entries = self.holders.get(&list);
+            match holders::search(entries, slot) {
+                Ok(i) => {
+                    let e = entries[i];
+                    if holders::tiers_of(e) & bit != 0 {
+                        return false;
+                    }
+                    self.holders.set(&mut list, i, e | u32::from(bit));
+                }
+                Err(i) => {
+                    if list.len >= self.dense_threshold() && self.make_dense(&mut list) {
+                        self.dense.set(list.at, slot, bit);
+                        list.len += 1;
+                    } else if !self.holders.insert(&mut list, i, holders::entry(slot, bit)) {
+                        return false;
+                    }
+                }
+            }
+        }
+        self.records[node as usize].set_list(list);
+        true
     }
 
     /// Clears a slot's bit for a tier; true when it was set.
     pub(super) fn clear(&mut self, node: NodeId, slot: SlotId, tier: Tier) -> bool {
-        if !self.is_live(node) {
+        let bit = tier_bit(tier);
+        let Some(record) = self.records.get(node as usize).copied() else {
+            return false;
+        };
+        if record.meta & LIVE == 0 {
             return false;
         }
-        let (word, bit) = Self::bit(slot);
-        let was = match tier_index(tier) {
-            None => {
-                let index = self.base(node) + HEADER + word;
-                let was = self.records[index] & bit != 0;
-                self.records[index] &= !bit;
-                was
+        let mut list = record.list();
+        if list.class == DENSE {
+            let before = self.dense.clear(list.at, slot, bit);
+            if before & bit == 0 {
+                return false;
             }
-            Some(t) => {
-                let lower = self.meta(node) & LOWER_MASK;
-                if lower == NO_LOWER {
-                    return false;
+            if before == bit {
+                list.len -= 1;
+                if list.len < self.dense_threshold() / 4 {
+                    self.make_list(&mut list);
                 }
-                let index = lower as usize * 3 * self.words + t * self.words + word;
-                let was = self.lower[index] & bit != 0;
-                self.lower[index] &= !bit;
-                if was {
-                    self.release_lower_if_empty(node);
-                }
-                was
             }
-        };
-        if was {
-            self.add_occupancy(node, -1);
+        } else {
+            let entries = self.holders.get(&list);
+            let Ok(i) = holders::search(entries, slot) else {
+                return false;
+            };
+            let e = entries[i];
+            if holders::tiers_of(e) & bit == 0 {
+                return false;
+            }
+            if holders::tiers_of(e) == bit {
+                self.holders.remove(&mut list, i);
+            } else {
+                self.holders.set(&mut list, i, e & !u32::from(bit));
+            }
         }
-        was
+        self.records[node as usize].set_list(list);
+        true
     }
 
-    fn ensure_lower(&mut self, node: NodeId) -> usize {
-        let meta = self.meta(node);
-        let index = meta & LOWER_MASK;
-        if index != NO_LOWER {
-            return index as usize;
+    /// Moves a list into a new dense set; false when the set cannot hold
+    /// every entry's slot (the list is left as it was).
+    fn make_dense(&mut self, list: &mut ListRef) -> bool {
+        let bits = self.dense.words() * 64;
+        let entries = self.holders.get(list);
+        if entries
+            .iter()
+            .any(|&e| holders::slot_of(e) as usize >= bits)
+            || bits == 0
+        {
+            return false;
         }
-        let span = 3 * self.words;
-        let index = match self.lower_free.pop() {
-            Some(i) => i as usize,
-            None => {
-                let i = self.lower.len() / span;
-                grow_gently(&mut self.lower, span);
-                self.lower.resize(self.lower.len() + span, 0);
-                i
-            }
+        let at = self.dense.allocate();
+        for &e in self.holders.get(list) {
+            self.dense
+                .set(at, holders::slot_of(e), holders::tiers_of(e));
+        }
+        let len = list.len;
+        self.holders.release(list);
+        *list = ListRef {
+            class: DENSE,
+            len,
+            at,
         };
-        self.set_meta(node, (meta & !LOWER_MASK) | index as u64);
-        index
+        true
     }
 
-    fn release_lower_if_empty(&mut self, node: NodeId) {
-        let meta = self.meta(node);
-        let index = meta & LOWER_MASK;
-        if index == NO_LOWER {
-            return;
+    /// Moves a dense set back into a list.
+    fn make_list(&mut self, list: &mut ListRef) {
+        let mut entries = Vec::with_capacity(list.len as usize);
+        self.dense.view(list.at).for_each(|e| entries.push(e));
+        self.dense.release(list.at);
+        let mut fresh = ListRef::default();
+        for (i, e) in entries.into_iter().enumerate() {
+            self.holders.insert(&mut fresh, i, e);
         }
-        let span = 3 * self.words;
-        let start = index as usize * span;
-        if self.lower[start..start + span].iter().all(|&w| w == 0) {
-            self.lower_free.push(index as u32);
-            self.set_meta(node, (meta & !LOWER_MASK) | NO_LOWER);
-        }
+        *list = fresh;
     }
 
     /// Frees a node nobody holds any more.
     pub(super) fn free_if_empty(&mut self, node: NodeId) -> bool {
-        if !self.is_live(node) || self.occupancy(node) != 0 {
+        let record = self.record(node);
+        if record.meta & LIVE == 0 || record.list().len != 0 {
             return false;
         }
-        let seq = self.seq(node);
-        if let Ok(entry) = self.by_seq.find_entry(mix(seq), |&id| id == node) {
+        if let Ok(entry) = self.by_seq.find_entry(mix(record.seq), |&id| id == node) {
             entry.remove();
         }
-        let meta = self.meta(node);
-        if meta & HAS_EXT != 0 {
-            let ext = self.records[self.base(node) + EXT];
-            if let Ok(entry) = self.by_ext.find_entry(mix(ext), |&id| id == node) {
+        if record.meta & HAS_EXT != 0 {
+            if let Ok(entry) = self.by_ext.find_entry(mix(record.ext), |&id| id == node) {
                 entry.remove();
             }
         }
-        if meta & HAS_ALIAS != 0 {
+        if record.meta & HAS_ALIAS != 0 {
             self.aliases.retain(|_, &mut id| id != node);
         }
-        let lower = meta & LOWER_MASK;
-        if lower != NO_LOWER {
-            let span = 3 * self.words;
-            let start = lower as usize * span;
-            self.lower[start..start + span].fill(0);
-            self.lower_free.push(lower as u32);
+        let mut list = record.list();
+        if list.class == DENSE {
+            self.dense.release(list.at);
+        } else {
+            self.holders.release(&mut list);
         }
-        let base = self.base(node);
-        self.records[base..base + self.stride].fill(0);
-        self.records[base + META] = NO_LOWER;
+        self.records[node as usize] = Record::default();
         self.free.push(node);
         self.live -= 1;
         true
@@ -407,10 +473,11 @@ impl NodeStore {
 
     /// Live node ids, in id order.
     pub(super) fn live_ids(&self) -> impl Iterator<Item = NodeId> + '_ {
-        (0..self.capacity()).filter_map(move |i| {
-            let id = i as NodeId;
-            self.is_live(id).then_some(id)
-        })
+        self.records
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| r.meta & LIVE != 0)
+            .map(|(i, _)| i as NodeId)
     }
 
     /// Extra engine hashes naming nodes (beyond each node's primary).
@@ -418,65 +485,35 @@ impl NodeStore {
         self.aliases.iter().map(|(&ext, &id)| (ext, id))
     }
 
-    /// Grows every bitmap to `words` words (more slots than bits).
-    pub(super) fn widen(&mut self, words: usize) {
-        if words <= self.words {
-            return;
-        }
-        let old = self.words;
-        let new_stride = HEADER + words;
-        let count = self.capacity();
-        let mut records = vec![0u64; count * new_stride];
-        for i in 0..count {
-            let from = i * self.stride;
-            let to = i * new_stride;
-            records[to..to + HEADER + old]
-                .copy_from_slice(&self.records[from..from + HEADER + old]);
-        }
-        let lower_count = self.lower.len() / (3 * old);
-        let mut lower = vec![0u64; lower_count * 3 * words];
-        for i in 0..lower_count {
-            for t in 0..3 {
-                let from = i * 3 * old + t * old;
-                let to = i * 3 * words + t * words;
-                lower[to..to + old].copy_from_slice(&self.lower[from..from + old]);
-            }
-        }
-        self.records = records;
-        self.lower = lower;
-        self.words = words;
-        self.stride = new_stride;
-    }
-
     /// Heap bytes held, from capacities.
     pub(super) fn heap_bytes(&self) -> usize {
         let table = |cap: usize| cap * (std::mem::size_of::<NodeId>() + 1);
-        self.records.capacity() * 8
+        self.records.capacity() * std::mem::size_of::<Record>()
             + self.free.capacity() * 4
             + table(self.by_seq.capacity())
             + table(self.by_ext.capacity())
             + self.aliases.capacity() * (8 + 4 + 1)
-            + self.lower.capacity() * 8
-            + self.lower_free.capacity() * 4
+            + self.holders.heap_bytes()
+            + self.dense.heap_bytes()
     }
 }
 
-/// Makes room for `more` words, growing by an eighth rather than doubling: the
+/// Makes room for `more` items, growing by an eighth rather than doubling: the
 /// arenas are the index's largest allocations, and doubling would leave up to
 /// half of them unused. (Large reallocations are remapped, not copied.)
-fn grow_gently(arena: &mut Vec<u64>, more: usize) {
+pub(super) fn grow_gently<T>(arena: &mut Vec<T>, more: usize) {
     if arena.len() + more > arena.capacity() {
-        arena.reserve_exact((arena.len() / 8).max(more * 1024));
+        arena.reserve_exact((arena.len() / 8).max(more * 64));
     }
 }
 
-/// Position of a lower tier in a node's side record; `None` for the device.
+/// A tier's bit in a holder entry.
 #[inline]
-fn tier_index(tier: Tier) -> Option<usize> {
+fn tier_bit(tier: Tier) -> u8 {
     match tier {
-        Tier::Device => None,
-        Tier::Host => Some(0),
-        Tier::Disk => Some(1),
-        Tier::External => Some(2),
+        Tier::Device => 1,
+        Tier::Host => 2,
+        Tier::Disk => 4,
+        Tier::External => 8,
     }
 }

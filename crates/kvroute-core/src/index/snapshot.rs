@@ -3,16 +3,23 @@
 //! and for bootstrapping a replica from a warm one.
 //!
 //! Layout (little-endian): magic `KVRIDX\0\0`, version `u32`, the config, the
-//! bitmap width, the ranks, then every live node (`seq`, flags, primary engine
-//! hash, device bitmap, lower-tier bitmaps when present), then alias engine
-//! hashes, private bindings and approximate deadlines, all keyed by sequence
-//! hash so node ids need not survive. Counters are not part of it.
+//! ranks, then every live node (`seq`, flags, primary engine hash, its holders
+//! as a count and `slot << 4 | tier mask` entries), then alias engine hashes,
+//! private bindings and approximate deadlines, all keyed by sequence hash so
+//! node ids need not survive. Counters are not part of it.
+//!
+//! Version 1 (before holder lists) wrote a bitmap width after the config and
+//! each node's holders as fixed-width device and lower-tier bitmaps; it is
+//! still read.
 
-use super::nodes::{NodeStore, SlotId};
+use super::holders;
+use super::nodes::SlotId;
 use super::{Index, IndexConfig, IndexCounters, Slot, WorkerId, WorkerRank};
 
 const MAGIC: &[u8; 8] = b"KVRIDX\0\0";
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
+/// The bitmap layout, still read.
+const VERSION_BITMAPS: u32 = 1;
 const NONE: u64 = u64::MAX;
 
 /// Why a snapshot could not be restored.
@@ -23,7 +30,7 @@ pub enum SnapshotError {
     #[error("not a kvroute index snapshot (bad magic)")]
     BadMagic,
     /// Written by a version this build cannot read.
-    #[error("snapshot version {found} is not supported (this build reads version {VERSION})")]
+    #[error("snapshot version {found} is not supported (this build reads versions {VERSION_BITMAPS} and {VERSION})")]
     UnsupportedVersion {
         /// The version found.
         found: u32,
@@ -95,15 +102,11 @@ fn from_opt(v: u64) -> Option<u64> {
 impl Index {
     /// The whole index as bytes (see the module docs for the layout).
     pub fn dump(&self) -> Vec<u8> {
-        let words = self.nodes.words();
-        let mut w = Writer(Vec::with_capacity(
-            64 + self.nodes.live() * (17 + 8 * words),
-        ));
+        let mut w = Writer(Vec::with_capacity(64 + self.nodes.live() * 25));
         w.0.extend_from_slice(MAGIC);
         w.u32(VERSION);
         w.u64(opt(self.config.default_capacity));
         w.u64(self.config.approx_ttl_ms);
-        w.u32(words as u32);
         w.u32(self.slots.len() as u32);
         for slot in &self.slots {
             match slot {
@@ -120,17 +123,12 @@ impl Index {
         for node in self.nodes.live_ids() {
             w.u64(self.nodes.seq(node));
             let ext = self.nodes.primary_ext(node);
-            let lower = self.nodes.lower(node);
-            w.u8(u8::from(ext.is_some()) | (u8::from(lower.is_some()) << 1));
+            w.u8(u8::from(ext.is_some()));
             if let Some(ext) = ext {
                 w.u64(ext);
             }
-            for &word in self.nodes.device(node) {
-                w.u64(word);
-            }
-            for &word in lower.unwrap_or(&[]) {
-                w.u64(word);
-            }
+            w.u32(self.nodes.holder_count(node) as u32);
+            self.nodes.holders(node).for_each(|entry| w.u32(entry));
         }
         let aliases: Vec<(u64, u64)> = self
             .nodes
@@ -182,11 +180,13 @@ impl Index {
     /// Rebuilds an index from [`Index::dump`] output.
     pub fn restore(bytes: &[u8]) -> Result<Index, SnapshotError> {
         let mut r = Reader { buf: bytes };
-        let (config, words, slot_count) = read_header(&mut r)?;
+        let (config, version, slot_count) = read_header(&mut r)?;
         let mut index = Index::new(config);
-        index.nodes = NodeStore::new(words);
         index.restore_ranks(&mut r, slot_count)?;
-        index.restore_nodes(&mut r, words)?;
+        match version {
+            Version::Bitmaps { words } => index.restore_bitmap_nodes(&mut r, words)?,
+            Version::Lists => index.restore_nodes(&mut r)?,
+        }
         index.restore_bindings(&mut r)?;
         if !r.buf.is_empty() {
             return Err(SnapshotError::Corrupt("trailing bytes"));
@@ -219,62 +219,99 @@ impl Index {
         Ok(())
     }
 
-    fn restore_nodes(&mut self, r: &mut Reader<'_>, words: usize) -> Result<(), SnapshotError> {
-        let node_count = r.count(9 + 8 * words)?;
-        let mut lower = vec![0u64; 3 * words];
-        let mut device = vec![0u64; words];
-        for _ in 0..node_count {
-            let seq = r.u64()?;
-            let flags = r.u8()?;
-            let ext = if flags & 1 != 0 { Some(r.u64()?) } else { None };
-            for word in device.iter_mut() {
-                *word = r.u64()?;
+    fn restore_nodes(&mut self, r: &mut Reader<'_>) -> Result<(), SnapshotError> {
+        for _ in 0..r.count(13)? {
+            let node = self.restore_node(r)?;
+            let count = r.u32()? as usize;
+            if count.saturating_mul(4) > r.buf.len() {
+                return Err(SnapshotError::Corrupt(
+                    "holder count larger than the snapshot",
+                ));
             }
-            let has_lower = flags & 2 != 0;
-            for word in lower.iter_mut() {
-                *word = if has_lower { r.u64()? } else { 0 };
+            for _ in 0..count {
+                let entry = r.u32()?;
+                let tiers = holders::tiers_of(entry);
+                let slot = holders::slot_of(entry);
+                if tiers == 0 {
+                    return Err(SnapshotError::Corrupt("a holder on no tier"));
+                }
+                for (bit, tier) in super::TIERS.iter().enumerate() {
+                    if tiers & (1 << bit) != 0 {
+                        self.restore_residency(node, slot, *tier)?;
+                    }
+                }
             }
-            if self.nodes.find_seq(seq).is_some() {
-                return Err(SnapshotError::Corrupt("a node appears twice"));
-            }
-            let node = self.nodes.insert_seq(seq);
-            if let Some(ext) = ext {
-                self.nodes.bind_ext(node, ext);
-            }
-            let bitmaps = std::iter::once(&device[..]).chain(lower.chunks(words));
-            for (tier, bitmap) in super::TIERS.iter().zip(bitmaps) {
-                self.restore_residencies(node, *tier, bitmap)?;
-            }
-            if self.nodes.occupancy(node) == 0 {
+            if self.nodes.holder_count(node) == 0 {
                 return Err(SnapshotError::Corrupt("a node nobody holds"));
             }
         }
         Ok(())
     }
 
-    /// Adds a residency in `tier` for every rank whose bit `bitmap` sets.
-    fn restore_residencies(
+    /// A node's sequence hash, flags and primary engine hash.
+    fn restore_node(&mut self, r: &mut Reader<'_>) -> Result<super::NodeId, SnapshotError> {
+        let seq = r.u64()?;
+        let flags = r.u8()?;
+        let ext = if flags & 1 != 0 { Some(r.u64()?) } else { None };
+        if self.nodes.find_seq(seq).is_some() {
+            return Err(SnapshotError::Corrupt("a node appears twice"));
+        }
+        let node = self.nodes.insert_seq(seq);
+        if let Some(ext) = ext {
+            self.nodes.bind_ext(node, ext);
+        }
+        Ok(node)
+    }
+
+    /// Version 1 nodes: holders as a device bitmap and, when flag bit 1 is
+    /// set, host, disk and external bitmaps, `words` words each.
+    fn restore_bitmap_nodes(
         &mut self,
-        node: super::NodeId,
-        tier: super::Tier,
-        bitmap: &[u64],
+        r: &mut Reader<'_>,
+        words: usize,
     ) -> Result<(), SnapshotError> {
-        for (w, &word) in bitmap.iter().enumerate() {
-            let mut bits = word;
-            while bits != 0 {
-                let slot = (w * 64 + bits.trailing_zeros() as usize) as SlotId;
-                bits &= bits - 1;
-                if self
-                    .slots
-                    .get(slot as usize)
-                    .and_then(Option::as_ref)
-                    .is_none()
-                {
-                    return Err(SnapshotError::Corrupt("a node names an unknown rank"));
+        let node_count = r.count(9 + 8 * words)?;
+        let mut bitmaps = vec![0u64; 4 * words];
+        for _ in 0..node_count {
+            let flags = r.buf.get(8).copied().unwrap_or(0);
+            let node = self.restore_node(r)?;
+            let present = if flags & 2 != 0 { 4 * words } else { words };
+            for (i, word) in bitmaps.iter_mut().enumerate() {
+                *word = if i < present { r.u64()? } else { 0 };
+            }
+            for (tier, bitmap) in super::TIERS.iter().zip(bitmaps.chunks(words)) {
+                for (w, &word) in bitmap.iter().enumerate() {
+                    let mut bits = word;
+                    while bits != 0 {
+                        let slot = (w * 64 + bits.trailing_zeros() as usize) as SlotId;
+                        bits &= bits - 1;
+                        self.restore_residency(node, slot, *tier)?;
+                    }
                 }
-                self.add_residency(slot, node, tier);
+            }
+            if self.nodes.holder_count(node) == 0 {
+                return Err(SnapshotError::Corrupt("a node nobody holds"));
             }
         }
+        Ok(())
+    }
+
+    /// Adds one residency of a known rank.
+    fn restore_residency(
+        &mut self,
+        node: super::NodeId,
+        slot: SlotId,
+        tier: super::Tier,
+    ) -> Result<(), SnapshotError> {
+        if self
+            .slots
+            .get(slot as usize)
+            .and_then(Option::as_ref)
+            .is_none()
+        {
+            return Err(SnapshotError::Corrupt("a node names an unknown rank"));
+        }
+        self.add_residency(slot, node, tier);
         Ok(())
     }
 
@@ -321,27 +358,44 @@ impl Index {
     }
 }
 
+/// Which layout a snapshot's nodes are in.
+enum Version {
+    /// Version 1: fixed-width bitmaps of `words` words.
+    Bitmaps { words: usize },
+    /// Version 2: holder lists.
+    Lists,
+}
+
 /// The snapshot's magic, version and configuration: the index settings, the
-/// bitmap width in words and the number of rank slots.
-fn read_header(r: &mut Reader<'_>) -> Result<(IndexConfig, usize, usize), SnapshotError> {
+/// node layout and the number of rank slots.
+fn read_header(r: &mut Reader<'_>) -> Result<(IndexConfig, Version, usize), SnapshotError> {
     if r.take(8).map_err(|_| SnapshotError::BadMagic)? != MAGIC {
         return Err(SnapshotError::BadMagic);
     }
-    let version = r.u32()?;
-    if version != VERSION {
-        return Err(SnapshotError::UnsupportedVersion { found: version });
+    let found = r.u32()?;
+    if found != VERSION && found != VERSION_BITMAPS {
+        return Err(SnapshotError::UnsupportedVersion { found });
     }
     let config = IndexConfig {
         default_capacity: from_opt(r.u64()?),
         approx_ttl_ms: r.u64()?,
     };
-    let words = r.u32()? as usize;
-    if words == 0 || words > 1 << 16 {
-        return Err(SnapshotError::Corrupt("bitmap width"));
-    }
+    let version = if found == VERSION_BITMAPS {
+        let words = r.u32()? as usize;
+        if words == 0 || words > 1 << 16 {
+            return Err(SnapshotError::Corrupt("bitmap width"));
+        }
+        Version::Bitmaps { words }
+    } else {
+        Version::Lists
+    };
     let slot_count = r.u32()? as usize;
-    if slot_count > words * 64 || slot_count > r.buf.len() {
+    let most = match version {
+        Version::Bitmaps { words } => words * 64,
+        Version::Lists => holders::MAX_SLOTS as usize,
+    };
+    if slot_count > most || slot_count > r.buf.len() {
         return Err(SnapshotError::Corrupt("rank count"));
     }
-    Ok((config, words, slot_count))
+    Ok((config, version, slot_count))
 }

@@ -2,7 +2,8 @@
 //!
 //! Inside the timed regions: applying pre-generated events (decoding is not
 //! included), `find_matches` on pre-generated 64-block queries, `dump` and
-//! `restore`. Memory is the growth of live heap bytes while the index is
+//! `restore`, and the same events applied from `threads` threads into an
+//! index of as many shards of ranks. Memory is the growth of live heap bytes while the index is
 //! built, divided by residencies, when the process can count its heap (a
 //! counting global allocator, [`IndexBenchConfig::heap_meter`]); the
 //! estimate from the index's table capacities is reported either way.
@@ -32,6 +33,9 @@ pub struct IndexBenchConfig {
     pub query_blocks: usize,
     /// Seed of the trace.
     pub seed: u64,
+    /// Writer threads of the sharded apply, and shards of the index it
+    /// builds (at least 1).
+    pub threads: usize,
     /// The process's live heap bytes, when its global allocator counts them;
     /// without it `bytes_per_residency` is not measured (`null`).
     pub heap_meter: Option<fn() -> usize>,
@@ -130,6 +134,43 @@ fn build(config: &IndexBenchConfig, trace: &Trace) -> (Index, f64, Option<usize>
         stats::median(&stats::sorted(apply_rates)),
         bytes_measured,
     )
+}
+
+/// Builds a [`SharedIndex`] of `threads` shards from the trace, each thread
+/// applying the events of one shard's ranks (in their order), all at once;
+/// returns the index and the median block-ops/s of 3 runs.
+fn build_sharded(trace: &Trace, threads: usize) -> (SharedIndex, f64) {
+    progress(&format!(
+        "applying the same events from {threads} threads into {threads} shards, 3 runs"
+    ));
+    let index_config = IndexConfig {
+        default_capacity: None,
+        ..IndexConfig::default()
+    };
+    let probe = SharedIndex::sharded(Index::new(index_config.clone()), threads);
+    let mut parts: Vec<Events> = vec![Vec::new(); probe.shard_count()];
+    for (key, event) in &trace.build {
+        parts[probe.shard_of(*key)].push((*key, event.clone()));
+    }
+    let mut rates = Vec::new();
+    let mut last = probe;
+    for _ in 0..3 {
+        let shared = SharedIndex::sharded(Index::new(index_config.clone()), threads);
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            for part in &parts {
+                let shared = &shared;
+                scope.spawn(move || {
+                    for (key, event) in part {
+                        shared.apply(*key, event);
+                    }
+                });
+            }
+        });
+        rates.push(trace.build_ops as f64 / start.elapsed().as_secs_f64());
+        last = shared;
+    }
+    (last, stats::median(&stats::sorted(rates)))
 }
 
 /// Times each query; returns the sorted latencies in µs and the mean device
@@ -232,6 +273,15 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
     progress("timing lookups while another thread applies events");
     let (under, writer_rate) = time_under_writes(&SharedIndex::new(index), &trace);
 
+    let threads = config.threads.max(1);
+    let (sharded, sharded_rate) = build_sharded(&trace, threads);
+    let sharded_stats = sharded.stats();
+    if sharded_stats.residencies != stats.residencies {
+        return Err(Error::Unexpected("the sharded index differs".into()));
+    }
+    let (sharded_lookups, _) =
+        time_queries(&trace.queries, |q| best_device(&sharded.find_matches(q)));
+
     Ok(json!({
         "workers": config.workers,
         "target_residencies": config.residencies,
@@ -252,6 +302,13 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         "writer_block_ops_per_s_during_lookups": writer_rate.round(),
         "bytes_per_residency": bytes_measured.map(|b| b as f64 / residencies as f64),
         "estimated_heap_bytes_per_residency": stats.heap_bytes as f64 / residencies as f64,
+        "threads": threads,
+        "apply_block_ops_per_s_sharded": sharded_rate.round(),
+        "sharded_apply_speedup": sharded_rate / apply_rate.max(1.0),
+        "sharded_nodes": sharded_stats.nodes,
+        "sharded_estimated_heap_bytes_per_residency": sharded_stats.heap_bytes as f64 / residencies as f64,
+        "lookup_p50_us_sharded": stats::percentile(&sharded_lookups, 0.50),
+        "lookup_p99_us_sharded": stats::percentile(&sharded_lookups, 0.99),
         "dump_bytes": snapshot.len(),
         "dump_s": dump_s,
         "restore_s": restore_s,
@@ -269,6 +326,7 @@ mod tests {
             queries: 200,
             query_blocks: 16,
             seed: 7,
+            threads: 2,
             heap_meter,
         }
     }
@@ -283,6 +341,11 @@ mod tests {
         let p50 = report["lookup_p50_us"].as_f64().expect("p50");
         let max = report["lookup_max_us"].as_f64().expect("max");
         assert!(p50 > 0.0 && p50 <= max);
+        assert_eq!(report["threads"], 2);
+        assert!(report["apply_block_ops_per_s_sharded"]
+            .as_f64()
+            .is_some_and(|r| r > 0.0));
+        assert!(report["sharded_nodes"].as_u64() >= report["nodes"].as_u64());
         assert!(report["bytes_per_residency"].is_null());
         assert!(report["estimated_heap_bytes_per_residency"]
             .as_f64()

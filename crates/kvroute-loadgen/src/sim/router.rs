@@ -177,7 +177,6 @@ impl SimRouter {
         if policy == Policy::Approx {
             if let Some(set) = hashes.get(s.block_size, s.flavor) {
                 self.index
-                    .write()
                     .record_routing_decision(s.key, &set.locals, now_ms);
             }
         }

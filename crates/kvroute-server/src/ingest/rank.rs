@@ -302,7 +302,7 @@ impl RankStream {
 
     fn clear(&mut self, reason: ClearReason) {
         warn!(worker = %self.target.worker, rank = self.target.key.rank, reason = reason.as_str(), "clearing the rank's blocks");
-        self.index.write().clear_rank(self.target.key);
+        self.index.clear_rank(self.target.key);
         self.decoder.reset();
         self.conflict = None;
         self.target.stats.exact_streak.store(0, Ordering::Relaxed);

@@ -389,7 +389,7 @@ impl Registry {
                     };
                     self.pool.remove(rank.thread, key);
                 }
-                self.index.write().remove_worker(worker.id);
+                self.index.remove_worker(worker.id);
                 info!(worker = %name, "worker unregistered");
                 true
             }
@@ -421,9 +421,8 @@ impl Registry {
             });
             if all_down && !worker.cleared_unreachable {
                 warn!(worker = %worker.spec.name, grace_ms = grace, "worker unreachable; dropping its blocks");
-                let mut index = self.index.write();
                 for rank in &worker.ranks {
-                    index.clear_rank(WorkerRank {
+                    self.index.clear_rank(WorkerRank {
                         worker: worker.id,
                         rank: rank.endpoints.rank,
                     });
@@ -439,7 +438,7 @@ impl Registry {
     /// connection, position in its stream, counters and blocks per tier.
     /// Routing, `/workers` and `/metrics` all read this one view.
     pub fn view(&self) -> Vec<WorkerView> {
-        let stats = self.index.read().stats();
+        let stats = self.index.stats();
         let tiers_of: std::collections::HashMap<WorkerRank, [u64; 4]> =
             stats.per_rank.into_iter().collect();
         let workers = self.lock();

@@ -247,10 +247,7 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
         };
         if proxy.config().policy == Policy::Approx && !locals.is_empty() {
             let now = proxy.now_ms();
-            proxy
-                .index()
-                .write()
-                .record_routing_decision(s.key, &locals, now);
+            proxy.index().record_routing_decision(s.key, &locals, now);
         }
         let relay = Relay {
             guard,

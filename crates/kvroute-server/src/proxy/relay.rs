@@ -67,8 +67,9 @@ impl Prediction {
         if self.predicted != reported && learn.block_size > 0 {
             let held = usize::try_from(reported / u64::from(learn.block_size)).unwrap_or(0);
             let now = proxy.now_ms();
-            let mut index = proxy.index().write();
-            index.learn_cached_prefix(learn.key, &learn.locals, held, now);
+            proxy
+                .index()
+                .learn_cached_prefix(learn.key, &learn.locals, held, now);
         }
     }
 }

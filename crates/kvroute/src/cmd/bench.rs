@@ -99,6 +99,10 @@ struct IndexArgs {
     /// `--blocks` ÷ `--workers`).
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
     trace_blocks_per_worker: Option<u64>,
+    /// Writer threads (and index shards) of the sharded apply (default: the
+    /// cores available).
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..=64))]
+    threads: Option<u64>,
 }
 
 /// Arguments of `kvroute bench ingest`.
@@ -338,6 +342,10 @@ fn run_index(a: &IndexArgs) -> Result<ExitCode> {
         queries: if a.quick { 20_000 } else { 100_000 },
         query_blocks: a.query_blocks,
         seed: a.seed,
+        threads: a.threads.map_or_else(
+            || std::thread::available_parallelism().map_or(1, usize::from),
+            |t| t as usize,
+        ),
         heap_meter: crate::heap_meter(),
     };
     if config.heap_meter.is_none() {

@@ -78,6 +78,11 @@ pub struct ServeArgs {
     /// Residencies kept per (worker, rank) at most.
     #[arg(long, default_value_t = 4 << 20, env = "KVROUTE_MAX_BLOCKS_PER_RANK")]
     max_blocks_per_rank: u64,
+    /// Shards of ranks the index is split into, so events of ranks in
+    /// different shards are applied in parallel (default: one per core, at
+    /// most 8). Each lookup reads every shard.
+    #[arg(long, env = "KVROUTE_INDEX_SHARDS", value_parser = clap::value_parser!(u64).range(1..=64))]
+    index_shards: Option<u64>,
     /// Routing policy: kv, approx (no events: the index learns from routing
     /// decisions), round-robin, random or least-loaded.
     #[arg(long, default_value = "kv", env = "KVROUTE_POLICY")]
@@ -296,6 +301,9 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 default_capacity: Some(args.max_blocks_per_rank),
                 ..IndexConfig::default()
             },
+            index_shards: args
+                .index_shards
+                .map_or_else(kvroute_server::default_index_shards, |n| n as usize),
             ingest: ingest_config(args, max_connections, fd_limit),
             state: args.state_dir.clone().map(|dir| StateConfig {
                 dir,

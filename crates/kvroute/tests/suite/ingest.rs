@@ -500,12 +500,7 @@ fn two_ranks_stay_apart_and_unregistering_drops_the_workers_blocks() {
     assert_eq!(device_depth(&f.index, k1, &tokens_of(1, 2)), 0);
     assert_eq!(device_depth(&f.index, k0, &tokens_of(2, 3)), 0);
     assert!(f.registry.unregister("w0"));
-    assert!(f
-        .index
-        .read()
-        .ranks()
-        .iter()
-        .all(|k| k.worker != WorkerId(id.0)));
+    assert!(f.index.ranks().iter().all(|k| k.worker != WorkerId(id.0)));
     assert!(f.index.find_matches(&locals(&tokens_of(1, 2))).is_empty());
     assert!(!f.registry.unregister("w0"));
 }

@@ -58,6 +58,11 @@ pub fn engine_match(engine: &str, tokens: &[u32], rank: u64) -> u64 {
 
 /// The router's predicted cached tokens of `tokens` on `worker` rank 0.
 pub fn predicted(serve: &str, worker: &str, tokens: &[u32]) -> u64 {
+    predicted_on(serve, worker, 0, tokens)
+}
+
+/// The router's predicted cached tokens of `tokens` on a rank of `worker`.
+pub fn predicted_on(serve: &str, worker: &str, rank: u64, tokens: &[u32]) -> u64 {
     let r = call(
         serve,
         "POST",
@@ -65,7 +70,9 @@ pub fn predicted(serve: &str, worker: &str, tokens: &[u32]) -> u64 {
         &json!({ "token_ids": tokens }).to_string(),
     );
     assert_eq!(r.status, 200, "/query: {}", r.body);
-    r.json()["scores"][worker]["0"].as_u64().unwrap_or(0)
+    r.json()["scores"][worker][rank.to_string()]
+        .as_u64()
+        .unwrap_or(0)
 }
 
 /// `worker`'s rank `dp_rank` in `/workers` (`Null` if not listed).

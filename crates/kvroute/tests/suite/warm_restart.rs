@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::restarts::{
-    call, completion, counter, engine_match, predicted, prompt, rank, settle, Engine, TOKEN,
+    call, completion, counter, engine_match, predicted_on, prompt, rank, settle, Engine, TOKEN,
 };
 use crate::support::*;
 
@@ -20,8 +20,18 @@ fn state_dir(name: &str) -> PathBuf {
 
 /// A router following `engine` that keeps its state in `dir`, every second.
 fn router(engine: &Engine, dir: &std::path::Path) -> (Proc, String) {
+    router_with(engine, dir, 1, &[])
+}
+
+/// [`router`] with more arguments, waiting for `ranks` ranks of w0.
+fn router_with(
+    engine: &Engine,
+    dir: &std::path::Path,
+    ranks: u64,
+    more: &[&str],
+) -> (Proc, String) {
     let dir = dir.to_str().expect("utf-8 path");
-    let extra = [
+    let mut extra = vec![
         "--admin-token",
         TOKEN,
         "--state-dir",
@@ -29,22 +39,37 @@ fn router(engine: &Engine, dir: &std::path::Path) -> (Proc, String) {
         "--snapshot-secs",
         "1",
     ];
+    extra.extend_from_slice(more);
     let (proc, serve) = spawn_serve_with_env(std::slice::from_ref(&engine.line), &extra, &[]);
-    let up = settle(30, || rank(&serve, "w0", 0)["connected"] == true, |up| *up);
-    assert!(up, "the router never connected to w0");
+    let up = settle(
+        30,
+        || (0..ranks).all(|r| rank(&serve, "w0", r)["connected"] == true),
+        |up| *up,
+    );
+    assert!(up, "the router never connected to every rank of w0");
     (proc, serve)
 }
 
 /// Prompts that the router predicts differently from the engine's cache.
 fn wrong(serve: &str, engine: &Engine, prompts: &[Vec<u32>]) -> Vec<(usize, u64, u64)> {
+    wrong_on(serve, engine, 0, prompts)
+}
+
+/// [`wrong`] on one rank: (prompt, predicted, held).
+fn wrong_on(
+    serve: &str,
+    engine: &Engine,
+    rank: u64,
+    prompts: &[Vec<u32>],
+) -> Vec<(usize, u64, u64)> {
     prompts
         .iter()
         .enumerate()
         .map(|(i, t)| {
             (
                 i,
-                predicted(serve, "w0", t),
-                engine_match(&engine.http, t, 0),
+                predicted_on(serve, "w0", rank, t),
+                engine_match(&engine.http, t, rank),
             )
         })
         .filter(|(_, router, held)| router != held)
@@ -84,6 +109,51 @@ fn a_router_restarted_on_its_state_knows_what_the_ring_no_longer_holds() {
     );
     assert_eq!(state, "live");
     assert!(counter(&rank(&serve, "w0", 0), "verifies") >= 1);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// The snapshot is one index whatever the shard count: a router whose index
+/// has 2 shards of ranks (ranks 0 and 1 of a two-rank engine in different
+/// shards) saves it, and one with 3 shards starts on it and predicts every
+/// prompt on both ranks as the engine holds it, beyond its 4-batch rings.
+#[test]
+fn a_snapshot_of_a_sharded_index_restores_into_another_shard_count() {
+    let engine = Engine::start(2, &["--replay-buffer", "4"]);
+    let dir = state_dir("shards");
+    let (a, serve) = router_with(&engine, &dir, 2, &["--index-shards", "2"]);
+    let prompts: Vec<Vec<u32>> = (0..40).map(prompt).collect();
+    for tokens in &prompts {
+        let r = call(&serve, "POST", "/v1/completions", &completion(tokens));
+        assert_eq!(r.status, 200, "{}", r.body);
+    }
+    let all_wrong = |serve: &str| -> Vec<(u64, usize, u64, u64)> {
+        (0..2)
+            .flat_map(|r| {
+                wrong_on(serve, &engine, r, &prompts)
+                    .into_iter()
+                    .map(move |(i, p, h)| (r, i, p, h))
+            })
+            .collect()
+    };
+    let left = settle(10, || all_wrong(&serve), Vec::is_empty);
+    assert!(left.is_empty(), "router A: {left:?}");
+    let held: u64 = (0..2)
+        .map(|r| {
+            prompts
+                .iter()
+                .filter(|t| engine_match(&engine.http, t, r) > 0)
+                .count() as u64
+        })
+        .sum();
+    assert!(
+        held >= 30,
+        "the engine's two ranks hold {held} of 80 prompt-ranks"
+    );
+    std::thread::sleep(Duration::from_millis(2_500));
+    drop(a);
+    let (_b, serve) = router_with(&engine, &dir, 2, &["--index-shards", "3"]);
+    let left = settle(3, || all_wrong(&serve), Vec::is_empty);
+    assert!(left.is_empty(), "router B: {left:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

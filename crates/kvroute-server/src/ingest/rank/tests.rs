@@ -62,7 +62,7 @@ fn stream_sized(
 }
 
 fn residencies(index: &SharedIndex) -> u64 {
-    index.read().stats().residencies
+    index.stats().residencies
 }
 
 /// Connects and answers the first resync with an empty ring.

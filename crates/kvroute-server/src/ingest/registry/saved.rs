@@ -26,7 +26,7 @@ impl Registry {
     /// to apply (so nothing moves under the dump), lookups go on.
     pub fn snapshot(&self) -> Snapshot {
         let workers = self.lock();
-        let index = self.index.read();
+        let index = self.index.frozen();
         let saved = workers
             .values()
             .map(|w| SavedWorker {
@@ -55,7 +55,7 @@ impl Registry {
     /// before any worker is registered.
     pub fn restore(&self, snapshot: &Snapshot) -> Result<(), StateError> {
         let index = snapshot.index()?;
-        *self.index.write() = index;
+        self.index.replace(index);
         let mut saved = self.saved.lock().unwrap_or_else(PoisonError::into_inner);
         let mut next = self.next_id.lock().unwrap_or_else(PoisonError::into_inner);
         for w in &snapshot.workers {
@@ -86,7 +86,7 @@ impl Registry {
             return Some(saved);
         }
         warn!(worker = %spec.name, "registered again with another URL or block size: its restored blocks are dropped");
-        self.index.write().remove_worker(WorkerId(saved.id));
+        self.index.remove_worker(WorkerId(saved.id));
         None
     }
 
@@ -107,7 +107,7 @@ impl Registry {
                     .unwrap_or_else(PoisonError::into_inner)
                     .remove(&name);
                 if let Some(w) = forgotten {
-                    self.index.write().remove_worker(WorkerId(w.id));
+                    self.index.remove_worker(WorkerId(w.id));
                 }
             }
         }

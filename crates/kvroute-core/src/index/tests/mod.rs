@@ -1,8 +1,6 @@
 //! The index against a naive model, plus the cases the model test might miss.
 
-use std::collections::{BTreeMap, HashMap};
-
-use proptest::prelude::*;
+use std::collections::BTreeMap;
 
 use super::*;
 use crate::event::{ExternalHash, StoredBlock};
@@ -51,11 +49,20 @@ fn locals(values: &[u64]) -> Vec<LocalBlockHash> {
 }
 
 fn matches(index: &Index, query: &[u64]) -> BTreeMap<WorkerRank, (u32, u32, u32)> {
-    index
-        .find_matches(&locals(query))
-        .into_iter()
-        .map(|m| (m.worker_rank, (m.device, m.host, m.any)))
-        .collect()
+    answer(index.find_matches(&locals(query)))
+}
+
+fn shared_matches(index: &SharedIndex, query: &[u64]) -> BTreeMap<WorkerRank, (u32, u32, u32)> {
+    answer(index.find_matches(&locals(query)))
+}
+
+fn answer(found: Vec<RankMatch>) -> BTreeMap<WorkerRank, (u32, u32, u32)> {
+    let mut out = BTreeMap::new();
+    for m in found {
+        let previous = out.insert(m.worker_rank, (m.device, m.host, m.any));
+        assert!(previous.is_none(), "{:?} answered twice", m.worker_rank);
+    }
+    out
 }
 
 fn no_cap() -> IndexConfig {
@@ -340,7 +347,7 @@ fn an_engine_hash_resolves_only_within_the_worker_that_published_it() {
 }
 
 #[test]
-fn many_ranks_widen_the_bitmaps_without_losing_state() {
+fn holder_lists_grow_and_shrink_with_the_ranks_that_hold_a_block() {
     let mut index = Index::new(no_cap());
     store_chain(&mut index, wr(0, 0), &[1, 2, 3], Tier::Device);
     store_chain(&mut index, wr(0, 0), &[1, 2, 3, 4], Tier::Host);
@@ -351,10 +358,30 @@ fn many_ranks_widen_the_bitmaps_without_losing_state() {
     assert_eq!(m.len(), 200);
     assert_eq!(m[&wr(0, 0)], (3, 4, 4));
     assert_eq!(m[&wr(199, 0)], (2, 2, 2));
+    // Every rank but the first and the last drops the shared prefix again.
+    for w in 1..199 {
+        index.apply(
+            wr(w, 0),
+            &removed(&[ext_of(&[1]), ext_of(&[1, 2])], Tier::Device),
+        );
+    }
+    let m = matches(&index, &[1, 2, 3, 4]);
+    assert_eq!(m.len(), 2);
+    assert_eq!(m[&wr(0, 0)], (3, 4, 4));
+    assert_eq!(m[&wr(199, 0)], (2, 2, 2));
+    // A fleet of many ranks costs a one-rank block no more than before.
+    let mut wide = Index::new(no_cap());
+    for w in 0..5_000 {
+        store_chain(&mut wide, wr(w, 0), &[10_000 + u64::from(w)], Tier::Device);
+    }
+    let per_node = wide.stats().heap_bytes / wide.stats().nodes;
+    assert!(per_node < 64, "{per_node} bytes per one-rank node");
 }
 
-#[test]
-fn dump_then_restore_answers_identically() {
+/// An index with every kind of state a snapshot carries: 70 ranks (more
+/// than one bitmap word in the version 1 layout), a lower tier, a conflict
+/// (private bindings) and an approximate entry.
+fn snapshot_fixture() -> Index {
     let mut index = Index::new(IndexConfig {
         default_capacity: Some(1_000),
         approx_ttl_ms: 500,
@@ -371,6 +398,26 @@ fn dump_then_restore_answers_identically() {
     index.apply(wr(0, 0), &stored(None, &[(77, 1)], Tier::Device));
     index.apply(wr(1, 1), &stored(None, &[(77, 2)], Tier::Device));
     index.record_routing_decision(wr(90, 0), &locals(&[1, 2, 3]), 100);
+    index
+}
+
+#[test]
+fn a_snapshot_in_the_bitmap_layout_of_version_1_is_still_read() {
+    // Written by `snapshot_fixture().dump()` before holder lists (commit 80d4412).
+    let old = include_bytes!("testdata/snapshot-v1.bin");
+    assert_eq!(u32::from_le_bytes([old[8], old[9], old[10], old[11]]), 1);
+    let restored = Index::restore(old).expect("a version 1 snapshot restores");
+    let index = snapshot_fixture();
+    for query in [&[1u64, 2, 3][..], &[1, 2, 4, 8], &[1, 2, 5], &[2], &[77]] {
+        assert_eq!(matches(&index, query), matches(&restored, query));
+    }
+    assert_eq!(index.stats().per_rank, restored.stats().per_rank);
+    assert_eq!(restored.dump(), index.dump());
+}
+
+#[test]
+fn dump_then_restore_answers_identically() {
+    let index = snapshot_fixture();
     let bytes = index.dump();
     let restored = Index::restore(&bytes).expect("restores");
     for query in [&[1u64, 2, 3][..], &[1, 2, 4, 8], &[1, 2, 5], &[2]] {
@@ -402,293 +449,6 @@ fn dump_then_restore_answers_identically() {
     );
 }
 
-/// The naive model: per rank, the set of prefixes held (per tier) and what
-/// each engine hash names.
-#[derive(Default, Debug)]
-struct Model {
-    ranks: HashMap<WorkerRank, RankModel>,
-}
-
-#[derive(Default, Debug)]
-struct RankModel {
-    held: HashMap<Vec<u64>, u8>,
-    by_ext: HashMap<u64, Vec<u64>>,
-}
-
-fn tier_bit(tier: Tier) -> u8 {
-    1 << tier_slot(tier)
-}
-
-impl Model {
-    fn apply(&mut self, key: WorkerRank, event: &KvEvent) {
-        match event {
-            KvEvent::Stored(s) => {
-                let rank = self.ranks.entry(key).or_default();
-                let mut chain = match s.parent {
-                    None => Vec::new(),
-                    Some(p) => match rank.by_ext.get(&p.0) {
-                        Some(chain) if rank.held.get(chain).copied().unwrap_or(0) != 0 => {
-                            chain.clone()
-                        }
-                        _ => return,
-                    },
-                };
-                for b in &s.blocks {
-                    chain.push(b.local.0);
-                    *rank.held.entry(chain.clone()).or_default() |= tier_bit(s.tier);
-                    rank.by_ext.insert(b.external.0, chain.clone());
-                }
-            }
-            KvEvent::Removed(r) => {
-                let Some(rank) = self.ranks.get_mut(&key) else {
-                    return;
-                };
-                for ext in &r.blocks {
-                    let Some(chain) = rank.by_ext.get(&ext.0).cloned() else {
-                        continue;
-                    };
-                    if let Some(tiers) = rank.held.get_mut(&chain) {
-                        *tiers &= !tier_bit(r.tier);
-                        if *tiers == 0 {
-                            rank.held.remove(&chain);
-                            rank.by_ext.remove(&ext.0);
-                        }
-                    }
-                }
-            }
-            KvEvent::Cleared => {
-                self.ranks.remove(&key);
-            }
-        }
-    }
-
-    fn find(&self, query: &[u64]) -> BTreeMap<WorkerRank, (u32, u32, u32)> {
-        let mut out = BTreeMap::new();
-        for (&key, rank) in &self.ranks {
-            let depth = |mask: u8| {
-                (0..query.len())
-                    .take_while(|&i| rank.held.get(&query[..=i]).is_some_and(|t| t & mask != 0))
-                    .count() as u32
-            };
-            let m = (depth(0b0001), depth(0b0011), depth(0b1111));
-            if m.2 > 0 {
-                out.insert(key, m);
-            }
-        }
-        out
-    }
-}
-
-#[derive(Debug, Clone)]
-enum Op {
-    /// Store `len` blocks on rank `rank` under the `parent`-th chain it holds (or the root).
-    Store {
-        rank: u8,
-        parent: Option<u8>,
-        locals: Vec<u8>,
-        tier: u8,
-    },
-    /// Store under an engine hash nobody published.
-    StoreOrphan {
-        rank: u8,
-    },
-    Remove {
-        rank: u8,
-        pick: u8,
-        tier: u8,
-    },
-    Clear {
-        rank: u8,
-    },
-    RemoveWorker {
-        worker: u8,
-    },
-    Lookup {
-        rank: u8,
-        pick: u8,
-        extra: Vec<u8>,
-    },
-}
-
-fn op() -> impl Strategy<Value = Op> {
-    prop_oneof![
-        5 => (0u8..6, proptest::option::of(any::<u8>()), proptest::collection::vec(0u8..4, 1..5), 0u8..4)
-            .prop_map(|(rank, parent, locals, tier)| Op::Store { rank, parent, locals, tier }),
-        1 => (0u8..6).prop_map(|rank| Op::StoreOrphan { rank }),
-        3 => (0u8..6, any::<u8>(), 0u8..4).prop_map(|(rank, pick, tier)| Op::Remove { rank, pick, tier }),
-        1 => (0u8..6).prop_map(|rank| Op::Clear { rank }),
-        1 => (0u8..3).prop_map(|worker| Op::RemoveWorker { worker }),
-        4 => (0u8..6, any::<u8>(), proptest::collection::vec(0u8..4, 0..3))
-            .prop_map(|(rank, pick, extra)| Op::Lookup { rank, pick, extra }),
-    ]
-}
-
-fn key_of(rank: u8) -> WorkerRank {
-    wr(u32::from(rank / 2), u32::from(rank % 2))
-}
-
-/// The `pick`-th chain a rank holds in the model, in a stable order.
-fn held_chain(model: &Model, rank: u8, pick: u8) -> Option<Vec<u64>> {
-    let r = model.ranks.get(&key_of(rank))?;
-    let mut chains: Vec<&Vec<u64>> = r.held.keys().collect();
-    chains.sort();
-    (!chains.is_empty()).then(|| chains[pick as usize % chains.len()].clone())
-}
-
-/// Turns an op into an event (or a lookup) using the model's current state.
-fn event_for(model: &Model, op: &Op) -> Option<(WorkerRank, KvEvent)> {
-    let tier = |t: u8| TIERS[t as usize % 4];
-    match op {
-        Op::Store {
-            rank,
-            parent,
-            locals,
-            tier: t,
-        } => {
-            let mut chain = match parent {
-                None => Vec::new(),
-                Some(p) => held_chain(model, *rank, *p).unwrap_or_default(),
-            };
-            let parent_ext = (!chain.is_empty()).then(|| ext_of(&chain));
-            let blocks: Vec<(u64, u64)> = locals
-                .iter()
-                .map(|&l| {
-                    chain.push(u64::from(l) + 1);
-                    (ext_of(&chain), u64::from(l) + 1)
-                })
-                .collect();
-            Some((key_of(*rank), stored(parent_ext, &blocks, tier(*t))))
-        }
-        Op::StoreOrphan { rank } => Some((
-            key_of(*rank),
-            stored(Some(0xdead), &[(ext_of(&[9, 9]), 9)], Tier::Device),
-        )),
-        Op::Remove {
-            rank,
-            pick,
-            tier: t,
-        } => {
-            let ext = held_chain(model, *rank, *pick).map_or(0xbeef, |c| ext_of(&c));
-            Some((key_of(*rank), removed(&[ext], tier(*t))))
-        }
-        Op::Clear { rank } => Some((key_of(*rank), KvEvent::Cleared)),
-        _ => None,
-    }
-}
-
-fn query_for(model: &Model, rank: u8, pick: u8, extra: &[u8]) -> Vec<u64> {
-    let mut q = held_chain(model, rank, pick).unwrap_or_default();
-    q.extend(extra.iter().map(|&l| u64::from(l) + 1));
-    q
-}
-
-proptest! {
-    #![proptest_config(ProptestConfig { cases: 256, failure_persistence: None, ..ProptestConfig::default() })]
-
-    #[test]
-    fn every_lookup_agrees_with_the_naive_model(ops in proptest::collection::vec(op(), 1..120)) {
-        let mut index = Index::new(no_cap());
-        let mut model = Model::default();
-        for op in &ops {
-            match op {
-                Op::RemoveWorker { worker } => {
-                    index.remove_worker(WorkerId(u32::from(*worker)));
-                    model.ranks.retain(|k, _| k.worker != WorkerId(u32::from(*worker)));
-                }
-                Op::Lookup { rank, pick, extra } => {
-                    let q = query_for(&model, *rank, *pick, extra);
-                    prop_assert_eq!(matches(&index, &q), model.find(&q), "query {:?}", q);
-                }
-                _ => {
-                    if let Some((key, event)) = event_for(&model, op) {
-                        index.apply(key, &event);
-                        model.apply(key, &event);
-                    }
-                }
-            }
-        }
-        // Every chain any rank holds, and the totals, agree at the end.
-        let residencies: usize = model.ranks.values().map(|r| r.held.values().map(|t| t.count_ones() as usize).sum::<usize>()).sum();
-        prop_assert_eq!(index.stats().residencies as usize, residencies);
-        for rank in model.ranks.values() {
-            for chain in rank.held.keys() {
-                prop_assert_eq!(matches(&index, chain), model.find(chain));
-            }
-        }
-        let restored = Index::restore(&index.dump()).expect("restores");
-        for rank in model.ranks.values() {
-            for chain in rank.held.keys() {
-                prop_assert_eq!(matches(&restored, chain), model.find(chain));
-            }
-        }
-    }
-}
-
-#[test]
-fn concurrent_writers_and_readers_end_equal_to_the_model() {
-    let shared = SharedIndex::new(Index::new(no_cap()));
-    // Each writer owns its ranks, as ingestion does; readers look up all the time.
-    let scripts: Vec<Vec<(WorkerRank, KvEvent)>> = (0..2u32)
-        .map(|w| {
-            let mut events = Vec::new();
-            for i in 0..400u64 {
-                let chain: Vec<u64> = (0..(1 + i % 70))
-                    .map(|d| (d * 7 + i % 3) % 11 + 1)
-                    .collect();
-                let blocks: Vec<(u64, u64)> = (0..chain.len())
-                    .map(|d| (ext_of(&chain[..=d]), chain[d]))
-                    .collect();
-                let key = wr(w, (i % 2) as u32);
-                events.push((key, stored(None, &blocks, Tier::Device)));
-                if i % 5 == 0 {
-                    events.push((key, removed(&[blocks[blocks.len() / 2].0], Tier::Device)));
-                }
-                if i % 97 == 0 {
-                    events.push((key, KvEvent::Cleared));
-                }
-            }
-            events
-        })
-        .collect();
-    std::thread::scope(|scope| {
-        for script in &scripts {
-            let shared = &shared;
-            scope.spawn(move || {
-                for (key, event) in script {
-                    shared.apply(*key, event);
-                }
-            });
-        }
-        for _ in 0..2 {
-            let shared = &shared;
-            scope.spawn(move || {
-                for i in 0..3_000u64 {
-                    let q: Vec<u64> = (0..(1 + i % 70))
-                        .map(|d| (d * 7 + i % 3) % 11 + 1)
-                        .collect();
-                    for m in shared.find_matches(&locals(&q)) {
-                        assert!(
-                            m.device as usize <= q.len() && m.device <= m.host && m.host <= m.any
-                        );
-                    }
-                }
-            });
-        }
-    });
-    let mut model = Model::default();
-    for script in &scripts {
-        for (key, event) in script {
-            model.apply(*key, event);
-        }
-    }
-    let index = shared.read();
-    for rank in model.ranks.values() {
-        for chain in rank.held.keys() {
-            assert_eq!(matches(&index, chain), model.find(chain));
-        }
-    }
-}
-
 #[test]
 fn long_stores_are_applied_in_chunks_with_the_same_result() {
     let chain: Vec<u64> = (1..=500).collect();
@@ -699,6 +459,8 @@ fn long_stores_are_applied_in_chunks_with_the_same_result() {
     shared.apply(wr(0, 0), &stored(None, &blocks, Tier::Device));
     let mut plain = Index::new(no_cap());
     plain.apply(wr(0, 0), &stored(None, &blocks, Tier::Device));
-    assert_eq!(matches(&shared.read(), &chain), matches(&plain, &chain));
+    assert_eq!(shared_matches(&shared, &chain), matches(&plain, &chain));
     assert_eq!(matches(&plain, &chain)[&wr(0, 0)].0, 500);
 }
+
+mod model;

@@ -1,0 +1,475 @@
+//! The lookup walk: follows a request's blocks through the node store and
+//! records, for every rank that held the first block, where its match stops
+//! on the device, on device or host, and on any tier.
+//!
+//! Two walks give the same answers: when few ranks hold the first block, the
+//! ranks still matching are a sorted list merged with each block's holders;
+//! when many do (the first block's holders are a dense set), they are
+//! bitmaps, and a step is a few word-wide operations per 64 slots.
+
+use super::dense::DenseView;
+use super::holders::{self, Entry};
+use super::nodes::{Holders, NodeId, NodeStore, SlotId};
+use super::{RankMatch, WorkerRank};
+use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+
+/// Blocks probed ahead of the walk: the probes are independent memory loads,
+/// so the processor overlaps their cache misses.
+const PROBE_AHEAD: usize = 8;
+
+/// Tier groups a match is counted in: device, device or host, any tier.
+const DEVICE: u8 = 1;
+const HOST: u8 = 2;
+const ANY: u8 = 4;
+
+/// The groups each tier mask keeps alive (bit 0 device, bit 1 host, bits 2
+/// and 3 disk and external).
+const GROUPS: [u8; 16] = {
+    let mut table = [0u8; 16];
+    let mut tiers = 1;
+    while tiers < 16 {
+        let mut g = ANY;
+        if tiers & 1 != 0 {
+            g |= DEVICE;
+        }
+        if tiers & 3 != 0 {
+            g |= HOST;
+        }
+        table[tiers] = g;
+        tiers += 1;
+    }
+    table
+};
+
+/// The groups a holder's tier mask keeps alive.
+#[inline]
+fn groups(tiers: u8) -> u8 {
+    GROUPS[usize::from(tiers & 15)]
+}
+
+/// Holder lists longer than this many times the ranks still matching are
+/// searched rather than scanned.
+const SCAN_RATIO: usize = 4;
+
+/// A rank still matching: its result row, its slot and its live groups.
+#[derive(Clone, Copy)]
+struct Active {
+    row: u32,
+    slot: SlotId,
+    groups: u8,
+}
+
+/// One lookup in progress.
+struct Walk {
+    active: Vec<Active>,
+    out: Vec<RankMatch>,
+}
+
+impl Walk {
+    /// Starts from the holders of the first block.
+    fn new(first: &[Entry], key_of: impl Fn(SlotId) -> Option<WorkerRank>) -> Self {
+        let mut active = Vec::with_capacity(first.len());
+        let mut out = Vec::with_capacity(first.len());
+        for &e in first {
+            let slot = holders::slot_of(e);
+            let worker_rank = key_of(slot).unwrap_or(WorkerRank::new(u32::MAX, u32::MAX));
+            let g = groups(holders::tiers_of(e));
+            active.push(Active {
+                row: out.len() as u32,
+                slot,
+                groups: g,
+            });
+            out.push(RankMatch {
+                worker_rank,
+                device: 0,
+                host: 0,
+                any: 0,
+            });
+        }
+        active.retain(|a| a.groups != 0);
+        Walk { active, out }
+    }
+
+    /// Advances by one block held by a dense set: each rank still matching
+    /// reads its own bits.
+    fn step_dense(&mut self, dense: &DenseView<'_>, depth: u32) {
+        let mut kept_len = 0usize;
+        for i in 0..self.active.len() {
+            let a = self.active[i];
+            let kept = a.groups & groups(dense.tiers_of(a.slot));
+            if kept != a.groups {
+                record(&mut self.out, a.row, a.groups & !kept, depth);
+            }
+            if kept != 0 {
+                self.active[kept_len] = Active { groups: kept, ..a };
+                kept_len += 1;
+            }
+        }
+        self.active.truncate(kept_len);
+    }
+
+    /// Advances by one block, held by `list` (empty: by nobody), after
+    /// `depth` matched blocks: groups of ranks that do not hold it stop at `depth`.
+    fn step_list(&mut self, list: &[Entry], depth: u32) {
+        let search = list.len() > SCAN_RATIO * self.active.len();
+        let mut j = 0usize;
+        let mut kept_len = 0usize;
+        for i in 0..self.active.len() {
+            let a = self.active[i];
+            // Both lists are sorted by slot: find this rank's entry from `j` on.
+            if search {
+                let rest = list.get(j..).unwrap_or(&[]);
+                j += holders::search(rest, a.slot).unwrap_or_else(|i| i);
+            } else {
+                while j < list.len() && holders::slot_of(list[j]) < a.slot {
+                    j += 1;
+                }
+            }
+            let tiers = match list.get(j) {
+                Some(&e) if holders::slot_of(e) == a.slot => holders::tiers_of(e),
+                _ => 0,
+            };
+            let kept = a.groups & groups(tiers);
+            if kept != a.groups {
+                record(&mut self.out, a.row, a.groups & !kept, depth);
+            }
+            if kept != 0 {
+                self.active[kept_len] = Active { groups: kept, ..a };
+                kept_len += 1;
+            }
+        }
+        self.active.truncate(kept_len);
+    }
+}
+
+impl Stepper for Walk {
+    fn step(&mut self, holders: &Holders<'_>, depth: u32) {
+        match holders {
+            Holders::List(list) => self.step_list(list, depth),
+            Holders::Dense(dense) => self.step_dense(dense, depth),
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        self.active.is_empty()
+    }
+
+    fn finish(mut self, depth: u32) -> Vec<RankMatch> {
+        for a in &self.active {
+            record(&mut self.out, a.row, a.groups, depth);
+        }
+        self.out
+    }
+}
+
+/// A walk in progress, advanced block by block by [`drive`].
+trait Stepper {
+    /// Advances by one block with these holders, after `depth` matched
+    /// blocks: groups of ranks that do not hold it stop at `depth`.
+    fn step(&mut self, holders: &Holders<'_>, depth: u32);
+    /// No rank matches any more.
+    fn is_done(&self) -> bool;
+    /// The answer: ranks still matching hold all `depth` blocks walked.
+    fn finish(self, depth: u32) -> Vec<RankMatch>;
+}
+
+/// Sets the match length of `groups` of a result row to `depth`.
+#[inline]
+fn record(out: &mut [RankMatch], row: u32, groups: u8, depth: u32) {
+    if let Some(m) = out.get_mut(row as usize) {
+        if groups & DEVICE != 0 {
+            m.device = depth;
+        }
+        if groups & HOST != 0 {
+            m.host = depth;
+        }
+        if groups & ANY != 0 {
+            m.any = depth;
+        }
+    }
+}
+
+/// For each rank holding the first block of `locals` on some tier: how many
+/// leading blocks it holds on the device, on device or host, and on any tier,
+/// in slot order.
+pub(super) fn find_matches(
+    nodes: &NodeStore,
+    locals: &[LocalBlockHash],
+    key_of: impl Fn(SlotId) -> Option<WorkerRank>,
+) -> Vec<RankMatch> {
+    let Some(first) = locals.first() else {
+        return Vec::new();
+    };
+    let Some(node) = nodes.find_seq(first.0) else {
+        return Vec::new();
+    };
+    let holders = nodes.holders(node);
+    let walk = match holders {
+        Holders::List(list) => Walker::Sparse(Walk::new(list, key_of)),
+        Holders::Dense(dense) => Walker::Dense(DenseWalk::new(&dense, key_of)),
+    };
+    drive(nodes, locals, holders, walk)
+}
+
+/// Ranks still matching below which a bitmap walk goes on as a list walk,
+/// whose steps cost what its ranks cost rather than the fleet's width.
+const SPARSE_BELOW: u32 = 16;
+
+/// A walk in either form; a bitmap walk becomes a list walk once few ranks
+/// still match.
+enum Walker {
+    Sparse(Walk),
+    Dense(DenseWalk),
+}
+
+impl Stepper for Walker {
+    fn step(&mut self, holders: &Holders<'_>, depth: u32) {
+        match self {
+            Walker::Sparse(walk) => walk.step(holders, depth),
+            Walker::Dense(walk) => {
+                walk.step(holders, depth);
+                if walk.population() < SPARSE_BELOW {
+                    *self = Walker::Sparse(walk.take_sparse());
+                }
+            }
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        match self {
+            Walker::Sparse(walk) => walk.is_done(),
+            Walker::Dense(walk) => walk.is_done(),
+        }
+    }
+
+    fn finish(self, depth: u32) -> Vec<RankMatch> {
+        match self {
+            Walker::Sparse(walk) => walk.finish(depth),
+            Walker::Dense(walk) => walk.finish(depth),
+        }
+    }
+}
+
+/// Walks the blocks after the first, whose holders are `first`.
+fn drive<S: Stepper>(
+    nodes: &NodeStore,
+    locals: &[LocalBlockHash],
+    first: Holders<'_>,
+    mut walk: S,
+) -> Vec<RankMatch> {
+    let mut prev = first;
+    let mut seq = locals[0].0;
+    let mut depth: u32 = 1;
+    'walk: for chunk in locals[1..].chunks(PROBE_AHEAD) {
+        if walk.is_done() {
+            break;
+        }
+        let mut ids: [Option<NodeId>; PROBE_AHEAD] = [None; PROBE_AHEAD];
+        for (id, local) in ids.iter_mut().zip(chunk) {
+            seq = next_sequence_hash(SequenceHash(seq), *local).0;
+            *id = nodes.find_seq(seq);
+        }
+        for id in &ids[..chunk.len()] {
+            let Some(id) = *id else {
+                walk.step(&Holders::List(&[]), depth);
+                break 'walk;
+            };
+            let holders = nodes.holders(id);
+            // A run of blocks held by the same ranks on the same tiers (most
+            // of a chain) changes nothing: the step is idempotent.
+            if !holders.same_as(&prev) {
+                walk.step(&holders, depth);
+                if walk.is_done() {
+                    break 'walk;
+                }
+                prev = holders;
+            }
+            depth += 1;
+        }
+    }
+    walk.finish(depth)
+}
+
+/// The walk over bitmaps: per tier group, one bit per slot still matching.
+struct DenseWalk {
+    words: usize,
+    /// Device, device-or-host and any-tier groups, `words` words each.
+    active: Vec<u64>,
+    /// The held bitmaps of a block whose holders are a list.
+    scratch: Vec<u64>,
+    /// Slots that matched the first block: the result rows, in slot order.
+    rows: Vec<u64>,
+    /// Rows before each word of `rows`.
+    row_base: Vec<u32>,
+    out: Vec<RankMatch>,
+}
+
+impl DenseWalk {
+    /// Starts from the first block's dense set.
+    fn new(first: &DenseView<'_>, key_of: impl Fn(SlotId) -> Option<WorkerRank>) -> Self {
+        let words = first.device.len();
+        let mut walk = DenseWalk {
+            words,
+            active: vec![0; 3 * words],
+            scratch: Vec::new(),
+            rows: vec![0; words],
+            row_base: Vec::with_capacity(words),
+            out: Vec::new(),
+        };
+        let mut base = 0u32;
+        for w in 0..words {
+            let [device, host, rest] = held_words(first, w);
+            walk.active[w] = device;
+            walk.active[words + w] = device | host;
+            walk.active[2 * words + w] = device | host | rest;
+            let any = device | host | rest;
+            walk.rows[w] = any;
+            walk.row_base.push(base);
+            base += any.count_ones();
+        }
+        walk.out.reserve(base as usize);
+        first.for_each(|e| {
+            let worker_rank =
+                key_of(holders::slot_of(e)).unwrap_or(WorkerRank::new(u32::MAX, u32::MAX));
+            walk.out.push(RankMatch {
+                worker_rank,
+                device: 0,
+                host: 0,
+                any: 0,
+            });
+        });
+        walk
+    }
+
+    /// Records `depth` as the match length of `group` for every slot in `bits` of word `w`.
+    fn record_bits(&mut self, w: usize, mut bits: u64, group: u8, depth: u32) {
+        let row_word = self.rows[w];
+        while bits != 0 {
+            let bit = bits.trailing_zeros();
+            bits &= bits - 1;
+            let row = self.row_base[w] + (row_word & ((1u64 << bit) - 1)).count_ones();
+            record(&mut self.out, row, group, depth);
+        }
+    }
+
+    /// Ranks still matching on any tier.
+    fn population(&self) -> u32 {
+        let words = self.words;
+        self.active[2 * words..]
+            .iter()
+            .map(|w| w.count_ones())
+            .sum()
+    }
+
+    /// The same walk as a list of the ranks still matching (the result rows
+    /// move over as they are).
+    fn take_sparse(&mut self) -> Walk {
+        let words = self.words;
+        let mut active = Vec::new();
+        for w in 0..words {
+            let mut any = self.active[2 * words + w];
+            while any != 0 {
+                let bit = any.trailing_zeros();
+                any &= any - 1;
+                let mask = 1u64 << bit;
+                let mut groups = ANY;
+                if self.active[w] & mask != 0 {
+                    groups |= DEVICE;
+                }
+                if self.active[words + w] & mask != 0 {
+                    groups |= HOST;
+                }
+                let row = self.row_base[w] + (self.rows[w] & (mask - 1)).count_ones();
+                active.push(Active {
+                    row,
+                    slot: (w * 64) as SlotId + bit,
+                    groups,
+                });
+            }
+        }
+        Walk {
+            active,
+            out: std::mem::take(&mut self.out),
+        }
+    }
+
+    /// Applies one word's held bits (device, host, lower) to the active groups.
+    fn step_word(&mut self, w: usize, [device, host, rest]: [u64; 3], depth: u32) {
+        let words = self.words;
+        let held = [device, device | host, device | host | rest];
+        for (g, (held, group)) in held.into_iter().zip([DEVICE, HOST, ANY]).enumerate() {
+            let word = self.active[g * words + w];
+            let stopped = word & !held;
+            if stopped != 0 {
+                self.record_bits(w, stopped, group, depth);
+                self.active[g * words + w] = word & held;
+            }
+        }
+    }
+}
+
+/// Word `w` of a dense set's device, host and other-tier bitmaps.
+#[inline]
+fn held_words(dense: &DenseView<'_>, w: usize) -> [u64; 3] {
+    let words = dense.device.len();
+    let device = dense.device.get(w).copied().unwrap_or(0);
+    match dense.lower {
+        Some(l) => [device, l[w], l[words + w] | l[2 * words + w]],
+        None => [device, 0, 0],
+    }
+}
+
+impl Stepper for DenseWalk {
+    fn step(&mut self, holders: &Holders<'_>, depth: u32) {
+        let words = self.words;
+        match holders {
+            Holders::Dense(dense) => {
+                for w in 0..words {
+                    self.step_word(w, held_words(dense, w), depth);
+                }
+            }
+            Holders::List(list) => {
+                // A list is short (below the dense threshold): spread it into bitmaps.
+                self.scratch.clear();
+                self.scratch.resize(3 * words, 0);
+                for &e in *list {
+                    let (slot, tiers) = (holders::slot_of(e) as usize, holders::tiers_of(e));
+                    let (w, bit) = (slot / 64, 1u64 << (slot % 64));
+                    if w < words {
+                        let g = groups(tiers);
+                        for (i, group) in [DEVICE, HOST, ANY].into_iter().enumerate() {
+                            if g & group != 0 {
+                                self.scratch[i * words + w] |= bit;
+                            }
+                        }
+                    }
+                }
+                for w in 0..words {
+                    let (d, h, a) = (
+                        self.scratch[w],
+                        self.scratch[words + w],
+                        self.scratch[2 * words + w],
+                    );
+                    self.step_word(w, [d, h, a], depth);
+                }
+            }
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        self.active.iter().all(|&w| w == 0)
+    }
+
+    fn finish(mut self, depth: u32) -> Vec<RankMatch> {
+        let words = self.words;
+        for (g, group) in [DEVICE, HOST, ANY].into_iter().enumerate() {
+            for w in 0..words {
+                let bits = self.active[g * words + w];
+                if bits != 0 {
+                    self.record_bits(w, bits, group, depth);
+                }
+            }
+        }
+        self.out
+    }
+}
