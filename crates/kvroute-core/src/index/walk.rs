@@ -90,13 +90,14 @@ impl Walk {
         Walk { active, out }
     }
 
-    /// Advances by one block held by a dense set: each rank still matching
-    /// reads its own bits.
-    fn step_dense(&mut self, dense: &DenseView<'_>, depth: u32) {
+    /// Keeps the groups of each rank still matching that the block's
+    /// holders keep; `tiers_of` is asked for each rank's tier mask in slot
+    /// order. Groups that stop, stop at `depth`.
+    fn retain(&mut self, depth: u32, mut tiers_of: impl FnMut(SlotId) -> u8) {
         let mut kept_len = 0usize;
         for i in 0..self.active.len() {
             let a = self.active[i];
-            let kept = a.groups & groups(dense.tiers_of(a.slot));
+            let kept = a.groups & groups(tiers_of(a.slot));
             if kept != a.groups {
                 record(&mut self.out, a.row, a.groups & !kept, depth);
             }
@@ -109,36 +110,25 @@ impl Walk {
     }
 
     /// Advances by one block, held by `list` (empty: by nobody), after
-    /// `depth` matched blocks: groups of ranks that do not hold it stop at `depth`.
+    /// `depth` matched blocks.
     fn step_list(&mut self, list: &[Entry], depth: u32) {
         let search = list.len() > SCAN_RATIO * self.active.len();
         let mut j = 0usize;
-        let mut kept_len = 0usize;
-        for i in 0..self.active.len() {
-            let a = self.active[i];
-            // Both lists are sorted by slot: find this rank's entry from `j` on.
+        // Both lists are sorted by slot: each rank's entry is found from `j` on.
+        self.retain(depth, |slot| {
             if search {
                 let rest = list.get(j..).unwrap_or(&[]);
-                j += holders::search(rest, a.slot).unwrap_or_else(|i| i);
+                j += holders::search(rest, slot).unwrap_or_else(|i| i);
             } else {
-                while j < list.len() && holders::slot_of(list[j]) < a.slot {
+                while j < list.len() && holders::slot_of(list[j]) < slot {
                     j += 1;
                 }
             }
-            let tiers = match list.get(j) {
-                Some(&e) if holders::slot_of(e) == a.slot => holders::tiers_of(e),
+            match list.get(j) {
+                Some(&e) if holders::slot_of(e) == slot => holders::tiers_of(e),
                 _ => 0,
-            };
-            let kept = a.groups & groups(tiers);
-            if kept != a.groups {
-                record(&mut self.out, a.row, a.groups & !kept, depth);
             }
-            if kept != 0 {
-                self.active[kept_len] = Active { groups: kept, ..a };
-                kept_len += 1;
-            }
-        }
-        self.active.truncate(kept_len);
+        });
     }
 }
 
@@ -146,7 +136,7 @@ impl Stepper for Walk {
     fn step(&mut self, holders: &Holders<'_>, depth: u32) {
         match holders {
             Holders::List(list) => self.step_list(list, depth),
-            Holders::Dense(dense) => self.step_dense(dense, depth),
+            Holders::Dense(dense) => self.retain(depth, |slot| dense.tiers_of(slot)),
         }
     }
 
