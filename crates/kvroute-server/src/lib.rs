@@ -15,6 +15,7 @@
 pub mod admin;
 pub mod api;
 pub mod app;
+pub mod dashboard;
 pub mod ingest;
 pub mod listen;
 pub mod metrics;
@@ -38,6 +39,7 @@ use ingest::spec::WorkerSpec;
 use listen::{serve_bounded, ConnectionMetrics, HttpLimits};
 use metrics::{IngestCollector, Metrics, ReplicaCollector};
 use proxy::active::ActiveCollector;
+use proxy::observe::ObservedCollector;
 use proxy::{Proxy, ProxyConfig};
 use query::QueryLimits;
 use replica::Replica;
@@ -166,6 +168,7 @@ pub async fn serve(
     let mut collectors: Vec<Box<dyn prometheus_client::collector::Collector>> = vec![
         Box::new(IngestCollector::new(registry.clone(), index.clone())),
         Box::new(ActiveCollector::new(proxy.clone())),
+        Box::new(ObservedCollector::new(proxy.clone())),
     ];
     let replica_tasks = replica.as_ref().map(|r| {
         proxy.share_with(r.sync.outbox().clone());
@@ -174,7 +177,8 @@ pub async fn serve(
     });
     let connections = ConnectionMetrics::default();
     let metrics = Arc::new(Metrics::new(&proxy.metrics, &connections, collectors));
-    let mut background = spawn_housekeeping(&registry, &index, &proxy);
+    let series = Arc::new(dashboard::series::Series::default());
+    let mut background = spawn_housekeeping(&registry, &index, &proxy, &series);
     background.extend(snapshots);
     background.extend(replica_tasks.into_iter().flatten());
     let state = AppState {
@@ -184,6 +188,7 @@ pub async fn serve(
             access: config.access.clone(),
             default_block_size: config.block_size,
             replica: replica.as_ref().map(|r| r.sync.clone()),
+            series: series.clone(),
         },
         proxy,
         metrics,
@@ -228,6 +233,7 @@ fn spawn_housekeeping(
     registry: &Arc<Registry>,
     index: &Arc<SharedIndex>,
     proxy: &Arc<Proxy>,
+    series: &Arc<dashboard::series::Series>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let context_lengths = {
         let proxy = proxy.clone();
@@ -240,16 +246,22 @@ fn spawn_housekeeping(
         })
     };
     let (registry, index, proxy) = (registry.clone(), index.clone(), proxy.clone());
+    let series = series.clone();
     let housekeeping = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tick.tick().await;
             let (registry, index, proxy) = (registry.clone(), index.clone(), proxy.clone());
+            let series = series.clone();
             let _ = tokio::task::spawn_blocking(move || {
                 registry.check_unreachable();
                 proxy.refresh(&registry);
                 proxy.expire_active();
                 index.expire(proxy.now_ms());
+                let now = proxy::attempt::unix_ms();
+                let window = dashboard::series::WINDOW_SECS * 1_000;
+                let recent = proxy.observed.timings_since(now.saturating_sub(window));
+                series.tick(now, proxy.observed.totals(), &recent);
             })
             .await;
         }

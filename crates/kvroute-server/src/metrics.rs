@@ -146,6 +146,12 @@ catalogue! {
     PROXY_NO_WORKERS:             kvroute_proxy_no_workers_total               Counter   NONE "Requests refused because no worker was available.";
     PROXY_LOAD_ONLY:              kvroute_proxy_load_only_total                Counter   NONE "Text requests routed on load alone (no tokenizer).";
     PROXY_ROUTED:                 kvroute_proxy_routed_total                   Counter   RANK "Requests forwarded per (worker, rank).";
+    PROXY_ROUTED_ON_LOAD:         kvroute_proxy_routed_on_load_total           Counter   NONE "Requests forwarded without cache knowledge: no tokens, a load-only policy, or a rank whose history is incomplete.";
+    QUALITY_PROMPT_TOKENS:        kvroute_quality_prompt_tokens_total          Counter   NONE "Prompt tokens of responses whose cached_tokens the engine reported.";
+    QUALITY_CACHED_TOKENS:        kvroute_quality_cached_tokens_total          Counter   NONE "Cached tokens the engines reported for those responses.";
+    QUALITY_PREDICTED_TOKENS:     kvroute_quality_predicted_cached_tokens_total Counter  NONE "Cached tokens the index predicted for those responses.";
+    PROXY_TTFT:                   kvroute_proxy_ttft_seconds                   Histogram NONE "From a streamed request's arrival to the worker's first chunk.";
+    PROXY_LATENCY:                kvroute_proxy_request_seconds                Histogram NONE "From a request's arrival to the end of its answer.";
     ACCURACY_COMPARISONS:         kvroute_accuracy_comparisons_total           Counter   RANK_STATE_ONLY "Responses whose cached_tokens were compared with the prediction, by the state of the rank the prediction came from.";
     ACCURACY_EXACT:               kvroute_accuracy_exact_total                 Counter   RANK_STATE_ONLY "Comparisons where prediction and cached_tokens agreed exactly.";
     ACCURACY_DIFFERENCE:          kvroute_accuracy_difference_tokens           Histogram RANK_STATE_ONLY "|predicted cached tokens - engine cached_tokens|.";
@@ -218,6 +224,11 @@ impl EncodeLabelSet for RankLabels {
 /// Upper bounds (tokens) of the accuracy histogram's buckets.
 const ACCURACY_BUCKETS: [f64; 7] = [0.0, 1.0, 16.0, 64.0, 256.0, 1024.0, 4096.0];
 
+/// Buckets of the proxy's time histograms, in seconds: 5 ms to 2 min.
+const SECONDS_BUCKETS: [f64; 14] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
+];
+
 /// The counters the proxy bumps as requests go through it.
 #[derive(Debug)]
 pub struct ProxyMetrics {
@@ -239,8 +250,10 @@ pub struct ProxyMetrics {
     pub no_workers: Counter,
     /// [`PROXY_LOAD_ONLY`].
     pub load_only: Counter,
-    /// [`PROXY_ROUTED`].
-    pub routed: Family<RankLabels, Counter>,
+    /// [`PROXY_TTFT`].
+    pub ttft: Histogram,
+    /// [`PROXY_LATENCY`].
+    pub latency: Histogram,
     /// [`ACCURACY_COMPARISONS`].
     pub comparisons: Family<StateLabel, Counter>,
     /// [`ACCURACY_EXACT`].
@@ -261,7 +274,8 @@ impl Default for ProxyMetrics {
             queue_timeouts: Counter::default(),
             no_workers: Counter::default(),
             load_only: Counter::default(),
-            routed: Family::default(),
+            ttft: Histogram::new(SECONDS_BUCKETS),
+            latency: Histogram::new(SECONDS_BUCKETS),
             comparisons: Family::default(),
             exact: Family::default(),
             difference: Family::new_with_constructor(|| Histogram::new(ACCURACY_BUCKETS)),
@@ -297,11 +311,9 @@ impl ProxyMetrics {
         for (info, counter) in counters {
             registry.register(info.family(), info.help, counter.clone());
         }
-        registry.register(
-            PROXY_ROUTED.family(),
-            PROXY_ROUTED.help,
-            self.routed.clone(),
-        );
+        for (info, histogram) in [(PROXY_TTFT, &self.ttft), (PROXY_LATENCY, &self.latency)] {
+            registry.register(info.family(), info.help, histogram.clone());
+        }
         for (info, family) in [
             (ACCURACY_COMPARISONS, &self.comparisons),
             (ACCURACY_EXACT, &self.exact),
@@ -337,7 +349,7 @@ pub fn encode_rank_family<'a>(
 }
 
 /// Writes one unlabelled counter or gauge.
-fn encode_single(
+pub fn encode_single(
     encoder: &mut DescriptorEncoder,
     info: &MetricInfo,
     value: u64,
@@ -634,34 +646,6 @@ mod tests {
             "{text}"
         );
         assert!(text.contains(&format!("{bucket}{{{live},le=\"16\"}} 2")));
-    }
-
-    #[test]
-    fn routed_requests_are_counted_per_rank_in_both_formats() {
-        let proxy = ProxyMetrics::default();
-        let w0: Arc<str> = Arc::from("w0");
-        let labels = RankLabels {
-            worker: w0,
-            dp_rank: 1,
-        };
-        proxy.routed.get_or_create(&labels).inc();
-        proxy.routed.get_or_create(&labels).inc();
-        let metrics = Metrics::new(&proxy, &ConnectionMetrics::default(), Vec::new());
-        let (kind, text) = metrics.render(Some("text/plain"));
-        assert!(kind.starts_with("text/plain"));
-        assert!(
-            text.contains("# TYPE kvroute_proxy_routed_total counter"),
-            "{text}"
-        );
-        assert!(text.contains("kvroute_proxy_routed_total{worker=\"w0\",dp_rank=\"1\"} 2"));
-        let (kind, text) = metrics.render(Some("application/openmetrics-text;version=1.0.0"));
-        assert!(kind.starts_with("application/openmetrics-text"));
-        assert!(
-            text.contains("# TYPE kvroute_proxy_routed counter"),
-            "{text}"
-        );
-        assert!(text.contains("kvroute_proxy_routed_total{worker=\"w0\",dp_rank=\"1\"} 2"));
-        assert!(text.ends_with("# EOF\n"));
     }
 }
 

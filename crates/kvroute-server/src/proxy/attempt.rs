@@ -14,7 +14,7 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
@@ -26,12 +26,12 @@ use tracing::{debug, warn};
 
 use super::active::ActiveGuard;
 use super::candidates::{request_hashes, Candidates, Target};
+use super::observe::{CandidateView, Decision, CANDIDATES_KEPT};
 use super::relay::{reported_cached_tokens, Learn, Passthrough, Prediction, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
 use super::{on_cpu, Endpoint, Proxy};
 use crate::api::ApiError;
 use crate::ingest::stats::RankState;
-use crate::metrics::RankLabels;
 use kvroute_prompt::body::{ParseError, RoutingRequest};
 use kvroute_prompt::sampling::check_context;
 
@@ -183,6 +183,8 @@ pub struct Request<'a> {
     pub request_id: &'a str,
     /// Its body is large: rewrites run on the blocking pool.
     pub large: bool,
+    /// When it arrived.
+    pub arrived: Instant,
 }
 
 /// Tries the admitted candidates in order; the first worker that answers
@@ -199,6 +201,7 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
         endpoint,
         request_id,
         large,
+        arrived,
     } = request;
     let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
     let mut last_error = String::new();
@@ -249,11 +252,21 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
             let now = proxy.now_ms();
             proxy.index().record_routing_decision(s.key, &locals, now);
         }
+        let chosen = Chosen {
+            candidates: &candidates,
+            ordered: &ordered,
+            index: i,
+            retries: attempt,
+        };
+        proxy
+            .observed
+            .routed(decision(proxy, req, request_id, target, chosen));
         let relay = Relay {
             guard,
             added_usage,
             request_id,
             locals: &locals,
+            arrived,
         };
         return respond(proxy, req, s, target, resp, relay).await;
     }
@@ -290,6 +303,101 @@ struct Relay<'a> {
     request_id: &'a str,
     /// The request's local block hashes at the target's block size.
     locals: &'a [LocalBlockHash],
+    /// When the request arrived.
+    arrived: Instant,
+}
+
+/// The candidate a request was sent to, among those it was scored against.
+struct Chosen<'a> {
+    candidates: &'a Candidates,
+    ordered: &'a [usize],
+    /// Its index in `candidates.scored`.
+    index: usize,
+    /// Candidates that refused before it.
+    retries: usize,
+}
+
+/// The routing decision as the dashboard shows it: the first candidates in
+/// the order they would be tried (and the chosen one), and why it won.
+fn decision(
+    proxy: &Proxy,
+    req: &RoutingRequest,
+    request_id: &str,
+    target: &Target,
+    chosen: Chosen<'_>,
+) -> Decision {
+    let Chosen {
+        candidates,
+        ordered,
+        index,
+        retries,
+    } = chosen;
+    let name_of = |s: &Scored| {
+        candidates
+            .targets
+            .get(s.worker)
+            .map_or_else(|| Arc::from(""), |t| t.name.clone())
+    };
+    let mut shown: Vec<usize> = ordered.iter().copied().take(CANDIDATES_KEPT).collect();
+    if !shown.contains(&index) {
+        shown.push(index);
+    }
+    let views: Vec<CandidateView> = shown
+        .iter()
+        .filter_map(|&i| candidates.scored.get(i))
+        .map(|s| CandidateView::of(s, name_of(s)))
+        .collect();
+    let chosen_at = shown.iter().position(|&i| i == index).unwrap_or(0);
+    let policy = proxy.config().policy;
+    let s = &candidates.scored[index];
+    let state = target
+        .stats_of(s.key.rank)
+        .map_or(RankState::Live, |st| st.state());
+    let prompt_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
+    let load_only = if req.tokens.is_none() {
+        Some("no tokens: no tokenizer for this request".to_owned())
+    } else if !matches!(policy, Policy::Kv | Policy::Approx) {
+        Some(format!("policy {}", policy.as_str()))
+    } else if matches!(
+        state,
+        RankState::Degraded | RankState::Disconnected | RankState::Error
+    ) {
+        Some(format!(
+            "rank {}: its cache history is incomplete",
+            state.as_str()
+        ))
+    } else {
+        None
+    };
+    let matched = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
+    let mut reason = match &load_only {
+        Some(why) => format!("routed on load alone ({why})"),
+        None => format!(
+            "lowest cost {:.1}: {matched} of {prompt_tokens} prompt tokens cached, {} in flight",
+            s.cost.total, s.candidate.active_requests
+        ),
+    };
+    if retries > 0 {
+        reason.push_str(&format!(", after {retries} refused"));
+    }
+    Decision {
+        at_ms: unix_ms(),
+        request_id: request_id.to_owned(),
+        prompt_tokens,
+        policy: policy.as_str(),
+        chosen: chosen_at,
+        retries,
+        load_only,
+        reason,
+        candidates: views,
+    }
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// How one attempt ended.
@@ -384,12 +492,8 @@ async fn respond(
         added_usage,
         request_id,
         locals,
+        arrived,
     } = relay;
-    let labels = RankLabels {
-        worker: target.name.clone(),
-        dp_rank: s.key.rank,
-    };
-    proxy.metrics.routed.get_or_create(&labels).inc();
     let status = resp.status();
     let prediction = req
         .tokens
@@ -417,7 +521,7 @@ async fn respond(
             guard,
             prediction,
             strip,
-            origin,
+            (origin, arrived),
         ))
     } else {
         guard.prefill_done();
@@ -436,6 +540,7 @@ async fn respond(
         if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
             p.settle(proxy, reported);
         }
+        proxy.timed(arrived, None);
         Body::from(bytes)
     };
     builder
@@ -458,6 +563,7 @@ fn prediction(s: &Scored, target: &Target, tokens: u64, locals: &[LocalBlockHash
     });
     Prediction {
         predicted: s.predicted_cached_tokens(tokens),
+        prompt_tokens: tokens,
         state,
         learn,
     }

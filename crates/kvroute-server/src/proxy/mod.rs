@@ -21,6 +21,7 @@ pub mod attempt;
 pub mod breaker;
 pub mod candidates;
 pub mod context;
+pub mod observe;
 pub mod relay;
 pub mod rewrite;
 pub mod shared;
@@ -33,7 +34,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use kvroute_core::index::SharedIndex;
+use kvroute_core::index::{SharedIndex, WorkerRank};
 use kvroute_core::rng::{mix, unit_f64, SplitMix64};
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, Policy};
 use serde_json::{json, Map, Value};
@@ -123,6 +124,8 @@ pub struct Proxy {
     context: ContextLengths,
     /// The counters requests bump.
     pub metrics: ProxyMetrics,
+    /// Recent decisions, quality totals and timings (the dashboard's).
+    pub observed: observe::Observed,
     next_id: AtomicU64,
     turn: AtomicU64,
     rng: AtomicU64,
@@ -156,6 +159,7 @@ impl Proxy {
             targets: RwLock::new(Arc::new(Vec::new())),
             active: ActiveTable::default(),
             metrics: ProxyMetrics::default(),
+            observed: observe::Observed::default(),
             next_id: AtomicU64::new(1),
             turn: AtomicU64::new(0),
             rng: AtomicU64::new(seed | 1),
@@ -191,6 +195,28 @@ impl Proxy {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The load in flight: (rank, requests, prefill tokens, decode blocks) of every rank seen.
+    pub fn load(&self) -> Vec<(WorkerRank, u64, u64, u64)> {
+        self.active.snapshot()
+    }
+
+    /// Records the timings of an answer to a request that arrived at
+    /// `arrived` and (streamed) sent its first chunk at `first_chunk`.
+    pub fn timed(&self, arrived: Instant, first_chunk: Option<Instant>) {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let latency = arrived.elapsed();
+        let ttft = first_chunk.map(|f| f.saturating_duration_since(arrived));
+        self.metrics.latency.observe(latency.as_secs_f64());
+        if let Some(ttft) = ttft {
+            self.metrics.ttft.observe(ttft.as_secs_f64());
+        }
+        self.observed.timed(observe::Timing {
+            at_ms: attempt::unix_ms(),
+            ttft_ms: ttft.map(ms),
+            latency_ms: ms(latency),
+        });
     }
 
     /// Milliseconds since the proxy started: the clock of the approximate index.
@@ -313,9 +339,10 @@ async fn handle(
     body: axum::body::Bytes,
     endpoint: Endpoint,
 ) -> Response {
+    let arrived = Instant::now();
     proxy.metrics.requests.inc();
     let request_id = proxy.request_id(&headers);
-    let mut response = route(&proxy, &headers, &body, endpoint, &request_id).await;
+    let mut response = route(&proxy, &headers, &body, endpoint, (&request_id, arrived)).await;
     if let Ok(id) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(attempt::REQUEST_ID, id);
     }
@@ -327,7 +354,7 @@ async fn route(
     headers: &HeaderMap,
     body: &axum::body::Bytes,
     endpoint: Endpoint,
-    request_id: &str,
+    (request_id, arrived): (&str, Instant),
 ) -> Response {
     let large = body.len() > LARGE_BODY;
     let read = {
@@ -360,6 +387,7 @@ async fn route(
         endpoint,
         request_id,
         large,
+        arrived,
     };
     attempt::forward(proxy, admitted, request).await
 }

@@ -7,6 +7,7 @@ use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use futures_util::Stream;
@@ -25,6 +26,8 @@ use crate::ingest::stats::{RankState, RankStats};
 pub struct Prediction {
     /// The cached tokens the index predicted.
     pub predicted: u64,
+    /// The request's prompt tokens.
+    pub prompt_tokens: u64,
     /// The state of the rank the prediction came from, when it was made.
     pub state: RankState,
     /// What to learn from the engine's answer.
@@ -54,6 +57,9 @@ impl Prediction {
     /// trusting its history again.
     pub fn settle(&self, proxy: &Proxy, reported: u64) {
         proxy.metrics.compare(self.predicted, reported, self.state);
+        proxy
+            .observed
+            .compared(self.prompt_tokens, self.predicted, reported);
         let Some(learn) = &self.learn else {
             return;
         };
@@ -219,6 +225,9 @@ pub struct Passthrough<S> {
     /// Set when the proxy added `include_usage`: drop the usage-only chunk.
     strip: Option<UsageStripper>,
     origin: StreamOrigin,
+    /// When the request arrived, and when its first chunk came.
+    arrived: Instant,
+    first_chunk: Option<Instant>,
     /// What was passed on so far ends an SSE event (or nothing was).
     at_boundary: bool,
     done: bool,
@@ -234,7 +243,7 @@ impl<S> Passthrough<S> {
         guard: ActiveGuard,
         prediction: Option<Prediction>,
         strip_usage: bool,
-        origin: StreamOrigin,
+        (origin, arrived): (StreamOrigin, Instant),
     ) -> Self {
         Passthrough {
             inner,
@@ -243,6 +252,8 @@ impl<S> Passthrough<S> {
             prediction,
             strip: strip_usage.then(UsageStripper::default),
             origin,
+            arrived,
+            first_chunk: None,
             at_boundary: true,
             done: false,
         }
@@ -303,6 +314,7 @@ where
                 Poll::Ready(Some(Ok(chunk))) => {
                     if this.first {
                         this.first = false;
+                        this.first_chunk = Some(Instant::now());
                         if let Some(g) = &this.guard {
                             g.prefill_done();
                         }
@@ -332,7 +344,9 @@ where
                     return Poll::Ready(this.failed(&e).map(Ok));
                 }
                 Poll::Ready(None) => {
-                    this.guard = None;
+                    if let Some(g) = this.guard.take() {
+                        g.proxy().timed(this.arrived, this.first_chunk);
+                    }
                     this.done = true;
                     let rest = this.strip.as_mut().map(UsageStripper::finish);
                     return match rest {
