@@ -105,6 +105,8 @@ pub struct AdminState {
     pub default_block_size: Option<u32>,
     /// The replica sync, when there are peer replicas (`--nats`).
     pub replica: Option<Arc<ReplicaSync>>,
+    /// Routing quality second by second (the dashboard's charts).
+    pub series: Arc<crate::dashboard::series::Series>,
 }
 
 /// `GET /health`.

@@ -11,6 +11,7 @@ use axum::routing::{get, post};
 
 use crate::admin::{self, AdminState};
 use crate::api;
+use crate::dashboard;
 use crate::metrics::Metrics;
 use crate::proxy::{self, Proxy};
 use crate::query::{self, QueryLimits};
@@ -72,6 +73,7 @@ pub fn app(state: AppState) -> axum::Router {
     let introspection = axum::Router::new()
         .merge(queries)
         .route("/workers", get(admin::workers))
+        .route("/api/stats", get(dashboard::api_stats))
         .route_layer(axum::middleware::from_fn_with_state(
             state.admin.access.clone(),
             admin::require_introspection,
@@ -82,6 +84,7 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/models", get(proxy::models))
         .merge(introspection)
         .route("/health", get(admin::health))
+        .route("/dashboard", get(dashboard::page))
         .route("/metrics", get(metrics))
         .route("/register", post(admin::register))
         .route("/unregister", post(admin::unregister))
@@ -140,6 +143,7 @@ mod tests {
                 },
                 default_block_size: Some(16),
                 replica: None,
+                series: Default::default(),
             },
             proxy,
             metrics,

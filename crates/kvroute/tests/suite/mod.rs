@@ -3,7 +3,9 @@
 mod bench;
 mod block_size;
 mod config;
+mod dashboard;
 mod demo;
+mod deploy;
 mod ingest;
 mod inspect;
 mod metrics;
