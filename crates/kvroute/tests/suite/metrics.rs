@@ -10,7 +10,7 @@ use crate::support::http::*;
 use crate::support::*;
 
 /// Whether `text` has a sample of `name` (a labelled one, or a bare one).
-fn has_sample(text: &str, name: &str) -> bool {
+pub fn has_sample(text: &str, name: &str) -> bool {
     text.lines()
         .any(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
 }
