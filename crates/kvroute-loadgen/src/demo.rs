@@ -66,6 +66,40 @@ pub struct DemoConfig {
     /// (`nats-server` must be installed), the client balancing round-robin
     /// over them ([`Endpoint::Balanced`]).
     pub replicas: usize,
+    /// Keep the engines and the routers of the first router policy up after
+    /// the run ([`Kept`]), for a look at their dashboard.
+    pub keep: bool,
+}
+
+/// The engines and the first router policy's routers, still serving after
+/// the run (`--keep`).
+pub struct Kept {
+    fleet: Fleet,
+    routers: Vec<RunningRouter>,
+    policy: String,
+}
+
+impl Kept {
+    /// The policy the kept routers route with.
+    pub fn policy(&self) -> &str {
+        &self.policy
+    }
+
+    /// Each kept router's dashboard.
+    pub fn dashboard_urls(&self) -> Vec<String> {
+        self.routers
+            .iter()
+            .map(|r| format!("{}/dashboard", r.url))
+            .collect()
+    }
+
+    /// Stops the routers, then the engines.
+    pub async fn shutdown(self) {
+        for router in self.routers {
+            router.stop().await;
+        }
+        self.fleet.shutdown().await;
+    }
 }
 
 /// The router policies that ran through replicas, and where they met.
@@ -206,12 +240,14 @@ async fn reset_caches(client: &reqwest::Client, urls: &[String]) -> Result<()> {
 }
 
 /// Runs the demo (progress on stderr); `None` when `interrupt` completed
-/// first, after the routers and engines have stopped.
+/// first, after the routers and engines have stopped. With
+/// [`DemoConfig::keep`], the engines and the first router policy's routers
+/// are returned still running (when there was a router policy).
 pub async fn run(
     config: &DemoConfig,
     tokenizer: RouterTokenizer,
     interrupt: impl Future<Output = ()>,
-) -> Result<Option<DemoReport>> {
+) -> Result<Option<(DemoReport, Option<Kept>)>> {
     if config.workers == 0 || config.contenders.is_empty() {
         return Err(Error::Invalid(
             "the demo needs at least one worker and one policy".into(),
@@ -273,9 +309,26 @@ pub async fn run(
         r = compare(&fleet, config, block_size, tokenizer, nats.as_ref()) => Some(r),
         () = interrupt => None,
     };
-    fleet.shutdown().await;
-    outcome.transpose()
+    match outcome {
+        Some(Ok((report, Some((policy, routers))))) => {
+            let kept = Kept {
+                fleet,
+                routers,
+                policy,
+            };
+            Ok(Some((report, Some(kept))))
+        }
+        other => {
+            fleet.shutdown().await;
+            other
+                .transpose()
+                .map(|o| o.map(|(report, _)| (report, None)))
+        }
+    }
 }
+
+/// The routers kept running after the run, and their policy's name.
+type KeptRouters = Option<(String, Vec<RunningRouter>)>;
 
 async fn compare(
     fleet: &Fleet,
@@ -283,7 +336,7 @@ async fn compare(
     block_size: u32,
     tokenizer: RouterTokenizer,
     nats: Option<&NatsServer>,
-) -> Result<DemoReport> {
+) -> Result<(DemoReport, KeptRouters)> {
     let client = driver::client()?;
     let urls: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
     let mut specs = Vec::new();
@@ -293,6 +346,7 @@ async fn compare(
     let mut report = Report::new(config.load.workload.describe());
     let mut extras = Extras::new();
     let mut replicated = Vec::new();
+    let mut kept: KeptRouters = None;
     for (k, (name, contender)) in config.contenders.iter().enumerate() {
         reset_caches(&client, &urls).await?;
         let mut options = config.load.clone();
@@ -316,7 +370,13 @@ async fn compare(
                     block_size,
                     tokenizer: &tokenizer,
                 };
-                routers.run(&client, replicas, &options).await?
+                let keep = config.keep && kept.is_none();
+                let (result, extra, running) =
+                    routers.run(&client, replicas, &options, keep).await?;
+                if keep {
+                    kept = Some((name.clone(), running));
+                }
+                (result, extra)
             }
         };
         eprintln!(
@@ -335,7 +395,7 @@ async fn compare(
         report.push(name.clone(), result);
         extras.push((name.clone(), extra));
     }
-    Ok(DemoReport {
+    let report = DemoReport {
         report,
         extras,
         flavor: config.flavor,
@@ -344,7 +404,8 @@ async fn compare(
             nats_url: nats.url(),
             policies: replicated,
         }),
-    })
+    };
+    Ok((report, kept))
 }
 
 /// One router's replica setting per router a policy runs through: `[None]`
@@ -381,14 +442,16 @@ struct Routers<'a> {
 impl Routers<'_> {
     /// Starts one router per entry of `replicas`, waits until each has every
     /// event stream connected, drives the workload through them (straight to
-    /// a lone one, round-robin over several) and stops them. The extras are
-    /// the first router's ingestion counts, and `replicas` when several ran.
+    /// a lone one, round-robin over several) and stops them, unless `keep`
+    /// (then they are returned running). The extras are the first router's
+    /// ingestion counts, and `replicas` when several ran.
     async fn run(
         &self,
         client: &reqwest::Client,
         replicas: Vec<Option<ReplicaConfig>>,
         options: &LoadOptions,
-    ) -> Result<(PolicyReport, Map<String, Value>)> {
+        keep: bool,
+    ) -> Result<(PolicyReport, Map<String, Value>, Vec<RunningRouter>)> {
         let mut routers = Vec::with_capacity(replicas.len());
         for replica in replicas {
             let router = RunningRouter::start(
@@ -440,10 +503,13 @@ impl Routers<'_> {
             }
             extra.insert("replica_messages_received".into(), json!(received));
         }
+        if keep {
+            return Ok((result, extra, routers));
+        }
         for router in routers {
             router.stop().await;
         }
-        Ok((result, extra))
+        Ok((result, extra, Vec::new()))
     }
 }
 
@@ -488,6 +554,7 @@ mod tests {
                 label: String::new(),
             },
             replicas: 2,
+            keep: false,
         };
         let tokenizer = std::sync::Arc::new(Renderer::new(
             Tokenizer::builtin(),
@@ -496,6 +563,7 @@ mod tests {
         let done = run(&config, tokenizer, std::future::pending())
             .await
             .expect("the demo runs")
+            .map(|(report, _)| report)
             .expect("not interrupted");
         let doc = done.document().expect("a document");
         for name in ["kv", "round-robin"] {

@@ -84,6 +84,10 @@ pub struct DemoArgs {
     /// output_length, hash_ids) at its own times instead of a workload.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["preset", "workload", "requests", "concurrency", "quick"])]
     trace: Option<PathBuf>,
+    /// Keep the engines and the first router policy's router up after the
+    /// run, print its dashboard's URL, and stop on Ctrl-C.
+    #[arg(long)]
+    keep: bool,
     /// Where the JSON report goes.
     #[arg(long, default_value = "demo-report.json")]
     report: PathBuf,
@@ -177,6 +181,7 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
             label: String::new(),
         },
         replicas: usize::from(args.replicas),
+        keep: args.keep,
     })
 }
 
@@ -186,9 +191,9 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     super::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
     // Text and chat requests are tokenized as the mock engines do.
     let tokenizer = renderer(Tokenizer::builtin(), MM_TOKENS_PER_IMAGE);
-    let outcome =
-        super::runtime()?.block_on(demo::run(&config, tokenizer, super::shutdown_signal()))?;
-    let Some(done) = outcome else {
+    let runtime = super::runtime()?;
+    let outcome = runtime.block_on(demo::run(&config, tokenizer, super::shutdown_signal()))?;
+    let Some((done, kept)) = outcome else {
         eprintln!("kvroute demo: interrupted; the router and the engines are stopped");
         return Ok(ExitCode::from(130));
     };
@@ -204,5 +209,21 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
         args.plot.display(),
         config.load.requests
     );
+    if let Some(kept) = kept {
+        println!(
+            "\nthe {} router is still up, with the engines; its dashboard:",
+            kept.policy()
+        );
+        for url in kept.dashboard_urls() {
+            println!("  {url}");
+        }
+        println!("press Ctrl-C to stop");
+        runtime.block_on(async {
+            super::shutdown_signal().await;
+            kept.shutdown().await;
+        });
+    } else if args.keep {
+        println!("\n--keep: no router policy ran, so there is no dashboard to keep");
+    }
     Ok(ExitCode::SUCCESS)
 }

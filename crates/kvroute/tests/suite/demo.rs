@@ -103,3 +103,56 @@ fn image_demo_makes_repeated_images_hit_on_both_engine_flavours() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// `--keep`: after its report, the demo prints the dashboard URL of the kv
+/// router, which stays up with the engines it drove: its `/api/stats` shows
+/// the run's traffic and decisions, the page itself is served, and Ctrl-C
+/// (SIGINT) stops it all.
+#[test]
+fn demo_keep_leaves_the_kv_router_up_and_prints_its_dashboard() {
+    use std::io::{BufRead, BufReader};
+    use std::process::Stdio;
+
+    let dir = temp_dir("keep");
+    let mut child = kvroute()
+        .args(["demo", "--quick", "--keep", "--policies", "kv,round-robin"])
+        .args(["--requests", "40"])
+        .arg("--report")
+        .arg(dir.join("demo-report.json"))
+        .arg("--plot")
+        .arg(dir.join("demo-report.svg"))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("kvroute demo runs");
+    // Read on to the end, so the demo can always write its lines.
+    let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
+    let mut url = None;
+    for line in lines.by_ref() {
+        let line = line.expect("a line");
+        if let Some(u) = line.trim().strip_prefix("http://") {
+            if u.ends_with("/dashboard") {
+                url = Some(u.trim_end_matches("/dashboard").to_owned());
+                break;
+            }
+        }
+    }
+    let host = url.expect("the demo printed a dashboard URL");
+    let stats = crate::support::http::request(&host, "GET", "/api/stats", "").json();
+    assert_eq!(stats["policy"], "kv");
+    assert_eq!(stats["summary"]["routed"], 40, "{}", stats["summary"]);
+    let decisions = stats["decisions"].as_array().expect("decisions");
+    assert!(!decisions.is_empty());
+    assert!(stats["workers"].as_array().is_some_and(|w| w.len() >= 2));
+    let page = crate::support::http::request(&host, "GET", "/dashboard", "");
+    assert_eq!(page.status, 200);
+    let pid = child.id().to_string();
+    let _ = std::process::Command::new("kill")
+        .args(["-INT", &pid])
+        .status();
+    let rest: Vec<String> = lines.map_while(Result::ok).collect();
+    let status = child.wait().expect("the demo ends");
+    assert!(rest.iter().any(|l| l.contains("Ctrl-C")), "{rest:?}");
+    assert!(status.success(), "after Ctrl-C: {status:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
