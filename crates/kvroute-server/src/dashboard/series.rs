@@ -40,7 +40,7 @@ pub struct Sample {
     pub ttft_p99_ms: Option<f64>,
     /// Latency of the answers of the last [`WINDOW_SECS`], ms.
     pub latency_p99_ms: Option<f64>,
-    /// Requests forwarded since the previous sample, per worker.
+    /// Requests forwarded since the previous sample, per worker that took any.
     pub by_worker: BTreeMap<Arc<str>, u64>,
     /// The same per (worker, rank), for rates per rank.
     #[serde(skip)]
@@ -82,8 +82,12 @@ impl Series {
         let mut by_worker: BTreeMap<Arc<str>, u64> = BTreeMap::new();
         for (key, &n) in &totals.routed {
             let d = n.saturating_sub(last.routed.get(key).copied().unwrap_or(0));
-            by_rank.insert(key.clone(), d);
-            *by_worker.entry(key.0.clone()).or_default() += d;
+            // Only ranks that took requests: a large, mostly idle fleet
+            // would otherwise repeat every rank in every sample.
+            if d > 0 {
+                by_rank.insert(key.clone(), d);
+                *by_worker.entry(key.0.clone()).or_default() += d;
+            }
         }
         let diff = |now: u64, then: u64| now.saturating_sub(then);
         let prompt_tokens = diff(totals.prompt_tokens, last.prompt_tokens);
