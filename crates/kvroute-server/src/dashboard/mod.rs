@@ -131,6 +131,19 @@ pub fn stats(state: &AdminState) -> Value {
         },
         "workers": workers,
         "series": samples,
-        "decisions": proxy.observed.decisions(),
+        "decisions": decisions(&proxy.observed.decisions()),
     })
+}
+
+/// The decisions as JSON, each with its reason in words.
+fn decisions(kept: &[crate::proxy::observe::Decision]) -> Vec<Value> {
+    kept.iter()
+        .map(|d| {
+            let mut v = serde_json::to_value(d).unwrap_or(Value::Null);
+            if let Some(o) = v.as_object_mut() {
+                o.insert("reason".into(), Value::from(d.reason()));
+            }
+            v
+        })
+        .collect()
 }

@@ -369,17 +369,6 @@ fn decision(
     } else {
         None
     };
-    let matched = u64::from(s.candidate.device_blocks) * u64::from(s.block_size);
-    let mut reason = match &load_only {
-        Some(why) => format!("routed on load alone ({why})"),
-        None => format!(
-            "lowest cost {:.1}: {matched} of {prompt_tokens} prompt tokens cached, {} in flight",
-            s.cost.total, s.candidate.active_requests
-        ),
-    };
-    if retries > 0 {
-        reason.push_str(&format!(", after {retries} refused"));
-    }
     Decision {
         at_ms: unix_ms(),
         request_id: request_id.to_owned(),
@@ -388,7 +377,6 @@ fn decision(
         chosen: chosen_at,
         retries,
         load_only,
-        reason,
         candidates: views,
     }
 }

@@ -93,10 +93,26 @@ pub struct Decision {
     pub retries: usize,
     /// The cache played no part: why (`None`: it did).
     pub load_only: Option<String>,
-    /// In words: why the chosen rank won.
-    pub reason: String,
     /// The first candidates in the order they would be tried, and the chosen one.
     pub candidates: Vec<CandidateView>,
+}
+
+impl Decision {
+    /// In words: why the chosen rank won (made when shown, not per request).
+    pub fn reason(&self) -> String {
+        let mut reason = match (&self.load_only, self.candidates.get(self.chosen)) {
+            (Some(why), _) => format!("routed on load alone ({why})"),
+            (None, Some(c)) => format!(
+                "lowest cost {:.1}: {} of {} prompt tokens cached, {} in flight",
+                c.total, c.matched_tokens, self.prompt_tokens, c.active_requests
+            ),
+            (None, None) => "lowest cost".to_owned(),
+        };
+        if self.retries > 0 {
+            reason.push_str(&format!(", after {} refused", self.retries));
+        }
+        reason
+    }
 }
 
 /// Running totals since the start.
@@ -262,7 +278,6 @@ mod tests {
             chosen: 0,
             retries: 0,
             load_only: load_only.then(|| "no tokens".to_owned()),
-            reason: String::new(),
             candidates: vec![CandidateView {
                 worker: worker.into(),
                 dp_rank: 0,
@@ -288,6 +303,16 @@ mod tests {
         }
         let kept = observed.decisions();
         assert_eq!(kept.len(), DECISIONS_KEPT);
+        assert_eq!(
+            kept[0].reason(),
+            "lowest cost 1.0: 16 of 10 prompt tokens cached, 0 in flight"
+        );
+        let mut refused = decision("w0", true);
+        refused.retries = 2;
+        assert_eq!(
+            refused.reason(),
+            "routed on load alone (no tokens), after 2 refused"
+        );
         // Newest first: the last one routed went to w0 (an even index).
         assert_eq!(&*kept[0].candidates[0].worker, "w0");
         let totals = observed.totals();
