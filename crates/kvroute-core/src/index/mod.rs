@@ -286,7 +286,8 @@ impl Index {
     /// The node an engine hash names for this rank: its private binding, or
     /// the node whose shared name it is, unless this rank names that node
     /// otherwise. Another rank's name for a block never resolves here.
-    fn resolve_ext(&self, slot: SlotId, ext: u64) -> Option<NodeId> {
+    /// `near`: a node the block is likely next to (see [`NodeStore::find_primary_near`]).
+    fn resolve_ext(&self, slot: SlotId, ext: u64, near: Option<NodeId>) -> Option<NodeId> {
         // Private bindings are rare: most ranks have none to look in.
         let s = self
             .slots
@@ -301,7 +302,7 @@ impl Index {
         }
         // Second names resolve through their rank's private binding above,
         // never through the shared aliases.
-        let node = self.nodes.find_primary(ext)?;
+        let node = self.nodes.find_primary_near(ext, near)?;
         match s.and_then(|s| s.private_name.get(&node)) {
             Some(&(_, seq)) if same_block(node, seq) => None,
             _ => Some(node),
@@ -334,10 +335,12 @@ impl Index {
         let slot = self.slot(key);
         self.counters.stores += 1;
         let mut prev: Option<u64> = None;
+        let mut prev_node: Option<NodeId> = None;
         if let Some(parent) = stored.parent {
-            match self.resolve_ext(slot, parent.0) {
+            match self.resolve_ext(slot, parent.0, None) {
                 Some(node) if self.nodes.tiers_of(node, slot) != 0 => {
-                    prev = Some(self.nodes.seq(node))
+                    prev = Some(self.nodes.seq(node));
+                    prev_node = Some(node);
                 }
                 _ => {
                     self.counters.parent_missing += 1;
@@ -350,11 +353,11 @@ impl Index {
                 None => block.local.0,
                 Some(p) => next_sequence_hash(SequenceHash(p), block.local).0,
             };
-            let node = self.nodes.insert_seq(seq);
+            let node = self.nodes.insert_seq_near(seq, prev_node);
             let ext = block.external.0;
             let bind = self.nodes.bind_ext(node, ext);
             if bind != Bind::Primary {
-                if bind == Bind::Conflict && self.resolve_ext(slot, ext) != Some(node) {
+                if bind == Bind::Conflict && self.resolve_ext(slot, ext, None) != Some(node) {
                     self.counters.hash_conflicts += 1;
                 }
                 self.bind_private(slot, node, seq, ext);
@@ -368,6 +371,7 @@ impl Index {
                 s.approx_deadline.remove(&node);
             }
             prev = Some(seq);
+            prev_node = Some(node);
         }
         self.enforce_capacity(slot);
     }
@@ -401,8 +405,12 @@ impl Index {
             self.counters.unknown_removals += removed.blocks.len() as u64;
             return;
         };
+        // A removal's blocks are mostly one chain's, whose nodes sit side by side.
+        let mut near: Option<NodeId> = None;
         for ext in &removed.blocks {
-            let dropped = match self.resolve_ext(slot, ext.0) {
+            let node = self.resolve_ext(slot, ext.0, near);
+            near = node.or(near);
+            let dropped = match node {
                 Some(node) => self.drop_residency(slot, node, removed.tier),
                 None => false,
             };

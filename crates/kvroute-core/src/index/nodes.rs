@@ -201,6 +201,38 @@ impl NodeStore {
             .copied()
     }
 
+    /// [`NodeStore::insert_seq`], looking first in the record after `near`:
+    /// a chain stored by one event gets consecutive ids, so a block stored
+    /// again (a shared prefix, a duplicate) is usually the record after its
+    /// parent's, already in cache, and no table probe is needed. Exact
+    /// either way: a live record with `seq` is its node.
+    pub(super) fn insert_seq_near(&mut self, seq: u64, near: Option<NodeId>) -> NodeId {
+        if let Some(next) = near.and_then(|n| n.checked_add(1)) {
+            if let Some(r) = self.records.get(next as usize) {
+                if r.seq == seq && r.meta & LIVE != 0 {
+                    return next;
+                }
+            }
+        }
+        self.insert_seq(seq)
+    }
+
+    /// The node whose shared name is `ext`, looked for first in the records
+    /// on either side of `near` (a removal's blocks are usually one chain's).
+    /// Exact either way: shared names are unique among live nodes.
+    pub(super) fn find_primary_near(&self, ext: u64, near: Option<NodeId>) -> Option<NodeId> {
+        if let Some(n) = near {
+            for id in [n.checked_add(1), n.checked_sub(1)].into_iter().flatten() {
+                if let Some(r) = self.records.get(id as usize) {
+                    if r.ext == ext && r.meta & (LIVE | HAS_EXT) == LIVE | HAS_EXT {
+                        return Some(id);
+                    }
+                }
+            }
+        }
+        self.find_primary(ext)
+    }
+
     /// The node whose shared name (first engine hash) `ext` is.
     pub(super) fn find_primary(&self, ext: u64) -> Option<NodeId> {
         let records = &self.records;
