@@ -124,6 +124,8 @@ impl Holders<'_> {
     #[inline]
     pub(super) fn same_as(&self, other: &Holders<'_>) -> bool {
         match (self, other) {
+            // One holder is the common case: compared inline, not by memcmp.
+            (Holders::List([a]), Holders::List([b])) => a == b,
             (Holders::List(a), Holders::List(b)) => a == b,
             (Holders::Dense(a), Holders::Dense(b)) => a.device == b.device && a.lower == b.lower,
             _ => false,

@@ -167,15 +167,11 @@ trait Stepper {
 #[inline]
 fn record(out: &mut [RankMatch], row: u32, groups: u8, depth: u32) {
     if let Some(m) = out.get_mut(row as usize) {
-        if groups & DEVICE != 0 {
-            m.device = depth;
-        }
-        if groups & HOST != 0 {
-            m.host = depth;
-        }
-        if groups & ANY != 0 {
-            m.any = depth;
-        }
+        // Selects rather than branches: which groups stop is unpredictable.
+        let pick = |group: u8, old: u32| if groups & group != 0 { depth } else { old };
+        m.device = pick(DEVICE, m.device);
+        m.host = pick(HOST, m.host);
+        m.any = pick(ANY, m.any);
     }
 }
 
@@ -294,6 +290,8 @@ struct DenseWalk {
     rows: Vec<u64>,
     /// Rows before each word of `rows`.
     row_base: Vec<u32>,
+    /// Slots still matching on any tier.
+    population: u32,
     out: Vec<RankMatch>,
 }
 
@@ -307,6 +305,7 @@ impl DenseWalk {
             scratch: Vec::new(),
             rows: vec![0; words],
             row_base: Vec::with_capacity(words),
+            population: 0,
             out: Vec::new(),
         };
         let mut base = 0u32;
@@ -320,65 +319,95 @@ impl DenseWalk {
             walk.row_base.push(base);
             base += any.count_ones();
         }
+        walk.population = base;
         walk.out.reserve(base as usize);
-        first.for_each(|e| {
-            let worker_rank =
-                key_of(holders::slot_of(e)).unwrap_or(WorkerRank::new(u32::MAX, u32::MAX));
-            walk.out.push(RankMatch {
-                worker_rank,
-                device: 0,
-                host: 0,
-                any: 0,
+        for (w, &word) in walk.rows.iter().enumerate() {
+            for_each_bit(word, |bit| {
+                let slot = (w * 64) as SlotId + bit;
+                let worker_rank = key_of(slot).unwrap_or(WorkerRank::new(u32::MAX, u32::MAX));
+                walk.out.push(RankMatch {
+                    worker_rank,
+                    device: 0,
+                    host: 0,
+                    any: 0,
+                });
             });
-        });
+        }
         walk
     }
 
-    /// Records `depth` as the match length of `group` for every slot in `bits` of word `w`.
-    fn record_bits(&mut self, w: usize, mut bits: u64, group: u8, depth: u32) {
-        let row_word = self.rows[w];
-        while bits != 0 {
-            let bit = bits.trailing_zeros();
-            bits &= bits - 1;
-            let row = self.row_base[w] + (row_word & ((1u64 << bit) - 1)).count_ones();
-            record(&mut self.out, row, group, depth);
+    /// Records `depth` as the match length of each group for the slots of
+    /// word `w` that stop in it (`stopped`: device, host and any-tier bits),
+    /// and counts the slots that stop matching altogether.
+    fn record_stops(&mut self, w: usize, stopped: [u64; 3], depth: u32) {
+        let [device, host, any] = stopped;
+        let all = device | host | any;
+        if all == 0 {
+            return;
+        }
+        self.population -= any.count_ones();
+        if device == any && host == any && any == self.rows[w] {
+            // Every slot of the word stops in every group (a shared prefix
+            // ends): its rows are consecutive.
+            let start = self.row_base[w] as usize;
+            let end = start + any.count_ones() as usize;
+            for m in self.out.get_mut(start..end).unwrap_or(&mut []) {
+                (m.device, m.host, m.any) = (depth, depth, depth);
+            }
+            return;
+        }
+        // A slot's row is the word's base plus the result rows before it:
+        // counted once up to the first stopped slot, then kept as a running
+        // count (most stops are of every slot at once, at a chain's end).
+        let below = all & all.wrapping_neg();
+        let mut row = self.row_base[w] + (self.rows[w] & (below - 1)).count_ones();
+        let mut rows = self.rows[w] & !(below - 1);
+        let last = 63 - all.leading_zeros();
+        while rows != 0 {
+            let bit = rows.trailing_zeros();
+            if bit > last {
+                break;
+            }
+            let groups = groups_at(bit, stopped);
+            if groups != 0 {
+                record(&mut self.out, row, groups, depth);
+            }
+            rows &= rows - 1;
+            row += 1;
         }
     }
 
     /// Ranks still matching on any tier.
     fn population(&self) -> u32 {
-        let words = self.words;
-        self.active[2 * words..]
-            .iter()
-            .map(|w| w.count_ones())
-            .sum()
+        self.population
     }
 
     /// The same walk as a list of the ranks still matching (the result rows
     /// move over as they are).
     fn take_sparse(&mut self) -> Walk {
         let words = self.words;
-        let mut active = Vec::new();
+        let mut active = Vec::with_capacity(self.population as usize);
         for w in 0..words {
-            let mut any = self.active[2 * words + w];
-            while any != 0 {
-                let bit = any.trailing_zeros();
-                any &= any - 1;
-                let mask = 1u64 << bit;
-                let mut groups = ANY;
-                if self.active[w] & mask != 0 {
-                    groups |= DEVICE;
-                }
-                if self.active[words + w] & mask != 0 {
-                    groups |= HOST;
-                }
-                let row = self.row_base[w] + (self.rows[w] & (mask - 1)).count_ones();
-                active.push(Active {
-                    row,
-                    slot: (w * 64) as SlotId + bit,
-                    groups,
-                });
+            let (device, host, any) = (
+                self.active[w],
+                self.active[words + w],
+                self.active[2 * words + w],
+            );
+            if any == 0 {
+                continue;
             }
+            let mut row = self.row_base[w];
+            for_each_bit(self.rows[w], |bit| {
+                if (any >> bit) & 1 != 0 {
+                    let groups = groups_at(bit, [device, host, any]);
+                    active.push(Active {
+                        row,
+                        slot: (w * 64) as SlotId + bit,
+                        groups,
+                    });
+                }
+                row += 1;
+            });
         }
         Walk {
             active,
@@ -390,14 +419,29 @@ impl DenseWalk {
     fn step_word(&mut self, w: usize, [device, host, rest]: [u64; 3], depth: u32) {
         let words = self.words;
         let held = [device, device | host, device | host | rest];
-        for (g, (held, group)) in held.into_iter().zip([DEVICE, HOST, ANY]).enumerate() {
+        let mut stopped = [0u64; 3];
+        for (g, held) in held.into_iter().enumerate() {
             let word = self.active[g * words + w];
-            let stopped = word & !held;
-            if stopped != 0 {
-                self.record_bits(w, stopped, group, depth);
-                self.active[g * words + w] = word & held;
-            }
+            stopped[g] = word & !held;
+            self.active[g * words + w] = word & held;
         }
+        self.record_stops(w, stopped, depth);
+    }
+}
+
+/// The groups whose word has bit `bit` set, of device, host and any-tier words.
+#[inline]
+fn groups_at(bit: u32, [device, host, any]: [u64; 3]) -> u8 {
+    let at = |word: u64, group: u8| (((word >> bit) & 1) as u8) * group;
+    at(device, DEVICE) | at(host, HOST) | at(any, ANY)
+}
+
+/// Calls `f` with the index of each set bit of `word`, lowest first.
+#[inline]
+fn for_each_bit(mut word: u64, mut f: impl FnMut(u32)) {
+    while word != 0 {
+        f(word.trailing_zeros());
+        word &= word - 1;
     }
 }
 
@@ -450,18 +494,19 @@ impl Stepper for DenseWalk {
     }
 
     fn is_done(&self) -> bool {
-        self.active.iter().all(|&w| w == 0)
+        // The any-tier group holds every slot of the other two.
+        self.population == 0
     }
 
     fn finish(mut self, depth: u32) -> Vec<RankMatch> {
         let words = self.words;
-        for (g, group) in [DEVICE, HOST, ANY].into_iter().enumerate() {
-            for w in 0..words {
-                let bits = self.active[g * words + w];
-                if bits != 0 {
-                    self.record_bits(w, bits, group, depth);
-                }
-            }
+        for w in 0..words {
+            let still = [
+                self.active[w],
+                self.active[words + w],
+                self.active[2 * words + w],
+            ];
+            self.record_stops(w, still, depth);
         }
         self.out
     }

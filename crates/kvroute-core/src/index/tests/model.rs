@@ -304,6 +304,19 @@ proptest! {
     }
 }
 
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 16, failure_persistence: None, ..ProptestConfig::default() })]
+
+    /// The same over 150 ranks: dense sets three words wide, so a bitmap
+    /// walk's result rows span words.
+    #[test]
+    fn every_lookup_agrees_with_the_naive_model_when_dense_sets_span_words(
+        ops in proptest::collection::vec(op_mix(150, 12, 1), 1200..1600)
+    ) {
+        check_against_model(&ops)?;
+    }
+}
+
 #[test]
 fn concurrent_writers_and_readers_end_equal_to_the_model() {
     // Two shards, and each writer's ranks in both: writers meet in each shard.
