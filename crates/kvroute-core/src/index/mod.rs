@@ -67,7 +67,7 @@ pub struct WorkerRank {
 
 impl WorkerRank {
     /// Rank `rank` of worker `worker`.
-    pub fn new(worker: u32, rank: u32) -> Self {
+    pub const fn new(worker: u32, rank: u32) -> Self {
         WorkerRank {
             worker: WorkerId(worker),
             rank,
@@ -195,6 +195,9 @@ fn tier_slot(tier: Tier) -> usize {
 
 const TIERS: [Tier; 4] = [Tier::Device, Tier::Host, Tier::Disk, Tier::External];
 
+/// The name of a free slot: no rank has it.
+const VACANT: WorkerRank = WorkerRank::new(u32::MAX, u32::MAX);
+
 /// The prefix index. See the module docs for its design and guarantees.
 #[derive(Debug, Clone)]
 pub struct Index {
@@ -202,6 +205,10 @@ pub struct Index {
     nodes: NodeStore,
     slot_of: FxHashMap<WorkerRank, SlotId>,
     slots: Vec<Option<Slot>>,
+    /// The rank of each slot in use, beside `slots`: a lookup names every
+    /// rank it returns, and these are a few cache lines, the slots many
+    /// ([`VACANT`] for a free slot).
+    keys: Vec<WorkerRank>,
     free_slots: Vec<SlotId>,
     counters: IndexCounters,
 }
@@ -220,6 +227,7 @@ impl Index {
             nodes: NodeStore::default(),
             slot_of: FxHashMap::default(),
             slots: Vec::new(),
+            keys: Vec::new(),
             free_slots: Vec::new(),
             counters: IndexCounters::default(),
         }
@@ -240,17 +248,7 @@ impl Index {
         if let Some(&slot) = self.slot_of.get(&key) {
             return slot;
         }
-        let capacity = self.config.default_capacity;
-        let slot = match self.free_slots.pop() {
-            Some(slot) => {
-                self.slots[slot as usize] = Some(Slot::new(key, capacity));
-                slot
-            }
-            None => {
-                self.slots.push(Some(Slot::new(key, capacity)));
-                SlotId::try_from(self.slots.len() - 1).unwrap_or(SlotId::MAX)
-            }
-        };
+        let slot = self.occupy_slot(key, self.config.default_capacity);
         let words_needed = (slot as usize / 64) + 1;
         if words_needed > self.nodes.dense_words() {
             // Double, so registering many ranks re-lays the dense sets O(log n) times.
@@ -259,6 +257,31 @@ impl Index {
         }
         self.slot_of.insert(key, slot);
         slot
+    }
+
+    /// A free slot (or a new one) given to `key`.
+    fn occupy_slot(&mut self, key: WorkerRank, capacity: Option<u64>) -> SlotId {
+        match self.free_slots.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(Slot::new(key, capacity));
+                self.keys[slot as usize] = key;
+                slot
+            }
+            None => {
+                self.slots.push(Some(Slot::new(key, capacity)));
+                self.keys.push(key);
+                SlotId::try_from(self.slots.len() - 1).unwrap_or(SlotId::MAX)
+            }
+        }
+    }
+
+    /// Frees a slot for reuse.
+    fn vacate_slot(&mut self, slot: SlotId) {
+        if let Some(s) = self.slots.get_mut(slot as usize) {
+            *s = None;
+            self.keys[slot as usize] = VACANT;
+            self.free_slots.push(slot);
+        }
     }
 
     fn slot_mut(&mut self, slot: SlotId) -> Option<&mut Slot> {
@@ -457,8 +480,7 @@ impl Index {
         for key in keys {
             self.clear_rank(key);
             if let Some(slot) = self.slot_of.remove(&key) {
-                self.slots[slot as usize] = None;
-                self.free_slots.push(slot);
+                self.vacate_slot(slot);
             }
         }
     }
@@ -516,10 +538,7 @@ impl Index {
     /// and on any tier. Ranks are returned in slot order.
     pub fn find_matches(&self, locals: &[LocalBlockHash]) -> Vec<RankMatch> {
         walk::find_matches(&self.nodes, locals, |slot| {
-            self.slots
-                .get(slot as usize)
-                .and_then(Option::as_ref)
-                .map(|s| s.key)
+            self.keys.get(slot as usize).copied()
         })
     }
 

@@ -14,7 +14,7 @@
 
 use super::holders;
 use super::nodes::SlotId;
-use super::{Index, IndexConfig, IndexCounters, Slot, WorkerId, WorkerRank};
+use super::{Index, IndexConfig, IndexCounters, Slot, WorkerId, WorkerRank, VACANT};
 
 const MAGIC: &[u8; 8] = b"KVRIDX\0\0";
 const VERSION: u32 = 2;
@@ -203,6 +203,7 @@ impl Index {
         for i in 0..slot_count {
             if r.u8()? == 0 {
                 self.slots.push(None);
+                self.keys.push(VACANT);
                 self.free_slots.push(i as SlotId);
                 continue;
             }
@@ -215,6 +216,7 @@ impl Index {
                 return Err(SnapshotError::Corrupt("a rank appears twice"));
             }
             self.slots.push(Some(Slot::new(key, capacity)));
+            self.keys.push(key);
         }
         Ok(())
     }

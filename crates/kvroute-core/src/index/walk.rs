@@ -10,7 +10,7 @@
 use super::dense::DenseView;
 use super::holders::{self, Entry};
 use super::nodes::{Holders, NodeId, NodeStore, SlotId};
-use super::{RankMatch, WorkerRank};
+use super::{RankMatch, WorkerRank, VACANT};
 use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
 
 /// Blocks probed ahead of the walk: the probes are independent memory loads,
@@ -72,7 +72,7 @@ impl Walk {
         let mut out = Vec::with_capacity(first.len());
         for &e in first {
             let slot = holders::slot_of(e);
-            let worker_rank = key_of(slot).unwrap_or(WorkerRank::new(u32::MAX, u32::MAX));
+            let worker_rank = key_of(slot).unwrap_or(VACANT);
             let g = groups(holders::tiers_of(e));
             active.push(Active {
                 row: out.len() as u32,
@@ -324,7 +324,7 @@ impl DenseWalk {
         for (w, &word) in walk.rows.iter().enumerate() {
             for_each_bit(word, |bit| {
                 let slot = (w * 64) as SlotId + bit;
-                let worker_rank = key_of(slot).unwrap_or(WorkerRank::new(u32::MAX, u32::MAX));
+                let worker_rank = key_of(slot).unwrap_or(VACANT);
                 walk.out.push(RankMatch {
                     worker_rank,
                     device: 0,
