@@ -19,16 +19,17 @@
 //!
 //! Caching points and events differ per flavour:
 //! * vLLM: a block is cached (`BlockStored`, one event per newly cached run)
-//!   as soon as it is full, prompt and generated tokens alike; evictions
-//!   publish one `BlockRemoved` per hash;
+//!   when a step is scheduled that fills it, prompt and generated tokens
+//!   alike, so a request admitted later in that step already hits it;
+//!   evictions publish one `BlockRemoved` per hash;
 //! * SGLang: prompt blocks are cached after each prefill chunk and generated
 //!   blocks when the request finishes (`cache_unfinished_req` /
 //!   `cache_finished_req`); consecutive compatible events are coalesced, as its
 //!   event recorder does.
 //!
-//! A block whose digest is already cached by another block (two requests
-//! computing the same prefix at once) is swapped for the cached one and
-//! announced once: the cache never holds two blocks with one hash.
+//! A block whose digest is already cached by another block (two SGLang
+//! requests computing the same prefix at once) is swapped for the cached one
+//! and announced once: the cache never holds two blocks with one hash.
 
 mod cache;
 mod schedule;

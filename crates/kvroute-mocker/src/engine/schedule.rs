@@ -2,6 +2,14 @@
 //! tokens (vLLM v1's rules, in the crate docs of [`super`]), admission with
 //! the prefix-cache hit, block growth, preemption, and what computing the
 //! step's tokens does to each request and to the cache.
+//!
+//! When a block enters the prefix cache is the flavours' difference that
+//! routing feels most: vLLM caches the full blocks a step will compute while
+//! it schedules them (`allocate_slots` → `cache_blocks`; the hashes depend on
+//! token ids only), so a request admitted later in the same step, or while
+//! the first is still prefilling, finds them; SGLang inserts a chunk into
+//! its radix tree after the chunk is computed, so two requests that start
+//! together both compute their common prefix.
 
 use super::*;
 
@@ -24,6 +32,7 @@ impl Engine {
             };
             loop {
                 if self.try_grow(id, want) {
+                    self.cache_scheduled(id, want);
                     scheduled.push((id, want));
                     budget -= want;
                     i += 1;
@@ -49,11 +58,23 @@ impl Engine {
                 };
                 self.waiting.pop_front();
                 self.running.push(id);
+                self.cache_scheduled(id, n);
                 scheduled.push((id, n));
                 budget -= n;
             }
         }
         (scheduled, preempted)
+    }
+
+    /// vLLM: caches the full blocks `n` scheduled tokens of `id` will fill,
+    /// before they are computed (see the module docs).
+    fn cache_scheduled(&mut self, id: RequestId, n: usize) {
+        if self.config.flavor != WorkerFlavor::Vllm {
+            return;
+        }
+        if let Some(through) = self.requests.get(&id).map(|r| r.num_computed + n) {
+            self.register_through(id, through);
+        }
     }
 
     /// Allocates the blocks a running request needs for `n` more tokens; all or nothing.
@@ -158,8 +179,9 @@ impl Engine {
                 });
             }
             let done = r.generated == r.output.len();
-            if self.config.flavor == WorkerFlavor::Vllm || !decode {
-                self.register(id);
+            if self.config.flavor == WorkerFlavor::Sglang && !decode {
+                let computed = r.num_computed;
+                self.register_through(id, computed);
             }
             if done {
                 finished.push(id);
@@ -180,7 +202,9 @@ impl Engine {
     fn finish(&mut self, id: RequestId) {
         self.running.retain(|&r| r != id);
         if self.config.flavor == WorkerFlavor::Sglang {
-            self.register(id);
+            if let Some(computed) = self.requests.get(&id).map(|r| r.num_computed) {
+                self.register_through(id, computed);
+            }
         }
         let Some(r) = self.requests.remove(&id) else {
             return;
@@ -199,13 +223,14 @@ impl Engine {
         });
     }
 
-    /// Caches the request's newly full computed blocks and queues their `BlockStored`.
-    fn register(&mut self, id: RequestId) {
+    /// Caches the request's blocks that the first `tokens` tokens fill and
+    /// that are not cached yet, and queues their `BlockStored`.
+    fn register_through(&mut self, id: RequestId, tokens: usize) {
         let bs = self.hasher.block_size;
         let Some(r) = self.requests.get_mut(&id) else {
             return;
         };
-        let full = r.num_computed / bs;
+        let full = tokens / bs;
         if full <= r.num_registered {
             return;
         }

@@ -258,24 +258,41 @@ fn pinned_blocks_are_never_evicted_and_memory_pressure_preempts() {
 
 #[test]
 fn identical_concurrent_prompts_share_blocks_and_announce_them_once() {
+    // Both are admitted in one step. vLLM caches the first one's blocks as it
+    // schedules them, so the second hits all but its last token; SGLang caches
+    // a chunk after computing it, so both compute the prefix.
+    for (flavor, second_hits) in [(WorkerFlavor::Vllm, 8), (WorkerFlavor::Sglang, 0)] {
+        let mut e = Engine::new(config(flavor, 64));
+        e.submit(RequestId(1), request(1..=12, 2)).expect("valid");
+        e.submit(RequestId(2), request(1..=12, 2)).expect("valid");
+        let (events, out) = drain(&mut e);
+        let hashes: Vec<u64> = stored(&events)
+            .iter()
+            .flat_map(|s| s.block_hashes.clone())
+            .collect();
+        let mut unique = hashes.clone();
+        unique.sort_unstable();
+        unique.dedup();
+        assert_eq!(unique.len(), hashes.len(), "{flavor:?}");
+        assert_eq!(usage_of(&out, 1).cached_tokens, 0, "{flavor:?}");
+        assert_eq!(usage_of(&out, 2).cached_tokens, second_hits, "{flavor:?}");
+        assert_eq!(e.stats().cached_blocks, 3, "{flavor:?}");
+    }
+}
+
+#[test]
+fn vllm_a_request_admitted_during_a_chunked_prefill_hits_the_chunk_being_computed() {
+    // 64-token budget, 4-token blocks: request 1's 72-token prompt takes two
+    // steps. Request 2 (the same prompt) arrives after the first and is
+    // admitted in the second beside the last 8 tokens, which fill blocks 16
+    // and 17: it hits them too, so all but its last token (17 blocks).
     let mut e = Engine::new(config(WorkerFlavor::Vllm, 64));
-    e.submit(RequestId(1), request(1..=12, 2)).expect("valid");
-    e.submit(RequestId(2), request(1..=12, 2)).expect("valid");
-    let (events, out) = drain(&mut e);
-    let hashes: Vec<u64> = stored(&events)
-        .iter()
-        .flat_map(|s| s.block_hashes.clone())
-        .collect();
-    let mut unique = hashes.clone();
-    unique.sort_unstable();
-    unique.dedup();
-    assert_eq!(unique.len(), hashes.len());
-    assert_eq!(
-        usage_of(&out, 2).cached_tokens,
-        0,
-        "both admitted in one step"
-    );
-    assert_eq!(e.stats().cached_blocks, 3);
+    e.submit(RequestId(1), request(1..=72, 1)).expect("valid");
+    let first = e.step().expect("a step");
+    assert_eq!(first.prefill_tokens, 64);
+    e.submit(RequestId(2), request(1..=72, 1)).expect("valid");
+    let (_, out) = drain(&mut e);
+    assert_eq!(usage_of(&out, 2).cached_tokens, 68);
 }
 
 #[test]

@@ -3,7 +3,7 @@
 use std::io::Read;
 use std::process::Command;
 
-use crate::support::http::send;
+use crate::support::http::{request, send};
 use crate::support::{kvroute, start_mocker_with};
 
 /// The raw answer (status line, headers, body) to `GET path`.
@@ -85,4 +85,55 @@ fn mocker_rejects_an_empty_replay_buffer() {
     assert_eq!(out.status.code(), Some(2));
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("--replay-buffer"), "{stderr}");
+}
+
+/// The `host:port` of a `--worker` line's HTTP url.
+fn http_host_port(line: &str) -> String {
+    line.split(',')
+        .find_map(|kv| kv.strip_prefix("url=http://"))
+        .expect("a url")
+        .to_owned()
+}
+
+/// vLLM caches the blocks a step will fill while it schedules the step, so a
+/// request admitted beside the last chunk of another's prefill hits that
+/// chunk too. 544 tokens in 64-token steps: the first request computes
+/// tokens 512..544 (blocks 32 and 33) in its ninth step, and the second,
+/// admitted with the budget left over, must find all 33 blocks it can hit
+/// (528 tokens), not the 32 that earlier steps computed.
+#[test]
+fn a_vllm_request_admitted_beside_a_prefill_chunk_hits_the_blocks_that_chunk_fills() {
+    let (_mocker, lines) = start_mocker_with(
+        1,
+        &[
+            "--engine-flavor",
+            "vllm",
+            "--max-num-batched-tokens",
+            "64",
+            "--speedup",
+            "0.1",
+        ],
+    );
+    let host = http_host_port(&lines[0]);
+    let prompt: Vec<u32> = (1000..1544).collect();
+    let body =
+        serde_json::json!({"model": "mock-model", "prompt": prompt, "max_tokens": 1}).to_string();
+    let senders: Vec<_> = (0..2)
+        .map(|_| {
+            let (host, body) = (host.clone(), body.clone());
+            std::thread::spawn(move || request(&host, "POST", "/v1/completions", &body))
+        })
+        .collect();
+    let mut cached: Vec<u64> = senders
+        .into_iter()
+        .map(|s| {
+            let reply = s.join().expect("the request thread");
+            assert_eq!(reply.status, 200, "{}", reply.body);
+            reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .expect("cached_tokens")
+        })
+        .collect();
+    cached.sort_unstable();
+    assert_eq!(cached, [0, 528]);
 }
