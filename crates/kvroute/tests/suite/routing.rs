@@ -45,11 +45,14 @@ fn means(rows: &[Value], path: &[&str]) -> HashMap<String, f64> {
 }
 
 #[test]
-fn on_the_long_preset_prefixes_stay_where_they_are_cached_and_the_burst_is_spread() {
+fn on_the_long_preset_every_prefix_stays_where_it_is_cached_and_the_cold_burst_is_no_slower() {
     // The published comparison: kvroute's hit rate 0.92 against 0.94 for a
     // router that keeps each prefix on one engine, because prefixes went to
     // a second engine while the first was busy. The earlier weights
-    // (prefill 4, no decode-load term) reproduce the gap; the defaults close it.
+    // (prefill 4, no decode-load term) reproduce the gap; the defaults keep
+    // every prefix where it is cached or being computed, within a request
+    // of the ceiling (each group's first request misses: 0.9387), above the
+    // oracle, which sees only what the engines have cached.
     let rows = sim(&[
         "--preset",
         "long",
@@ -78,11 +81,13 @@ fn on_the_long_preset_prefixes_stay_where_they_are_cached_and_the_burst_is_sprea
     }
     let hit = means(&rows, &["hit_rate"]);
     let earlier_hit = means(&earlier, &["hit_rate"])["kv[pls=4,kvw=0]"];
-    assert!(earlier_hit < hit["oracle"] - 0.01, "{earlier_hit} {hit:?}");
-    assert!(hit["kv"] >= hit["oracle"] - 0.005, "{hit:?}");
+    assert!(earlier_hit < hit["kv"] - 0.01, "{earlier_hit} {hit:?}");
+    assert!(hit["kv"] >= 0.938, "{hit:?}");
+    assert!(hit["kv"] > hit["oracle"], "{hit:?}");
     assert!(hit["kv"] > hit["dynamo"] + 0.2, "{hit:?}");
-    // The cold burst at the start sets TTFT p99; kvroute spreads it no worse
-    // than the load-only routers do.
+    // The cold burst at the start sets TTFT p99: a request of a group that is
+    // being prefilled follows it and shares its blocks, which is no slower
+    // than what the load-only routers do.
     let ttft_p99 = means(&rows, &["ttft_ms", "p99"]);
     assert!(
         ttft_p99["kv"] <= ttft_p99["dynamo"].min(ttft_p99["least-loaded"]),
@@ -97,7 +102,9 @@ fn a_real_router_on_the_long_workload_keeps_each_prefix_where_it_is_cached() {
     // a 2 048-token prefix (6 000 × 0.341333) and a 64-token question, 16 in
     // flight, 16 output tokens. The earlier weights placed prefixes on a
     // second engine while the first was busy (0.923 here, 0.916–0.920 in the
-    // comparison); the ceiling, each group's first request missing, is 0.9387.
+    // comparison), and the engines computed a prefix twice when two requests
+    // of a group started together (0.935); the ceiling, each group's first
+    // request missing, is 0.9387.
     let (_mocker, lines) = start_mocker_with(4, &["--num-gpu-blocks", "2048", "--speedup", "10"]);
     let (_serve, serve) = start_serve(&lines, &[]);
     let out = kvroute()
@@ -142,7 +149,7 @@ fn a_real_router_on_the_long_workload_keeps_each_prefix_where_it_is_cached() {
         "{run}"
     );
     let hit = run["hit_rate"].as_f64().expect("a hit rate");
-    assert!(hit >= 0.93, "hit rate {hit}");
+    assert!(hit >= 0.937, "hit rate {hit}");
 }
 
 #[test]
