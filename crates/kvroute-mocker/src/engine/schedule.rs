@@ -69,11 +69,8 @@ impl Engine {
     /// vLLM: caches the full blocks `n` scheduled tokens of `id` will fill,
     /// before they are computed (see the module docs).
     fn cache_scheduled(&mut self, id: RequestId, n: usize) {
-        if self.config.flavor != WorkerFlavor::Vllm {
-            return;
-        }
-        if let Some(through) = self.requests.get(&id).map(|r| r.num_computed + n) {
-            self.register_through(id, through);
+        if self.config.flavor == WorkerFlavor::Vllm {
+            self.register(id, n);
         }
     }
 
@@ -180,8 +177,7 @@ impl Engine {
             }
             let done = r.generated == r.output.len();
             if self.config.flavor == WorkerFlavor::Sglang && !decode {
-                let computed = r.num_computed;
-                self.register_through(id, computed);
+                self.register(id, 0);
             }
             if done {
                 finished.push(id);
@@ -202,9 +198,7 @@ impl Engine {
     fn finish(&mut self, id: RequestId) {
         self.running.retain(|&r| r != id);
         if self.config.flavor == WorkerFlavor::Sglang {
-            if let Some(computed) = self.requests.get(&id).map(|r| r.num_computed) {
-                self.register_through(id, computed);
-            }
+            self.register(id, 0);
         }
         let Some(r) = self.requests.remove(&id) else {
             return;
@@ -223,14 +217,14 @@ impl Engine {
         });
     }
 
-    /// Caches the request's blocks that the first `tokens` tokens fill and
-    /// that are not cached yet, and queues their `BlockStored`.
-    fn register_through(&mut self, id: RequestId, tokens: usize) {
+    /// Caches the request's full blocks, computed or among the next `ahead`
+    /// tokens to compute, that are not cached yet, and queues their `BlockStored`.
+    fn register(&mut self, id: RequestId, ahead: usize) {
         let bs = self.hasher.block_size;
         let Some(r) = self.requests.get_mut(&id) else {
             return;
         };
-        let full = tokens / bs;
+        let full = (r.num_computed + ahead) / bs;
         if full <= r.num_registered {
             return;
         }
