@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use kvroute_core::hash::SequenceHash;
 use kvroute_core::index::WorkerRank;
-use kvroute_core::scheduler::{ActiveSequences, Load};
+use kvroute_core::scheduler::ActiveSequences;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 
@@ -22,25 +22,19 @@ use crate::replica::message::RequestRef;
 use crate::replica::outbox::Outbox;
 use crate::replica::peers::tagged_id;
 
-/// The active requests of every rank.
+/// Each rank's active requests.
+pub type ActiveRanks = HashMap<WorkerRank, ActiveSequences>;
+
+/// The active requests of every rank, behind one lock: a request is scored
+/// against every rank's load and charged to its choice in one hold of it.
 #[derive(Debug, Default)]
 pub struct ActiveTable {
-    ranks: Mutex<HashMap<WorkerRank, ActiveSequences>>,
+    ranks: Mutex<ActiveRanks>,
 }
 
 impl ActiveTable {
-    pub(super) fn lock(&self) -> MutexGuard<'_, HashMap<WorkerRank, ActiveSequences>> {
+    pub(super) fn lock(&self) -> MutexGuard<'_, ActiveRanks> {
         self.ranks.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Runs `f` with every rank's load readable at once (one lock for a
-    /// whole scoring pass).
-    pub fn with_loads<T>(
-        &self,
-        f: impl FnOnce(&dyn Fn(WorkerRank, &[SequenceHash]) -> Load) -> T,
-    ) -> T {
-        let ranks = self.lock();
-        f(&|key, seqs| Load::of(ranks.get(&key), seqs))
     }
 
     /// Drops requests started more than `max_ms` before `now_ms`.
@@ -81,21 +75,18 @@ pub struct ActiveGuard {
 
 impl ActiveGuard {
     /// Adds a request with these blocks and uncached prompt tokens to the
-    /// load of `key` (a rank of worker `name`), and tells the peer replicas.
+    /// load of `key` (a rank of worker `name`) in `ranks`, the proxy's table
+    /// held by the caller, and tells the peer replicas.
     pub fn add(
         proxy: &Arc<Proxy>,
+        ranks: &mut ActiveRanks,
         (key, name): (WorkerRank, &Arc<str>),
         blocks: &[SequenceHash],
         prefill: u64,
     ) -> Self {
         let id = tagged_id(0, proxy.next_id.fetch_add(1, Ordering::Relaxed));
         let now = proxy.now_ms();
-        proxy
-            .active
-            .lock()
-            .entry(key)
-            .or_default()
-            .add(id, blocks, prefill, now);
+        ranks.entry(key).or_default().add(id, blocks, prefill, now);
         let outbox = proxy.outbox();
         if let Some(outbox) = outbox {
             let ttl = proxy.config.active_expiry.as_millis() as u64;

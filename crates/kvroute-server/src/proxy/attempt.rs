@@ -24,7 +24,7 @@ use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::scheduler::{order, Policy, Scored};
 use tracing::{debug, warn};
 
-use super::active::ActiveGuard;
+use super::active::{ActiveGuard, ActiveRanks};
 use super::candidates::{request_hashes, Candidates, Target};
 use super::observe::{CandidateView, Decision, CANDIDATES_KEPT};
 use super::relay::{reported_cached_tokens, Learn, Passthrough, Prediction, StreamOrigin};
@@ -43,6 +43,8 @@ pub const REQUEST_ID: &str = "x-request-id";
 pub struct Admitted {
     candidates: Candidates,
     ordered: Vec<usize>,
+    /// The first candidate, already charged with the request.
+    first: Option<(usize, ActiveGuard)>,
 }
 
 /// Scores the request and orders its candidates; when every rank is busy,
@@ -56,9 +58,13 @@ pub async fn admit(
     let queued_until = tokio::time::Instant::now() + config.queue_timeout;
     let mut place_in_queue = None;
     loop {
-        let candidates = {
+        let Admitted {
+            candidates,
+            ordered,
+            first,
+        } = {
             let (proxy, req) = (proxy.clone(), req.clone());
-            on_cpu(large, move || proxy.candidates_for(&req)).await?
+            on_cpu(large, move || place(&proxy, &req)).await?
         };
         if candidates.scored.is_empty() {
             proxy.metrics.no_workers.inc();
@@ -68,20 +74,11 @@ pub async fn admit(
                 "no worker is available (none registered, or all failing)",
             ));
         }
-        let turn = proxy
-            .turn
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let ordered = order(
-            &candidates.scored,
-            config.policy,
-            config.temperature,
-            proxy.random(),
-            turn,
-        );
         if !ordered.is_empty() {
             return Ok(Admitted {
                 candidates,
                 ordered,
+                first,
             });
         }
         if place_in_queue.is_none() {
@@ -103,6 +100,58 @@ pub async fn admit(
         let recheck = (tokio::time::Instant::now() + Duration::from_millis(100)).min(queued_until);
         let _ = tokio::time::timeout_at(recheck, proxy.load_dropped.notified()).await;
     }
+}
+
+/// Scores and orders the request's candidates and charges the first of
+/// them while the loads they were scored on are held, so that requests
+/// arriving together are placed one after another, each against the load
+/// of those placed before it (a request of a cold burst sees its group's
+/// prefix in flight).
+fn place(proxy: &Arc<Proxy>, req: &RoutingRequest) -> Admitted {
+    let config = proxy.config();
+    let (candidates, (ordered, first)) = proxy.candidates_for(req, |candidates, ranks| {
+        let turn = proxy
+            .turn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let ordered = order(
+            &candidates.scored,
+            config.policy,
+            config.temperature,
+            proxy.random(),
+            turn,
+        );
+        let first = ordered
+            .first()
+            .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
+        (ordered, first)
+    });
+    Admitted {
+        candidates,
+        ordered,
+        first,
+    }
+}
+
+/// Adds the request to the load of candidate `i` in `ranks`, the proxy's
+/// table held by the caller (`None`: its worker is gone).
+fn charge(
+    proxy: &Arc<Proxy>,
+    ranks: &mut ActiveRanks,
+    candidates: &Candidates,
+    req: &RoutingRequest,
+    i: usize,
+) -> Option<ActiveGuard> {
+    let s = candidates.scored.get(i)?;
+    let target = candidates.targets.get(s.worker)?;
+    let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
+    let (_, seqs) = hashes_for(candidates, req, s);
+    Some(ActiveGuard::add(
+        proxy,
+        ranks,
+        (s.key, &target.name),
+        &seqs,
+        s.uncached_prefill_tokens(request_tokens),
+    ))
 }
 
 /// The 503 for a request no rank can take.
@@ -193,6 +242,7 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
     let Admitted {
         candidates,
         ordered,
+        mut first,
     } = admitted;
     let Request {
         req,
@@ -223,13 +273,16 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
         if attempt > 0 {
             proxy.metrics.retries.inc();
         }
-        let (locals, seqs) = hashes_for(&candidates, req, s);
-        let guard = ActiveGuard::add(
-            proxy,
-            (s.key, &target.name),
-            &seqs,
-            s.uncached_prefill_tokens(request_tokens),
-        );
+        let (locals, _) = hashes_for(&candidates, req, s);
+        // The first candidate was charged when it was chosen; a candidate
+        // tried after it is charged now (and the first's charge dropped).
+        let guard = match first.take() {
+            Some((charged, guard)) if charged == i => guard,
+            _ => match charge(proxy, &mut proxy.active.lock(), &candidates, req, i) {
+                Some(guard) => guard,
+                None => continue,
+            },
+        };
         let rewritten = {
             let (req, s, body) = (req.clone(), s.clone(), body.clone());
             let (in_body, ranks) = (proxy.config().dp_rank_in_body, target.ranks.len());

@@ -11,6 +11,7 @@ use kvroute_core::index::{RankMatch, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::multimodal::prompt_local_hashes;
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, Load, Pricing, Scored};
 
+use super::active::ActiveRanks;
 use super::Proxy;
 use crate::ingest::registry::WorkerView;
 use crate::ingest::stats::RankStats;
@@ -243,13 +244,19 @@ pub struct Candidates {
 }
 
 impl Proxy {
-    /// The candidates for a parsed (and tokenized) request.
-    pub fn candidates_for(&self, req: &RoutingRequest) -> Candidates {
+    /// The candidates for a parsed (and tokenized) request, and what `then`
+    /// does with them while the loads they were scored on cannot change.
+    pub fn candidates_for<R>(
+        &self,
+        req: &RoutingRequest,
+        then: impl FnOnce(&Candidates, &mut ActiveRanks) -> R,
+    ) -> (Candidates, R) {
         let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
-        self.candidates(
+        self.candidates_then(
             &mut |bs, flavor| request_hashes(req, bs, flavor),
             request_tokens,
             !req.images.is_empty(),
+            then,
         )
     }
 
@@ -262,25 +269,39 @@ impl Proxy {
         request_tokens: u64,
         flavor_matters: bool,
     ) -> Candidates {
+        self.candidates_then(locals_at, request_tokens, flavor_matters, |_, _| ())
+            .0
+    }
+
+    /// [`Proxy::candidates`], then `then` under the same hold of the ranks'
+    /// loads: a request charged there is seen by the next one scored.
+    fn candidates_then<R>(
+        &self,
+        locals_at: &mut dyn FnMut(u32, WorkerFlavor) -> Vec<LocalBlockHash>,
+        request_tokens: u64,
+        flavor_matters: bool,
+        then: impl FnOnce(&Candidates, &mut ActiveRanks) -> R,
+    ) -> (Candidates, R) {
         let targets = self.targets();
         // Index walks first, outside the active-sequence lock.
         let hashes = RequestHashes::compute(&targets, &self.index, locals_at, flavor_matters);
-        let scored = self.active.with_loads(|load| {
-            score(
-                &targets,
-                &hashes,
-                request_tokens,
-                load,
-                &|name| self.breakers.available(name),
-                &self.config.weights,
-                &self.config.busy,
-            )
-        });
-        Candidates {
+        let mut ranks = self.active.lock();
+        let scored = score(
+            &targets,
+            &hashes,
+            request_tokens,
+            &|key, seqs| Load::of(ranks.get(&key), seqs),
+            &|name| self.breakers.available(name),
+            &self.config.weights,
+            &self.config.busy,
+        );
+        let candidates = Candidates {
             targets,
             scored,
             hashes,
-        }
+        };
+        let r = then(&candidates, &mut ranks);
+        (candidates, r)
     }
 }
 

@@ -78,7 +78,11 @@ pub fn request_with(
     headers: &[(&str, &str)],
     body: &str,
 ) -> Reply {
-    let mut s = send_with(host_port, method, path, headers, body);
+    read_reply(send_with(host_port, method, path, headers, body))
+}
+
+/// The answer on `s`, read to the end.
+pub fn read_reply(mut s: TcpStream) -> Reply {
     let mut raw = Vec::new();
     let _ = s.read_to_end(&mut raw);
     let out = String::from_utf8_lossy(&raw).into_owned();
