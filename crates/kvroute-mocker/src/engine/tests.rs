@@ -58,6 +58,14 @@ fn stored(events: &[KvCacheEvent]) -> Vec<&BlockStored> {
         .collect()
 }
 
+/// Every stored block hash, in event order.
+fn stored_hashes(events: &[KvCacheEvent]) -> Vec<u64> {
+    stored(events)
+        .iter()
+        .flat_map(|s| s.block_hashes.iter().copied())
+        .collect()
+}
+
 fn removed_hashes(events: &[KvCacheEvent]) -> Vec<u64> {
     events
         .iter()
@@ -203,10 +211,7 @@ fn eviction_removes_exactly_the_least_recently_used_blocks_one_event_per_hash() 
     let mut e = Engine::new(config(WorkerFlavor::Vllm, 4));
     e.submit(RequestId(1), request(1..=9, 1)).expect("valid");
     let (events_a, _) = drain(&mut e);
-    let a_hashes: Vec<u64> = stored(&events_a)
-        .iter()
-        .flat_map(|s| s.block_hashes.clone())
-        .collect();
+    let a_hashes = stored_hashes(&events_a);
     assert_eq!(a_hashes, vllm_chain(&(1..=8).collect::<Vec<_>>(), 4));
     // B needs 4 blocks for 13 new tokens: the two free ones (A's partial 3rd
     // block went back to the free list) and both of A's cached blocks, tail first.
@@ -266,10 +271,7 @@ fn identical_concurrent_prompts_share_blocks_and_announce_them_once() {
         e.submit(RequestId(1), request(1..=12, 2)).expect("valid");
         e.submit(RequestId(2), request(1..=12, 2)).expect("valid");
         let (events, out) = drain(&mut e);
-        let hashes: Vec<u64> = stored(&events)
-            .iter()
-            .flat_map(|s| s.block_hashes.clone())
-            .collect();
+        let hashes = stored_hashes(&events);
         let mut unique = hashes.clone();
         unique.sort_unstable();
         unique.dedup();
