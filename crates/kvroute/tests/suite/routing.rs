@@ -4,12 +4,11 @@
 //! time, on the published comparison's presets and on Mooncake traces.
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::net::TcpStream;
 
 use serde_json::{json, Value};
 
-use crate::support::http::read_reply;
+use crate::support::http::{connect, read_reply, write_request};
 use crate::support::{kvroute, start_mocker_with, start_serve};
 
 /// Runs `kvroute bench sim ARGS --json` and returns its rows.
@@ -177,17 +176,9 @@ fn a_request_that_starts_beside_another_of_its_group_follows_it_and_shares_its_p
             .collect();
         // Both connected, then both written, before either answer is read:
         // the router has both within microseconds.
-        let mut sent: Vec<TcpStream> = bodies
-            .iter()
-            .map(|_| TcpStream::connect(&serve).expect("connect"))
-            .collect();
+        let mut sent: Vec<TcpStream> = bodies.iter().map(|_| connect(&serve)).collect();
         for (s, body) in sent.iter_mut().zip(&bodies) {
-            write!(
-                s,
-                "POST /v1/completions HTTP/1.1\r\nHost: {serve}\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            )
-            .expect("written");
+            write_request(s, &serve, "POST", "/v1/completions", &[], body);
         }
         let mut workers = Vec::new();
         let mut cached = 0;

@@ -49,9 +49,28 @@ pub fn send_with(
     headers: &[(&str, &str)],
     body: &str,
 ) -> TcpStream {
-    let mut s = TcpStream::connect(host_port).expect("connect");
+    let mut s = connect(host_port);
+    write_request(&mut s, host_port, method, path, headers, body);
+    s
+}
+
+/// A connection to `host_port` with a 30 s read timeout.
+pub fn connect(host_port: &str) -> TcpStream {
+    let s = TcpStream::connect(host_port).expect("connect");
     s.set_read_timeout(Some(Duration::from_secs(30)))
         .expect("timeout");
+    s
+}
+
+/// Writes one request with `headers` (`Connection: close`) on `s`.
+pub fn write_request(
+    s: &mut TcpStream,
+    host_port: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &str,
+) {
     let extra: String = headers
         .iter()
         .map(|(name, value)| format!("{name}: {value}\r\n"))
@@ -62,7 +81,6 @@ pub fn send_with(
         "{method} {path} HTTP/1.1\r\nHost: {host_port}\r\nContent-Type: application/json\r\nContent-Length: {}\r\n{extra}Connection: close\r\n\r\n{body}",
         body.len()
     );
-    s
 }
 
 /// [`send_with`] without extra headers.
