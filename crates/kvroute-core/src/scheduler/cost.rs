@@ -19,7 +19,7 @@
 //! each decode step reads, so what makes it slow (`decode_blocks` counts
 //! shared blocks once: what the requests hold). The defaults
 //! ([`CostWeights::default`]) are kvroute's, tuned on a mock fleet: prefill
-//! weighs 8, a cached block credits 2, a block in flight 1, a block a decode
+//! weighs 12, a cached block credits 2, a block in flight 2, a block a decode
 //! step reads ¼. Dynamo's KV
 //! router weighs prefill 1, credits a cached block 1 and ignores blocks in
 //! flight ([`CostWeights::DYNAMO`]), which the example below uses.
