@@ -16,16 +16,6 @@ use crate::support::*;
 const MM_TOKENS: &str = "512";
 const BLOCK_SIZE: u64 = 16;
 
-/// Sum of a counter over all its label sets.
-fn metric_sum(serve: &str, name: &str) -> u64 {
-    let text = request(serve, "GET", "/metrics", "").body;
-    text.lines()
-        .filter(|l| l.starts_with(name) && !l.starts_with('#'))
-        .filter(|l| l[name.len()..].starts_with([' ', '{']))
-        .filter_map(|l| l.rsplit(' ').next()?.trim().parse::<u64>().ok())
-        .sum()
-}
-
 fn start_fleet(flavor: &str) -> (Proc, Proc, String) {
     let (mocker, lines) = start_mocker_with(
         2,
@@ -156,16 +146,13 @@ fn repeats_hit(flavor: &str) {
         "{flavor}: image-repeat hit rate {image_rate}"
     );
     // Every event decoded and applied; every prediction was exact.
-    assert_eq!(metric_sum(&serve, "kvroute_ingest_decode_errors_total"), 0);
-    assert_eq!(
-        metric_sum(&serve, "kvroute_ingest_envelope_errors_total"),
-        0
-    );
-    assert!(metric_sum(&serve, "kvroute_ingest_events_total") > 0);
-    let comparisons = metric_sum(&serve, "kvroute_accuracy_comparisons_total");
+    assert_eq!(count(&serve, "kvroute_ingest_decode_errors_total"), 0);
+    assert_eq!(count(&serve, "kvroute_ingest_envelope_errors_total"), 0);
+    assert!(count(&serve, "kvroute_ingest_events_total") > 0);
+    let comparisons = count(&serve, "kvroute_accuracy_comparisons_total");
     assert_eq!(comparisons, 30, "every response compared");
     assert_eq!(
-        metric_sum(&serve, "kvroute_accuracy_exact_total"),
+        count(&serve, "kvroute_accuracy_exact_total"),
         comparisons,
         "{flavor}: the index predicted every cached_tokens"
     );

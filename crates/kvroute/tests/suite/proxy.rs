@@ -46,22 +46,6 @@ fn device_blocks(serve: &str, worker: &str) -> u64 {
         .sum()
 }
 
-/// A metric's value, summed over its label sets (the accuracy metrics are
-/// split by the state of the rank each prediction came from).
-fn metric(serve: &str, name: &str) -> u64 {
-    let text = request(serve, "GET", "/metrics", "").body;
-    text.lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(name)?;
-            let value = match rest.strip_prefix('{') {
-                Some(labelled) => labelled.split_once("} ")?.1,
-                None => rest.strip_prefix(' ')?,
-            };
-            value.trim().parse::<u64>().ok()
-        })
-        .sum()
-}
-
 /// Sends a completion that must be answered by `holder`; its cached tokens.
 fn cached_at_holder(serve: &str, body: &str, holder: &str) -> u64 {
     let r = request(serve, "POST", "/v1/completions", body);
@@ -140,9 +124,9 @@ fn a_repeated_prefix_goes_to_the_worker_holding_it() {
         });
     }
     // The index predicted every cached_tokens exactly.
-    let comparisons = metric(&serve, "kvroute_accuracy_comparisons_total");
+    let comparisons = count(&serve, "kvroute_accuracy_comparisons_total");
     assert_eq!(comparisons, 4);
-    assert_eq!(metric(&serve, "kvroute_accuracy_exact_total"), comparisons);
+    assert_eq!(count(&serve, "kvroute_accuracy_exact_total"), comparisons);
     let by_hash = request(
         &serve,
         "POST",
@@ -194,7 +178,7 @@ fn new_prefixes_spread_and_streams_pass_through() {
     assert!(r.body.contains("cached_tokens"));
     assert!(r.body.trim_end().ends_with("0\r\n") || r.body.contains("data: [DONE]"));
     assert!(r.body.contains("data: [DONE]"));
-    assert!(metric(&serve, "kvroute_accuracy_comparisons_total") >= 1);
+    assert!(count(&serve, "kvroute_accuracy_comparisons_total") >= 1);
 }
 
 #[test]
@@ -229,7 +213,7 @@ fn a_killed_worker_fails_no_client_request() {
                 assert_eq!(r.status, 200, "request {i}: {}", r.body);
                 assert_eq!(r.header("x-kvroute-worker").as_deref(), Some("w1"));
             }
-            assert!(metric(&serve, "kvroute_proxy_retries_total") >= 1);
+            assert!(count(&serve, "kvroute_proxy_retries_total") >= 1);
             return;
         }
         attempt += 1;
@@ -269,7 +253,7 @@ fn a_bounded_queue_holds_requests_until_a_rank_has_room() {
         })
     };
     eventually("the request waits in the queue", || {
-        metric(&serve, "kvroute_proxy_queued_total") == 1
+        count(&serve, "kvroute_proxy_queued_total") == 1
     });
     // The queue's one place is taken: the next request is refused at once.
     let full = request(
@@ -284,7 +268,7 @@ fn a_bounded_queue_holds_requests_until_a_rank_has_room() {
     drop(socket);
     let answer = waiting.join().expect("the waiting client");
     assert_eq!(answer.status, 200, "{}", answer.body);
-    assert_eq!(metric(&serve, "kvroute_proxy_queue_timeouts_total"), 0);
+    assert_eq!(count(&serve, "kvroute_proxy_queue_timeouts_total"), 0);
 }
 
 #[test]
@@ -317,7 +301,7 @@ fn overload_and_bad_input_are_refused_clearly() {
         r#"{"model":"mock-model","prompt":"hello there","max_tokens":1}"#,
     );
     assert_eq!(text.status, 200, "{}", text.body);
-    assert!(metric(&serve, "kvroute_proxy_load_only_total") >= 1);
+    assert!(count(&serve, "kvroute_proxy_load_only_total") >= 1);
     let models = request(&serve, "GET", "/v1/models", "");
     assert_eq!(models.status, 200);
     assert_eq!(models.json()["data"][0]["id"], "mock-model");
@@ -367,10 +351,10 @@ fn chat_requests_are_tokenized_and_routed_to_their_prefix() {
         .as_u64()
         .expect("cached_tokens");
     assert!(cached >= 128, "cached {cached}");
-    assert_eq!(metric(&serve, "kvroute_proxy_load_only_total"), 0);
+    assert_eq!(count(&serve, "kvroute_proxy_load_only_total"), 0);
     assert_eq!(
-        metric(&serve, "kvroute_accuracy_exact_total"),
-        metric(&serve, "kvroute_accuracy_comparisons_total")
+        count(&serve, "kvroute_accuracy_exact_total"),
+        count(&serve, "kvroute_accuracy_comparisons_total")
     );
 }
 
@@ -478,7 +462,7 @@ fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
         second.json()["usage"]["prompt_tokens_details"]["cached_tokens"],
         128
     );
-    assert_eq!(metric(&serve, "kvroute_proxy_load_only_total"), 0);
+    assert_eq!(count(&serve, "kvroute_proxy_load_only_total"), 0);
 
     // Chats render through the model's template on both sides: a chat whose
     // first message repeats goes to its holder, and the router predicted
@@ -513,7 +497,7 @@ fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
             })
         })
     });
-    let exact_before = metric(&serve, "kvroute_accuracy_exact_total");
+    let exact_before = count(&serve, "kvroute_accuracy_exact_total");
     let second = request(
         &serve,
         "POST",
@@ -531,7 +515,7 @@ fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
         96
     );
     assert_eq!(
-        metric(&serve, "kvroute_accuracy_exact_total"),
+        count(&serve, "kvroute_accuracy_exact_total"),
         exact_before + 1
     );
     let _ = std::fs::remove_dir_all(&dir);
@@ -611,7 +595,7 @@ fn streams_without_include_usage_get_no_usage_chunk_but_are_measured() {
     assert!(plain.body.contains("\"text\""), "{}", plain.body);
     assert!(!plain.body.contains("\"choices\":[]"), "{}", plain.body);
     assert!(!plain.body.contains("cached_tokens"), "{}", plain.body);
-    assert_eq!(metric(&serve, "kvroute_accuracy_comparisons_total"), 1);
+    assert_eq!(count(&serve, "kvroute_accuracy_comparisons_total"), 1);
     // A client that asks for usage still gets its usage chunk.
     let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": 8,
                       "stream": true, "stream_options": {"include_usage": true}});
@@ -619,7 +603,7 @@ fn streams_without_include_usage_get_no_usage_chunk_but_are_measured() {
     assert_eq!(asked.status, 200, "{}", asked.body);
     assert!(asked.body.contains("\"choices\":[]"), "{}", asked.body);
     assert!(asked.body.contains("cached_tokens"), "{}", asked.body);
-    assert_eq!(metric(&serve, "kvroute_accuracy_comparisons_total"), 2);
+    assert_eq!(count(&serve, "kvroute_accuracy_comparisons_total"), 2);
 }
 
 /// Opens a long stream to the only worker, sends one more request, which

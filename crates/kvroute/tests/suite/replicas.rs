@@ -144,7 +144,7 @@ fn replicas_share_requests_in_flight_and_forget_a_dead_peers() {
         killed.elapsed() >= Duration::from_secs(3),
         "forgotten before the silence ran out"
     );
-    let expired = super::restarts::metric(&b, "kvroute_replica_peers_expired_total");
+    let expired = crate::support::http::metric(&b, "kvroute_replica_peers_expired_total");
     assert_eq!(expired, Some(1.0));
 }
 
@@ -232,7 +232,7 @@ fn neither_nats_nor_a_replica_going_away_fails_a_request() {
             1,
             "{serve} lost its peer: {back}"
         );
-        let gauge = super::restarts::metric(serve, "kvroute_replica_nats_connected");
+        let gauge = crate::support::http::metric(serve, "kvroute_replica_nats_connected");
         assert_eq!(gauge, Some(1.0));
     }
     let load = bench(&[&a, &b], "4");

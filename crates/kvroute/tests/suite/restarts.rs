@@ -96,25 +96,6 @@ pub fn counter(rank: &Value, field: &str) -> u64 {
     rank[field].as_u64().unwrap_or(0)
 }
 
-/// The sum of every sample of metric `name` (any labels) in `/metrics`, or
-/// `None` if the router does not export it.
-pub fn metric(serve: &str, name: &str) -> Option<f64> {
-    let text = call(serve, "GET", "/metrics", "").body;
-    let samples: Vec<f64> = text
-        .lines()
-        .filter_map(|l| {
-            let rest = l.strip_prefix(name)?;
-            let value = if rest.starts_with('{') {
-                rest.rsplit_once('}')?.1
-            } else {
-                rest.strip_prefix(' ')?
-            };
-            value.split_whitespace().next()?.parse().ok()
-        })
-        .collect();
-    (!samples.is_empty()).then(|| samples.iter().sum())
-}
-
 /// Polls `probe` every 50 ms until `done` holds of its answer or `secs`
 /// pass; returns the last answer (for the caller's assertion message).
 pub fn settle<T>(secs: u64, mut probe: impl FnMut() -> T, done: impl Fn(&T) -> bool) -> T {

@@ -9,10 +9,9 @@ use std::net::TcpStream;
 use serde_json::{json, Value};
 
 use super::restarts::{
-    call, counter, engine_match, metric, predicted, prompt, rank, send_to_engine, settle, Engine,
-    TOKEN,
+    call, counter, engine_match, predicted, prompt, rank, send_to_engine, settle, Engine, TOKEN,
 };
-use crate::support::http::request_with;
+use crate::support::http::{metric, request_with};
 use crate::support::*;
 
 /// Ports no test binds (the suite's own come from the ephemeral range,

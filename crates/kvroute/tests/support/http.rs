@@ -117,3 +117,27 @@ pub fn read_reply(mut s: TcpStream) -> Reply {
 pub fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
     request_with(host_port, method, path, &[], body)
 }
+
+/// The sum of every sample of metric `name` (any labels) in the router's
+/// `/metrics`, or `None` if it exports none.
+pub fn metric(host_port: &str, name: &str) -> Option<f64> {
+    let text = request(host_port, "GET", "/metrics", "").body;
+    let samples: Vec<f64> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix(name)?;
+            let value = if rest.starts_with('{') {
+                rest.rsplit_once('}')?.1
+            } else {
+                rest.strip_prefix(' ')?
+            };
+            value.split_whitespace().next()?.parse().ok()
+        })
+        .collect();
+    (!samples.is_empty()).then(|| samples.iter().sum())
+}
+
+/// A counter's total over its label sets (0 when the router exports none).
+pub fn count(host_port: &str, name: &str) -> u64 {
+    metric(host_port, name).unwrap_or(0.0) as u64
+}
