@@ -146,9 +146,18 @@ impl Scored {
     }
 
     /// The prompt tokens the engine will report cached if this candidate is
-    /// chosen for a `prompt_tokens`-token prompt.
+    /// chosen for a `prompt_tokens`-token prompt. A vLLM engine caches a
+    /// block as it schedules the step that fills it, so a prefix that a
+    /// request active there is computing counts, though the index has not
+    /// heard of it yet; SGLang's radix tree takes a chunk only once it is
+    /// computed, so there only the index counts.
     pub fn predicted_cached_tokens(&self, prompt_tokens: u64) -> u64 {
-        predicted_cached_tokens(self.candidate.device_blocks, self.block_size, prompt_tokens)
+        let c = &self.candidate;
+        let blocks = match self.flavor {
+            WorkerFlavor::Vllm => c.device_blocks.max(c.active_prefix_blocks),
+            WorkerFlavor::Sglang => c.device_blocks,
+        };
+        predicted_cached_tokens(blocks, self.block_size, prompt_tokens)
     }
 }
 
@@ -178,6 +187,16 @@ mod tests {
         assert_eq!(predicted_cached_tokens(0, 16, 100), 0);
     }
 
+    /// A match of `blocks` leading blocks on the device.
+    fn held(key: WorkerRank, blocks: u32) -> RankMatch {
+        RankMatch {
+            worker_rank: key,
+            device: blocks,
+            host: blocks,
+            any: blocks,
+        }
+    }
+
     #[test]
     fn a_rank_is_priced_on_its_match_and_load() {
         let weights = CostWeights::DYNAMO;
@@ -192,12 +211,7 @@ mod tests {
             busy: &busy,
         };
         let key = WorkerRank::new(1, 0);
-        let hit = RankMatch {
-            worker_rank: key,
-            device: 3,
-            host: 3,
-            any: 3,
-        };
+        let hit = held(key, 3);
         let idle = Load {
             new_blocks: 4,
             ..Load::default()
@@ -212,5 +226,32 @@ mod tests {
         let s = Scored::rank(0, key, (16, WorkerFlavor::Vllm), None, loaded, pricing);
         assert!(s.overloaded);
         assert_eq!(s.candidate.device_blocks, 0);
+    }
+
+    #[test]
+    fn a_prefix_in_flight_is_predicted_cached_on_vllm_only() {
+        let weights = CostWeights::default();
+        let busy = BusyThresholds::default();
+        let pricing = Pricing {
+            request_tokens: 100,
+            weights: &weights,
+            busy: &busy,
+        };
+        let key = WorkerRank::new(0, 0);
+        let hit = held(key, 2);
+        let computing = Load {
+            active_prefix: 5,
+            requests: 1,
+            ..Load::default()
+        };
+        let predicted = |flavor, matched| {
+            Scored::rank(0, key, (16, flavor), matched, computing, pricing)
+                .predicted_cached_tokens(100)
+        };
+        // Five leading blocks in flight, two of them announced.
+        assert_eq!(predicted(WorkerFlavor::Vllm, Some(&hit)), 80);
+        assert_eq!(predicted(WorkerFlavor::Vllm, None), 80);
+        assert_eq!(predicted(WorkerFlavor::Sglang, Some(&hit)), 32);
+        assert_eq!(predicted(WorkerFlavor::Sglang, None), 0);
     }
 }

@@ -5,10 +5,11 @@
 
 use std::collections::HashMap;
 use std::net::TcpStream;
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::support::http::{connect, read_reply, write_request};
+use crate::support::http::{connect, count, read_reply, write_request};
 use crate::support::{kvroute, start_mocker_with, start_serve};
 
 /// Runs `kvroute bench sim ARGS --json` and returns its rows.
@@ -166,33 +167,68 @@ fn a_request_that_starts_beside_another_of_its_group_follows_it_and_shares_its_p
     let (_mocker, lines) = start_mocker_with(4, &["--num-gpu-blocks", "2048", "--speedup", "1"]);
     let (_serve, serve) = start_serve(&lines, &[]);
     for round in 0..32u32 {
-        let prefix: Vec<u32> = (0..2_048).map(|i| 100_000 * (round + 1) + i).collect();
-        let bodies: Vec<String> = (0..2u32)
-            .map(|k| {
-                let mut prompt = prefix.clone();
-                prompt.extend((0..64).map(|i| 20_000 + 100 * k + i));
-                json!({"model": "mock-model", "prompt": prompt, "max_tokens": 4}).to_string()
-            })
-            .collect();
-        // Both connected, then both written, before either answer is read:
-        // the router has both within microseconds.
-        let mut sent: Vec<TcpStream> = bodies.iter().map(|_| connect(&serve)).collect();
-        for (s, body) in sent.iter_mut().zip(&bodies) {
-            write_request(s, &serve, "POST", "/v1/completions", &[], body);
-        }
-        let mut workers = Vec::new();
-        let mut cached = 0;
-        for s in sent {
-            let reply = read_reply(s);
-            assert_eq!(reply.status, 200, "{}", reply.body);
-            workers.push(reply.header("x-kvroute-worker").expect("the worker"));
-            cached += reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-                .as_u64()
-                .expect("cached_tokens");
-        }
+        let (workers, cached) = send_pair(&serve, round, Duration::ZERO);
         assert_eq!(workers[0], workers[1], "round {round}");
         assert_eq!(cached, 2_048, "round {round}");
     }
+}
+
+/// Sends two requests of a new group (a 2 048-token prefix, `round`'s own),
+/// the second `gap` after the first; the workers that answered and their
+/// cached tokens in all.
+fn send_pair(serve: &str, round: u32, gap: Duration) -> (Vec<String>, u64) {
+    let prefix: Vec<u32> = (0..2_048).map(|i| 100_000 * (round + 1) + i).collect();
+    let bodies: Vec<String> = (0..2u32)
+        .map(|k| {
+            let mut prompt = prefix.clone();
+            prompt.extend((0..64).map(|i| 20_000 + 100 * k + i));
+            json!({"model": "mock-model", "prompt": prompt, "max_tokens": 4}).to_string()
+        })
+        .collect();
+    // Both connected, then both written, before either answer is read:
+    // without a gap the router has both within microseconds.
+    let mut sent: Vec<TcpStream> = bodies.iter().map(|_| connect(serve)).collect();
+    for (i, (s, body)) in sent.iter_mut().zip(&bodies).enumerate() {
+        if i > 0 {
+            std::thread::sleep(gap);
+        }
+        write_request(s, serve, "POST", "/v1/completions", &[], body);
+    }
+    let mut workers = Vec::new();
+    let mut cached = 0;
+    for s in sent {
+        let reply = read_reply(s);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        workers.push(reply.header("x-kvroute-worker").expect("the worker"));
+        cached += reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .expect("cached_tokens");
+    }
+    (workers, cached)
+}
+
+/// A request that follows another of its group onto a vLLM engine while
+/// that one's prefill runs hits the prefix it is computing, before the
+/// engine announces it (vLLM caches a block as it schedules it, and
+/// publishes the step's events when the step ends), and the router
+/// predicts that hit: predictions that counted only the index missed every
+/// follower's. The follower is sent 20 ms after the first request, well
+/// inside its ~50 ms prefill step, so the engine sees them in order.
+#[test]
+fn a_request_that_follows_a_prefix_in_flight_is_predicted_to_hit_it() {
+    let (_mocker, lines) = start_mocker_with(4, &["--num-gpu-blocks", "2048", "--speedup", "1"]);
+    let (_serve, serve) = start_serve(&lines, &[]);
+    let rounds = 16;
+    for round in 0..rounds {
+        let (workers, cached) = send_pair(&serve, round, Duration::from_millis(20));
+        assert_eq!((&workers[0], cached), (&workers[1], 2_048), "round {round}");
+    }
+    let compared = count(&serve, "kvroute_accuracy_comparisons_total");
+    let exact = count(&serve, "kvroute_accuracy_exact_total");
+    assert_eq!(
+        (exact, compared),
+        (u64::from(2 * rounds), u64::from(2 * rounds))
+    );
 }
 
 #[test]
