@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 
 use crate::api::{ApiError, Body};
 use crate::ingest::registry::{Registry, RegistryError};
-use crate::ingest::spec::{parse_flavor, RankEndpoints, WorkerFlavor, WorkerSpec};
+use crate::ingest::spec::{parse_flavor, RankEndpoints, Speed, WorkerFlavor, WorkerSpec};
 use crate::proxy::Proxy;
 use crate::replica::bus::ReplicaSync;
 
@@ -155,7 +155,8 @@ fn u32_field(v: &Value, key: &str) -> Result<Option<u32>, ApiError> {
 }
 
 /// A worker from a registration body: kvroute's own fields (`name`, `url`,
-/// `events`, `replay`, `dp`, `block_size`, `topic`, `model`) or Dynamo's
+/// `events`, `replay`, `dp`, `block_size`, `topic`, `model`, `flavor`,
+/// `speed`) or Dynamo's
 /// standalone-indexer fields (`instance_id`, `endpoint`, `replay_endpoint`,
 /// `dp_rank`, `block_size`, `model_name`), which register one rank.
 fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSpec, ApiError> {
@@ -176,6 +177,7 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
         spec.topic = str_field(v, "topic")?.unwrap_or_default().to_owned();
         spec.model = str_field(v, "model")?.map(str::to_owned);
         spec.flavor = flavor_from_body(v)?;
+        spec.speed = speed_from_body(v)?;
         return Ok(spec);
     }
     if let Some(endpoint) = str_field(v, "endpoint")? {
@@ -204,6 +206,7 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
             topic: String::new(),
             model: str_field(v, "model_name")?.map(str::to_owned),
             flavor: flavor_from_body(v)?,
+            speed: speed_from_body(v)?,
         });
     }
     Err(ApiError::bad_request(
@@ -214,6 +217,17 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
 /// A registration's `flavor` (`vllm` or `sglang`; absent: `vllm`).
 fn flavor_from_body(v: &Value) -> Result<WorkerFlavor, ApiError> {
     parse_flavor(str_field(v, "flavor")?).map_err(|e| ApiError::bad_request(e.to_string()))
+}
+
+/// A registration's `speed` (a number; absent: 1).
+fn speed_from_body(v: &Value) -> Result<Speed, ApiError> {
+    match v.get("speed") {
+        None | Some(Value::Null) => Ok(Speed::default()),
+        Some(n) => n
+            .as_f64()
+            .and_then(Speed::new)
+            .ok_or_else(|| ApiError::bad_request("`speed` must be a number from 0.001 to 1000")),
+    }
 }
 
 /// `POST /register`: a worker in kvroute's or Dynamo's fields.
@@ -322,6 +336,17 @@ mod tests {
             flavor_from_body(&json!({})).expect("valid"),
             WorkerFlavor::Vllm
         );
+        assert_eq!(speed_from_body(&json!({})).map(Speed::get), Ok(1.0));
+        assert_eq!(
+            speed_from_body(&json!({"speed": 0.5})).map(Speed::get),
+            Ok(0.5)
+        );
+        for bad in [json!(0), json!(-2), json!("fast"), json!(1e9)] {
+            assert!(speed_from_body(&json!({ "speed": bad }))
+                .expect_err("not a speed")
+                .message()
+                .contains("`speed`"));
+        }
         assert!(parse_body(b"[1]").is_err());
         assert!(parse_body(b"{")
             .expect_err("not json")

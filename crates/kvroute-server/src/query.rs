@@ -59,6 +59,7 @@ fn query_answer(
                 "active_prefill_tokens": c.active_prefill_tokens,
                 "active_decode_blocks": c.active_decode_blocks,
                 "overloaded": s.overloaded,
+                "speed": s.speed,
                 "cost": {
                     "prefill_blocks": s.cost.prefill_blocks,
                     "overlap_credit": s.cost.overlap_credit,

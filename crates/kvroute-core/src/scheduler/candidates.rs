@@ -95,6 +95,10 @@ pub struct Scored {
     pub block_size: u32,
     /// The worker's engine flavour (which hashes of the request it was scored on).
     pub flavor: WorkerFlavor,
+    /// The worker's speed against the fleet's reference engine, as declared
+    /// (1: the reference; 0.5: half as fast): its cost is the work the
+    /// request would take there divided by it.
+    pub speed: f64,
     /// Cache and load facts.
     pub candidate: Candidate,
     /// The cost.
@@ -104,12 +108,13 @@ pub struct Scored {
 }
 
 impl Scored {
-    /// Scores rank `key` of the caller's worker number `worker`, given what
-    /// the index matched there (`None`: nothing) and the rank's load.
+    /// Scores rank `key` of the caller's worker number `worker` (its block
+    /// size, flavour and speed), given what the index matched there
+    /// (`None`: nothing) and the rank's load.
     pub fn rank(
         worker: usize,
         key: WorkerRank,
-        (block_size, flavor): (u32, WorkerFlavor),
+        (block_size, flavor, speed): (u32, WorkerFlavor, f64),
         matched: Option<&RankMatch>,
         load: Load,
         pricing: Pricing<'_>,
@@ -126,12 +131,21 @@ impl Scored {
             active_request_blocks: load.request_blocks,
             request_blocks: seqs_len(pricing.request_tokens, block_size),
         };
+        // A speed that is not a positive number is the reference's.
+        let speed = if speed.is_finite() && speed > 0.0 {
+            speed
+        } else {
+            1.0
+        };
+        let mut cost = candidate.cost(pricing.request_tokens, block_size, pricing.weights);
+        cost.total /= speed;
         Scored {
             worker,
             key,
             block_size,
             flavor,
-            cost: candidate.cost(pricing.request_tokens, block_size, pricing.weights),
+            speed,
+            cost,
             overloaded: pricing.busy.overloaded(&candidate),
             candidate,
         }
@@ -216,16 +230,51 @@ mod tests {
             new_blocks: 4,
             ..Load::default()
         };
-        let s = Scored::rank(2, key, (16, WorkerFlavor::Vllm), Some(&hit), idle, pricing);
+        let s = Scored::rank(
+            2,
+            key,
+            (16, WorkerFlavor::Vllm, 1.0),
+            Some(&hit),
+            idle,
+            pricing,
+        );
         assert_eq!((s.worker, s.cost.total, s.overloaded), (2, 5.0, false));
         assert_eq!(s.predicted_cached_tokens(64), 48);
         let loaded = Load {
             prefill_tokens: 100,
             ..idle
         };
-        let s = Scored::rank(0, key, (16, WorkerFlavor::Vllm), None, loaded, pricing);
+        let s = Scored::rank(0, key, (16, WorkerFlavor::Vllm, 1.0), None, loaded, pricing);
         assert!(s.overloaded);
         assert_eq!(s.candidate.device_blocks, 0);
+    }
+
+    #[test]
+    fn a_slower_worker_costs_as_much_more_as_it_is_slower() {
+        let weights = CostWeights::default();
+        let busy = BusyThresholds::default();
+        let pricing = Pricing {
+            request_tokens: 64,
+            weights: &weights,
+            busy: &busy,
+        };
+        let key = WorkerRank::new(0, 0);
+        let idle = Load {
+            new_blocks: 4,
+            ..Load::default()
+        };
+        let at = |speed| Scored::rank(0, key, (16, WorkerFlavor::Vllm, speed), None, idle, pricing);
+        let (reference, half) = (at(1.0), at(0.5));
+        assert!(reference.cost.total > 0.0);
+        assert_eq!(half.cost.total, 2.0 * reference.cost.total);
+        assert_eq!(
+            half.cost.prefill, reference.cost.prefill,
+            "the work is the same"
+        );
+        // Not a positive number: the reference's speed.
+        for bad in [0.0, -1.0, f64::NAN, f64::INFINITY] {
+            assert_eq!(at(bad).cost.total, reference.cost.total);
+        }
     }
 
     #[test]
@@ -245,7 +294,7 @@ mod tests {
             ..Load::default()
         };
         let predicted = |flavor, matched| {
-            Scored::rank(0, key, (16, flavor), matched, computing, pricing)
+            Scored::rank(0, key, (16, flavor, 1.0), matched, computing, pricing)
                 .predicted_cached_tokens(100)
         };
         // Five leading blocks in flight, two of them announced.

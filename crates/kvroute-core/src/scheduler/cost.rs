@@ -10,6 +10,11 @@
 //!      + w.request_kv_weight × (active_request_blocks + request_blocks)
 //! ```
 //!
+//! That is the work the request would take there, in blocks; a worker
+//! declared `speed` times as fast as the fleet's reference engine costs the
+//! work divided by its speed ([`Scored::rank`](super::Scored::rank)), the
+//! time it would take.
+//!
 //! `w` are the [`CostWeights`]. `decode_blocks` is what the worker would hold active with this request:
 //! its current active blocks plus this request's blocks it does not already
 //! have active (blocks shared by requests count once). `in_flight_only_blocks`

@@ -114,6 +114,7 @@ mod tests {
             key: WorkerRank::new(0, 0),
             block_size: 16,
             flavor: WorkerFlavor::Vllm,
+            speed: 1.0,
             candidate: Candidate {
                 active_decode_blocks: decode_blocks,
                 ..Candidate::default()

@@ -99,6 +99,7 @@ impl<'a> Sim<'a> {
                 config.policy,
                 config.engines,
                 (block_size, config.engine.flavor),
+                &config.worker_speeds,
                 config.seed,
             ),
             workload: Workload::new(&load.workload),

@@ -66,6 +66,10 @@ pub struct SimConfig {
     /// Engine `i`'s speed relative to `engine`'s timing (its speedup is
     /// multiplied by `engine_speeds[i]`; missing entries are 1).
     pub engine_speeds: Vec<f64>,
+    /// The speeds the router is told, as an operator declares them with a
+    /// worker's `speed` (missing entries are 1; they need not be the
+    /// engines' own).
+    pub worker_speeds: Vec<f64>,
     /// Who routes.
     pub policy: Contender,
     /// Message delays.

@@ -52,11 +52,13 @@ fn key(i: usize) -> WorkerRank {
 }
 
 impl SimRouter {
-    /// A router over `engines` engines of `block_size` and `flavor`.
+    /// A router over `engines` engines of `block_size` and `flavor`, told
+    /// that engine `i` runs at `speeds[i]` (missing entries: 1).
     pub fn new(
         policy: Contender,
         engines: usize,
         (block_size, flavor): (u32, WorkerFlavor),
+        speeds: &[f64],
         seed: u64,
     ) -> Self {
         let targets = (0..engines)
@@ -67,6 +69,7 @@ impl SimRouter {
                 block_size,
                 ranks: vec![0],
                 flavor,
+                speed: speeds.get(i).copied().unwrap_or(1.0),
                 rank_stats: Vec::new(),
             })
             .collect();

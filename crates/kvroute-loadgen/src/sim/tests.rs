@@ -15,6 +15,7 @@ fn config(policy: Contender, gpu_blocks: usize) -> SimConfig {
         engines: 4,
         engine: mocker.engine_config(),
         engine_speeds: Vec::new(),
+        worker_speeds: Vec::new(),
         policy,
         delays: Delays::default(),
         seed: 1,

@@ -451,6 +451,7 @@ impl Registry {
                 model: w.spec.model.clone(),
                 block_size: Some(w.block_size.load(Ordering::Relaxed)).filter(|&b| b > 0),
                 flavor: w.spec.flavor,
+                speed: w.spec.speed.get(),
                 ranks: w
                     .ranks
                     .iter()
@@ -501,6 +502,8 @@ pub struct WorkerView {
     /// The engine flavour.
     #[serde(with = "super::spec::flavor_name")]
     pub flavor: WorkerFlavor,
+    /// Its declared speed (1: the fleet's reference engine).
+    pub speed: f64,
     /// Its data-parallel ranks.
     pub ranks: Vec<RankView>,
 }

@@ -16,7 +16,7 @@ pub enum SpecError {
     NotKeyValue(String),
     /// A key this syntax does not know.
     #[error(
-        "unknown key `{0}` (known: name, url, events, replay, dp, block_size, topic, model, flavor)"
+        "unknown key `{0}` (known: name, url, events, replay, dp, block_size, topic, model, flavor, speed)"
     )]
     UnknownKey(String),
     /// A required key is missing.
@@ -68,6 +68,71 @@ pub struct WorkerSpec {
     /// default vLLM), and so how the router hashes requests with images for it.
     #[serde(default, with = "flavor_name")]
     pub flavor: WorkerFlavor,
+    /// How fast the engine is against the fleet's reference engine
+    /// (`speed=0.5`: half as fast; default 1), which the router cannot
+    /// tell from the events: a request's cost there is its work divided by
+    /// the speed, so a slower engine takes fewer prefixes and requests.
+    #[serde(default)]
+    pub speed: Speed,
+}
+
+/// A worker's declared speed: a number from 1 / [`Speed::MAX`] to
+/// [`Speed::MAX`], 1 for the reference engine.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "f64", into = "f64")]
+pub struct Speed(f64);
+
+// Always a finite number: `Speed::new` refuses the rest.
+impl Eq for Speed {}
+
+impl Default for Speed {
+    fn default() -> Self {
+        Speed(1.0)
+    }
+}
+
+impl Speed {
+    /// The largest speed accepted (and the inverse of the smallest).
+    pub const MAX: f64 = 1000.0;
+
+    /// A speed, if `value` is from `1 / MAX` to `MAX` (NaN is not).
+    pub fn new(value: f64) -> Option<Speed> {
+        (1.0 / Self::MAX..=Self::MAX)
+            .contains(&value)
+            .then_some(Speed(value))
+    }
+
+    /// The number.
+    pub fn get(self) -> f64 {
+        self.0
+    }
+
+    /// A `speed` value of the worker syntax or a config file.
+    pub fn parse(value: &str) -> Result<Speed, SpecError> {
+        value
+            .parse()
+            .ok()
+            .and_then(Speed::new)
+            .ok_or_else(|| SpecError::BadValue {
+                key: "speed",
+                value: value.to_owned(),
+                problem: "expected a number from 0.001 to 1000",
+            })
+    }
+}
+
+impl TryFrom<f64> for Speed {
+    type Error = &'static str;
+
+    fn try_from(value: f64) -> Result<Self, Self::Error> {
+        Speed::new(value).ok_or("a speed is a number from 0.001 to 1000")
+    }
+}
+
+impl From<Speed> for f64 {
+    fn from(speed: Speed) -> f64 {
+        speed.0
+    }
 }
 
 /// `tcp://host:port` with the port moved by `offset` (how engines place rank r).
@@ -133,14 +198,15 @@ impl WorkerSpec {
             topic: String::new(),
             model: None,
             flavor: WorkerFlavor::default(),
+            speed: Speed::default(),
         })
     }
 
     /// Parses the `--worker` syntax: `name=w0,url=http://…,events=tcp://…:5557,
     /// replay=tcp://…:5657,dp=2,block_size=16` (keys in any order; `replay`,
     /// `dp` (default 1), `block_size` (default `default_block_size`; neither:
-    /// learned from the stream), `topic`, `model` and `flavor` (`vllm|sglang`,
-    /// default `vllm`) optional).
+    /// learned from the stream), `topic`, `model`, `flavor` (`vllm|sglang`,
+    /// default `vllm`) and `speed` (default 1) optional).
     pub fn parse(text: &str, default_block_size: Option<u32>) -> Result<Self, SpecError> {
         let mut fields: BTreeMap<&str, &str> = BTreeMap::new();
         for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -159,6 +225,7 @@ impl WorkerSpec {
                     | "topic"
                     | "model"
                     | "flavor"
+                    | "speed"
             ) {
                 return Err(SpecError::UnknownKey(key.to_owned()));
             }
@@ -201,6 +268,9 @@ impl WorkerSpec {
             .unwrap_or_default();
         spec.model = fields.get("model").map(|m| m.to_string());
         spec.flavor = flavor;
+        if let Some(speed) = fields.get("speed") {
+            spec.speed = Speed::parse(speed)?;
+        }
         Ok(spec)
     }
 }
@@ -247,6 +317,7 @@ struct ConfigWorker {
     topic: Option<String>,
     model: Option<String>,
     flavor: Option<String>,
+    speed: Option<f64>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -278,6 +349,9 @@ pub fn parse_config(
             spec.topic = w.topic.unwrap_or_default();
             spec.model = w.model;
             spec.flavor = flavor;
+            if let Some(speed) = w.speed {
+                spec.speed = Speed::parse(&speed.to_string())?;
+            }
             Ok(spec)
         })
         .collect()
@@ -328,6 +402,12 @@ mod tests {
         assert!(err("name=a,url=u,events=tcp://h:1,dp=x").contains("dp=x"));
         assert!(err("name=a,url=u,events=tcp://h:1,colour=red").contains("unknown key `colour`"));
         assert!(err("name=a,url=u,events=tcp://h:1,dp=0").contains("at least 1"));
+        for bad in ["0", "-1", "nan", "inf", "fast", "1001"] {
+            let e = err(&format!("name=a,url=u,events=tcp://h:1,speed={bad}"));
+            assert!(e.contains(&format!("speed={bad}")), "{e}");
+        }
+        let half = WorkerSpec::parse("name=a,url=u,events=tcp://h:1,speed=0.5", None);
+        assert_eq!(half.map(|s| s.speed.get()), Ok(0.5));
         assert!(err("name=a,url=u,events=ipc:///x").contains("tcp://"));
         assert!(err("name").contains("key=value"));
         assert!(err("name=a,url=u,events=tcp://h:1,flavor=trt").contains("vllm or sglang"));
@@ -365,14 +445,18 @@ mod tests {
             replay = "tcp://127.0.0.1:5657"
             dp = 2
             block_size = 16
+            speed = 0.5
         "#;
         let from_file = parse_config(text, Some(32)).expect("valid");
         let from_flag = WorkerSpec::parse(
-            "name=w0,url=http://127.0.0.1:8000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5657,dp=2,block_size=16",
+            "name=w0,url=http://127.0.0.1:8000,events=tcp://127.0.0.1:5557,replay=tcp://127.0.0.1:5657,dp=2,block_size=16,speed=0.5",
             Some(32),
         )
         .expect("valid");
         assert_eq!(from_file, vec![from_flag]);
         assert!(parse_config("[[worker]]\nname = 1", Some(16)).is_err());
+        let slowest =
+            "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nspeed = 0.0\n";
+        assert!(parse_config(slowest, Some(16)).is_err());
     }
 }

@@ -34,6 +34,8 @@ pub struct Target {
     pub ranks: Vec<u32>,
     /// Its engine flavour: how it lays out images, so which request hashes apply.
     pub flavor: WorkerFlavor,
+    /// Its declared speed against the fleet's reference engine (1: the reference).
+    pub speed: f64,
     /// Each rank's shared ingest state, by rank.
     pub rank_stats: Vec<(u32, Arc<RankStats>)>,
 }
@@ -52,6 +54,7 @@ impl PartialEq for Target {
             && self.block_size == other.block_size
             && self.ranks == other.ranks
             && self.flavor == other.flavor
+            && self.speed == other.speed
             && same_stats
     }
 }
@@ -80,6 +83,7 @@ impl Target {
             block_size: w.block_size.unwrap_or(0),
             ranks,
             flavor: w.flavor,
+            speed: w.speed,
             rank_stats,
         })
     }
@@ -222,7 +226,7 @@ pub fn score(
             out.push(Scored::rank(
                 i,
                 key,
-                (t.block_size, t.flavor),
+                (t.block_size, t.flavor, t.speed),
                 matched,
                 load,
                 pricing,
@@ -322,6 +326,7 @@ mod tests {
                 block_size: 4,
                 ranks: vec![0],
                 flavor: WorkerFlavor::Vllm,
+                speed: 1.0,
                 rank_stats: Vec::new(),
             },
             Target {
@@ -331,6 +336,7 @@ mod tests {
                 block_size: 4,
                 ranks: vec![0, 1],
                 flavor: WorkerFlavor::Vllm,
+                speed: 1.0,
                 rank_stats: Vec::new(),
             },
         ]

@@ -67,6 +67,10 @@ pub struct SimArgs {
     /// unequal engines: `1,1,1,0.5` makes the last one half as fast).
     #[arg(long, value_delimiter = ',')]
     engine_speeds: Vec<f64>,
+    /// The speeds the router is told for each engine, as `kvroute serve`
+    /// is with a worker's `speed=` (default: every engine the reference, 1).
+    #[arg(long, value_delimiter = ',')]
+    worker_speeds: Vec<f64>,
     /// What routes, in order: router policies, `dynamo` (kv with Dynamo's
     /// weights) and `oracle`.
     #[arg(
@@ -271,6 +275,9 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
     if a.engine_speeds.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
         bail!("--engine-speeds must be positive numbers");
     }
+    if a.worker_speeds.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+        bail!("--worker-speeds must be positive numbers");
+    }
     let trace = a.trace.as_deref().map(Trace::read).transpose()?;
     let mut mocker = MockerConfig {
         num_gpu_blocks: a
@@ -293,6 +300,7 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
                 engines: a.engines,
                 engine: mocker.engine_config(),
                 engine_speeds: a.engine_speeds.clone(),
+                worker_speeds: a.worker_speeds.clone(),
                 policy: contender,
                 delays,
                 seed,

@@ -240,6 +240,7 @@ fn worker(name: &str, ranks: Vec<RankEndpoints>) -> WorkerSpec {
         topic: String::new(),
         model: None,
         flavor: Default::default(),
+        speed: Default::default(),
     }
 }
 
