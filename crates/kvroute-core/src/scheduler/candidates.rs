@@ -249,21 +249,31 @@ mod tests {
         assert_eq!(s.candidate.device_blocks, 0);
     }
 
-    #[test]
-    fn a_slower_worker_costs_as_much_more_as_it_is_slower() {
-        let weights = CostWeights::default();
-        let busy = BusyThresholds::default();
+    /// Rank 0 of worker 0 scored with the default weights and no busy
+    /// thresholds, for a `request_tokens`-token request.
+    fn scored_with(
+        request_tokens: u64,
+        (flavor, speed): (WorkerFlavor, f64),
+        matched: Option<&RankMatch>,
+        load: Load,
+    ) -> Scored {
+        let (weights, busy) = (CostWeights::default(), BusyThresholds::default());
         let pricing = Pricing {
-            request_tokens: 64,
+            request_tokens,
             weights: &weights,
             busy: &busy,
         };
         let key = WorkerRank::new(0, 0);
+        Scored::rank(0, key, (16, flavor, speed), matched, load, pricing)
+    }
+
+    #[test]
+    fn a_slower_worker_costs_as_much_more_as_it_is_slower() {
         let idle = Load {
             new_blocks: 4,
             ..Load::default()
         };
-        let at = |speed| Scored::rank(0, key, (16, WorkerFlavor::Vllm, speed), None, idle, pricing);
+        let at = |speed| scored_with(64, (WorkerFlavor::Vllm, speed), None, idle);
         let (reference, half) = (at(1.0), at(0.5));
         assert!(reference.cost.total > 0.0);
         assert_eq!(half.cost.total, 2.0 * reference.cost.total);
@@ -279,23 +289,14 @@ mod tests {
 
     #[test]
     fn a_prefix_in_flight_is_predicted_cached_on_vllm_only() {
-        let weights = CostWeights::default();
-        let busy = BusyThresholds::default();
-        let pricing = Pricing {
-            request_tokens: 100,
-            weights: &weights,
-            busy: &busy,
-        };
-        let key = WorkerRank::new(0, 0);
-        let hit = held(key, 2);
+        let hit = held(WorkerRank::new(0, 0), 2);
         let computing = Load {
             active_prefix: 5,
             requests: 1,
             ..Load::default()
         };
         let predicted = |flavor, matched| {
-            Scored::rank(0, key, (16, flavor, 1.0), matched, computing, pricing)
-                .predicted_cached_tokens(100)
+            scored_with(100, (flavor, 1.0), matched, computing).predicted_cached_tokens(100)
         };
         // Five leading blocks in flight, two of them announced.
         assert_eq!(predicted(WorkerFlavor::Vllm, Some(&hit)), 80);
