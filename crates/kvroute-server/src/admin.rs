@@ -226,7 +226,7 @@ fn speed_from_body(v: &Value) -> Result<Speed, ApiError> {
         Some(n) => n
             .as_f64()
             .and_then(Speed::new)
-            .ok_or_else(|| ApiError::bad_request("`speed` must be a number from 0.001 to 1000")),
+            .ok_or_else(|| ApiError::bad_request(format!("`speed`: {}", Speed::EXPECTED))),
     }
 }
 

@@ -107,17 +107,21 @@ impl Speed {
         self.0
     }
 
-    /// A `speed` value of the worker syntax or a config file.
+    /// What a speed must be, for error messages.
+    pub const EXPECTED: &'static str = "expected a number from 0.001 to 1000";
+
+    /// A `speed` value of the worker syntax.
     pub fn parse(value: &str) -> Result<Speed, SpecError> {
-        value
-            .parse()
-            .ok()
-            .and_then(Speed::new)
-            .ok_or_else(|| SpecError::BadValue {
-                key: "speed",
-                value: value.to_owned(),
-                problem: "expected a number from 0.001 to 1000",
-            })
+        Self::checked(value.parse().unwrap_or(f64::NAN), value)
+    }
+
+    /// `value` as a speed; `shown` is how the operator wrote it.
+    fn checked(value: f64, shown: &str) -> Result<Speed, SpecError> {
+        Speed::new(value).ok_or_else(|| SpecError::BadValue {
+            key: "speed",
+            value: shown.to_owned(),
+            problem: Self::EXPECTED,
+        })
     }
 }
 
@@ -125,7 +129,7 @@ impl TryFrom<f64> for Speed {
     type Error = &'static str;
 
     fn try_from(value: f64) -> Result<Self, Self::Error> {
-        Speed::new(value).ok_or("a speed is a number from 0.001 to 1000")
+        Speed::new(value).ok_or(Speed::EXPECTED)
     }
 }
 
@@ -350,7 +354,7 @@ pub fn parse_config(
             spec.model = w.model;
             spec.flavor = flavor;
             if let Some(speed) = w.speed {
-                spec.speed = Speed::parse(&speed.to_string())?;
+                spec.speed = Speed::checked(speed, &speed.to_string())?;
             }
             Ok(spec)
         })
