@@ -272,11 +272,13 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
     if !(a.speedup.is_finite() && a.speedup > 0.0) {
         bail!("--speedup must be a positive number");
     }
-    if a.engine_speeds.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
-        bail!("--engine-speeds must be positive numbers");
-    }
-    if a.worker_speeds.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
-        bail!("--worker-speeds must be positive numbers");
+    for (flag, speeds) in [
+        ("--engine-speeds", &a.engine_speeds),
+        ("--worker-speeds", &a.worker_speeds),
+    ] {
+        if speeds.iter().any(|s| !(s.is_finite() && *s > 0.0)) {
+            bail!("{flag} must be positive numbers");
+        }
     }
     let trace = a.trace.as_deref().map(Trace::read).transpose()?;
     let mut mocker = MockerConfig {

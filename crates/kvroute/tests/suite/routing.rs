@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::support::http::{connect, count, read_reply, request, write_request};
+use crate::support::http::{connect, count, metric_where, read_reply, request, write_request};
 use crate::support::{kvroute, start_mocker_with, start_serve};
 
 /// Runs `kvroute bench sim ARGS --json` and returns its rows.
@@ -174,13 +174,9 @@ fn a_worker_declared_a_quarter_as_fast_takes_few_requests() {
     assert_eq!(speed_of("slow"), Some(json!(0.25)));
     assert_eq!(speed_of("w0"), Some(json!(1.0)));
     bench_long(&serve, 400);
-    let text = request(&serve, "GET", "/metrics", "").body;
-    let routed = |name: &str| -> f64 {
+    let routed = |name: &str| {
         let label = format!("worker=\"{name}\"");
-        text.lines()
-            .filter(|l| l.starts_with("kvroute_proxy_routed_total{") && l.contains(&label))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
+        metric_where(&serve, "kvroute_proxy_routed_total", &label).unwrap_or(0.0)
     };
     let fast = ["w0", "w1", "w2"].map(routed);
     let slow = routed("slow");

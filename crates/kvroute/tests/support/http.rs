@@ -121,15 +121,24 @@ pub fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
 /// The sum of every sample of metric `name` (any labels) in the router's
 /// `/metrics`, or `None` if it exports none.
 pub fn metric(host_port: &str, name: &str) -> Option<f64> {
+    metric_where(host_port, name, "")
+}
+
+/// [`metric`] over the samples whose labels contain `label` (for example
+/// `worker="w0"`).
+pub fn metric_where(host_port: &str, name: &str, label: &str) -> Option<f64> {
     let text = request(host_port, "GET", "/metrics", "").body;
     let samples: Vec<f64> = text
         .lines()
         .filter_map(|l| {
             let rest = l.strip_prefix(name)?;
-            let value = if rest.starts_with('{') {
-                rest.rsplit_once('}')?.1
-            } else {
-                rest.strip_prefix(' ')?
+            let value = match rest.strip_prefix('{') {
+                Some(labelled) => {
+                    let (labels, value) = labelled.rsplit_once('}')?;
+                    labels.contains(label).then_some(value)?
+                }
+                None if label.is_empty() => rest.strip_prefix(' ')?,
+                None => return None,
             };
             value.split_whitespace().next()?.parse().ok()
         })
