@@ -218,6 +218,14 @@ impl NodeStore {
             .copied()
     }
 
+    /// `node` when it is the live node of `seq`: a guess checked with one
+    /// record read, no table probe. Exact: a live record with `seq` is its node.
+    #[inline]
+    pub(super) fn seq_at(&self, node: NodeId, seq: u64) -> Option<NodeId> {
+        let r = self.records.get(node as usize)?;
+        (r.seq == seq && r.meta & LIVE != 0).then_some(node)
+    }
+
     /// [`NodeStore::insert_seq`], looking first in the record after `near`:
     /// a chain stored by one event gets consecutive ids, so a block stored
     /// again (a shared prefix, a duplicate) is usually the record after its
