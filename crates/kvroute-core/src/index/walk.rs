@@ -247,25 +247,30 @@ fn drive<S: Stepper>(
     let mut seq = locals[0].0;
     let mut depth: u32 = 1;
     // A chain stored by one event gets consecutive ids, so block `d` is
-    // guessed to be node `anchor + (d - anchor_depth)`, from the last block
-    // found. A right guess costs one record read and no table probe; the
-    // guesses of a chunk do not wait for each other's loads.
-    let (mut anchor, mut anchor_depth) = (first, 0u32);
+    // guessed to be node `origin + d`. A right guess costs one record read
+    // and no table probe. The guesses of a chunk come from the chunk before
+    // it, not from each other, and the wrong ones' probes follow them: the
+    // loads of a chunk stay independent, and the processor overlaps their
+    // cache misses (guessing from the block just found would chain them).
+    let mut origin = first;
     'walk: for chunk in locals[1..].chunks(PROBE_AHEAD) {
         if walk.is_done() {
             break;
         }
+        let mut seqs = [0u64; PROBE_AHEAD];
         let mut ids: [Option<NodeId>; PROBE_AHEAD] = [None; PROBE_AHEAD];
-        for (i, (id, local)) in ids.iter_mut().zip(chunk).enumerate() {
+        for (i, ((id, s), local)) in ids.iter_mut().zip(&mut seqs).zip(chunk).enumerate() {
             seq = next_sequence_hash(SequenceHash(seq), *local).0;
-            let at = depth + i as u32;
-            let guess = anchor.wrapping_add(at - anchor_depth);
-            // A wrong guess probes the table; the probes stay independent,
-            // so the processor overlaps their cache misses.
-            *id = nodes.seq_at(guess, seq).or_else(|| nodes.find_seq(seq));
-            if let Some(found) = *id {
-                (anchor, anchor_depth) = (found, at);
+            *s = seq;
+            *id = nodes.seq_at(origin.wrapping_add(depth + i as u32), seq);
+        }
+        for (id, &s) in ids.iter_mut().zip(&seqs).take(chunk.len()) {
+            if id.is_none() {
+                *id = nodes.find_seq(s);
             }
+        }
+        if let Some((i, found)) = (0..chunk.len()).rev().find_map(|i| Some((i, ids[i]?))) {
+            origin = found.wrapping_sub(depth + i as u32);
         }
         for id in &ids[..chunk.len()] {
             let Some(id) = *id else {
