@@ -52,33 +52,67 @@ fn groups(tiers: u8) -> u8 {
 const SCAN_RATIO: usize = 4;
 
 /// A rank still matching: its result row, its slot and its live groups.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Active {
     row: u32,
     slot: SlotId,
     groups: u8,
 }
 
+/// The first `len` elements of `stack`, or of `heap` grown to `len` when
+/// `stack` is shorter: a walk's working arrays live on the lookup's stack at
+/// the fleet sizes most lookups see (allocating and freeing them cost 4 % of
+/// a lookup's instructions).
+fn stack_or_heap<'a, T: Copy + Default>(
+    stack: &'a mut [T],
+    heap: &'a mut Vec<T>,
+    len: usize,
+) -> &'a mut [T] {
+    if len <= stack.len() {
+        &mut stack[..len]
+    } else {
+        heap.resize(len, T::default());
+        heap
+    }
+}
+
+/// Ranks still matching that a list walk keeps on the stack: a list walk
+/// starts from fewer holders than the dense threshold (16 at fleets of up to
+/// 448 slots) or from a bitmap walk below [`SPARSE_BELOW`].
+const ACTIVE_INLINE: usize = 16;
+const _: () = assert!(SPARSE_BELOW as usize <= ACTIVE_INLINE);
+
 /// One lookup in progress.
-struct Walk {
-    active: Vec<Active>,
+struct Walk<'a> {
+    /// The ranks still matching are the first `len`.
+    active: &'a mut [Active],
+    len: usize,
     out: Vec<RankMatch>,
 }
 
-impl Walk {
+impl<'a> Walk<'a> {
     /// Starts from the holders of the first block.
-    fn new(first: &[Entry], key_of: impl Fn(SlotId) -> Option<WorkerRank>) -> Self {
-        let mut active = Vec::with_capacity(first.len());
+    fn new(
+        first: &[Entry],
+        key_of: impl Fn(SlotId) -> Option<WorkerRank>,
+        active: &'a mut [Active],
+    ) -> Self {
         let mut out = Vec::with_capacity(first.len());
-        for &e in first {
+        let mut len = 0;
+        for (row, &e) in first.iter().enumerate() {
             let slot = holders::slot_of(e);
             let worker_rank = key_of(slot).unwrap_or(VACANT);
-            let g = groups(holders::tiers_of(e));
-            active.push(Active {
-                row: out.len() as u32,
-                slot,
-                groups: g,
-            });
+            let groups = groups(holders::tiers_of(e));
+            if groups != 0 {
+                if let Some(a) = active.get_mut(len) {
+                    *a = Active {
+                        row: row as u32,
+                        slot,
+                        groups,
+                    };
+                    len += 1;
+                }
+            }
             out.push(RankMatch {
                 worker_rank,
                 device: 0,
@@ -86,8 +120,7 @@ impl Walk {
                 any: 0,
             });
         }
-        active.retain(|a| a.groups != 0);
-        Walk { active, out }
+        Walk { active, len, out }
     }
 
     /// Keeps the groups of each rank still matching that the block's
@@ -95,7 +128,8 @@ impl Walk {
     /// order. Groups that stop, stop at `depth`.
     fn retain(&mut self, depth: u32, mut tiers_of: impl FnMut(SlotId) -> u8) {
         let mut kept_len = 0usize;
-        for i in 0..self.active.len() {
+        let len = self.len.min(self.active.len());
+        for i in 0..len {
             let a = self.active[i];
             let kept = a.groups & groups(tiers_of(a.slot));
             if kept != a.groups {
@@ -106,13 +140,13 @@ impl Walk {
                 kept_len += 1;
             }
         }
-        self.active.truncate(kept_len);
+        self.len = kept_len;
     }
 
     /// Advances by one block, held by `list` (empty: by nobody), after
     /// `depth` matched blocks.
     fn step_list(&mut self, list: &[Entry], depth: u32) {
-        let search = list.len() > SCAN_RATIO * self.active.len();
+        let search = list.len() > SCAN_RATIO * self.len;
         let mut j = 0usize;
         // Both lists are sorted by slot: each rank's entry is found from `j` on.
         self.retain(depth, |slot| {
@@ -132,7 +166,7 @@ impl Walk {
     }
 }
 
-impl Stepper for Walk {
+impl Stepper for Walk<'_> {
     fn step(&mut self, holders: &Holders<'_>, depth: u32) {
         match holders {
             Holders::List(list) => self.step_list(list, depth),
@@ -141,11 +175,11 @@ impl Stepper for Walk {
     }
 
     fn is_done(&self) -> bool {
-        self.active.is_empty()
+        self.len == 0
     }
 
     fn finish(mut self, depth: u32) -> Vec<RankMatch> {
-        for a in &self.active {
+        for a in self.active.iter().take(self.len) {
             record(&mut self.out, a.row, a.groups, depth);
         }
         self.out
@@ -190,9 +224,18 @@ pub(super) fn find_matches(
         return Vec::new();
     };
     let holders = nodes.holders(node);
+    let mut active = [Active::default(); ACTIVE_INLINE];
+    let mut words = [0u64; BUF_INLINE];
+    let (mut active_heap, mut words_heap) = (Vec::new(), Vec::new());
     let walk = match holders {
-        Holders::List(list) => Walker::Sparse(Walk::new(list, key_of)),
-        Holders::Dense(dense) => Walker::Dense(DenseWalk::new(&dense, key_of)),
+        Holders::List(list) => {
+            let active = stack_or_heap(&mut active, &mut active_heap, list.len());
+            Walker::Sparse(Walk::new(list, key_of, active))
+        }
+        Holders::Dense(dense) => {
+            let buf = stack_or_heap(&mut words, &mut words_heap, PARTS * dense.device.len());
+            Walker::Dense(DenseWalk::new(&dense, key_of, buf, &mut active))
+        }
     };
     drive(nodes, locals, (node, holders), walk)
 }
@@ -203,19 +246,21 @@ const SPARSE_BELOW: u32 = 16;
 
 /// A walk in either form; a bitmap walk becomes a list walk once few ranks
 /// still match.
-enum Walker {
-    Sparse(Walk),
-    Dense(DenseWalk),
+enum Walker<'a> {
+    Sparse(Walk<'a>),
+    Dense(DenseWalk<'a>),
 }
 
-impl Stepper for Walker {
+impl Stepper for Walker<'_> {
     fn step(&mut self, holders: &Holders<'_>, depth: u32) {
         match self {
             Walker::Sparse(walk) => walk.step(holders, depth),
             Walker::Dense(walk) => {
                 walk.step(holders, depth);
                 if walk.population() < SPARSE_BELOW {
-                    *self = Walker::Sparse(walk.take_sparse());
+                    if let Some(sparse) = walk.take_sparse() {
+                        *self = Walker::Sparse(sparse);
+                    }
                 }
             }
         }
@@ -294,15 +339,16 @@ fn drive<S: Stepper>(
 }
 
 /// The walk over bitmaps: per tier group, one bit per slot still matching.
-struct DenseWalk {
+struct DenseWalk<'a> {
     words: usize,
-    /// The walk's bitmaps, `words` words each, back to back in one
-    /// allocation (four cost 4 % of a lookup's instructions): the parts
+    /// The walk's bitmaps, `words` words each, back to back: the parts
     /// [`ACTIVE`] to [`SCRATCH`].
-    buf: Vec<u64>,
+    buf: &'a mut [u64],
     /// Slots still matching on any tier.
     population: u32,
     out: Vec<RankMatch>,
+    /// The stack space of the list walk this one becomes.
+    spare: &'a mut [Active],
 }
 
 // The parts of a [`DenseWalk`]'s buffer, each `words` words.
@@ -316,8 +362,11 @@ const ROW_BASE: usize = 4;
 const SCRATCH: usize = 5;
 /// Parts in all.
 const PARTS: usize = 8;
+/// Buffer words a bitmap walk keeps on the stack: all its parts at fleets of
+/// up to 256 slots.
+const BUF_INLINE: usize = PARTS * 4;
 
-impl DenseWalk {
+impl<'a> DenseWalk<'a> {
     /// Word `w` of part `part`.
     #[inline]
     fn word(&self, part: usize, w: usize) -> u64 {
@@ -338,14 +387,21 @@ impl DenseWalk {
         [ACTIVE, ACTIVE + 1, ACTIVE + 2].map(|p| self.word(p, w))
     }
 
-    /// Starts from the first block's dense set.
-    fn new(first: &DenseView<'_>, key_of: impl Fn(SlotId) -> Option<WorkerRank>) -> Self {
+    /// Starts from the first block's dense set, with space for its bitmaps
+    /// ([`PARTS`] × its words) and for the list walk it may become.
+    fn new(
+        first: &DenseView<'_>,
+        key_of: impl Fn(SlotId) -> Option<WorkerRank>,
+        buf: &'a mut [u64],
+        spare: &'a mut [Active],
+    ) -> Self {
         let words = first.device.len();
         let mut walk = DenseWalk {
             words,
-            buf: vec![0; PARTS * words],
+            buf,
             population: 0,
             out: Vec::new(),
+            spare,
         };
         let mut base = 0u32;
         for w in 0..words {
@@ -436,32 +492,38 @@ impl DenseWalk {
     }
 
     /// The same walk as a list of the ranks still matching (the result rows
-    /// move over as they are).
-    fn take_sparse(&mut self) -> Walk {
+    /// move over as they are); none when they outnumber the list's space.
+    fn take_sparse(&mut self) -> Option<Walk<'a>> {
+        if self.population as usize > self.spare.len() {
+            return None;
+        }
         let words = self.words;
-        let mut active = Vec::with_capacity(self.population as usize);
+        let active = std::mem::take(&mut self.spare);
+        let mut len = 0;
         for w in 0..words {
             let [device, host, any] = self.active_words(w);
             if any == 0 {
                 continue;
             }
-            let mut row = self.word(ROW_BASE, w) as u32;
-            for_each_bit(self.word(ROWS, w), |bit| {
-                if (any >> bit) & 1 != 0 {
-                    let groups = groups_at(bit, [device, host, any]);
-                    active.push(Active {
-                        row,
+            let (base, rows) = (self.word(ROW_BASE, w) as u32, self.word(ROWS, w));
+            // Only the slots still matching are visited (fewer than
+            // [`SPARSE_BELOW`]); a slot's row counts the rows below it.
+            for_each_bit(any, |bit| {
+                if let Some(a) = active.get_mut(len) {
+                    *a = Active {
+                        row: base + (rows & ((1u64 << bit) - 1)).count_ones(),
                         slot: (w * 64) as SlotId + bit,
-                        groups,
-                    });
+                        groups: groups_at(bit, [device, host, any]),
+                    };
+                    len += 1;
                 }
-                row += 1;
             });
         }
-        Walk {
+        Some(Walk {
             active,
+            len,
             out: std::mem::take(&mut self.out),
-        }
+        })
     }
 
     /// Applies one word's held bits (device, host, lower) to the active groups.
@@ -504,7 +566,7 @@ fn held_words(dense: &DenseView<'_>, w: usize) -> [u64; 3] {
     }
 }
 
-impl Stepper for DenseWalk {
+impl Stepper for DenseWalk<'_> {
     fn step(&mut self, holders: &Holders<'_>, depth: u32) {
         let words = self.words;
         match holders {

@@ -378,6 +378,51 @@ fn holder_lists_grow_and_shrink_with_the_ranks_that_hold_a_block() {
     assert!(per_node < 64, "{per_node} bytes per one-rank node");
 }
 
+/// A fleet wider than the walk's stack space (more than 256 slots, first
+/// blocks held by lists of more than 16 ranks) answers as a narrow one.
+#[test]
+fn a_fleet_wider_than_the_walks_stack_space_answers_exactly() {
+    let mut index = Index::new(no_cap());
+    let ahead = [0u32, 3, 6, 9, 12];
+    for w in 0..600 {
+        store_chain(&mut index, wr(w, 0), &[1, 2], Tier::Device);
+        if w % 3 == 0 {
+            store_chain(&mut index, wr(w, 0), &[1, 2, 3], Tier::Device);
+        } else if w % 5 == 0 {
+            store_chain(&mut index, wr(w, 0), &[1, 2, 3], Tier::Host);
+        }
+        if ahead.contains(&w) {
+            // Few enough to go on as a list walk after block 3.
+            store_chain(&mut index, wr(w, 0), &[1, 2, 3, 4, 5], Tier::Device);
+        }
+    }
+    let m = matches(&index, &[1, 2, 3, 4, 5, 6]);
+    assert_eq!(m.len(), 600);
+    for w in 0..600 {
+        let expected = if ahead.contains(&w) {
+            (5, 5, 5)
+        } else if w % 3 == 0 {
+            (3, 3, 3)
+        } else if w % 5 == 0 {
+            (2, 3, 3)
+        } else {
+            (2, 2, 2)
+        };
+        assert_eq!(m[&wr(w, 0)], expected, "rank {w}");
+    }
+    // 18 holders stay a list in a fleet this wide (its dense threshold is 22).
+    for w in 0..18 {
+        let chain: &[u64] = if w % 2 == 0 { &[7, 8, 9] } else { &[7, 8] };
+        store_chain(&mut index, wr(w, 0), chain, Tier::Device);
+    }
+    let m = matches(&index, &[7, 8, 9]);
+    assert_eq!(m.len(), 18);
+    for w in 0..18 {
+        let depth = if w % 2 == 0 { 3 } else { 2 };
+        assert_eq!(m[&wr(w, 0)], (depth, depth, depth), "rank {w}");
+    }
+}
+
 /// An index with every kind of state a snapshot carries: 70 ranks (more
 /// than one bitmap word in the version 1 layout), a lower tier, a conflict
 /// (private bindings) and an approximate entry.
