@@ -77,8 +77,9 @@ fn stack_or_heap<'a, T: Copy + Default>(
 }
 
 /// Ranks still matching that a list walk keeps on the stack: a list walk
-/// starts from fewer holders than the dense threshold (16 at fleets of up to
-/// 448 slots) or from a bitmap walk below [`SPARSE_BELOW`].
+/// starts from a holder list, which grows no longer than the dense threshold
+/// (16 at fleets of up to 448 slots), or from a bitmap walk below
+/// [`SPARSE_BELOW`].
 const ACTIVE_INLINE: usize = 16;
 const _: () = assert!(SPARSE_BELOW as usize <= ACTIVE_INLINE);
 
