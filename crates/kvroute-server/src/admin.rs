@@ -7,6 +7,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::Json;
+use kvroute_core::index::WorkerRank;
 use serde_json::{json, Value};
 
 use crate::api::{ApiError, Body};
@@ -114,10 +115,22 @@ pub async fn health(State(state): State<AdminState>) -> Json<Value> {
     Json(json!({"status": "ok", "workers": state.registry.len()}))
 }
 
-/// `GET /workers`: every worker and rank with its stream's state.
+/// `GET /workers`: every worker and rank with its stream's state, and with
+/// `--learn-speeds` each rank's `learned_speed` (null until learned).
 pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
     let replicas = state.replica.as_ref().map(|sync| sync.view());
-    Json(json!({ "workers": state.registry.view(), "replicas": replicas }))
+    let views = state.registry.view();
+    let mut workers = json!(views);
+    if let (Some(learned), Some(list)) = (state.proxy.learned_speeds(), workers.as_array_mut()) {
+        for (w, view) in list.iter_mut().zip(&views) {
+            let ranks = w.get_mut("ranks").and_then(Value::as_array_mut);
+            for (r, rank) in ranks.into_iter().flatten().zip(&view.ranks) {
+                let key = WorkerRank::new(view.id.0, rank.dp_rank);
+                r["learned_speed"] = json!(learned.get(&key));
+            }
+        }
+    }
+    Json(json!({ "workers": workers, "replicas": replicas }))
 }
 
 /// Parses a JSON body, answering 400 with serde's message when it is not JSON.

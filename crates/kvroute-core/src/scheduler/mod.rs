@@ -1,7 +1,8 @@
 //! Choosing the (worker, rank) for a request: what each candidate would cost
 //! ([`cost`]), what each is already doing ([`active`]), each candidate priced
-//! ([`candidates`]), and the order they are tried in under each routing
-//! policy ([`policy`]).
+//! ([`candidates`]), the order they are tried in under each routing
+//! policy ([`policy`]), and the workers' speeds learned from their
+//! responses ([`speed`]).
 //!
 //! Pure: the caller passes the index's matches, the active-sequence state
 //! and a random number; nothing here reads a clock or a socket.
@@ -10,11 +11,13 @@ pub mod active;
 pub mod candidates;
 pub mod cost;
 pub mod policy;
+pub mod speed;
 
 pub use active::{ActiveRequest, ActiveSequences};
 pub use candidates::{predicted_cached_tokens, BusyThresholds, Load, Pricing, Scored};
 pub use cost::{Candidate, CostBreakdown, CostWeights};
 pub use policy::{order, Policy};
+pub use speed::{SpeedConfig, SpeedLearner};
 
 /// Picks the index of the cheapest cost, or samples one when `temperature > 0`.
 ///

@@ -100,6 +100,7 @@ impl<'a> Sim<'a> {
                 config.engines,
                 (block_size, config.engine.flavor),
                 &config.worker_speeds,
+                config.learn_speeds,
                 config.seed,
             ),
             workload: Workload::new(&load.workload),
@@ -201,13 +202,13 @@ impl<'a> Sim<'a> {
             Event::Ingest(e, payload) => self.skipped += self.router.ingest(e, &payload),
             Event::FirstToken(n) => {
                 if let Some(p) = self.requests[n].placement {
-                    self.router.first_token(p);
+                    self.router.first_token(p, self.now);
                 }
             }
             Event::Finished(n, cached) => self.finished(n, cached),
             Event::Failed(n) => {
                 if let Some(p) = self.requests[n].placement {
-                    self.router.finished(p);
+                    self.router.finished(p, self.now, 0);
                 }
                 self.failed += 1;
                 self.at(self.now + d.client_us, Event::ClientDone(n));
@@ -334,7 +335,7 @@ impl<'a> Sim<'a> {
         let d = self.config.delays;
         let r = &self.requests[n];
         if let Some(p) = r.placement {
-            self.router.finished(p);
+            self.router.finished(p, self.now, r.max_tokens as u64);
             if let Some(predicted) = p.predicted_cached {
                 self.compared += 1;
                 self.predicted_exactly += u64::from(predicted == cached);

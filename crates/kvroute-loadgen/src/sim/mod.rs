@@ -70,6 +70,9 @@ pub struct SimConfig {
     /// worker's `speed` (missing entries are 1; they need not be the
     /// engines' own).
     pub worker_speeds: Vec<f64>,
+    /// Learn the engines' speeds from their decode times instead
+    /// (`None`: the declared speeds stand).
+    pub learn_speeds: Option<kvroute_core::scheduler::SpeedConfig>,
     /// Who routes.
     pub policy: Contender,
     /// Message delays.

@@ -12,11 +12,13 @@ use std::sync::Arc;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::rng::SplitMix64;
-use kvroute_core::scheduler::{order, ActiveSequences, Load, Policy};
+use kvroute_core::scheduler::{
+    order, ActiveSequences, Load, Policy, Pricing, SpeedConfig, SpeedLearner,
+};
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use kvroute_mocker::engine::{Engine, NewRequest};
 use kvroute_prompt::body::RoutingRequest;
-use kvroute_server::proxy::candidates::{request_hashes, score, RequestHashes, Target};
+use kvroute_server::proxy::candidates::{request_hashes, score, RankState, RequestHashes, Target};
 
 use crate::routing::{Contender, Routing};
 
@@ -44,6 +46,12 @@ pub struct SimRouter {
     rng: SplitMix64,
     turn: u64,
     next_id: u64,
+    /// Learns the engines' speeds from their decode times (`None`: the
+    /// declared speeds stand).
+    learner: Option<SpeedLearner<WorkerRank>>,
+    /// Requests past their first token: when it came (µs) and the blocks in
+    /// flight on their engine then.
+    decoding: HashMap<u64, (u64, u64)>,
 }
 
 /// Engine `i`'s key in the index (one rank per engine).
@@ -53,12 +61,14 @@ fn key(i: usize) -> WorkerRank {
 
 impl SimRouter {
     /// A router over `engines` engines of `block_size` and `flavor`, told
-    /// that engine `i` runs at `speeds[i]` (missing entries: 1).
+    /// that engine `i` runs at `speeds[i]` (missing entries: 1), learning
+    /// the speeds from the engines' responses when `learn` is set.
     pub fn new(
         policy: Contender,
         engines: usize,
         (block_size, flavor): (u32, WorkerFlavor),
         speeds: &[f64],
+        learn: Option<SpeedConfig>,
         seed: u64,
     ) -> Self {
         let targets = (0..engines)
@@ -91,6 +101,8 @@ impl SimRouter {
             rng: SplitMix64::new(seed ^ 0x0005_1AE5),
             turn: 0,
             next_id: 0,
+            learner: learn.map(SpeedLearner::new),
+            decoding: HashMap::new(),
         }
     }
 
@@ -139,15 +151,21 @@ impl SimRouter {
             &mut |bs, flavor| request_hashes(&req, bs, flavor),
             false,
         );
-        let active = &self.active;
+        let (active, learner) = (&self.active, &self.learner);
+        let pricing = Pricing {
+            request_tokens: tokens.len() as u64,
+            weights: &weights,
+            busy: &busy,
+        };
         let mut scored = score(
             &targets,
             &hashes,
-            tokens.len() as u64,
-            &|k, seqs| Load::of(active.get(&k), seqs),
-            &|_| true,
-            &weights,
-            &busy,
+            pricing,
+            RankState {
+                load: &|k, seqs| Load::of(active.get(&k), seqs),
+                available: &|_| true,
+                learned_speed: &|k| learner.as_ref()?.speed(k),
+            },
         );
         let turn = self.turn;
         self.turn += 1;
@@ -214,16 +232,29 @@ impl SimRouter {
         }
     }
 
-    /// The request's first token reached the router: its prefill is over.
-    pub fn first_token(&mut self, at: Placement) {
+    /// The request's first token reached the router at `now_us`: its
+    /// prefill is over.
+    pub fn first_token(&mut self, at: Placement, now_us: u64) {
         if let Some(a) = self.active.get_mut(&key(at.engine)) {
             a.prefill_done(at.active_id);
+            if self.learner.is_some() {
+                self.decoding
+                    .insert(at.active_id, (now_us, a.active_blocks()));
+            }
         }
     }
 
-    /// The request ended.
-    pub fn finished(&mut self, at: Placement) {
+    /// The request ended at `now_us` after `output_tokens` tokens.
+    pub fn finished(&mut self, at: Placement, now_us: u64, output_tokens: u64) {
+        let decoding = self.decoding.remove(&at.active_id);
         if let Some(a) = self.active.get_mut(&key(at.engine)) {
+            if let (Some(learner), Some((first_us, load))) = (&mut self.learner, decoding) {
+                if output_tokens > 1 {
+                    let ms = now_us.saturating_sub(first_us) as f64 / 1e3;
+                    let load = (load + a.active_blocks()) as f64 / 2.0;
+                    learner.observe(key(at.engine), load, ms / (output_tokens - 1) as f64);
+                }
+            }
             a.free(at.active_id);
         }
         if self.policy == Contender::Oracle {

@@ -16,6 +16,7 @@ fn config(policy: Contender, gpu_blocks: usize) -> SimConfig {
         engine: mocker.engine_config(),
         engine_speeds: Vec::new(),
         worker_speeds: Vec::new(),
+        learn_speeds: None,
         policy,
         delays: Delays::default(),
         seed: 1,

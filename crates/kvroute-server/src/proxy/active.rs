@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
 
 use kvroute_core::hash::SequenceHash;
 use kvroute_core::index::WorkerRank;
@@ -111,15 +112,41 @@ impl ActiveGuard {
         &self.proxy
     }
 
-    /// The request's prefill is over (its first byte came back).
-    pub fn prefill_done(&self) {
+    /// The request's prefill is over (its first byte came back); returns
+    /// the blocks in flight on its rank now.
+    pub fn prefill_done(&self) -> u64 {
+        let mut load = 0;
         if let Some(a) = self.proxy.active.lock().get_mut(&self.key) {
             a.prefill_done(self.id);
+            load = a.active_blocks();
         }
         if let Some((outbox, at)) = self.reference() {
             outbox.prefilled(at);
         }
         self.proxy.load_dropped.notify_waiters();
+        load
+    }
+
+    /// The response ended `decoding` after its first byte, with `tokens`
+    /// generated, its rank having had `load_then` blocks in flight at the
+    /// first byte: an observation of the rank's speed, when learning.
+    pub fn decoded(&self, decoding: Duration, load_then: u64, tokens: u64) {
+        let Some(book) = &self.proxy.speeds else {
+            return;
+        };
+        let now = self
+            .proxy
+            .active
+            .lock()
+            .get(&self.key)
+            .map_or(load_then, ActiveSequences::active_blocks);
+        let load = (load_then + now) as f64 / 2.0;
+        book.observe(self.key, load, decoding, tokens);
+    }
+
+    /// Whether the proxy learns speeds, so the response's token count matters.
+    pub fn learns_speeds(&self) -> bool {
+        self.proxy.speeds.is_some()
     }
 }
 

@@ -9,7 +9,7 @@ use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{namespace_seed, sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::index::{RankMatch, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::multimodal::prompt_local_hashes;
-use kvroute_core::scheduler::{BusyThresholds, CostWeights, Load, Pricing, Scored};
+use kvroute_core::scheduler::{Load, Pricing, Scored};
 
 use super::active::ActiveRanks;
 use super::Proxy;
@@ -194,26 +194,28 @@ impl RequestHashes {
     }
 }
 
-/// One scored candidate per rank of every worker in `targets` for which
-/// `available(name)` holds, priced on its flavour's hashes; `active(key,
-/// seqs)` gives a rank's load for the request's blocks.
+/// What scoring reads of the router's state, rank by rank.
+#[derive(Clone, Copy)]
+pub struct RankState<'a> {
+    /// A rank's load, given the request's blocks.
+    pub load: &'a dyn Fn(WorkerRank, &[SequenceHash]) -> Load,
+    /// Whether a worker (by name) takes requests now.
+    pub available: &'a dyn Fn(&str) -> bool,
+    /// A rank's learned speed, which stands in for its worker's declared one.
+    pub learned_speed: &'a dyn Fn(WorkerRank) -> Option<f64>,
+}
+
+/// One scored candidate per rank of every worker in `targets` that is
+/// available, priced on its flavour's hashes, its load and its speed.
 pub fn score(
     targets: &[Target],
     hashes: &RequestHashes,
-    request_tokens: u64,
-    active: &dyn Fn(WorkerRank, &[SequenceHash]) -> Load,
-    available: &dyn Fn(&str) -> bool,
-    weights: &CostWeights,
-    busy: &BusyThresholds,
+    pricing: Pricing<'_>,
+    state: RankState<'_>,
 ) -> Vec<Scored> {
-    let pricing = Pricing {
-        request_tokens,
-        weights,
-        busy,
-    };
     let mut out = Vec::new();
     for (i, t) in targets.iter().enumerate() {
-        if !available(&t.name) {
+        if !(state.available)(&t.name) {
             continue;
         }
         let Some(set) = hashes.get(t.block_size, t.flavor) else {
@@ -222,11 +224,12 @@ pub fn score(
         for &rank in &t.ranks {
             let key = WorkerRank { worker: t.id, rank };
             let matched = set.matches.iter().find(|m| m.worker_rank == key);
-            let load = active(key, &set.seqs);
+            let load = (state.load)(key, &set.seqs);
+            let speed = (state.learned_speed)(key).unwrap_or(t.speed);
             out.push(Scored::rank(
                 i,
                 key,
-                (t.block_size, t.flavor, t.speed),
+                (t.block_size, t.flavor, speed),
                 matched,
                 load,
                 pricing,
@@ -290,14 +293,21 @@ impl Proxy {
         // Index walks first, outside the active-sequence lock.
         let hashes = RequestHashes::compute(&targets, &self.index, locals_at, flavor_matters);
         let mut ranks = self.active.lock();
+        let learned = self.speeds.as_ref().map(|s| s.learned());
+        let pricing = Pricing {
+            request_tokens,
+            weights: &self.config.weights,
+            busy: &self.config.busy,
+        };
         let scored = score(
             &targets,
             &hashes,
-            request_tokens,
-            &|key, seqs| Load::of(ranks.get(&key), seqs),
-            &|name| self.breakers.available(name),
-            &self.config.weights,
-            &self.config.busy,
+            pricing,
+            RankState {
+                load: &|key, seqs| Load::of(ranks.get(&key), seqs),
+                available: &|name| self.breakers.available(name),
+                learned_speed: &|key| learned.as_ref()?.get(&key).copied(),
+            },
         );
         let candidates = Candidates {
             targets,
@@ -315,7 +325,7 @@ mod tests {
     use kvroute_core::hash::{local_block_hashes, HASH_SEED};
     use kvroute_core::index::{Index, IndexConfig};
     use kvroute_core::multimodal::{ImageIdentity, ImageSpan};
-    use kvroute_core::scheduler::{order, ActiveSequences, Policy};
+    use kvroute_core::scheduler::{order, ActiveSequences, BusyThresholds, CostWeights, Policy};
 
     fn targets() -> Vec<Target> {
         vec![
@@ -380,11 +390,8 @@ mod tests {
         let scored = score(
             &mixed,
             &hashes,
-            12,
-            &|_, s| Load::of(None, s),
-            &|_| true,
-            &CostWeights::default(),
-            &BusyThresholds::default(),
+            pricing(12, &CostWeights::default(), &BusyThresholds::default()),
+            ranks(&|_, s| Load::of(None, s), &|_| true),
         );
         assert_eq!(asked, [(4, WorkerFlavor::Vllm), (4, WorkerFlavor::Sglang)]);
         assert_eq!(scored[2].flavor, WorkerFlavor::Sglang);
@@ -417,18 +424,19 @@ mod tests {
         };
         let mut busy_rank = ActiveSequences::new();
         busy_rank.add(9, &seqs, 100, 0);
+        let busy = BusyThresholds {
+            prefill_tokens: Some(100),
+            decode_blocks: None,
+            requests: None,
+        };
         let scored = score(
             &targets(),
             &RequestHashes::from_sets(false, vec![set(vec![hit])]),
-            16,
-            &|k, s| Load::of((k == WorkerRank::new(0, 0)).then_some(&busy_rank), s),
-            &|_| true,
-            &CostWeights::DYNAMO,
-            &BusyThresholds {
-                prefill_tokens: Some(100),
-                decode_blocks: None,
-                requests: None,
-            },
+            pricing(16, &CostWeights::DYNAMO, &busy),
+            ranks(
+                &|k, s| Load::of((k == WorkerRank::new(0, 0)).then_some(&busy_rank), s),
+                &|_| true,
+            ),
         );
         assert_eq!(scored.len(), 3);
         // w0: (100 + 16)/4 = 29 prefill, 4 active blocks, none new.
@@ -451,12 +459,47 @@ mod tests {
         let without_w1 = score(
             &targets(),
             &RequestHashes::from_sets(false, vec![set(Vec::new())]),
-            16,
-            &|_, s| Load::of(None, s),
-            &|n| n != "w1",
-            &CostWeights::default(),
-            &BusyThresholds::default(),
+            pricing(16, &CostWeights::default(), &BusyThresholds::default()),
+            ranks(&|_, s| Load::of(None, s), &|n| n != "w1"),
         );
         assert_eq!(without_w1.len(), 1);
+        // A learned speed stands in for the declared one, rank by rank.
+        let half = |k: WorkerRank| (k == WorkerRank::new(1, 1)).then_some(0.5);
+        let learned = score(
+            &targets(),
+            &RequestHashes::from_sets(false, vec![set(vec![hit])]),
+            pricing(16, &CostWeights::DYNAMO, &BusyThresholds::default()),
+            RankState {
+                learned_speed: &half,
+                ..ranks(&|_, s| Load::of(None, s), &|_| true)
+            },
+        );
+        assert_eq!(learned[2].speed, 0.5);
+        assert_eq!(learned[2].cost.total, 10.0);
+        assert_eq!((learned[1].speed, learned[1].cost.total), (1.0, 8.0));
+    }
+
+    fn pricing<'a>(
+        request_tokens: u64,
+        weights: &'a CostWeights,
+        busy: &'a BusyThresholds,
+    ) -> Pricing<'a> {
+        Pricing {
+            request_tokens,
+            weights,
+            busy,
+        }
+    }
+
+    /// Loads and availability as given, and no learned speeds.
+    fn ranks<'a>(
+        load: &'a dyn Fn(WorkerRank, &[SequenceHash]) -> Load,
+        available: &'a dyn Fn(&str) -> bool,
+    ) -> RankState<'a> {
+        RankState {
+            load,
+            available,
+            learned_speed: &|_| None,
+        }
     }
 }

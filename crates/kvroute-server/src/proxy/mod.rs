@@ -14,7 +14,8 @@
 //!    rank, image hashes or `include_usage` to the body on the way;
 //! 5. [`relay`] passes the answer back (streams chunk by chunk) and compares
 //!    the engine's `cached_tokens` with the prediction;
-//! 6. [`active`] holds the request's place in its rank's load until it ends.
+//! 6. [`active`] holds the request's place in its rank's load until it
+//!    ends, and with `--learn-speeds` tells [`speeds`] how fast it decoded.
 
 pub mod active;
 pub mod attempt;
@@ -25,6 +26,7 @@ pub mod observe;
 pub mod relay;
 pub mod rewrite;
 pub mod shared;
+pub mod speeds;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
@@ -36,7 +38,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvroute_core::index::{SharedIndex, WorkerRank};
 use kvroute_core::rng::{mix, unit_f64, SplitMix64};
-use kvroute_core::scheduler::{BusyThresholds, CostWeights, Policy};
+use kvroute_core::scheduler::{BusyThresholds, CostWeights, Policy, SpeedConfig};
 use serde_json::{json, Map, Value};
 
 use crate::api::{ApiError, Body};
@@ -87,6 +89,9 @@ pub struct ProxyConfig {
     pub queue_timeout: Duration,
     /// The context length of workers that do not report theirs.
     pub max_model_len: Option<u64>,
+    /// Learn each rank's speed from its streamed responses, in place of its
+    /// worker's declared one once learned (`None`: declared speeds only).
+    pub learn_speeds: Option<SpeedConfig>,
 }
 
 impl Default for ProxyConfig {
@@ -107,6 +112,7 @@ impl Default for ProxyConfig {
             queue_capacity: 0,
             queue_timeout: Duration::from_secs(30),
             max_model_len: None,
+            learn_speeds: None,
         }
     }
 }
@@ -136,6 +142,8 @@ pub struct Proxy {
     load_dropped: tokio::sync::Notify,
     /// Where requests tell peer replicas of themselves (`--nats`).
     outbox: OnceLock<Arc<Outbox>>,
+    /// The ranks' learned speeds (`--learn-speeds`).
+    speeds: Option<speeds::SpeedBook>,
 }
 
 impl Proxy {
@@ -149,6 +157,7 @@ impl Proxy {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
         Ok(Proxy {
+            speeds: config.learn_speeds.map(speeds::SpeedBook::new),
             queue: tokio::sync::Semaphore::new(config.queue_capacity),
             load_dropped: tokio::sync::Notify::new(),
             breakers: Breakers::new(config.breaker_failures, config.breaker_open),
@@ -195,6 +204,11 @@ impl Proxy {
             .read()
             .unwrap_or_else(PoisonError::into_inner)
             .clone()
+    }
+
+    /// The speeds learned so far, by rank (`None`: not learning).
+    pub fn learned_speeds(&self) -> Option<Arc<std::collections::HashMap<WorkerRank, f64>>> {
+        self.speeds.as_ref().map(speeds::SpeedBook::learned)
     }
 
     /// The load in flight: (rank, requests, prefill tokens, decode blocks) of every rank seen.

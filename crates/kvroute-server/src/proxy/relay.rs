@@ -80,12 +80,26 @@ impl Prediction {
     }
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of a JSON document.
-fn cached_tokens(doc: &Value) -> Option<u64> {
-    doc.get("usage")?
-        .get("prompt_tokens_details")?
-        .get("cached_tokens")?
-        .as_u64()
+/// What an engine's `usage` reports, of what the router reads.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// `prompt_tokens_details.cached_tokens`: what the engine had cached.
+    pub cached: Option<u64>,
+    /// `completion_tokens`: the tokens it generated.
+    pub completion: Option<u64>,
+}
+
+/// The `usage` of a JSON document.
+fn usage_of(doc: &Value) -> Usage {
+    let usage = doc.get("usage");
+    Usage {
+        cached: usage.and_then(|u| {
+            u.get("prompt_tokens_details")?
+                .get("cached_tokens")?
+                .as_u64()
+        }),
+        completion: usage.and_then(|u| u.get("completion_tokens")?.as_u64()),
+    }
 }
 
 #[derive(serde::Deserialize)]
@@ -113,14 +127,16 @@ pub fn reported_cached_tokens(body: &[u8]) -> Option<u64> {
         .cached_tokens
 }
 
-/// The cached tokens reported in an SSE chunk's usage, if it has one.
-fn cached_tokens_in_sse(chunk: &[u8]) -> Option<u64> {
+/// The usage reported in an SSE chunk, if it has one with cached or
+/// completion tokens.
+fn usage_in_sse(chunk: &[u8]) -> Option<Usage> {
     let text = std::str::from_utf8(chunk).ok()?;
     text.lines()
         .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| d.contains("cached_tokens"))
+        .filter(|d| d.contains("cached_tokens") || d.contains("completion_tokens"))
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .find_map(|d| cached_tokens(&d))
+        .map(|d| usage_of(&d))
+        .find(|u| u.cached.is_some() || u.completion.is_some())
 }
 
 /// The end of the first complete SSE event in `buf` (after its blank line).
@@ -152,9 +168,9 @@ fn has_empty_choices(text: &[u8]) -> bool {
 }
 
 /// If one SSE event is a usage-only chunk (`"choices": []` and a `usage`
-/// object, what an engine sends last for `include_usage`), its usage's
-/// `cached_tokens` (`Some(None)` when it has none); otherwise `None`.
-fn usage_only_event(event: &[u8]) -> Option<Option<u64>> {
+/// object, what an engine sends last for `include_usage`), its usage;
+/// otherwise `None`.
+fn usage_only_event(event: &[u8]) -> Option<Usage> {
     if !has_empty_choices(event) {
         return None;
     }
@@ -167,7 +183,7 @@ fn usage_only_event(event: &[u8]) -> Option<Option<u64>> {
         .join("\n");
     let doc: Value = serde_json::from_str(&data).ok()?;
     let empty = doc.get("choices")?.as_array()?.is_empty();
-    (empty && doc.get("usage")?.is_object()).then(|| cached_tokens(&doc))
+    (empty && doc.get("usage")?.is_object()).then(|| usage_of(&doc))
 }
 
 /// Removes usage-only chunks from an SSE stream that kvroute asked for
@@ -181,8 +197,8 @@ pub struct UsageStripper {
 
 impl UsageStripper {
     /// Takes the next upstream bytes; returns what to pass on now and the
-    /// `cached_tokens` of a usage chunk removed from them, if any.
-    pub fn feed(&mut self, chunk: &[u8]) -> (Vec<u8>, Option<u64>) {
+    /// usage of a usage chunk removed from them, if any.
+    pub fn feed(&mut self, chunk: &[u8]) -> (Vec<u8>, Option<Usage>) {
         self.pending.extend_from_slice(chunk);
         let mut out = Vec::with_capacity(self.pending.len());
         let mut reported = None;
@@ -190,7 +206,7 @@ impl UsageStripper {
         while let Some(len) = sse_event_end(&self.pending[start..]) {
             let event = &self.pending[start..start + len];
             match usage_only_event(event) {
-                Some(cached) => reported = reported.or(cached),
+                Some(usage) => reported = reported.or(Some(usage)),
                 None => out.extend_from_slice(event),
             }
             start += len;
@@ -228,6 +244,10 @@ pub struct Passthrough<S> {
     /// When the request arrived, and when its first chunk came.
     arrived: Instant,
     first_chunk: Option<Instant>,
+    /// The blocks in flight on the rank at the first chunk.
+    load_at_first: u64,
+    /// The tokens generated, as the engine's usage reported them.
+    completion_tokens: Option<u64>,
     /// What was passed on so far ends an SSE event (or nothing was).
     at_boundary: bool,
     done: bool,
@@ -254,6 +274,8 @@ impl<S> Passthrough<S> {
             origin,
             arrived,
             first_chunk: None,
+            load_at_first: 0,
+            completion_tokens: None,
             at_boundary: true,
             done: false,
         }
@@ -290,11 +312,26 @@ impl<S> Passthrough<S> {
 }
 
 impl<S> Passthrough<S> {
-    fn report(&mut self, reported: Option<u64>) {
-        if let (Some(p), Some(g), Some(reported)) = (&self.prediction, &self.guard, reported) {
-            p.settle(g.proxy(), reported);
+    fn report(&mut self, reported: Option<Usage>) {
+        let Some(usage) = reported else {
+            return;
+        };
+        self.completion_tokens = usage.completion.or(self.completion_tokens);
+        if let (Some(p), Some(g), Some(cached)) = (&self.prediction, &self.guard, usage.cached) {
+            p.settle(g.proxy(), cached);
             self.prediction = None;
         }
+    }
+
+    /// The stream ended: its timings, and how fast its rank decoded it.
+    fn ended(&mut self) {
+        let Some(g) = self.guard.take() else {
+            return;
+        };
+        if let (Some(first), Some(tokens)) = (self.first_chunk, self.completion_tokens) {
+            g.decoded(first.elapsed(), self.load_at_first, tokens);
+        }
+        g.proxy().timed(self.arrived, self.first_chunk);
     }
 }
 
@@ -316,7 +353,7 @@ where
                         this.first = false;
                         this.first_chunk = Some(Instant::now());
                         if let Some(g) = &this.guard {
-                            g.prefill_done();
+                            this.load_at_first = g.prefill_done();
                         }
                     }
                     let (out, reported) = match &mut this.strip {
@@ -325,10 +362,11 @@ where
                             (Bytes::from(out), reported)
                         }
                         None => {
-                            let reported = this
-                                .prediction
-                                .as_ref()
-                                .and_then(|_| cached_tokens_in_sse(&chunk));
+                            let learns =
+                                this.guard.as_ref().is_some_and(ActiveGuard::learns_speeds);
+                            let reported = (this.prediction.is_some() || learns)
+                                .then(|| usage_in_sse(&chunk))
+                                .flatten();
                             (chunk, reported)
                         }
                     };
@@ -344,9 +382,7 @@ where
                     return Poll::Ready(this.failed(&e).map(Ok));
                 }
                 Poll::Ready(None) => {
-                    if let Some(g) = this.guard.take() {
-                        g.proxy().timed(this.arrived, this.first_chunk);
-                    }
+                    this.ended();
                     this.done = true;
                     let rest = this.strip.as_mut().map(UsageStripper::finish);
                     return match rest {
@@ -368,12 +404,18 @@ mod tests {
     #[test]
     fn usage_is_found_in_documents_and_sse_chunks() {
         let doc = json!({"usage": {"prompt_tokens_details": {"cached_tokens": 48}}});
-        assert_eq!(cached_tokens(&doc), Some(48));
+        assert_eq!(usage_of(&doc).cached, Some(48));
         assert_eq!(reported_cached_tokens(doc.to_string().as_bytes()), Some(48));
         assert_eq!(reported_cached_tokens(b"{\"id\":1}"), None);
         let chunk = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
-        assert_eq!(cached_tokens_in_sse(chunk), Some(32));
-        assert_eq!(cached_tokens_in_sse(b"data: {\"choices\":[]}\n\n"), None);
+        assert_eq!(usage_in_sse(chunk).and_then(|u| u.cached), Some(32));
+        assert_eq!(usage_in_sse(b"data: {\"choices\":[]}\n\n"), None);
+        let done = b"data: {\"choices\":[],\"usage\":{\"completion_tokens\":7}}\n\n";
+        let usage = usage_in_sse(done);
+        assert_eq!(
+            usage.map(|u| (u.cached, u.completion)),
+            Some((None, Some(7)))
+        );
     }
 
     const ROLE: &[u8] =
@@ -393,7 +435,7 @@ mod tests {
             out.extend(rest);
             out.extend(f.finish());
             assert_eq!(out, expected, "cut at {cut}");
-            assert_eq!(a.or(b), Some(48), "cut at {cut}");
+            assert_eq!(a.or(b).and_then(|u| u.cached), Some(48), "cut at {cut}");
         }
         let mut f = UsageStripper::default();
         let mut out = Vec::new();
@@ -405,6 +447,7 @@ mod tests {
             out.extend(o);
             reported = reported.or(r);
         }
+        let reported = reported.and_then(|u| u.cached);
         assert_eq!((out, reported), (expected, Some(48)));
     }
 
@@ -418,7 +461,8 @@ mod tests {
         assert_eq!(out, ROLE);
         // CRLF framing, and a chunk with choices and usage is kept.
         let crlf = b"data: {\"choices\": [ ], \"usage\": {\"prompt_tokens_details\": {\"cached_tokens\": 16}}}\r\n\r\n";
-        assert_eq!(f.feed(crlf), (Vec::new(), Some(16)));
+        let (out, usage) = f.feed(crlf);
+        assert_eq!((out, usage.and_then(|u| u.cached)), (Vec::new(), Some(16)));
         let with_choices =
             b"data: {\"choices\":[{\"text\":\"\"}],\"usage\":{\"prompt_tokens\":1}}\n\n";
         assert_eq!(f.feed(with_choices).0, with_choices);

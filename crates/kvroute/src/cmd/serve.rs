@@ -9,8 +9,8 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::index::IndexConfig;
 use kvroute_core::multimodal::ImageTokenRule;
-use kvroute_core::scheduler::CostWeights;
 use kvroute_core::scheduler::{BusyThresholds, Policy};
+use kvroute_core::scheduler::{CostWeights, SpeedConfig};
 use kvroute_prompt::{Renderer, Tokenizer};
 use kvroute_server::admin::Access;
 use kvroute_server::ingest::address::AllowedHosts;
@@ -174,6 +174,12 @@ pub struct ServeArgs {
     /// refused with 400 before they are sent.
     #[arg(long, value_name = "TOKENS", env = "KVROUTE_MAX_MODEL_LEN")]
     max_model_len: Option<u64>,
+    /// Learn each rank's speed from its streamed responses (time per token
+    /// against the load it decoded under), in place of the declared
+    /// `speed=` once learned. Speeds within 20 % of the fleet's median
+    /// count as equal.
+    #[arg(long, env = "KVROUTE_LEARN_SPEEDS")]
+    learn_speeds: bool,
     /// Largest `/query` or `/query_by_hash` body, in MiB (larger: 413).
     #[arg(long, default_value_t = 4, env = "KVROUTE_QUERY_MAX_BODY_MIB")]
     query_max_body_mib: usize,
@@ -377,6 +383,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         queue_capacity: args.queue_capacity,
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         max_model_len: args.max_model_len,
+        learn_speeds: args.learn_speeds.then(SpeedConfig::default),
         renderer,
     })
 }

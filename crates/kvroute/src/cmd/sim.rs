@@ -9,7 +9,7 @@ use std::sync::Mutex;
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
-use kvroute_core::scheduler::{CostWeights, Policy};
+use kvroute_core::scheduler::{CostWeights, Policy, SpeedConfig};
 use kvroute_loadgen as load;
 use kvroute_loadgen::mooncake::Trace;
 use kvroute_loadgen::routing::{Contender, Routing};
@@ -71,6 +71,20 @@ pub struct SimArgs {
     /// is with a worker's `speed=` (default: every engine the reference, 1).
     #[arg(long, value_delimiter = ',')]
     worker_speeds: Vec<f64>,
+    /// Learn the engines' speeds from their decode times, as `kvroute
+    /// serve --learn-speeds` does (the declared ones stand until then).
+    #[arg(long)]
+    learn_speeds: bool,
+    /// A learned speed this close to 1 (relatively) counts as 1.
+    #[arg(long, default_value_t = SpeedConfig::default().dead_band)]
+    speed_dead_band: f64,
+    /// Responses of an engine (their forgetting weight) before its speed is
+    /// learned.
+    #[arg(long, default_value_t = SpeedConfig::default().min_observations)]
+    speed_min_observations: f64,
+    /// Weight an engine's earlier responses keep at each new one.
+    #[arg(long, default_value_t = SpeedConfig::default().forget)]
+    speed_forget: f64,
     /// What routes, in order: router policies, `dynamo` (kv with Dynamo's
     /// weights) and `oracle`.
     #[arg(
@@ -303,6 +317,12 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
                 engine: mocker.engine_config(),
                 engine_speeds: a.engine_speeds.clone(),
                 worker_speeds: a.worker_speeds.clone(),
+                learn_speeds: a.learn_speeds.then_some(SpeedConfig {
+                    dead_band: a.speed_dead_band,
+                    min_observations: a.speed_min_observations,
+                    forget: a.speed_forget,
+                    ..SpeedConfig::default()
+                }),
                 policy: contender,
                 delays,
                 seed,

@@ -185,6 +185,48 @@ fn a_worker_declared_a_quarter_as_fast_takes_few_requests() {
     assert!(slow < mean_fast / 4.0, "slow {slow}, fast {fast:?}");
 }
 
+/// The same fleet with nothing declared and `--learn-speeds`: the router
+/// learns the slow engine's speed from its streamed responses (time per
+/// token after the first, against the blocks it decoded under), reports it
+/// in `/workers`, and prices the engine by it, so the engine takes fewer
+/// groups than when nothing is known of it (learned at 0.22–0.25 in four
+/// runs). The fast engines are within
+/// the dead band of each other and so are learned as equal.
+#[test]
+fn a_worker_a_quarter_as_fast_is_learned_from_its_responses() {
+    let (_fast, mut lines) = start_mocker_with(3, &["--num-gpu-blocks", "2048", "--speedup", "4"]);
+    let (_slow, slow) = start_mocker_with(1, &["--num-gpu-blocks", "2048", "--speedup", "1"]);
+    lines.push(slow[0].replacen("name=w0", "name=slow", 1));
+    let (_serve, serve) = start_serve(&lines, &["--learn-speeds"]);
+    let learned_of = |name: &str| {
+        let workers = request(&serve, "GET", "/workers", "").json();
+        workers["workers"]
+            .as_array()
+            .and_then(|ws| ws.iter().find(|w| w["name"] == name))
+            .map(|w| (w["speed"].clone(), w["ranks"][0]["learned_speed"].clone()))
+    };
+    // Nothing is learned before a response has been seen.
+    assert_eq!(learned_of("slow"), Some((json!(1.0), Value::Null)));
+    bench_long(&serve, 400);
+    let (declared, learned) = learned_of("slow").expect("the slow worker");
+    assert_eq!(declared, json!(1.0));
+    let learned = learned.as_f64().expect("a learned speed");
+    assert!((0.1..0.45).contains(&learned), "slow learned at {learned}");
+    for name in ["w0", "w1", "w2"] {
+        assert_eq!(learned_of(name).map(|l| l.1), Some(json!(1.0)), "{name}");
+    }
+    let routed = |name: &str| {
+        let label = format!("worker=\"{name}\"");
+        metric_where(&serve, "kvroute_proxy_routed_total", &label).unwrap_or(0.0)
+    };
+    let fast = ["w0", "w1", "w2"].map(routed);
+    let slow = routed("slow");
+    assert_eq!(fast.iter().sum::<f64>() + slow, 400.0);
+    // Learned: 27–32 requests in four runs; nothing known: 52–72.
+    let mean_fast = fast.iter().sum::<f64>() / 3.0;
+    assert!(slow < mean_fast / 3.0, "slow {slow}, fast {fast:?}");
+}
+
 /// Two requests of a new group sent at once: the router places them one
 /// after the other, so the second sees the first's prefix in flight and
 /// follows it, and the engine computes the prefix once (vLLM shares a block
