@@ -185,19 +185,41 @@ fn a_worker_declared_a_quarter_as_fast_takes_few_requests() {
     assert!(slow < mean_fast / 4.0, "slow {slow}, fast {fast:?}");
 }
 
-/// The same fleet with nothing declared and `--learn-speeds`: the router
-/// learns the slow engine's speed from its streamed responses (time per
-/// token after the first, against the blocks it decoded under), reports it
-/// in `/workers`, and prices the engine by it, so the engine takes fewer
-/// groups than when nothing is known of it (learned at 0.22–0.25 in four
-/// runs). The fast engines are within
-/// the dead band of each other and so are learned as equal.
+/// A fleet with one engine at an eighth of the others' speed, nothing
+/// declared, and `--learn-speeds`: the router learns the slow engine's
+/// speed from its streamed responses (time per token after the first,
+/// against the blocks it decoded under), reports it in `/workers`, and
+/// prices the engine by it, so the engine takes fewer groups than the same
+/// fleet gives it without learning, run beside it (quiet machine: learned
+/// at 0.11–0.12 and 11–17 requests in six runs, against 42–48 without in
+/// two). The fast engines are within the dead band of each other and so
+/// are learned as equal.
 #[test]
-fn a_worker_a_quarter_as_fast_is_learned_from_its_responses() {
+fn a_worker_an_eighth_as_fast_is_learned_from_its_responses() {
+    let (learned, slow, fast) = eighth_speed_fleet(true);
+    let learned = learned.expect("a learned speed");
+    // What the router sees also holds fixed costs (HTTP, the engine's
+    // wake-up after a step), more so on a busy machine, which bring the
+    // ratio towards 1.
+    assert!((0.03..0.5).contains(&learned), "slow learned at {learned}");
+    let mean_fast = fast.iter().sum::<f64>() / 3.0;
+    let (none, unlearned, _) = eighth_speed_fleet(false);
+    assert_eq!(none, None);
+    assert!(
+        slow < 0.7 * unlearned && slow < mean_fast / 2.0,
+        "learning: slow {slow}, fast {fast:?}; without: slow {unlearned}"
+    );
+}
+
+/// Three engines of `kvroute mocker --speedup 4` and one at 0.5, nothing
+/// declared, 400 requests of the `long` shape: the slow engine's learned
+/// speed (with `learn`), and the requests routed to it and to the others.
+fn eighth_speed_fleet(learn: bool) -> (Option<f64>, f64, [f64; 3]) {
     let (_fast, mut lines) = start_mocker_with(3, &["--num-gpu-blocks", "2048", "--speedup", "4"]);
-    let (_slow, slow) = start_mocker_with(1, &["--num-gpu-blocks", "2048", "--speedup", "1"]);
+    let (_slow, slow) = start_mocker_with(1, &["--num-gpu-blocks", "2048", "--speedup", "0.5"]);
     lines.push(slow[0].replacen("name=w0", "name=slow", 1));
-    let (_serve, serve) = start_serve(&lines, &["--learn-speeds"]);
+    let flags: &[&str] = if learn { &["--learn-speeds"] } else { &[] };
+    let (_serve, serve) = start_serve(&lines, flags);
     let learned_of = |name: &str| {
         let workers = request(&serve, "GET", "/workers", "").json();
         workers["workers"]
@@ -210,10 +232,10 @@ fn a_worker_a_quarter_as_fast_is_learned_from_its_responses() {
     bench_long(&serve, 400);
     let (declared, learned) = learned_of("slow").expect("the slow worker");
     assert_eq!(declared, json!(1.0));
-    let learned = learned.as_f64().expect("a learned speed");
-    assert!((0.1..0.45).contains(&learned), "slow learned at {learned}");
-    for name in ["w0", "w1", "w2"] {
-        assert_eq!(learned_of(name).map(|l| l.1), Some(json!(1.0)), "{name}");
+    if learn {
+        for name in ["w0", "w1", "w2"] {
+            assert_eq!(learned_of(name).map(|l| l.1), Some(json!(1.0)), "{name}");
+        }
     }
     let routed = |name: &str| {
         let label = format!("worker=\"{name}\"");
@@ -222,9 +244,7 @@ fn a_worker_a_quarter_as_fast_is_learned_from_its_responses() {
     let fast = ["w0", "w1", "w2"].map(routed);
     let slow = routed("slow");
     assert_eq!(fast.iter().sum::<f64>() + slow, 400.0);
-    // Learned: 27–32 requests in four runs; nothing known: 52–72.
-    let mean_fast = fast.iter().sum::<f64>() / 3.0;
-    assert!(slow < mean_fast / 3.0, "slow {slow}, fast {fast:?}");
+    (learned.as_f64(), slow, fast)
 }
 
 /// Two requests of a new group sent at once: the router places them one
