@@ -162,6 +162,7 @@ catalogue! {
     HTTP_HEADER_TIMEOUTS:         kvroute_http_header_timeouts_total           Counter   NONE "Connections closed because a request head took longer than --header-timeout-secs.";
     HTTP_IDLE_TIMEOUTS:           kvroute_http_idle_timeouts_total             Counter   NONE "Kept-alive connections closed after --idle-timeout-secs without a request.";
     ACTIVE_DECODE_BLOCKS:         kvroute_active_decode_blocks                 Gauge     RANK "Distinct blocks held by requests in flight per (worker, rank).";
+    RANK_SPEED:                   kvroute_rank_speed                           Gauge     RANK "The speed a rank is priced at: learned from its responses once known (--learn-speeds), else its worker's declared speed.";
     REPLICA_NATS_CONNECTED:       kvroute_replica_nats_connected               Gauge     NONE "Whether this replica is connected to NATS (--nats).";
     REPLICA_NATS_OUTAGES:         kvroute_replica_nats_outages_total           Counter   NONE "Times the NATS connection went down.";
     REPLICA_PEERS:                kvroute_replica_peers                        Gauge     NONE "Peer replicas heard within the last 3.5 s.";
@@ -344,6 +345,20 @@ pub fn encode_rank_family<'a>(
                 ConstGauge::new(i64::try_from(value).unwrap_or(i64::MAX)).encode(sample)?
             }
         }
+    }
+    Ok(())
+}
+
+/// Writes one per-rank gauge of fractional values.
+pub fn encode_rank_ratios(
+    encoder: &mut DescriptorEncoder,
+    info: &MetricInfo,
+    rows: impl IntoIterator<Item = (RankLabels, f64)>,
+) -> Result<(), std::fmt::Error> {
+    let mut family =
+        encoder.encode_descriptor(info.family(), info.help, None, info.kind.metric_type())?;
+    for (labels, value) in rows {
+        ConstGauge::new(value).encode(family.encode_family(&labels)?)?;
     }
     Ok(())
 }

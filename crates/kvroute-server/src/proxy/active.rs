@@ -15,9 +15,11 @@ use kvroute_core::scheduler::ActiveSequences;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 
+use super::candidates::Target;
 use super::Proxy;
 use crate::metrics::{
-    encode_rank_family, RankLabels, ACTIVE_DECODE_BLOCKS, ACTIVE_PREFILL_TOKENS, ACTIVE_REQUESTS,
+    encode_rank_family, encode_rank_ratios, RankLabels, ACTIVE_DECODE_BLOCKS,
+    ACTIVE_PREFILL_TOKENS, ACTIVE_REQUESTS, RANK_SPEED,
 };
 use crate::replica::message::RequestRef;
 use crate::replica::outbox::Outbox;
@@ -209,6 +211,29 @@ impl Collector for ActiveCollector {
         {
             encode_rank_family(&mut encoder, info, rows.iter().map(|(l, v)| (l, v[i])))?;
         }
-        Ok(())
+        self.encode_speeds(&mut encoder, &targets)
+    }
+}
+
+impl ActiveCollector {
+    /// `kvroute_rank_speed`: every rank of every worker routing knows.
+    fn encode_speeds(
+        &self,
+        encoder: &mut DescriptorEncoder,
+        targets: &[Target],
+    ) -> Result<(), std::fmt::Error> {
+        let learned = self.proxy.learned_speeds();
+        let rows = targets.iter().flat_map(|t| {
+            t.ranks.iter().map(|&rank| {
+                let key = WorkerRank { worker: t.id, rank };
+                let speed = learned.as_ref().and_then(|l| l.get(&key).copied());
+                let labels = RankLabels {
+                    worker: t.name.clone(),
+                    dp_rank: rank,
+                };
+                (labels, speed.unwrap_or(t.speed))
+            })
+        });
+        encode_rank_ratios(encoder, &RANK_SPEED, rows)
     }
 }

@@ -232,10 +232,14 @@ fn eighth_speed_fleet(learn: bool) -> (Option<f64>, f64, [f64; 3]) {
     bench_long(&serve, 400);
     let (declared, learned) = learned_of("slow").expect("the slow worker");
     assert_eq!(declared, json!(1.0));
+    let priced_at = metric_where(&serve, "kvroute_rank_speed", "worker=\"slow\"");
     if learn {
         for name in ["w0", "w1", "w2"] {
             assert_eq!(learned_of(name).map(|l| l.1), Some(json!(1.0)), "{name}");
         }
+        assert_eq!(priced_at, learned.as_f64());
+    } else {
+        assert_eq!(priced_at, Some(1.0));
     }
     let routed = |name: &str| {
         let label = format!("worker=\"{name}\"");
