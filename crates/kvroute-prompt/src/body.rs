@@ -478,7 +478,8 @@ pub fn parse_query(body: &[u8]) -> Result<RoutingRequest, ParseError> {
         });
     }
     let chat = raw.messages.is_some();
-    if !chat && raw.prompt.is_none() {
+    // A prompt of token ids is read by the fast scan, which leaves no raw field.
+    if !chat && raw.prompt.is_none() && ids.is_none() {
         return Err(bad("give `token_ids`, `prompt` or `messages`"));
     }
     request_of(&raw, ids, chat)
@@ -551,6 +552,8 @@ mod tests {
         assert!(err(br#"{"prompt":null}"#, false).contains("required"));
         assert!(err(br#"{"prompt":[1],"model":3}"#, false).contains("`model`"));
         assert!(parse_query(br#"{"nothing":1}"#).is_err());
+        let ids = parse_query(br#"{"model":"m","prompt":[0,1,2]}"#).expect("valid");
+        assert_eq!(ids.tokens, Some(vec![0, 1, 2]));
         assert_eq!(
             parse_hash_query(br#"{"local_hashes":[1,-1]}"#).expect("valid"),
             vec![LocalBlockHash(1), LocalBlockHash(u64::MAX)]
