@@ -138,6 +138,19 @@ impl<K: Copy + Eq + Hash> SpeedLearner<K> {
         Some(raw.clamp(lo, hi))
     }
 
+    /// Forgets the workers for which `keep` is false (gone from the fleet),
+    /// so that their old factors no longer set the fleet's median. True
+    /// when one was forgotten (and the speeds refitted).
+    pub fn retain(&mut self, mut keep: impl FnMut(K) -> bool) -> bool {
+        let before = self.sums.len();
+        self.sums.retain(|&k, _| keep(k));
+        let forgot = self.sums.len() != before;
+        if forgot {
+            self.refit();
+        }
+        forgot
+    }
+
     /// The fleet's time per token at `load` blocks on the reference engine
     /// (0 before the first fit).
     pub fn reference_ms_per_token(&self, load: f64) -> f64 {
@@ -272,6 +285,17 @@ mod tests {
         let slow = learner.speed(2).expect("learned");
         assert!((slow - 0.25).abs() < 0.03, "{slow}");
         assert_eq!(learner.speed(0), Some(1.0));
+    }
+
+    #[test]
+    fn a_worker_that_left_no_longer_sets_the_median() {
+        let mut learner = learn(&[1.0, 0.5, 0.5], 0.0, 100);
+        // The median is a slow worker: the fast one counts as twice as fast.
+        assert!((learner.speed(0).expect("learned") - 2.0).abs() < 0.05);
+        learner.retain(|k| k != 2);
+        assert_eq!(learner.speed(2), None);
+        let ratio = learner.speed(1).expect("learned") / learner.speed(0).expect("learned");
+        assert!((ratio - 0.5).abs() < 0.05, "{ratio}");
     }
 
     #[test]

@@ -292,8 +292,8 @@ impl Proxy {
         let targets = self.targets();
         // Index walks first, outside the active-sequence lock.
         let hashes = RequestHashes::compute(&targets, &self.index, locals_at, flavor_matters);
+        let learned = self.learned_speeds();
         let mut ranks = self.active.lock();
-        let learned = self.speeds.as_ref().map(|s| s.learned());
         let pricing = Pricing {
             request_tokens,
             weights: &self.config.weights,

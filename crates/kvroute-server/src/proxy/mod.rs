@@ -245,6 +245,17 @@ impl Proxy {
             .iter()
             .filter_map(Target::from_view)
             .collect();
+        if let Some(book) = &self.speeds {
+            let fleet = targets
+                .iter()
+                .flat_map(|t| {
+                    t.ranks
+                        .iter()
+                        .map(|&rank| WorkerRank { worker: t.id, rank })
+                })
+                .collect();
+            book.retain(&fleet);
+        }
         *self.targets.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(targets);
     }
 

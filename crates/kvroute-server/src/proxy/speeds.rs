@@ -4,7 +4,7 @@
 //! first and its rank's load, and every refit publishes the speeds that
 //! scoring reads without waiting on the learner.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
@@ -42,6 +42,16 @@ impl SpeedBook {
         }
     }
 
+    /// Forgets the ranks not in `fleet` (their workers left).
+    pub fn retain(&self, fleet: &HashSet<WorkerRank>) {
+        let mut learner = self.learner.lock().unwrap_or_else(PoisonError::into_inner);
+        if learner.retain(|key| fleet.contains(&key)) {
+            let speeds = learner.speeds().collect();
+            drop(learner);
+            *self.learned.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(speeds);
+        }
+    }
+
     /// The speeds learned so far, by rank.
     pub fn learned(&self) -> Arc<HashMap<WorkerRank, f64>> {
         self.learned
@@ -72,5 +82,8 @@ mod tests {
         // Two ranks: the median is their geometric mean.
         let ratio = learned[&slow] / learned[&fast];
         assert!((ratio - 0.5).abs() < 0.01, "{learned:?}");
+        // The slow rank's worker leaves: it is no longer published.
+        book.retain(&HashSet::from([fast]));
+        assert!(!book.learned().contains_key(&slow));
     }
 }
