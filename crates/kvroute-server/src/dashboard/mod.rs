@@ -72,6 +72,7 @@ pub fn stats(state: &AdminState) -> Value {
         .into_iter()
         .map(|(key, requests, prefill, blocks)| (key, (requests, prefill, blocks)))
         .collect();
+    let learned = proxy.learned_speeds();
     let workers: Vec<Value> = state
         .registry
         .view()
@@ -87,6 +88,7 @@ pub fn stats(state: &AdminState) -> Value {
                         rank: r.dp_rank,
                     };
                     let (requests, prefill, _) = load.get(&key).copied().unwrap_or_default();
+                    let speed = learned.as_ref().and_then(|l| l.get(&key).copied());
                     let routed = last_sum(&samples, RATE_SECS, |s| {
                         s.by_rank
                             .get(&(name.clone(), r.dp_rank))
@@ -102,6 +104,8 @@ pub fn stats(state: &AdminState) -> Value {
                         "in_flight": requests,
                         "prefill_tokens": prefill,
                         "routed_per_s": routed as f64 / window as f64,
+                        "speed": speed.unwrap_or(w.speed),
+                        "speed_learned": speed.is_some(),
                     })
                 })
                 .collect();

@@ -134,6 +134,9 @@ fn the_dashboard_shows_the_fleet_the_hit_rate_and_the_decisions_in_a_real_browse
             "worker {name} is not in the fleet table:\n{dom}"
         );
     }
+    // Each rank's speed: declared (1), none learned without --learn-speeds.
+    let speed = testid_text(&dom, "rank-speed");
+    assert_eq!(speed, Some("1.00"), "speed shown: {speed:?}");
     let hit = testid_text(&dom, "hit-rate").expect("the hit rate card");
     let value: f64 = hit.trim_end_matches('%').trim().parse().unwrap_or(0.0);
     assert!(value > 0.0, "hit rate shown: {hit:?}");

@@ -225,6 +225,18 @@ fn eighth_speed_fleet(learn: bool) -> (Option<f64>, f64, [f64; 3], Option<f64>) 
         // The exposition prints a float to within a unit of its last place.
         let (at, learned) = (priced_at.unwrap_or(0.0), learned.as_f64().unwrap_or(1.0));
         assert!((at - learned).abs() < 1e-12, "{at} vs {learned}");
+        // The dashboard's fleet table shows it, marked as learned.
+        let stats = request(&serve, "GET", "/api/stats", "").json();
+        let shown = stats["workers"]
+            .as_array()
+            .and_then(|ws| ws.iter().find(|w| w["name"] == "slow"))
+            .map(|w| {
+                (
+                    w["ranks"][0]["speed"].as_f64(),
+                    w["ranks"][0]["speed_learned"].clone(),
+                )
+            });
+        assert_eq!(shown, Some((Some(learned), json!(true))));
     } else {
         assert_eq!(priced_at, Some(1.0));
     }
