@@ -119,6 +119,25 @@ impl<K: Copy + Eq + Hash> SpeedLearner<K> {
         true
     }
 
+    /// A whole response of `worker`: `tokens` generated, the last
+    /// `decoding_ms` after the first, while the router had `loads.0` blocks
+    /// in flight there at the first token and `loads.1` at the end. A
+    /// response of one token says nothing of decoding. True as for
+    /// [`SpeedLearner::observe`].
+    pub fn observe_response(
+        &mut self,
+        worker: K,
+        loads: (u64, u64),
+        decoding_ms: f64,
+        tokens: u64,
+    ) -> bool {
+        if tokens < 2 {
+            return false;
+        }
+        let load = (loads.0 as f64 + loads.1 as f64) / 2.0;
+        self.observe(worker, load, decoding_ms / (tokens - 1) as f64)
+    }
+
     /// Every worker with a learned speed, and that speed.
     pub fn speeds(&self) -> impl Iterator<Item = (K, f64)> + '_ {
         self.fitted

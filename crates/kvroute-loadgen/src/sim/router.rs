@@ -249,11 +249,9 @@ impl SimRouter {
         let decoding = self.decoding.remove(&at.active_id);
         if let Some(a) = self.active.get_mut(&key(at.engine)) {
             if let (Some(learner), Some((first_us, load))) = (&mut self.learner, decoding) {
-                if output_tokens > 1 {
-                    let ms = now_us.saturating_sub(first_us) as f64 / 1e3;
-                    let load = (load + a.active_blocks()) as f64 / 2.0;
-                    learner.observe(key(at.engine), load, ms / (output_tokens - 1) as f64);
-                }
+                let ms = now_us.saturating_sub(first_us) as f64 / 1e3;
+                let loads = (load, a.active_blocks());
+                learner.observe_response(key(at.engine), loads, ms, output_tokens);
             }
             a.free(at.active_id);
         }

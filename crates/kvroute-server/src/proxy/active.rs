@@ -142,8 +142,7 @@ impl ActiveGuard {
             .lock()
             .get(&self.key)
             .map_or(load_then, ActiveSequences::active_blocks);
-        let load = (load_then + now) as f64 / 2.0;
-        book.observe(self.key, load, decoding, tokens);
+        book.observe(self.key, (load_then, now), decoding, tokens);
     }
 
     /// Whether the proxy learns speeds, so the response's token count matters.

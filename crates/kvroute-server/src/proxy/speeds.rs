@@ -5,7 +5,7 @@
 //! scoring reads without waiting on the learner.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, RwLock};
 use std::time::Duration;
 
 use kvroute_core::index::WorkerRank;
@@ -28,27 +28,28 @@ impl SpeedBook {
     }
 
     /// A response of rank `key` decoded `tokens` tokens, the last `decoding`
-    /// after the first, while the rank had `load` blocks in flight.
-    pub fn observe(&self, key: WorkerRank, load: f64, decoding: Duration, tokens: u64) {
-        if tokens < 2 {
-            return;
-        }
-        let ms_per_token = decoding.as_secs_f64() * 1e3 / (tokens - 1) as f64;
+    /// after the first, while the rank had `loads` blocks in flight at the
+    /// first token and at the end.
+    pub fn observe(&self, key: WorkerRank, loads: (u64, u64), decoding: Duration, tokens: u64) {
+        let ms = decoding.as_secs_f64() * 1e3;
         let mut learner = self.learner.lock().unwrap_or_else(PoisonError::into_inner);
-        if learner.observe(key, load, ms_per_token) {
-            let speeds = learner.speeds().collect();
-            drop(learner);
-            *self.learned.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(speeds);
+        if learner.observe_response(key, loads, ms, tokens) {
+            self.publish(learner);
         }
+    }
+
+    /// Makes the learner's speeds the ones scoring reads.
+    fn publish(&self, learner: MutexGuard<'_, SpeedLearner<WorkerRank>>) {
+        let speeds = learner.speeds().collect();
+        drop(learner);
+        *self.learned.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(speeds);
     }
 
     /// Forgets the ranks not in `fleet` (their workers left).
     pub fn retain(&self, fleet: &HashSet<WorkerRank>) {
         let mut learner = self.learner.lock().unwrap_or_else(PoisonError::into_inner);
         if learner.retain(|key| fleet.contains(&key)) {
-            let speeds = learner.speeds().collect();
-            drop(learner);
-            *self.learned.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(speeds);
+            self.publish(learner);
         }
     }
 
@@ -70,13 +71,13 @@ mod tests {
         let book = SpeedBook::new(SpeedConfig::default());
         let (fast, slow) = (WorkerRank::new(0, 0), WorkerRank::new(1, 0));
         for i in 0..40u64 {
-            let load = 100.0 + (i % 5) as f64 * 50.0;
-            let ms = 5.0 + 0.01 * load;
+            let load = 100 + (i % 5) * 50;
+            let ms = 5.0 + 0.01 * load as f64;
             let per = |ms: f64| Duration::from_secs_f64(ms * 15.0 / 1e3);
-            book.observe(fast, load, per(ms), 16);
-            book.observe(slow, load, per(2.0 * ms), 16);
+            book.observe(fast, (load, load), per(ms), 16);
+            book.observe(slow, (load, load), per(2.0 * ms), 16);
             // One token says nothing about decoding.
-            book.observe(slow, load, per(100.0), 1);
+            book.observe(slow, (load, load), per(100.0), 1);
         }
         let learned = book.learned();
         // Two ranks: the median is their geometric mean.
