@@ -14,7 +14,7 @@
 //! applied block (event construction included).
 
 use kvroute_core::event::{ExternalHash, KvEvent, Removed, Stored, StoredBlock, Tier};
-use kvroute_core::hash::LocalBlockHash;
+use kvroute_core::hash::{sequence_hashes, LocalBlockHash};
 use kvroute_core::index::{Index, IndexConfig, WorkerRank};
 
 /// An engine hash that, like a real engine's, depends on the whole prefix.
@@ -64,7 +64,7 @@ fn main() {
         let chain = (q * 7919) % 1000;
         let locals: Vec<LocalBlockHash> =
             (0..16).map(|i| LocalBlockHash(chain * 100 + i)).collect();
-        matched += index.find_matches(&locals).len() as u64;
+        matched += index.find_matches(&sequence_hashes(&locals)).len() as u64;
     }
     let stats = index.stats();
     println!(

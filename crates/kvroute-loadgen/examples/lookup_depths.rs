@@ -16,6 +16,7 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use kvroute_core::hash::sequence_hashes;
 use kvroute_core::index::{Index, IndexConfig};
 use kvroute_loadgen::trace::{TraceConfig, TraceGen};
 
@@ -40,7 +41,9 @@ fn main() {
     while ops < 2 * filled {
         ops += gen.step(&mut events);
     }
-    let queries: Vec<_> = (0..100_000).map(|_| gen.query(64)).collect();
+    let queries: Vec<_> = (0..100_000)
+        .map(|_| sequence_hashes(&gen.query(64)))
+        .collect();
     let mut index = Index::new(IndexConfig {
         default_capacity: None,
         ..IndexConfig::default()

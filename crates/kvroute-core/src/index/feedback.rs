@@ -72,7 +72,10 @@ mod tests {
     }
 
     fn depth(index: &Index, locals: &[LocalBlockHash]) -> u32 {
-        index.find_matches(locals).first().map_or(0, |m| m.device)
+        index
+            .find_matches(&sequence_hashes(locals))
+            .first()
+            .map_or(0, |m| m.device)
     }
 
     #[test]

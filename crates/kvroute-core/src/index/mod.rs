@@ -534,10 +534,13 @@ impl Index {
     }
 
     /// For each rank holding at least the first block on some tier: how many
-    /// leading blocks of `locals` it holds on the device, on device or host,
-    /// and on any tier. Ranks are returned in slot order.
-    pub fn find_matches(&self, locals: &[LocalBlockHash]) -> Vec<RankMatch> {
-        walk::find_matches(&self.nodes, locals, |slot| {
+    /// leading blocks of a request it holds on the device, on device or
+    /// host, and on any tier. Ranks are returned in slot order. The request
+    /// is given as its blocks' sequence hashes
+    /// ([`crate::hash::sequence_hashes`]), which the router computes once for
+    /// its in-flight accounting and every shard's lookup then shares.
+    pub fn find_matches(&self, seqs: &[SequenceHash]) -> Vec<RankMatch> {
+        walk::find_matches(&self.nodes, seqs, |slot| {
             self.keys.get(slot as usize).copied()
         })
     }

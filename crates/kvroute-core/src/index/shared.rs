@@ -34,7 +34,7 @@ use std::sync::{PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::{Index, IndexConfig, IndexCounters, IndexStats, RankMatch, WorkerId, WorkerRank};
 use crate::event::{KvEvent, Removed, Stored};
-use crate::hash::LocalBlockHash;
+use crate::hash::{LocalBlockHash, SequenceHash};
 
 /// One shard: an index of some ranks and the readers waiting for it.
 #[derive(Debug, Default)]
@@ -150,14 +150,14 @@ impl SharedIndex {
     }
 
     /// Looks up a request's blocks in every shard (see [`Index::find_matches`]).
-    pub fn find_matches(&self, locals: &[LocalBlockHash]) -> Vec<RankMatch> {
+    pub fn find_matches(&self, seqs: &[SequenceHash]) -> Vec<RankMatch> {
         let mut shards = self.shards.iter();
         let Some(first) = shards.next() else {
             return Vec::new();
         };
-        let mut out = first.read().find_matches(locals);
+        let mut out = first.read().find_matches(seqs);
         for shard in shards {
-            out.extend(shard.read().find_matches(locals));
+            out.extend(shard.read().find_matches(seqs));
         }
         out
     }

@@ -11,7 +11,7 @@ use super::dense::DenseView;
 use super::holders::{self, Entry};
 use super::nodes::{Holders, NodeId, NodeStore, SlotId};
 use super::{RankMatch, WorkerRank, VACANT};
-use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
+use crate::hash::SequenceHash;
 
 /// Blocks probed ahead of the walk: the probes are independent memory loads,
 /// so the processor overlaps their cache misses.
@@ -210,15 +210,15 @@ fn record(out: &mut [RankMatch], row: u32, groups: u8, depth: u32) {
     }
 }
 
-/// For each rank holding the first block of `locals` on some tier: how many
+/// For each rank holding the first block of `seqs` on some tier: how many
 /// leading blocks it holds on the device, on device or host, and on any tier,
 /// in slot order.
 pub(super) fn find_matches(
     nodes: &NodeStore,
-    locals: &[LocalBlockHash],
+    seqs: &[SequenceHash],
     key_of: impl Fn(SlotId) -> Option<WorkerRank>,
 ) -> Vec<RankMatch> {
-    let Some(first) = locals.first() else {
+    let Some(first) = seqs.first() else {
         return Vec::new();
     };
     let Some(node) = nodes.find_seq(first.0) else {
@@ -238,7 +238,7 @@ pub(super) fn find_matches(
             Walker::Dense(DenseWalk::new(&dense, key_of, buf, &mut active))
         }
     };
-    drive(nodes, locals, (node, holders), walk)
+    drive(nodes, seqs, (node, holders), walk)
 }
 
 /// Ranks still matching below which a bitmap walk goes on as a list walk,
@@ -285,12 +285,11 @@ impl Stepper for Walker<'_> {
 /// Walks the blocks after the first, which is node `first` with these holders.
 fn drive<S: Stepper>(
     nodes: &NodeStore,
-    locals: &[LocalBlockHash],
+    seqs: &[SequenceHash],
     (first, holders): (NodeId, Holders<'_>),
     mut walk: S,
 ) -> Vec<RankMatch> {
     let mut prev = holders;
-    let mut seq = locals[0].0;
     let mut depth: u32 = 1;
     // A chain stored by one event gets consecutive ids, so block `d` is
     // guessed to be node `origin + d`. A right guess costs one record read
@@ -299,20 +298,17 @@ fn drive<S: Stepper>(
     // loads of a chunk stay independent, and the processor overlaps their
     // cache misses (guessing from the block just found would chain them).
     let mut origin = first;
-    'walk: for chunk in locals[1..].chunks(PROBE_AHEAD) {
+    'walk: for chunk in seqs.get(1..).unwrap_or(&[]).chunks(PROBE_AHEAD) {
         if walk.is_done() {
             break;
         }
-        let mut seqs = [0u64; PROBE_AHEAD];
         let mut ids: [Option<NodeId>; PROBE_AHEAD] = [None; PROBE_AHEAD];
-        for (i, ((id, s), local)) in ids.iter_mut().zip(&mut seqs).zip(chunk).enumerate() {
-            seq = next_sequence_hash(SequenceHash(seq), *local).0;
-            *s = seq;
-            *id = nodes.seq_at(origin.wrapping_add(depth + i as u32), seq);
+        for (i, (id, seq)) in ids.iter_mut().zip(chunk).enumerate() {
+            *id = nodes.seq_at(origin.wrapping_add(depth + i as u32), seq.0);
         }
-        for (id, &s) in ids.iter_mut().zip(&seqs).take(chunk.len()) {
+        for (id, seq) in ids.iter_mut().zip(chunk) {
             if id.is_none() {
-                *id = nodes.find_seq(s);
+                *id = nodes.find_seq(seq.0);
             }
         }
         if let Some((i, found)) = (0..chunk.len()).rev().find_map(|i| Some((i, ids[i]?))) {

@@ -1,7 +1,9 @@
 //! `kvroute bench index`: the prefix index measured on a synthetic fleet trace.
 //!
 //! Inside the timed regions: applying pre-generated events (decoding is not
-//! included), `find_matches` on pre-generated 64-block queries, `dump` and
+//! included), `find_matches` on pre-generated 64-block queries (their
+//! sequence hashes, as the router computes them once per request; hashing is
+//! timed on its own), `dump` and
 //! `restore`, and the same events applied from `threads` threads into an
 //! index of as many shards of ranks. Memory is the growth of live heap bytes while the index is
 //! built, divided by residencies, when the process can count its heap (a
@@ -12,7 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use kvroute_core::event::KvEvent;
-use kvroute_core::hash::LocalBlockHash;
+use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerRank};
 use serde_json::{json, Value};
 
@@ -48,7 +50,10 @@ type Events = Vec<(WorkerRank, KvEvent)>;
 struct Trace {
     build: Events,
     build_ops: u64,
-    queries: Vec<Vec<LocalBlockHash>>,
+    /// The queries' blocks, as a request's tokens hash to them.
+    locals: Vec<Vec<LocalBlockHash>>,
+    /// The same queries as the index is asked them.
+    queries: Vec<Vec<SequenceHash>>,
     live: Events,
 }
 
@@ -83,9 +88,10 @@ fn generate(config: &IndexBenchConfig) -> Trace {
     while build_ops < 2 * fill_ops {
         build_ops += gen.step(&mut build);
     }
-    let queries = (0..config.queries)
+    let locals: Vec<_> = (0..config.queries)
         .map(|_| gen.query(config.query_blocks))
         .collect();
+    let queries = locals.iter().map(|q| sequence_hashes(q)).collect();
     let mut live: Events = Vec::new();
     let mut live_ops = 0u64;
     while live_ops < build_ops {
@@ -94,6 +100,7 @@ fn generate(config: &IndexBenchConfig) -> Trace {
     Trace {
         build,
         build_ops,
+        locals,
         queries,
         live,
     }
@@ -175,10 +182,7 @@ fn build_sharded(trace: &Trace, threads: usize) -> (SharedIndex, f64) {
 
 /// Times each query; returns the sorted latencies in µs and the mean device
 /// depth matched.
-fn time_queries(
-    queries: &[Vec<LocalBlockHash>],
-    mut find: impl FnMut(&[LocalBlockHash]) -> u32,
-) -> (Vec<f64>, f64) {
+fn time_queries<Q>(queries: &[Vec<Q>], mut find: impl FnMut(&[Q]) -> u32) -> (Vec<f64>, f64) {
     let mut micros = Vec::with_capacity(queries.len());
     let mut depth = 0u64;
     for q in queries {
@@ -257,6 +261,9 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         config.query_blocks
     ));
     let (alone, mean_depth) = time_queries(&trace.queries, |q| best_device(&index.find_matches(q)));
+    let (hashing, _) = time_queries(&trace.locals, |q| {
+        std::hint::black_box(sequence_hashes(q)).len() as u32
+    });
 
     progress("dump and restore");
     let start = Instant::now();
@@ -297,6 +304,8 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         "lookup_p90_us": stats::percentile(&alone, 0.90),
         "lookup_p99_us": stats::percentile(&alone, 0.99),
         "lookup_max_us": stats::max(&alone),
+        "sequence_hashes_p50_us": stats::percentile(&hashing, 0.50),
+        "sequence_hashes_p99_us": stats::percentile(&hashing, 0.99),
         "lookup_p50_us_under_writes": stats::percentile(&under, 0.50),
         "lookup_p99_us_under_writes": stats::percentile(&under, 0.99),
         "writer_block_ops_per_s_during_lookups": writer_rate.round(),
@@ -341,6 +350,9 @@ mod tests {
         let p50 = report["lookup_p50_us"].as_f64().expect("p50");
         let max = report["lookup_max_us"].as_f64().expect("max");
         assert!(p50 > 0.0 && p50 <= max);
+        let hash_p50 = report["sequence_hashes_p50_us"].as_f64().expect("hash p50");
+        let hash_p99 = report["sequence_hashes_p99_us"].as_f64().expect("hash p99");
+        assert!(hash_p50 > 0.0 && hash_p50 <= hash_p99);
         assert_eq!(report["threads"], 2);
         assert!(report["apply_block_ops_per_s_sharded"]
             .as_f64()

@@ -14,7 +14,7 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use kvroute_core::event::{ExternalHash, KvEvent, Removed, Stored, StoredBlock, Tier};
-use kvroute_core::hash::LocalBlockHash;
+use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::index::{Index, IndexConfig, WorkerRank};
 use kvroute_core::rng::{mix, SplitMix64};
 use rustc_hash::FxHashMap;
@@ -155,10 +155,10 @@ pub fn replay(trace: &Trace, config: &TraceReplayConfig) -> Result<Value> {
         rates.push(ops as f64 / start.elapsed().as_secs_f64());
         index = fresh;
     }
-    let queries: Vec<Vec<LocalBlockHash>> = trace
+    let queries: Vec<Vec<SequenceHash>> = trace
         .requests
         .iter()
-        .map(|r| r.hash_ids.iter().map(|&id| local(id)).collect())
+        .map(|r| sequence_hashes(&r.hash_ids.iter().map(|&id| local(id)).collect::<Vec<_>>()))
         .collect();
     let mut micros = Vec::with_capacity(queries.len());
     let mut matched = 0u64;

@@ -157,7 +157,7 @@ impl RequestHashes {
             let flavor = hashes.key(t.flavor);
             let locals = locals_at(t.block_size, flavor);
             let seqs = sequence_hashes(&locals);
-            let matches = index.find_matches(&locals);
+            let matches = index.find_matches(&seqs);
             hashes.sets.push(MatchedHashes {
                 block_size: t.block_size,
                 flavor,

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use kvroute_core::hash::{local_block_hashes, HASH_SEED};
+use kvroute_core::hash::{local_block_hashes, sequence_hashes, HASH_SEED};
 use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_server::ingest::registry::IngestConfig;
 use kvroute_server::ingest::registry::Registry;
@@ -61,8 +61,9 @@ fn tokens_of(c: u32, blocks: usize) -> Vec<u32> {
     (0..(blocks * BS) as u32).map(|i| c * 10_000 + i).collect()
 }
 
-fn locals(tokens: &[u32]) -> Vec<kvroute_core::hash::LocalBlockHash> {
-    local_block_hashes(tokens, BS, HASH_SEED, 0)
+/// The sequence hashes a lookup of `tokens` asks for.
+fn locals(tokens: &[u32]) -> Vec<kvroute_core::hash::SequenceHash> {
+    sequence_hashes(&local_block_hashes(tokens, BS, HASH_SEED, 0))
 }
 
 /// One batch storing conversation `c` (`blocks` blocks, engine hashes `c*100 + i`).

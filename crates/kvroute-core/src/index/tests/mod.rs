@@ -4,7 +4,7 @@ use std::collections::BTreeMap;
 
 use super::*;
 use crate::event::{ExternalHash, StoredBlock};
-use crate::hash::{local_block_hashes, namespace_seed};
+use crate::hash::{local_block_hashes, namespace_seed, sequence_hashes};
 
 fn wr(worker: u32, rank: u32) -> WorkerRank {
     WorkerRank::new(worker, rank)
@@ -49,11 +49,11 @@ fn locals(values: &[u64]) -> Vec<LocalBlockHash> {
 }
 
 fn matches(index: &Index, query: &[u64]) -> BTreeMap<WorkerRank, (u32, u32, u32)> {
-    answer(index.find_matches(&locals(query)))
+    answer(index.find_matches(&sequence_hashes(&locals(query))))
 }
 
 fn shared_matches(index: &SharedIndex, query: &[u64]) -> BTreeMap<WorkerRank, (u32, u32, u32)> {
-    answer(index.find_matches(&locals(query)))
+    answer(index.find_matches(&sequence_hashes(&locals(query))))
 }
 
 fn answer(found: Vec<RankMatch>) -> BTreeMap<WorkerRank, (u32, u32, u32)> {

@@ -360,7 +360,7 @@ fn concurrent_writers_and_readers_end_equal_to_the_model() {
                     let q: Vec<u64> = (0..(1 + i % 70))
                         .map(|d| (d * 7 + i % 3) % 11 + 1)
                         .collect();
-                    for m in shared.find_matches(&locals(&q)) {
+                    for m in shared.find_matches(&sequence_hashes(&locals(&q))) {
                         assert!(
                             m.device as usize <= q.len() && m.device <= m.host && m.host <= m.any
                         );
