@@ -67,6 +67,7 @@ fn query_answer(
                     "decode_blocks": s.cost.decode_blocks,
                     "requests": s.cost.requests,
                     "decode_load": s.cost.decode_load,
+                    "size": s.cost.size,
                     "total": s.cost.total,
                 },
             })

@@ -288,6 +288,57 @@ mod tests {
     }
 
     #[test]
+    fn the_request_size_moves_a_prompt_off_a_much_slower_holder_only() {
+        let idle = Load {
+            new_blocks: 8,
+            ..Load::default()
+        };
+        let busy = Load {
+            decode_blocks: 40,
+            requests: 2,
+            request_blocks: 40,
+            ..idle
+        };
+        let hit = held(WorkerRank::new(0, 0), 8);
+        let cost = |speed, matched, load| {
+            scored_with(128, (WorkerFlavor::Vllm, speed), matched, load)
+                .cost
+                .total
+        };
+        // Ranks of one speed: the term adds the same to each, so the
+        // holder wins by what it won by without the term.
+        let without = |matched, load| {
+            let weights = CostWeights {
+                request_size_weight: 0.0,
+                ..CostWeights::default()
+            };
+            let busy = BusyThresholds::default();
+            let pricing = Pricing {
+                request_tokens: 128,
+                weights: &weights,
+                busy: &busy,
+            };
+            let key = WorkerRank::new(0, 0);
+            let s = Scored::rank(
+                0,
+                key,
+                (16, WorkerFlavor::Vllm, 1.0),
+                matched,
+                load,
+                pricing,
+            );
+            s.cost.total
+        };
+        let margin = cost(1.0, None, idle) - cost(1.0, Some(&hit), busy);
+        assert!(margin > 0.0);
+        assert_eq!(margin, without(None, idle) - without(Some(&hit), busy));
+        // Half as fast, the holder still wins; a quarter as fast, it does
+        // not: the request would decode four times as long there.
+        assert!(cost(0.5, Some(&hit), idle) < cost(1.0, None, idle));
+        assert!(cost(0.25, Some(&hit), idle) > cost(1.0, None, idle));
+    }
+
+    #[test]
     fn a_prefix_in_flight_is_predicted_cached_on_vllm_only() {
         let hit = held(WorkerRank::new(0, 0), 2);
         let computing = Load {

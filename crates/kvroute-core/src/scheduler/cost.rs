@@ -7,13 +7,17 @@
 //!                + w.host_weight × host_only_blocks + w.disk_weight × disk_only_blocks
 //!                + w.active_prefix_weight × in_flight_only_blocks
 //! cost = prefill + decode_blocks + w.active_request_weight × active_requests
-//!      + w.request_kv_weight × (active_request_blocks + request_blocks)
+//!      + w.request_kv_weight × active_request_blocks
+//!      + w.request_size_weight × request_blocks
 //! ```
 //!
 //! That is the work the request would take there, in blocks; a worker
 //! declared `speed` times as fast as the fleet's reference engine costs the
 //! work divided by its speed ([`Scored::rank`](super::Scored::rank)), the
-//! time it would take.
+//! time it would take. The last term is the same on every rank for one
+//! request, so it moves nothing between ranks of one speed; between ranks of
+//! different speeds it is the request's own share of the time: the blocks it
+//! holds and reads at every step, for 1/speed as long on a slower rank.
 //!
 //! `w` are the [`CostWeights`]. `decode_blocks` is what the worker would hold active with this request:
 //! its current active blocks plus this request's blocks it does not already
@@ -25,9 +29,10 @@
 //! shared blocks once: what the requests hold). The defaults
 //! ([`CostWeights::default`]) are kvroute's, tuned on a mock fleet: prefill
 //! weighs 12, a cached block credits 2, a block in flight 2, a block a decode
-//! step reads ¼. Dynamo's KV
+//! step reads ¼, a block of the request itself 6. Dynamo's KV
 //! router weighs prefill 1, credits a cached block 1 and ignores blocks in
-//! flight ([`CostWeights::DYNAMO`]), which the example below uses.
+//! flight and the request's size ([`CostWeights::DYNAMO`]), which the
+//! example below uses.
 //!
 //! ```
 //! use kvroute_core::scheduler::{Candidate, CostWeights};
@@ -55,9 +60,14 @@ pub struct CostWeights {
     /// Credit per leading block held by an active request there (beyond the
     /// device blocks the index knows): 0 ignores prefixes in flight.
     pub active_prefix_weight: f64,
-    /// Cost per block the rank's decode steps would read with this request
-    /// (its requests' blocks counted once per request): the decode-load term.
+    /// Cost per block the rank's decode steps read for the requests active
+    /// there (counted once per request): the decode-load term.
     pub request_kv_weight: f64,
+    /// Cost per block of the request itself. Equal on ranks of one speed, it
+    /// steers only between ranks of different speeds (declared or learned):
+    /// how strongly a faster rank is preferred to a slower one that caches
+    /// more of the request.
+    pub request_size_weight: f64,
 }
 
 impl CostWeights {
@@ -72,6 +82,7 @@ impl CostWeights {
         active_request_weight: 0.0,
         active_prefix_weight: 0.0,
         request_kv_weight: 0.0,
+        request_size_weight: 0.0,
     };
 }
 
@@ -80,9 +91,11 @@ impl CostWeights {
 /// decode block, a cached block saves 2 blocks of prefill, a prefix that an
 /// active request holds counts as cached (2: vLLM caches the blocks a step
 /// computes as it schedules them, so a request that follows shares them),
-/// and each block a decode step would read costs ¼. On the `long` and
-/// `short` presets this keeps every prefix where it is cached (hit 0.938
-/// and 0.859 against ceilings of 0.9387 and 0.8604).
+/// each block a decode step would read costs ¼, and each block of the
+/// request 6. On the `long` and `short` presets this keeps every prefix where
+/// it is cached (hit 0.938 and 0.859 against ceilings of 0.9387 and 0.8604);
+/// on fleets of unequal engines the size term moves prefixes off a slow
+/// engine when their requests would finish sooner elsewhere.
 impl Default for CostWeights {
     fn default() -> Self {
         CostWeights {
@@ -93,6 +106,7 @@ impl Default for CostWeights {
             active_request_weight: 0.0,
             active_prefix_weight: 2.0,
             request_kv_weight: 0.25,
+            request_size_weight: 6.0,
         }
     }
 }
@@ -136,8 +150,10 @@ pub struct CostBreakdown {
     pub decode_blocks: f64,
     /// `active_request_weight × active_requests`.
     pub requests: f64,
-    /// `request_kv_weight × (active_request_blocks + request_blocks)`.
+    /// `request_kv_weight × active_request_blocks`.
     pub decode_load: f64,
+    /// `request_size_weight × request_blocks`.
+    pub size: f64,
     /// The sum.
     pub total: f64,
 }
@@ -157,8 +173,8 @@ impl Candidate {
         let prefill = w.prefill_load_scale * (prefill_blocks - overlap_credit).max(0.0);
         let decode_blocks = (self.active_decode_blocks + self.new_active_blocks) as f64;
         let requests = w.active_request_weight * self.active_requests as f64;
-        let decode_load =
-            w.request_kv_weight * (self.active_request_blocks + self.request_blocks) as f64;
+        let decode_load = w.request_kv_weight * self.active_request_blocks as f64;
+        let size = w.request_size_weight * self.request_blocks as f64;
         CostBreakdown {
             prefill_blocks,
             overlap_credit,
@@ -166,7 +182,8 @@ impl Candidate {
             decode_blocks,
             requests,
             decode_load,
-            total: prefill + decode_blocks + requests + decode_load,
+            size,
+            total: prefill + decode_blocks + requests + decode_load + size,
         }
     }
 }
@@ -263,6 +280,7 @@ mod tests {
     fn the_decode_load_counts_a_shared_prefix_once_per_request() {
         let w = CostWeights {
             request_kv_weight: 0.5,
+            request_size_weight: 0.5,
             ..CostWeights::DYNAMO
         };
         // Three requests of 10 blocks sharing 8: 14 blocks held, 30 read per step.
@@ -275,7 +293,7 @@ mod tests {
             ..Candidate::default()
         };
         let c = shared.cost(160, 16, &w);
-        assert_eq!((c.decode_blocks, c.decode_load), (24.0, 20.0));
-        assert_eq!(c.total, 10.0 + 24.0 + 20.0);
+        assert_eq!((c.decode_blocks, c.decode_load, c.size), (24.0, 15.0, 5.0));
+        assert_eq!(c.total, 10.0 + 24.0 + 15.0 + 5.0);
     }
 }

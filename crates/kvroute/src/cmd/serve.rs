@@ -107,11 +107,16 @@ pub struct ServeArgs {
     /// (a prefix in flight, not yet announced by the engine's events).
     #[arg(long, default_value_t = CostWeights::default().active_prefix_weight, env = "KVROUTE_ACTIVE_PREFIX_WEIGHT")]
     active_prefix_weight: f64,
-    /// Cost per block that the worker's decode steps would read with the
-    /// request (its requests' blocks counted once per request: a shared
-    /// prefix read by n requests counts n times).
+    /// Cost per block that the worker's decode steps read for the requests
+    /// active there (counted once per request: a shared prefix read by n
+    /// requests counts n times).
     #[arg(long, default_value_t = CostWeights::default().request_kv_weight, env = "KVROUTE_REQUEST_KV_WEIGHT")]
     request_kv_weight: f64,
+    /// Cost per block of the request itself: the same on ranks of one speed,
+    /// so it only weighs a faster rank against a slower one that caches more
+    /// of the request (0: the cache decides alone).
+    #[arg(long, default_value_t = CostWeights::default().request_size_weight, env = "KVROUTE_REQUEST_SIZE_WEIGHT")]
+    request_size_weight: f64,
     /// 0: lowest cost wins; > 0: softmax sampling over normalised costs.
     #[arg(long, default_value_t = 0.0, env = "KVROUTE_TEMPERATURE")]
     temperature: f64,
@@ -366,6 +371,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             active_request_weight: args.active_request_weight,
             active_prefix_weight: args.active_prefix_weight,
             request_kv_weight: args.request_kv_weight,
+            request_size_weight: args.request_size_weight,
         },
         temperature: args.temperature,
         busy: BusyThresholds {

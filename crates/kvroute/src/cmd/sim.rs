@@ -130,6 +130,9 @@ struct SweepArgs {
     /// Cost per block the rank's decode steps read (the decode-load term).
     #[arg(long, value_delimiter = ',')]
     request_kv_weight: Vec<f64>,
+    /// Cost per block of the request itself (steers between speeds).
+    #[arg(long, value_delimiter = ',')]
+    request_size_weight: Vec<f64>,
     /// Softmax temperature (0: lowest cost).
     #[arg(long, value_delimiter = ',')]
     temperature: Vec<f64>,
@@ -143,7 +146,7 @@ type Axis<'a> = (&'static str, &'a [f64], fn(&mut Routing, f64));
 
 impl SweepArgs {
     fn axes(&self) -> Vec<Axis<'_>> {
-        let all: [Axis<'_>; 7] = [
+        let all: [Axis<'_>; 8] = [
             ("pls", &self.prefill_load_scale, |r, v| {
                 r.weights.prefill_load_scale = v
             }),
@@ -158,6 +161,9 @@ impl SweepArgs {
             }),
             ("kvw", &self.request_kv_weight, |r, v| {
                 r.weights.request_kv_weight = v
+            }),
+            ("rsw", &self.request_size_weight, |r, v| {
+                r.weights.request_size_weight = v
             }),
             ("t", &self.temperature, |r, v| r.temperature = v),
             ("busy", &self.busy_requests, |r, v| {

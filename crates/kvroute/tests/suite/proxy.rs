@@ -100,6 +100,8 @@ fn a_repeated_prefix_goes_to_the_worker_holding_it() {
             "overlap_credit",
             "prefill",
             "decode_blocks",
+            "decode_load",
+            "size",
             "total",
         ] {
             assert!(w["cost"][key].is_number(), "{w}");

@@ -173,6 +173,46 @@ fn a_worker_declared_a_quarter_as_fast_takes_few_requests() {
     assert!(slow < mean_fast / 4.0, "slow {slow}, fast {fast:?}");
 }
 
+/// A prompt cached only on an engine declared a quarter as fast as the
+/// other goes to the faster engine: there its blocks cost a prefill, but it
+/// decodes four times as fast, and the request-size term weighs that. With
+/// `--request-size-weight 0` the cached copy wins, as it did before the term.
+#[test]
+fn a_prompt_cached_only_on_a_much_slower_engine_goes_to_a_faster_one() {
+    let prompt: Vec<u32> = (3000..3128).collect();
+    let query = json!({"token_ids": prompt}).to_string();
+    for (flags, expected) in [
+        (&[][..], "w0"),
+        (&["--request-size-weight", "0"][..], "slow"),
+    ] {
+        let (_fast, mut lines) = start_mocker_with(1, &["--speedup", "100"]);
+        let (_slow, slow) = start_mocker_with(1, &["--speedup", "100"]);
+        let engine = slow[0]
+            .split(',')
+            .find_map(|kv| kv.strip_prefix("url=http://"))
+            .expect("the engine's url")
+            .to_string();
+        lines.push(format!(
+            "{},speed=0.25",
+            slow[0].replacen("name=w0", "name=slow", 1)
+        ));
+        let (_serve, serve) = start_serve(&lines, flags);
+        let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": 1}).to_string();
+        let r = request(&engine, "POST", "/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        let cached_on_slow = || {
+            let q = request(&serve, "POST", "/query", &query).json();
+            q["workers"].as_array().is_some_and(|ws| {
+                ws.iter()
+                    .any(|w| w["name"] == "slow" && w["device_blocks"] == 8)
+            })
+        };
+        crate::support::eventually("the slow engine's blocks in the index", cached_on_slow);
+        let q = request(&serve, "POST", "/query", &query).json();
+        assert_eq!(q["chosen"]["name"], expected, "{flags:?}: {q}");
+    }
+}
+
 /// A fleet with one engine at an eighth of the others' speed, nothing
 /// declared, and `--learn-speeds`: the router learns the slow engine's
 /// speed from its streamed responses (time per token after the first,
