@@ -153,10 +153,11 @@ fn bench_long(serve: &str, requests: u32) -> Value {
 
 /// A fleet with one engine at a quarter of the others' speed, declared to
 /// the router (`speed=0.25`): a request there costs four times its work,
-/// so the slow engine takes few groups and so few requests (9–14 of 400 in
-/// five runs, against 45–65 undeclared: groups stay where they are cached).
-/// In `kvroute bench sim --engine-speeds 1,1,1,0.5` the same at half speed
-/// cuts kv's latency p99 from 977 to 545 ms.
+/// so the slow engine takes few groups and so few requests (0 of 400 in
+/// three runs of the release build, 9–14 before the request-size term,
+/// against 45–65 undeclared: groups stay where they are cached). In
+/// `kvroute bench sim --engine-speeds 1,1,1,0.5` the same at half speed
+/// cuts kv's latency p99 from 977 to 539 ms.
 #[test]
 fn a_worker_declared_a_quarter_as_fast_takes_few_requests() {
     let (_fast, mut lines) = start_mocker_with(3, &["--num-gpu-blocks", "2048", "--speedup", "4"]);
