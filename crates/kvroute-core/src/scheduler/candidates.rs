@@ -257,10 +257,22 @@ mod tests {
         matched: Option<&RankMatch>,
         load: Load,
     ) -> Scored {
-        let (weights, busy) = (CostWeights::default(), BusyThresholds::default());
+        let weights = CostWeights::default();
+        scored_under(&weights, request_tokens, (flavor, speed), matched, load)
+    }
+
+    /// [`scored_with`] under other weights.
+    fn scored_under(
+        weights: &CostWeights,
+        request_tokens: u64,
+        (flavor, speed): (WorkerFlavor, f64),
+        matched: Option<&RankMatch>,
+        load: Load,
+    ) -> Scored {
+        let busy = BusyThresholds::default();
         let pricing = Pricing {
             request_tokens,
-            weights: &weights,
+            weights,
             busy: &busy,
         };
         let key = WorkerRank::new(0, 0);
@@ -307,26 +319,12 @@ mod tests {
         };
         // Ranks of one speed: the term adds the same to each, so the
         // holder wins by what it won by without the term.
+        let no_size = CostWeights {
+            request_size_weight: 0.0,
+            ..CostWeights::default()
+        };
         let without = |matched, load| {
-            let weights = CostWeights {
-                request_size_weight: 0.0,
-                ..CostWeights::default()
-            };
-            let busy = BusyThresholds::default();
-            let pricing = Pricing {
-                request_tokens: 128,
-                weights: &weights,
-                busy: &busy,
-            };
-            let key = WorkerRank::new(0, 0);
-            let s = Scored::rank(
-                0,
-                key,
-                (16, WorkerFlavor::Vllm, 1.0),
-                matched,
-                load,
-                pricing,
-            );
+            let s = scored_under(&no_size, 128, (WorkerFlavor::Vllm, 1.0), matched, load);
             s.cost.total
         };
         let margin = cost(1.0, None, idle) - cost(1.0, Some(&hit), busy);
