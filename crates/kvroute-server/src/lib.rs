@@ -42,6 +42,7 @@ use proxy::active::ActiveCollector;
 use proxy::observe::ObservedCollector;
 use proxy::{Proxy, ProxyConfig};
 use query::QueryLimits;
+use replica::speeds::SharedSpeeds;
 use replica::Replica;
 
 /// Everything `kvroute serve` needs, validated.
@@ -172,8 +173,15 @@ pub async fn serve(
     ];
     let replica_tasks = replica.as_ref().map(|r| {
         proxy.share_with(r.sync.outbox().clone());
-        collectors.push(Box::new(ReplicaCollector::new(r.sync.clone())));
-        r.run(proxy.clone(), registry.clone())
+        let speeds: Option<Arc<dyn SharedSpeeds>> = proxy.learns_speeds().then(|| {
+            proxy.share_speeds_with(r.speeds.clone());
+            proxy.clone() as Arc<dyn SharedSpeeds>
+        });
+        collectors.push(Box::new(ReplicaCollector::new(
+            r.sync.clone(),
+            r.speeds.clone(),
+        )));
+        r.run(proxy.clone(), registry.clone(), speeds)
     });
     let connections = ConnectionMetrics::default();
     let metrics = Arc::new(Metrics::new(&proxy.metrics, &connections, collectors));

@@ -27,6 +27,7 @@ use crate::ingest::registry::{RankView, Registry as Workers};
 use crate::ingest::stats::{RankCounters, RankState};
 use crate::listen::ConnectionMetrics;
 use crate::replica::bus::ReplicaSync;
+use crate::replica::speeds::SpeedShare;
 
 /// The kind of a metric.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -171,13 +172,16 @@ catalogue! {
     REPLICA_MESSAGES_LOST:        kvroute_replica_messages_lost_total          Counter   NONE "Peer messages that never arrived (sequence gaps).";
     REPLICA_MESSAGES_UNDECODABLE: kvroute_replica_messages_undecodable_total   Counter   NONE "Replica messages skipped as undecodable.";
     REPLICA_EVENTS_DROPPED:       kvroute_replica_events_dropped_total         Counter   NONE "In-flight events not published (NATS down or too slow); the whole state is resent.";
-    REPLICA_UNKNOWN_WORKERS:      kvroute_replica_unknown_workers_total        Counter   NONE "Peer events about a worker or rank this replica does not have.";
+    REPLICA_UNKNOWN_WORKERS:      kvroute_replica_unknown_workers_total        Counter   NONE "Peer events and speed observations about a worker or rank this replica does not have.";
     REPLICA_RESYNCS_SENT:         kvroute_replica_resyncs_sent_total           Counter   NONE "Times this replica sent its whole in-flight state.";
     REPLICA_RESYNCS_ASKED:        kvroute_replica_resyncs_asked_total          Counter   NONE "Times this replica asked a peer for its whole state.";
     REPLICA_PEERS_EXPIRED:        kvroute_replica_peers_expired_total          Counter   NONE "Peers forgotten, with their requests, after 3.5 s of silence.";
     REPLICA_ID_CONFLICTS:         kvroute_replica_id_conflicts_total           Counter   NONE "Messages skipped because another router uses this replica's --replica-id.";
     REPLICA_SNAPSHOTS_WRITTEN:    kvroute_replica_snapshots_written_total      Counter   NONE "Index snapshots written to the JetStream object store.";
     REPLICA_SNAPSHOT_FAILURES:    kvroute_replica_snapshot_failures_total      Counter   NONE "Index snapshots the object store did not take.";
+    REPLICA_SPEEDS_SENT:          kvroute_replica_speed_observations_sent_total     Counter NONE "Speed observations (one per streamed response) published to the peers (--learn-speeds).";
+    REPLICA_SPEEDS_RECEIVED:      kvroute_replica_speed_observations_received_total Counter NONE "Peers' speed observations fed to this replica's learner.";
+    REPLICA_SPEEDS_DROPPED:       kvroute_replica_speed_observations_dropped_total  Counter NONE "Speed observations not published: NATS was down or too slow.";
     REPLICA_PEER_DELAY:           kvroute_replica_peer_delay_seconds           Histogram NONE "Delay from a peer's admission of a request to this replica applying it.";
     REPLICA_PUBLISH_COST:         kvroute_replica_publish_seconds              Histogram NONE "Time a request spends handing an event to the outbox.";
 }
@@ -668,12 +672,13 @@ mod tests {
 #[derive(Debug)]
 pub struct ReplicaCollector {
     sync: Arc<ReplicaSync>,
+    speeds: Arc<SpeedShare>,
 }
 
 impl ReplicaCollector {
-    /// A collector over `sync`.
-    pub fn new(sync: Arc<ReplicaSync>) -> Self {
-        ReplicaCollector { sync }
+    /// A collector over `sync` and the sharing of `speeds`.
+    pub fn new(sync: Arc<ReplicaSync>, speeds: Arc<SpeedShare>) -> Self {
+        ReplicaCollector { sync, speeds }
     }
 }
 
@@ -681,6 +686,7 @@ impl Collector for ReplicaCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         use std::sync::atomic::Ordering::Relaxed;
         let c = &self.sync.counters;
+        let s = &self.speeds.counters;
         let view = self.sync.view();
         let singles = [
             (REPLICA_NATS_CONNECTED, u64::from(view.connected)),
@@ -689,15 +695,24 @@ impl Collector for ReplicaCollector {
             (REPLICA_MESSAGES_SENT, c.sent.load(Relaxed)),
             (REPLICA_MESSAGES_RECEIVED, c.received.load(Relaxed)),
             (REPLICA_MESSAGES_LOST, c.lost.load(Relaxed)),
-            (REPLICA_MESSAGES_UNDECODABLE, c.undecodable.load(Relaxed)),
+            (
+                REPLICA_MESSAGES_UNDECODABLE,
+                c.undecodable.load(Relaxed) + s.undecodable.load(Relaxed),
+            ),
             (REPLICA_EVENTS_DROPPED, view.dropped_events),
-            (REPLICA_UNKNOWN_WORKERS, c.unknown_workers.load(Relaxed)),
+            (
+                REPLICA_UNKNOWN_WORKERS,
+                c.unknown_workers.load(Relaxed) + s.unknown.load(Relaxed),
+            ),
             (REPLICA_RESYNCS_SENT, c.resyncs_sent.load(Relaxed)),
             (REPLICA_RESYNCS_ASKED, c.resyncs_asked.load(Relaxed)),
             (REPLICA_PEERS_EXPIRED, c.peers_expired.load(Relaxed)),
             (REPLICA_ID_CONFLICTS, c.id_conflicts.load(Relaxed)),
             (REPLICA_SNAPSHOTS_WRITTEN, c.snapshots_written.load(Relaxed)),
             (REPLICA_SNAPSHOT_FAILURES, c.snapshot_failures.load(Relaxed)),
+            (REPLICA_SPEEDS_SENT, s.sent.load(Relaxed)),
+            (REPLICA_SPEEDS_RECEIVED, s.received.load(Relaxed)),
+            (REPLICA_SPEEDS_DROPPED, s.dropped.load(Relaxed)),
         ];
         for (info, value) in singles {
             encode_single(&mut encoder, &info, value)?;

@@ -24,6 +24,7 @@ use crate::metrics::{
 use crate::replica::message::RequestRef;
 use crate::replica::outbox::Outbox;
 use crate::replica::peers::tagged_id;
+use crate::replica::speeds::SpeedObservation;
 
 /// Each rank's active requests.
 pub type ActiveRanks = HashMap<WorkerRank, ActiveSequences>;
@@ -143,11 +144,21 @@ impl ActiveGuard {
             .get(&self.key)
             .map_or(load_then, ActiveSequences::active_blocks);
         book.observe(self.key, (load_then, now), decoding, tokens);
+        if let (Some(share), Some(worker)) = (self.proxy.speed_share.get(), &self.shared_as) {
+            share.push(SpeedObservation {
+                worker: worker.to_string(),
+                rank: self.key.rank,
+                load_first: load_then,
+                load_end: now,
+                decoding_us: decoding.as_micros().min(u128::from(u64::MAX)) as u64,
+                tokens,
+            });
+        }
     }
 
     /// Whether the proxy learns speeds, so the response's token count matters.
     pub fn learns_speeds(&self) -> bool {
-        self.proxy.speeds.is_some()
+        self.proxy.learns_speeds()
     }
 }
 

@@ -45,6 +45,7 @@ use crate::api::{ApiError, Body};
 use crate::ingest::registry::Registry;
 use crate::metrics::ProxyMetrics;
 use crate::replica::outbox::Outbox;
+use crate::replica::speeds::SpeedShare;
 use active::ActiveTable;
 use breaker::Breakers;
 use candidates::Target;
@@ -144,6 +145,8 @@ pub struct Proxy {
     outbox: OnceLock<Arc<Outbox>>,
     /// The ranks' learned speeds (`--learn-speeds`).
     speeds: Option<speeds::SpeedBook>,
+    /// Where responses tell peer replicas what they taught of speeds.
+    speed_share: OnceLock<Arc<SpeedShare>>,
 }
 
 impl Proxy {
@@ -174,6 +177,7 @@ impl Proxy {
             rng: AtomicU64::new(seed | 1),
             started: Instant::now(),
             outbox: OnceLock::new(),
+            speed_share: OnceLock::new(),
         })
     }
 
@@ -186,6 +190,17 @@ impl Proxy {
     /// Where requests tell peer replicas of themselves, if anywhere.
     pub fn outbox(&self) -> Option<&Outbox> {
         self.outbox.get().map(|o| o.as_ref())
+    }
+
+    /// Tells peer replicas what every response teaches of its rank's speed,
+    /// through `share` (once; later calls are ignored).
+    pub fn share_speeds_with(&self, share: Arc<SpeedShare>) {
+        let _ = self.speed_share.set(share);
+    }
+
+    /// Whether the proxy learns speeds (`--learn-speeds`).
+    pub fn learns_speeds(&self) -> bool {
+        self.speeds.is_some()
     }
 
     /// The configuration.

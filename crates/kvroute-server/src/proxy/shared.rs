@@ -5,7 +5,10 @@
 //! A peer's request is kept under an id tagged with the peer's slot, next
 //! to this replica's own, so the cost sees one load per rank whichever
 //! replica routed it; it expires like a local one (at the owner's expiry)
-//! or with its owner.
+//! or with its owner. A peer's speed observation feeds this replica's
+//! learner as its own responses do.
+
+use std::time::Duration;
 
 use kvroute_core::hash::SequenceHash;
 use kvroute_core::index::WorkerRank;
@@ -15,6 +18,7 @@ use super::Proxy;
 use crate::replica::bus::SharedLoad;
 use crate::replica::message::{Admission, Event, RequestRef};
 use crate::replica::peers::{slot_of, tagged_id};
+use crate::replica::speeds::{SharedSpeeds, SpeedObservation};
 
 impl Proxy {
     fn expiry_ms(&self) -> u64 {
@@ -117,5 +121,18 @@ impl SharedLoad for Proxy {
             }
         }
         events
+    }
+}
+
+impl SharedSpeeds for Proxy {
+    fn observe_peer(&self, o: &SpeedObservation) -> bool {
+        let Some(key) = key_of(&self.targets(), &o.worker, o.rank) else {
+            return false;
+        };
+        if let Some(book) = &self.speeds {
+            let decoding = Duration::from_micros(o.decoding_us);
+            book.observe(key, (o.load_first, o.load_end), decoding, o.tokens);
+        }
+        true
     }
 }

@@ -5,7 +5,8 @@
 //! (so two replicas never herd a burst onto one worker, and each sees the
 //! prefix the other just sent) and a durable index snapshot in a JetStream
 //! object store (so a replica that starts comes back complete even when the
-//! engines' replay rings have wrapped). NATS is never needed for a correct
+//! engines' replay rings have wrapped). Replicas that learn speeds also
+//! share what each response taught them. NATS is never needed for a correct
 //! answer: without it a replica routes from its own state.
 
 use std::time::Duration;
@@ -42,6 +43,7 @@ pub mod message;
 pub mod outbox;
 pub mod peers;
 pub mod snapshots;
+pub mod speeds;
 
 use std::sync::Arc;
 
@@ -52,6 +54,7 @@ use crate::ingest::registry::Registry;
 use crate::state::Snapshot;
 use bus::{ReplicaSync, SharedLoad};
 use snapshots::SnapshotStore;
+use speeds::{SharedSpeeds, SpeedShare};
 
 /// Longest a starting replica spends getting its peers' snapshot (asking
 /// for a fresh one included); past it, it starts without.
@@ -63,6 +66,8 @@ const START_WITHIN: Duration = Duration::from_secs(8);
 pub struct Replica {
     /// The in-flight sync (its outbox is what requests publish to).
     pub sync: Arc<ReplicaSync>,
+    /// The speed observations shared with the peers (`--learn-speeds`).
+    pub speeds: Arc<SpeedShare>,
     client: async_nats::Client,
 }
 
@@ -70,9 +75,14 @@ impl Replica {
     /// Starts connecting to `config`'s NATS server (in the background,
     /// retrying for ever: the router starts whether NATS is up or not).
     pub async fn connect(config: ReplicaConfig) -> Result<Self, async_nats::ConnectError> {
+        let speeds = Arc::new(SpeedShare::new(&config.prefix));
         let sync = ReplicaSync::new(config);
         let client = sync.connect().await?;
-        Ok(Replica { sync, client })
+        Ok(Replica {
+            sync,
+            speeds,
+            client,
+        })
     }
 
     /// The configuration.
@@ -129,14 +139,19 @@ impl Replica {
         }
     }
 
-    /// Runs the sync over `load`, the periodic snapshots of `registry` and
-    /// the answers to peers asking for a fresh one.
+    /// Runs the sync over `load`, the periodic snapshots of `registry`, the
+    /// answers to peers asking for a fresh one, and, given a learner of
+    /// speeds, the sharing of speed observations.
     pub fn run(
         &self,
         load: Arc<dyn SharedLoad>,
         registry: Arc<Registry>,
+        speeds: Option<Arc<dyn SharedSpeeds>>,
     ) -> Vec<tokio::task::JoinHandle<()>> {
         let mut tasks = self.sync.run(self.client.clone(), load);
+        if let Some(speeds) = speeds {
+            tasks.extend(self.speeds.run(self.client.clone(), speeds));
+        }
         let (client, sync) = (self.client.clone(), self.sync.clone());
         tasks.push(tokio::spawn(snapshot_loop(client, sync, registry)));
         tasks

@@ -148,6 +148,51 @@ fn replicas_share_requests_in_flight_and_forget_a_dead_peers() {
     assert_eq!(expired, Some(1.0));
 }
 
+/// Two replicas learning speeds (`--learn-speeds`), a fleet of three
+/// engines and one at an eighth of their speed, and every request through
+/// replica A: replica B, which relays none, learns the slow engine's speed
+/// from A's observations, and prices it as A does.
+#[test]
+fn a_replica_learns_speeds_from_the_responses_its_peer_relays() {
+    let nats = NatsServer::start().expect("nats-server starts");
+    let (_fast, mut lines) = start_mocker_with(3, &["--num-gpu-blocks", "2048", "--speedup", "4"]);
+    let (_slow, slow) = start_mocker_with(1, &["--num-gpu-blocks", "2048", "--speedup", "0.5"]);
+    lines.push(slow[0].replacen("name=w0", "name=slow", 1));
+    let (_a, a) = replica(&lines, &nats, "a", &["--learn-speeds"]);
+    let (_b, b) = replica(&lines, &nats, "b", &["--learn-speeds"]);
+    let peers_heard = settle(
+        5,
+        || sync(&b)["peers"].as_array().map_or(0, Vec::len),
+        |n| *n == 1,
+    );
+    assert_eq!(peers_heard, 1, "B never heard A: {}", sync(&b));
+    super::routing::bench_long(&a, 400);
+    let metric = |serve: &str, name: &str| crate::support::http::metric(serve, name).unwrap_or(0.0);
+    let sent = metric(&a, "kvroute_replica_speed_observations_sent_total");
+    assert!(sent >= 300.0, "A shared {sent} observations");
+    let received = settle(
+        3,
+        || metric(&b, "kvroute_replica_speed_observations_received_total"),
+        |n| *n >= sent,
+    );
+    assert_eq!(received, sent, "B fed its learner what A sent");
+    let learned = |serve: &str| {
+        let doc = call(serve, "GET", "/workers", "").json();
+        let slow = doc["workers"]
+            .as_array()
+            .and_then(|ws| ws.iter().find(|w| w["name"] == "slow").cloned());
+        slow.and_then(|w| w["ranks"][0]["learned_speed"].as_f64())
+    };
+    let (at_a, at_b) = (
+        learned(&a).expect("A learned"),
+        learned(&b).expect("B learned"),
+    );
+    assert!(at_a < 0.5, "A learned the slow engine at {at_a}");
+    // The same observations, B's with their times to the microsecond.
+    assert!((at_b / at_a - 1.0).abs() < 0.02, "A {at_a}, B {at_b}");
+    assert_eq!(metric(&b, "kvroute_proxy_requests_total"), 0.0);
+}
+
 /// `kvroute bench` over both replicas as a balancer that retries requests
 /// no replica began to answer, for `secs` seconds, asking for whole
 /// answers (a stream a dying replica was relaying cannot be retried by any

@@ -119,7 +119,7 @@ fn a_real_router_on_the_long_workload_keeps_each_prefix_where_it_is_cached() {
 /// workload (flags every build has): 32 groups of a 2 048-token prefix
 /// (6 000 × 0.341333) and a 64-token question, 16 in flight, 16 output
 /// tokens, seed 1; the run's report, checked complete.
-fn bench_long(serve: &str, requests: u32) -> Value {
+pub(crate) fn bench_long(serve: &str, requests: u32) -> Value {
     let out = kvroute()
         .args(["bench", "--url", &format!("http://{serve}")])
         .args(["--workload", "shared-prefix", "--groups", "32"])
