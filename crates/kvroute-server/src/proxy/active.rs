@@ -150,7 +150,7 @@ impl ActiveGuard {
                 rank: self.key.rank,
                 load_first: load_then,
                 load_end: now,
-                decoding_us: decoding.as_micros().min(u128::from(u64::MAX)) as u64,
+                decoding_us: u64::try_from(decoding.as_micros()).unwrap_or(u64::MAX),
                 tokens,
             });
         }
