@@ -97,21 +97,33 @@ pub enum MessageError {
     Decode(#[from] rmp_serde::decode::Error),
 }
 
+/// `message` as bytes: the version byte, then MessagePack.
+pub(super) fn encode_message<T: Serialize>(message: &T) -> Vec<u8> {
+    let mut out = vec![VERSION];
+    // Writing into a Vec cannot fail, and every field serializes.
+    let _ = rmp_serde::encode::write(&mut out, message);
+    out
+}
+
+/// Reads [`encode_message`] output.
+pub(super) fn decode_message<T: serde::de::DeserializeOwned>(
+    bytes: &[u8],
+) -> Result<T, MessageError> {
+    match bytes.split_first() {
+        Some((&VERSION, rest)) => Ok(rmp_serde::from_slice(rest)?),
+        _ => Err(MessageError::Version),
+    }
+}
+
 impl Envelope {
     /// The message as bytes.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = vec![VERSION];
-        // Writing into a Vec cannot fail, and every field serializes.
-        let _ = rmp_serde::encode::write(&mut out, self);
-        out
+        encode_message(self)
     }
 
     /// Reads [`Envelope::encode`] output.
     pub fn decode(bytes: &[u8]) -> Result<Envelope, MessageError> {
-        match bytes.split_first() {
-            Some((&VERSION, rest)) => Ok(rmp_serde::from_slice(rest)?),
-            _ => Err(MessageError::Version),
-        }
+        decode_message(bytes)
     }
 }
 

@@ -18,10 +18,8 @@ use futures_util::StreamExt;
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
-use super::message::MessageError;
+use super::message::{decode_message, encode_message, MessageError};
 use super::outbox::unix_us;
-
-const VERSION: u8 = 1;
 
 /// How often pending observations are published.
 const PUBLISH_EVERY: Duration = Duration::from_millis(200);
@@ -66,17 +64,11 @@ struct SpeedNote {
 
 impl SpeedNote {
     fn encode(&self) -> Vec<u8> {
-        let mut out = vec![VERSION];
-        // Writing into a Vec cannot fail, and every field serializes.
-        let _ = rmp_serde::encode::write(&mut out, self);
-        out
+        encode_message(self)
     }
 
     fn decode(bytes: &[u8]) -> Result<SpeedNote, MessageError> {
-        match bytes.split_first() {
-            Some((&VERSION, rest)) => Ok(rmp_serde::from_slice(rest)?),
-            _ => Err(MessageError::Version),
-        }
+        decode_message(bytes)
     }
 }
 
@@ -266,7 +258,7 @@ mod tests {
         let mut damaged = note(&peer, &["w0"]).encode();
         damaged.truncate(damaged.len() / 2);
         here.apply(&damaged, &learner);
-        here.apply(&[VERSION + 1], &learner);
+        here.apply(&[0xff], &learner);
         let fed = learner.0.lock().unwrap_or_else(PoisonError::into_inner);
         assert_eq!(*fed, vec![observation("w0"), observation("w0")]);
         let c = &here.counters;
