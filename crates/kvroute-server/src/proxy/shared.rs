@@ -125,14 +125,20 @@ impl SharedLoad for Proxy {
 }
 
 impl SharedSpeeds for Proxy {
-    fn observe_peer(&self, o: &SpeedObservation) -> bool {
-        let Some(key) = key_of(&self.targets(), &o.worker, o.rank) else {
-            return false;
-        };
-        if let Some(book) = &self.speeds {
-            let decoding = Duration::from_micros(o.decoding_us);
-            book.observe(key, (o.load_first, o.load_end), decoding, o.tokens);
+    fn observe_peer(&self, observations: &[SpeedObservation]) -> u64 {
+        // One read of the workers per message.
+        let targets = self.targets();
+        let mut unknown = 0;
+        for o in observations {
+            let Some(key) = key_of(&targets, &o.worker, o.rank) else {
+                unknown += 1;
+                continue;
+            };
+            if let Some(book) = &self.speeds {
+                let decoding = Duration::from_micros(o.decoding_us);
+                book.observe(key, (o.load_first, o.load_end), decoding, o.tokens);
+            }
         }
-        true
+        unknown
     }
 }

@@ -49,9 +49,10 @@ pub struct SpeedObservation {
 /// What a peer's observation does here: the proxy implements it, so this
 /// module never reaches into the proxy.
 pub trait SharedSpeeds: Send + Sync + 'static {
-    /// Feeds a peer's observation to this replica's learner; false when
-    /// the worker or rank is not one of this replica's.
-    fn observe_peer(&self, observation: &SpeedObservation) -> bool;
+    /// Feeds one message's observations of a peer to this replica's
+    /// learner; returns how many named a worker or rank this replica does
+    /// not have.
+    fn observe_peer(&self, observations: &[SpeedObservation]) -> u64;
 }
 
 /// One message: the sending process (random at its start, so a replica
@@ -202,14 +203,12 @@ impl SpeedShare {
         if note.sender == self.sender {
             return;
         }
-        for observation in &note.observations {
-            let counter = if speeds.observe_peer(observation) {
-                &self.counters.received
-            } else {
-                &self.counters.unknown
-            };
-            counter.fetch_add(1, Ordering::Relaxed);
-        }
+        let unknown = speeds.observe_peer(&note.observations);
+        let received = note.observations.len() as u64 - unknown.min(note.observations.len() as u64);
+        self.counters
+            .received
+            .fetch_add(received, Ordering::Relaxed);
+        self.counters.unknown.fetch_add(unknown, Ordering::Relaxed);
     }
 }
 
@@ -222,15 +221,11 @@ mod tests {
     struct Learner(Mutex<Vec<SpeedObservation>>);
 
     impl SharedSpeeds for Learner {
-        fn observe_peer(&self, observation: &SpeedObservation) -> bool {
-            let known = observation.worker == "w0";
-            if known {
-                self.0
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .push(observation.clone());
-            }
-            known
+        fn observe_peer(&self, observations: &[SpeedObservation]) -> u64 {
+            let mut fed = self.0.lock().unwrap_or_else(PoisonError::into_inner);
+            let known: Vec<_> = observations.iter().filter(|o| o.worker == "w0").collect();
+            fed.extend(known.iter().map(|&o| o.clone()));
+            (observations.len() - known.len()) as u64
         }
     }
 
