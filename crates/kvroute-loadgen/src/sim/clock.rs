@@ -9,7 +9,7 @@ use kvroute_mocker::config::EventFormat;
 use kvroute_mocker::encode::{encode_batch, EncodeOptions};
 use kvroute_mocker::engine::{Engine, NewRequest, RequestId, StepOutcome, Update};
 
-use super::router::{Placement, SimRouter};
+use super::router::{Pins, Placement, SimRouter};
 use super::{SimConfig, SimLoad, SimReport};
 use crate::driver::{summarize, Arrival, Sample};
 use crate::error::{Error, Result};
@@ -95,14 +95,7 @@ impl<'a> Sim<'a> {
                 })
                 .collect(),
             stepping: vec![None; config.engines],
-            router: SimRouter::new(
-                config.policy,
-                config.engines,
-                (block_size, config.engine.flavor),
-                &config.worker_speeds,
-                config.learn_speeds,
-                config.seed,
-            ),
+            router: router(config, block_size),
             workload: Workload::new(&load.workload),
             requests: Vec::new(),
             samples: Vec::new(),
@@ -356,6 +349,22 @@ impl<'a> Sim<'a> {
             label: r.planned.label,
         });
         self.at(seen, Event::ClientDone(n));
+    }
+}
+
+/// The simulation's router: its policy, or its fixed placement of groups.
+fn router(config: &SimConfig, block_size: u32) -> SimRouter {
+    let router = SimRouter::new(
+        config.policy,
+        config.engines,
+        (block_size, config.engine.flavor),
+        &config.worker_speeds,
+        config.learn_speeds,
+        config.seed,
+    );
+    match &config.pins {
+        Some(pins) => router.pinned(Pins::new(pins.clone(), block_size)),
+        None => router,
     }
 }
 

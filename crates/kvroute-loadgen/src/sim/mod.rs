@@ -17,6 +17,7 @@
 //! one, and a step's events and tokens go out when it ends. The simulated
 //! figures are checked against real-time runs in `docs/bench.md`.
 
+pub mod bound;
 mod clock;
 pub mod router;
 
@@ -27,7 +28,7 @@ use crate::error::{Error, Result};
 use crate::report::PolicyReport;
 pub use crate::routing::{Contender, Routing};
 use crate::workload::WorkloadSpec;
-pub use router::{Placement, SimRouter};
+pub use router::{Pins, Placement, SimRouter};
 
 /// Fixed delays of the messages between the parts, in microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +76,9 @@ pub struct SimConfig {
     pub learn_speeds: Option<kvroute_core::scheduler::SpeedConfig>,
     /// Who routes.
     pub policy: Contender,
+    /// A fixed placement of prefix groups in place of `policy` (see
+    /// [`Pins`]): the `k`-th group to arrive goes to engine `pins[k]`.
+    pub pins: Option<Vec<usize>>,
     /// Message delays.
     pub delays: Delays,
     /// Seed of the router's random choices.

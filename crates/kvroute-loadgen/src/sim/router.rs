@@ -4,7 +4,9 @@
 //! order (`kvroute_core::scheduler::order`) and the same in-flight
 //! accounting (`ActiveSequences`, charged with the uncached prefill tokens,
 //! released at the first token and at the end). Or the oracle, which reads
-//! the engines' true caches.
+//! the engines' true caches. Or a fixed placement of prefix groups
+//! ([`Pins`]), which no online router can know in advance: the bound of
+//! what a router that keeps every group on one engine can reach.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -52,6 +54,50 @@ pub struct SimRouter {
     /// Requests past their first token: when it came (µs) and the blocks in
     /// flight on their engine then.
     decoding: HashMap<u64, (u64, u64)>,
+    /// A fixed placement of prefix groups, in place of the policy.
+    pins: Option<Pins>,
+}
+
+/// A fixed placement of prefix groups: the `k`-th group to arrive (a group
+/// is the requests whose first block has the same tokens) goes to engine
+/// `engines[k]`, and every later request of the group follows it. Each
+/// group's prefix is then computed once, so the hit rate is the workload's
+/// ceiling; what is left to choose is only which groups share an engine.
+#[derive(Debug, Clone)]
+pub struct Pins {
+    engines: Vec<usize>,
+    block_tokens: usize,
+    groups: HashMap<Vec<u32>, usize>,
+}
+
+impl Pins {
+    /// Groups in arrival order go to `engines` (groups beyond its length
+    /// wrap around to its start).
+    pub fn new(engines: Vec<usize>, block_size: u32) -> Self {
+        Pins {
+            engines,
+            block_tokens: block_size.max(1) as usize,
+            groups: HashMap::new(),
+        }
+    }
+
+    /// The engine of the group `tokens` belongs to, among `fleet` engines.
+    fn engine_of(&mut self, tokens: &[u32], fleet: usize) -> usize {
+        let key = &tokens[..tokens.len().min(self.block_tokens)];
+        let next = self.groups.len();
+        let k = match self.groups.get(key) {
+            Some(&k) => k,
+            None => {
+                self.groups.insert(key.to_vec(), next);
+                next
+            }
+        };
+        let engine = match self.engines.len() {
+            0 => k,
+            n => self.engines[k % n],
+        };
+        engine % fleet.max(1)
+    }
 }
 
 /// Engine `i`'s key in the index (one rank per engine).
@@ -103,7 +149,14 @@ impl SimRouter {
             next_id: 0,
             learner: learn.map(SpeedLearner::new),
             decoding: HashMap::new(),
+            pins: None,
         }
+    }
+
+    /// The same router placing prefix groups by `pins` instead of its policy.
+    pub fn pinned(mut self, pins: Pins) -> Self {
+        self.pins = Some(pins);
+        self
     }
 
     /// Applies one published batch of engine `engine` (msgpack, as on the wire);
@@ -123,6 +176,16 @@ impl SimRouter {
 
     /// Chooses the engine for a prompt and records it as in flight there.
     pub fn route(&mut self, tokens: &[u32], now_ms: u64, engines: &[Engine]) -> Placement {
+        if let Some(pins) = &mut self.pins {
+            let engine = pins.engine_of(tokens, engines.len());
+            let id = self.next_id;
+            self.next_id += 1;
+            return Placement {
+                engine,
+                active_id: id,
+                predicted_cached: None,
+            };
+        }
         match self.policy {
             Contender::Oracle => self.route_oracle(tokens, engines),
             Contender::Router(routing) => self.route_scored(tokens, now_ms, routing),

@@ -18,6 +18,7 @@ fn config(policy: Contender, gpu_blocks: usize) -> SimConfig {
         worker_speeds: Vec::new(),
         learn_speeds: None,
         policy,
+        pins: None,
         delays: Delays::default(),
         seed: 1,
     }
@@ -151,4 +152,86 @@ fn conversations_wait_for_their_previous_turn_and_poisson_arrivals_keep_their_ra
         r.report.duration_s
     );
     assert_eq!(r.per_engine, vec![125; 4]);
+}
+
+/// The hit rate a run of `requests` of `preset` (seed 1) reaches when each
+/// group's first request misses and every other hits its whole prefix.
+fn ceiling(preset: Preset, requests: usize) -> f64 {
+    let workload = crate::workload::Workload::new(&preset.workload(1));
+    let (mut groups, mut prompt, mut cacheable) = (std::collections::HashSet::new(), 0, 0);
+    for _ in 0..requests {
+        let planned = workload.try_next().expect("a request");
+        let ids = planned.body["prompt"]
+            .as_array()
+            .expect("token ids")
+            .clone();
+        let first_block: Vec<_> = ids.iter().take(16).cloned().collect();
+        prompt += ids.len();
+        if !groups.insert(format!("{first_block:?}")) {
+            cacheable += preset.workload(1).shared_prefix_tokens();
+        }
+    }
+    cacheable as f64 / prompt as f64
+}
+
+#[test]
+fn pinned_groups_stay_on_their_engine_and_compute_each_prefix_once() {
+    let load = preset_load(Preset::Long, 300);
+    let pinned = |pins: Vec<usize>| SimConfig {
+        pins: Some(pins),
+        ..config(kv(Policy::Kv), 2_048)
+    };
+    let all_on_one = simulate(&pinned(vec![2]), &load).expect("runs");
+    assert_eq!(all_on_one.per_engine, vec![0, 0, 300, 0]);
+    let dealt = simulate(&pinned(vec![0, 1, 2, 3]), &load).expect("runs");
+    assert_eq!(dealt.report.failed, 0);
+    let top = ceiling(Preset::Long, 300);
+    assert!(
+        (top - 0.005..=top + 1e-9).contains(&dealt.report.hit_rate),
+        "hit {} ceiling {top}",
+        dealt.report.hit_rate
+    );
+    // One engine serving everything queues what four would run at once.
+    assert!(all_on_one.report.latency_ms.p99 > 2.0 * dealt.report.latency_ms.p99);
+}
+
+#[test]
+fn the_placement_search_keeps_its_best_and_counts_its_runs() {
+    use super::bound::{search_pins, PinSearch, Targets};
+    let load = preset_load(Preset::Short, 200);
+    let base = config(kv(Policy::Kv), 256);
+    let least = simulate(&config(kv(Policy::LeastLoaded), 256), &load).expect("runs");
+    let targets = Targets {
+        ttft_p99_ms: least.report.ttft_ms.p99,
+        latency_p99_ms: least.report.latency_ms.p99,
+    };
+    assert!((targets.ratio(&least) - 1.0).abs() < 1e-12);
+    let search = PinSearch {
+        groups: 32,
+        evaluations: 7,
+        min_hit: None,
+        seed: 3,
+        temperature: 0.05,
+    };
+    let bound = search_pins(&base, &load, &targets, &search).expect("runs");
+    assert_eq!(bound.evaluations, 7);
+    assert!(bound.ratio <= bound.start_ratio);
+    assert_eq!(bound.pins.len(), 32);
+    let again = simulate(
+        &SimConfig {
+            pins: Some(bound.pins.clone()),
+            ..base.clone()
+        },
+        &load,
+    )
+    .expect("runs");
+    assert_eq!(again, bound.report, "the best placement's run is its own");
+    assert!((targets.ratio(&again) - bound.ratio).abs() < 1e-12);
+    // A hit-rate floor no placement reaches leaves nothing to keep.
+    let unreachable = PinSearch {
+        min_hit: Some(1.0),
+        ..search
+    };
+    let none = search_pins(&base, &load, &targets, &unreachable).expect("runs");
+    assert!(none.ratio.is_infinite());
 }

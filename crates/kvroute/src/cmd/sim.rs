@@ -13,6 +13,7 @@ use kvroute_core::scheduler::{CostWeights, Policy, SpeedConfig};
 use kvroute_loadgen as load;
 use kvroute_loadgen::mooncake::Trace;
 use kvroute_loadgen::routing::{Contender, Routing};
+use kvroute_loadgen::sim::bound::{search_pins, PinSearch, Targets};
 use kvroute_loadgen::sim::{simulate, Delays, SimConfig, SimLoad, SimReport};
 use kvroute_mocker::MockerConfig;
 use serde_json::{json, Value};
@@ -110,6 +111,26 @@ pub struct SimArgs {
     /// Print one JSON object per run (one per line) instead of a table.
     #[arg(long)]
     json: bool,
+    /// Instead of `--policies`: for each seed, run least-loaded and
+    /// `dynamo`, then simulate this many fixed placements of the prefix
+    /// groups (each group on one engine, so the hit rate is the
+    /// workload's ceiling), searching for the lowest TTFT and latency p99
+    /// against the better of the two: the bound of a router that keeps
+    /// the hit rate at the ceiling.
+    #[arg(long, value_name = "N", conflicts_with = "trace")]
+    pin_search: Option<usize>,
+    /// Instead of `--policies`: one fixed placement of the prefix groups,
+    /// the engine of each group in their order of arrival (as
+    /// `--pin-search` prints its best).
+    #[arg(long, value_delimiter = ',', conflicts_with_all = ["trace", "pin_search"])]
+    pins: Vec<usize>,
+    /// With `--pin-search`: placements below this hit rate do not count.
+    #[arg(long, requires = "pin_search")]
+    pin_min_hit: Option<f64>,
+    /// With `--pin-search`: how readily the search takes a worse placement
+    /// at its start (0: a plain hill climb).
+    #[arg(long, default_value_t = 0.03, requires = "pin_search")]
+    pin_temperature: f64,
 }
 
 /// The `kv` policy's weights; each takes a list, and every combination runs.
@@ -315,28 +336,41 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         event_us: a.event_us,
         step_us: a.step_us,
     };
+    let config = |policy: Contender, seed: u64| SimConfig {
+        engines: a.engines,
+        engine: mocker.engine_config(),
+        engine_speeds: a.engine_speeds.clone(),
+        worker_speeds: a.worker_speeds.clone(),
+        learn_speeds: a.learn_speeds.then_some(SpeedConfig {
+            dead_band: a.speed_dead_band,
+            min_observations: a.speed_min_observations,
+            forget: a.speed_forget,
+            ..SpeedConfig::default()
+        }),
+        policy,
+        pins: None,
+        delays,
+        seed,
+    };
+    if let Some(evaluations) = a.pin_search {
+        return pin_search(a, evaluations, &config);
+    }
+    let contenders = if a.pins.is_empty() {
+        contenders(a)?
+    } else {
+        vec![("pinned".to_string(), "kv".parse()?)]
+    };
+    let pins = (!a.pins.is_empty()).then(|| a.pins.clone());
     let mut jobs = Vec::new();
-    for (name, contender) in contenders(a)? {
+    for (name, contender) in contenders {
         for &seed in &a.seeds {
-            let config = SimConfig {
-                engines: a.engines,
-                engine: mocker.engine_config(),
-                engine_speeds: a.engine_speeds.clone(),
-                worker_speeds: a.worker_speeds.clone(),
-                learn_speeds: a.learn_speeds.then_some(SpeedConfig {
-                    dead_band: a.speed_dead_band,
-                    min_observations: a.speed_min_observations,
-                    forget: a.speed_forget,
-                    ..SpeedConfig::default()
-                }),
-                policy: contender,
-                delays,
-                seed,
-            };
             jobs.push((
                 name.clone(),
                 seed,
-                config,
+                SimConfig {
+                    pins: pins.clone(),
+                    ..config(contender, seed)
+                },
                 sim_load(a, seed, trace.as_ref()),
             ));
         }
@@ -348,6 +382,84 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         }
     } else {
         print!("{}", table(&rows, a.seeds.len()));
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--pin-search`: per seed, the two baselines and the best fixed
+/// placement of the groups found against the better of their tails.
+fn pin_search(
+    a: &SimArgs,
+    evaluations: usize,
+    config: &dyn Fn(Contender, u64) -> SimConfig,
+) -> Result<ExitCode> {
+    let groups = a.preset.map_or(a.groups, |p| p.groups());
+    if !a.json {
+        println!(
+            "{:<14}{:>6}{:>8}{:>10}{:>10}{:>8}  per engine",
+            "policy", "seed", "hit", "ttft p99", "lat p99", "ratio"
+        );
+    }
+    for &seed in &a.seeds {
+        let load = sim_load(a, seed, None);
+        let mut baselines = Vec::new();
+        for name in ["least-loaded", "dynamo", "kv"] {
+            let contender: Contender = name.parse()?;
+            baselines.push((name, simulate(&config(contender, seed), &load)?));
+        }
+        let targets = Targets {
+            ttft_p99_ms: baselines[..2]
+                .iter()
+                .map(|(_, r)| r.report.ttft_ms.p99)
+                .fold(f64::INFINITY, f64::min),
+            latency_p99_ms: baselines[..2]
+                .iter()
+                .map(|(_, r)| r.report.latency_ms.p99)
+                .fold(f64::INFINITY, f64::min),
+        };
+        let search = PinSearch {
+            groups,
+            evaluations,
+            min_hit: a.pin_min_hit,
+            seed,
+            temperature: a.pin_temperature,
+        };
+        let started = std::time::Instant::now();
+        let kv = config("kv".parse()?, seed);
+        let bound = search_pins(&kv, &load, &targets, &search)?;
+        let cpu_ms = started.elapsed().as_secs_f64() * 1e3;
+        let mut rows: Vec<(&str, &SimReport)> = baselines.iter().map(|(n, r)| (*n, r)).collect();
+        rows.push(("pinned-best", &bound.report));
+        for (name, r) in rows {
+            let ratio = targets.ratio(r);
+            if a.json {
+                let mut v = row(name, seed, r, 0.0);
+                v["ratio"] = json!(ratio);
+                if name == "pinned-best" {
+                    v["pins"] = json!(bound.pins);
+                    v["start_ratio"] = json!(bound.start_ratio);
+                    v["evaluations"] = json!(bound.evaluations);
+                    v["improvements"] = json!(bound.improvements);
+                    v["sim_cpu_ms"] = json!(cpu_ms);
+                }
+                println!("{v}");
+            } else {
+                println!(
+                    "{name:<14}{seed:>6}{:>8.4}{:>10.1}{:>10.1}{:>8.3}  {:?}",
+                    r.report.hit_rate,
+                    r.report.ttft_ms.p99,
+                    r.report.latency_ms.p99,
+                    ratio,
+                    r.per_engine
+                );
+            }
+        }
+        if !a.json {
+            println!(
+                "{:<14}{seed:>6}  from ratio {:.3} (groups dealt in turn) in {} placements, {} improvements, {:.1} s; pins {:?}",
+                "", bound.start_ratio, bound.evaluations, bound.improvements, cpu_ms / 1e3, bound.pins
+            );
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

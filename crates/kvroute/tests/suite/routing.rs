@@ -486,3 +486,49 @@ fn a_synthesized_trace_replays_in_the_simulator_and_through_a_real_router() {
         "{kv} {rr}"
     );
 }
+
+#[test]
+fn the_placement_search_prints_a_placement_at_the_ceiling_that_runs_again_alike() {
+    let rows = sim(&[
+        "--preset",
+        "short",
+        "--requests",
+        "300",
+        "--seeds",
+        "2",
+        "--pin-search",
+        "6",
+    ]);
+    let names: Vec<&str> = rows.iter().filter_map(|r| r["policy"].as_str()).collect();
+    assert_eq!(names, ["least-loaded", "dynamo", "kv", "pinned-best"]);
+    let best = &rows[3];
+    assert_eq!(best["evaluations"], 6);
+    let ratio = best["ratio"].as_f64().expect("a ratio");
+    assert!(ratio <= best["start_ratio"].as_f64().expect("a start"));
+    // Each group's prefix computed once: no router's hit rate is higher.
+    let hit = |r: &Value| r["report"]["hit_rate"].as_f64().expect("a hit rate");
+    assert!(rows[..3].iter().all(|r| hit(r) <= hit(best)), "{rows:?}");
+    // The printed placement, run alone, is the same run.
+    let pins: Vec<String> = best["pins"]
+        .as_array()
+        .expect("a placement")
+        .iter()
+        .map(|p| p.to_string())
+        .collect();
+    assert_eq!(pins.len(), 32);
+    let pins = pins.join(",");
+    let again = sim(&[
+        "--preset",
+        "short",
+        "--requests",
+        "300",
+        "--seeds",
+        "2",
+        "--pins",
+        &pins,
+    ]);
+    assert_eq!(again.len(), 1);
+    assert_eq!(again[0]["policy"], "pinned");
+    assert_eq!(again[0]["report"], best["report"]);
+    assert_eq!(again[0]["per_engine"], best["per_engine"]);
+}
