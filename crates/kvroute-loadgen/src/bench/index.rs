@@ -18,6 +18,7 @@ use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerRank};
 use serde_json::{json, Value};
 
+use super::index_floor::IndexFloor;
 use crate::error::{Error, Result};
 use crate::stats;
 use crate::trace::{TraceConfig, TraceGen};
@@ -289,6 +290,7 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
     let (sharded_lookups, _) =
         time_queries(&trace.queries, |q| best_device(&sharded.find_matches(q)));
 
+    let floor = IndexFloor::of(stats.nodes, stats.residencies, u64::from(config.workers));
     Ok(json!({
         "workers": config.workers,
         "target_residencies": config.residencies,
@@ -311,6 +313,7 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         "writer_block_ops_per_s_during_lookups": writer_rate.round(),
         "bytes_per_residency": bytes_measured.map(|b| b as f64 / residencies as f64),
         "estimated_heap_bytes_per_residency": stats.heap_bytes as f64 / residencies as f64,
+        "exact_floor_bytes_per_residency": floor.total(),
         "threads": threads,
         "apply_block_ops_per_s_sharded": sharded_rate.round(),
         "sharded_apply_speedup": sharded_rate / apply_rate.max(1.0),
@@ -359,9 +362,13 @@ mod tests {
             .is_some_and(|r| r > 0.0));
         assert!(report["sharded_nodes"].as_u64() >= report["nodes"].as_u64());
         assert!(report["bytes_per_residency"].is_null());
-        assert!(report["estimated_heap_bytes_per_residency"]
+        let estimated = report["estimated_heap_bytes_per_residency"]
             .as_f64()
-            .is_some_and(|b| b > 0.0));
+            .expect("estimated bytes");
+        let floor = report["exact_floor_bytes_per_residency"]
+            .as_f64()
+            .expect("floor");
+        assert!(floor > 0.0 && floor < estimated, "{floor} {estimated}");
         // A meter that reads a growing counter gives a number.
         static CALLS: AtomicU64 = AtomicU64::new(0);
         fn fake() -> usize {

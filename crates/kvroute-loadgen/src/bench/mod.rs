@@ -1,5 +1,6 @@
 //! Measurements of kvroute's own parts: the prefix index alone
-//! ([`index`]), a router process ingesting thousands of event streams
+//! ([`index`], beside the floor of any exact index's size:
+//! [`index_floor`]), a router process ingesting thousands of event streams
 //! ([`ingest`]), the latency and CPU the router adds to a request
 //! ([`proxy`]), the time a router takes to be ready on a saved index
 //! ([`restore`]), and what router replicas cost and buy ([`replicas`]).
@@ -7,6 +8,7 @@
 
 mod child;
 pub mod index;
+pub mod index_floor;
 pub mod index_trace;
 pub mod ingest;
 pub mod proxy;
