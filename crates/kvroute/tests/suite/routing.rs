@@ -489,16 +489,8 @@ fn a_synthesized_trace_replays_in_the_simulator_and_through_a_real_router() {
 
 #[test]
 fn the_placement_search_prints_a_placement_at_the_ceiling_that_runs_again_alike() {
-    let rows = sim(&[
-        "--preset",
-        "short",
-        "--requests",
-        "300",
-        "--seeds",
-        "2",
-        "--pin-search",
-        "6",
-    ]);
+    let run = ["--preset", "short", "--requests", "300", "--seeds", "2"];
+    let rows = sim(&[&run[..], &["--pin-search", "6"]].concat());
     let names: Vec<&str> = rows.iter().filter_map(|r| r["policy"].as_str()).collect();
     assert_eq!(names, ["least-loaded", "dynamo", "kv", "pinned-best"]);
     let best = &rows[3];
@@ -517,16 +509,7 @@ fn the_placement_search_prints_a_placement_at_the_ceiling_that_runs_again_alike(
         .collect();
     assert_eq!(pins.len(), 32);
     let pins = pins.join(",");
-    let again = sim(&[
-        "--preset",
-        "short",
-        "--requests",
-        "300",
-        "--seeds",
-        "2",
-        "--pins",
-        &pins,
-    ]);
+    let again = sim(&[&run[..], &["--pins", &pins]].concat());
     assert_eq!(again.len(), 1);
     assert_eq!(again[0]["policy"], "pinned");
     assert_eq!(again[0]["report"], best["report"]);
