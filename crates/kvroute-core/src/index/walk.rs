@@ -309,6 +309,11 @@ fn drive<S: Stepper>(
         for (id, seq) in ids.iter_mut().zip(chunk) {
             if id.is_none() {
                 *id = nodes.find_seq(seq.0);
+                // A block not stored ends the walk: the blocks after it
+                // need no probe.
+                if id.is_none() {
+                    break;
+                }
             }
         }
         if let Some((i, found)) = (0..chunk.len()).rev().find_map(|i| Some((i, ids[i]?))) {
