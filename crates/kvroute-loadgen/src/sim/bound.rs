@@ -18,8 +18,8 @@ use kvroute_core::rng::SplitMix64;
 use super::{simulate, SimConfig, SimLoad, SimReport};
 use crate::error::{Error, Result};
 
-/// The tails a placement is measured against (the issue's: the better of
-/// two baselines run on the same seed).
+/// The tails a placement is measured against (the routing goal's: the
+/// better of two baselines run on the same seed).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Targets {
     /// Time to first token, p99, ms.
