@@ -29,6 +29,20 @@ pub struct Targets {
 }
 
 impl Targets {
+    /// The lower TTFT p99 and the lower latency p99 of `runs` (each may
+    /// come from a different run).
+    pub fn better_of<'a>(runs: impl IntoIterator<Item = &'a SimReport>) -> Targets {
+        let mut t = Targets {
+            ttft_p99_ms: f64::INFINITY,
+            latency_p99_ms: f64::INFINITY,
+        };
+        for r in runs {
+            t.ttft_p99_ms = t.ttft_p99_ms.min(r.report.ttft_ms.p99);
+            t.latency_p99_ms = t.latency_p99_ms.min(r.report.latency_ms.p99);
+        }
+        t
+    }
+
     /// How far `r`'s tails are above these: the larger of its TTFT p99 and
     /// latency p99 over the targets'. At most 1 meets both.
     pub fn ratio(&self, r: &SimReport) -> f64 {

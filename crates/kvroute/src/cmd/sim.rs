@@ -407,16 +407,7 @@ fn pin_search(
             let contender: Contender = name.parse()?;
             baselines.push((name, simulate(&config(contender, seed), &load)?));
         }
-        let targets = Targets {
-            ttft_p99_ms: baselines[..2]
-                .iter()
-                .map(|(_, r)| r.report.ttft_ms.p99)
-                .fold(f64::INFINITY, f64::min),
-            latency_p99_ms: baselines[..2]
-                .iter()
-                .map(|(_, r)| r.report.latency_ms.p99)
-                .fold(f64::INFINITY, f64::min),
-        };
+        let targets = Targets::better_of(baselines[..2].iter().map(|(_, r)| r));
         let search = PinSearch {
             groups,
             evaluations,
