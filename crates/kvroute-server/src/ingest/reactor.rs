@@ -99,14 +99,13 @@ pub struct Reactor {
     next_alias: u64,
 }
 
-/// Socket options that survive real networks: bounded reconnect backoff,
-/// no linger on close, and TCP keepalive probing an idle connection after
+/// Socket options that survive real networks (linger 0 is set where every
+/// socket is made): bounded reconnect backoff, and TCP keepalive probing an idle connection after
 /// 15 s (every 5 s, 3 times) so a vanished host shows as disconnected in
 /// about 30 s. The kernel does that probing; ZMTP heartbeats would do it in
 /// libzmq's I/O thread, whose timer list is scanned linearly on every
 /// heartbeat: at 8 000 connections that alone took ~9 % of a core at idle.
 fn harden(socket: &zmq::Socket) -> zmq::Result<()> {
-    socket.set_linger(0)?;
     socket.set_reconnect_ivl(100)?;
     socket.set_reconnect_ivl_max(2_000)?;
     socket.set_tcp_keepalive(1)?;

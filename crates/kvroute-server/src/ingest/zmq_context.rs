@@ -65,7 +65,9 @@ impl ZmqContext {
         usize::try_from(n).unwrap_or(0)
     }
 
-    /// A new socket of `kind`; it keeps this context alive.
+    /// A new socket of `kind`, with linger 0 (closing it drops what it has
+    /// not sent, so neither it nor the context's end waits on a vanished
+    /// engine); it keeps this context alive.
     pub fn socket(self: &Arc<Self>, kind: zmq::SocketType) -> Result<Socket, ZmqError> {
         // SAFETY: `raw` is a live context; null means failure.
         let raw = unsafe { zmq_sys::zmq_socket(self.raw, kind as i32) };
@@ -74,6 +76,7 @@ impl ZmqContext {
         }
         // SAFETY: `raw` is a fresh socket that nothing else owns.
         let socket = unsafe { zmq::Socket::from_raw(raw) };
+        socket.set_linger(0)?;
         Ok(Socket {
             socket,
             _context: self.clone(),
@@ -84,7 +87,7 @@ impl ZmqContext {
 impl Drop for ZmqContext {
     fn drop(&mut self) {
         // SAFETY: every socket of this context holds an Arc to it, so none
-        // is left; sockets are made with linger 0, so this does not block.
+        // is left; [`ZmqContext::socket`] sets linger 0 on each, so this does not block.
         unsafe { zmq_sys::zmq_ctx_term(self.raw) };
     }
 }
@@ -145,6 +148,15 @@ mod tests {
     }
 
     #[test]
+    fn every_socket_is_made_with_linger_0() {
+        let context = ZmqContext::new(64).expect("context");
+        for kind in [zmq::SUB, zmq::ROUTER, zmq::PAIR, zmq::PUSH] {
+            let socket = context.socket(kind).expect("socket");
+            assert_eq!(socket.get_linger().expect("linger"), 0, "{kind:?}");
+        }
+    }
+
+    #[test]
     fn replies_arrive_under_the_connect_routing_id() {
         let context = ZmqContext::new(64).expect("context");
         let engine = context.socket(zmq::ROUTER).expect("engine");
@@ -154,7 +166,6 @@ mod tests {
             .expect("endpoint")
             .expect("utf-8");
         let mut router = context.socket(zmq::ROUTER).expect("router");
-        router.set_linger(0).expect("linger");
         router.set_connect_routing_id(b"rank-7").expect("id");
         router.connect(&endpoint).expect("connect");
         // The engine speaks first here, so no handshake race: it learns our
@@ -169,6 +180,5 @@ mod tests {
             .expect("reply");
         let reply = router.recv_multipart(0).expect("reply");
         assert_eq!(reply, vec![b"rank-7".to_vec(), vec![], b"reply".to_vec()]);
-        engine.set_linger(0).expect("linger");
     }
 }
