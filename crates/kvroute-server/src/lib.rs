@@ -2,8 +2,9 @@
 //!
 //! Sockets, threads, timers and HTTP live here and hand plain data to
 //! `kvroute-core`. Two paths run through it:
-//! * engine bytes → [`ingest`] (a thread per rank: ZeroMQ frames to the
-//!   core's cursor and decoder, events to the index);
+//! * engine bytes → [`ingest`] (a few ingest threads, each polling the
+//!   ZeroMQ sockets of many ranks: frames to the core's cursor and decoder,
+//!   events to the index);
 //! * HTTP → [`app`] → [`proxy`] (scan the body, tokenize, score with the
 //!   core's scheduler, forward, relay) → a worker.
 //!
@@ -92,6 +93,11 @@ pub struct StateConfig {
     pub dir: std::path::PathBuf,
     /// How often it is written (and once more at shutdown).
     pub every: Duration,
+}
+
+impl StateConfig {
+    /// How often the state is saved unless told otherwise (`--snapshot-secs`).
+    pub const DEFAULT_EVERY: Duration = Duration::from_secs(10);
 }
 
 impl Default for ServeConfig {

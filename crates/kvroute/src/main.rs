@@ -42,8 +42,9 @@ enum Command {
     Inspect(cmd::inspect::InspectArgs),
     /// Show the win: a mock fleet, the router under each policy, the same workload, a report.
     Demo(cmd::demo::DemoArgs),
-    /// Generate load against an OpenAI-compatible endpoint, or measure kvroute's
-    /// parts (`bench index|ingest|proxy`).
+    /// Generate load against an OpenAI-compatible endpoint, measure one of
+    /// kvroute's parts, or simulate routing on a virtual clock (its
+    /// subcommands: `kvroute bench --help`).
     Bench(cmd::bench::BenchArgs),
     /// Run simulated vLLM / SGLang engines (HTTP, prefix cache, KV events over ZeroMQ).
     Mocker(cmd::mocker::MockerArgs),

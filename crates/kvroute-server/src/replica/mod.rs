@@ -32,7 +32,7 @@ impl ReplicaConfig {
             nats_url: nats_url.into(),
             replica_id: replica_id.into(),
             prefix: "kvroute".into(),
-            snapshot_every: Duration::from_secs(10),
+            snapshot_every: crate::StateConfig::DEFAULT_EVERY,
         }
     }
 }

@@ -73,10 +73,10 @@ pub struct ServeArgs {
     #[arg(long, value_name = "LIST", env = "KVROUTE_ALLOW_WORKER_HOSTS")]
     allow_worker_hosts: Option<AllowedHosts>,
     /// Seconds a worker may stay unreachable before its blocks leave the index.
-    #[arg(long, default_value_t = 30, env = "KVROUTE_UNREACHABLE_GRACE_SECS")]
+    #[arg(long, default_value_t = ServeConfig::default().unreachable_grace.as_secs(), env = "KVROUTE_UNREACHABLE_GRACE_SECS")]
     unreachable_grace_secs: u64,
     /// Residencies kept per (worker, rank) at most.
-    #[arg(long, default_value_t = 4 << 20, env = "KVROUTE_MAX_BLOCKS_PER_RANK")]
+    #[arg(long, default_value_t = IndexConfig::default().default_capacity.unwrap_or(u64::MAX), env = "KVROUTE_MAX_BLOCKS_PER_RANK")]
     max_blocks_per_rank: u64,
     /// Shards of ranks the index is split into, so events of ranks in
     /// different shards are applied in parallel (default: one per core, at
@@ -85,23 +85,23 @@ pub struct ServeArgs {
     index_shards: Option<u64>,
     /// Routing policy: kv, approx (no events: the index learns from routing
     /// decisions), round-robin, random or least-loaded.
-    #[arg(long, default_value = "kv", env = "KVROUTE_POLICY")]
+    #[arg(long, default_value_t = ProxyConfig::default().policy, env = "KVROUTE_POLICY")]
     policy: Policy,
-    /// Multiplies the prefill term of the cost (Dynamo's default: 1; see
-    /// docs/serving.md for why kvroute's is 4).
+    /// Multiplies the prefill term of the cost (Dynamo's default: 1;
+    /// docs/serving.md says why kvroute's default is higher).
     #[arg(long, default_value_t = CostWeights::default().prefill_load_scale, env = "KVROUTE_PREFILL_LOAD_SCALE")]
     prefill_load_scale: f64,
     /// Credit per block cached on the device (Dynamo's default: 1).
     #[arg(long, default_value_t = CostWeights::default().overlap_credit, env = "KVROUTE_OVERLAP_CREDIT")]
     overlap_credit: f64,
     /// Credit per block cached only in host memory.
-    #[arg(long, default_value_t = 0.75, env = "KVROUTE_HOST_CACHE_WEIGHT")]
+    #[arg(long, default_value_t = CostWeights::default().host_weight, env = "KVROUTE_HOST_CACHE_WEIGHT")]
     host_cache_weight: f64,
     /// Credit per block cached only on disk or an external pool.
-    #[arg(long, default_value_t = 0.25, env = "KVROUTE_DISK_CACHE_WEIGHT")]
+    #[arg(long, default_value_t = CostWeights::default().disk_weight, env = "KVROUTE_DISK_CACHE_WEIGHT")]
     disk_cache_weight: f64,
     /// Cost per request already active on the worker.
-    #[arg(long, default_value_t = 0.0, env = "KVROUTE_ACTIVE_REQUEST_WEIGHT")]
+    #[arg(long, default_value_t = CostWeights::default().active_request_weight, env = "KVROUTE_ACTIVE_REQUEST_WEIGHT")]
     active_request_weight: f64,
     /// Credit per leading block that a request active on the worker holds
     /// (a prefix in flight, not yet announced by the engine's events).
@@ -118,7 +118,7 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = CostWeights::default().request_size_weight, env = "KVROUTE_REQUEST_SIZE_WEIGHT")]
     request_size_weight: f64,
     /// 0: lowest cost wins; > 0: softmax sampling over normalised costs.
-    #[arg(long, default_value_t = 0.0, env = "KVROUTE_TEMPERATURE")]
+    #[arg(long, default_value_t = ProxyConfig::default().temperature, env = "KVROUTE_TEMPERATURE")]
     temperature: f64,
     /// A rank with this many prompt tokens in prefill is skipped (busy).
     #[arg(long, value_name = "TOKENS", env = "KVROUTE_BUSY_PREFILL_TOKENS")]
@@ -130,23 +130,24 @@ pub struct ServeArgs {
     /// peers) is skipped (busy).
     #[arg(long, value_name = "REQUESTS", env = "KVROUTE_BUSY_REQUESTS")]
     busy_requests: Option<u64>,
-    /// Workers tried per request at most (connection errors and 5xx before the first byte).
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MAX_ATTEMPTS")]
+    /// Workers tried per request at most: a request moves on only when it
+    /// never reached a worker or the worker refused it with 503 or 429.
+    #[arg(long, default_value_t = u32::try_from(ProxyConfig::default().max_attempts).unwrap_or(u32::MAX), value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MAX_ATTEMPTS")]
     max_attempts: u32,
     /// Seconds allowed for a whole upstream request, streaming included.
-    #[arg(long, default_value_t = 600, env = "KVROUTE_REQUEST_TIMEOUT_SECS")]
+    #[arg(long, default_value_t = ProxyConfig::default().request_timeout.as_secs(), env = "KVROUTE_REQUEST_TIMEOUT_SECS")]
     request_timeout_secs: u64,
     /// Milliseconds allowed to connect to a worker.
-    #[arg(long, default_value_t = 2000, env = "KVROUTE_CONNECT_TIMEOUT_MS")]
+    #[arg(long, default_value_t = millis(ProxyConfig::default().connect_timeout), env = "KVROUTE_CONNECT_TIMEOUT_MS")]
     connect_timeout_ms: u64,
     /// Consecutive failures that take a worker out of rotation.
-    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_BREAKER_FAILURES")]
+    #[arg(long, default_value_t = ProxyConfig::default().breaker_failures, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_BREAKER_FAILURES")]
     breaker_failures: u32,
     /// Seconds a failing worker stays out before one request probes it.
-    #[arg(long, default_value_t = 10, env = "KVROUTE_BREAKER_OPEN_SECS")]
+    #[arg(long, default_value_t = ProxyConfig::default().breaker_open.as_secs(), env = "KVROUTE_BREAKER_OPEN_SECS")]
     breaker_open_secs: u64,
     /// Seconds after which a request still counted as active is dropped from the load.
-    #[arg(long, default_value_t = 600, env = "KVROUTE_ACTIVE_EXPIRY_SECS")]
+    #[arg(long, default_value_t = ProxyConfig::default().active_expiry.as_secs(), env = "KVROUTE_ACTIVE_EXPIRY_SECS")]
     active_expiry_secs: u64,
     /// Name the chosen rank of every multi-rank worker in the body as
     /// `data_parallel_rank`. Without it, `flavor=sglang` workers get the body
@@ -155,10 +156,10 @@ pub struct ServeArgs {
     dp_rank_in_body: bool,
     /// Requests that may wait (rather than get a 503) while every rank is
     /// over its busy thresholds; 0: no queue.
-    #[arg(long, default_value_t = 0, env = "KVROUTE_QUEUE_CAPACITY")]
+    #[arg(long, default_value_t = ProxyConfig::default().queue_capacity, env = "KVROUTE_QUEUE_CAPACITY")]
     queue_capacity: usize,
     /// Longest wait in that queue, in milliseconds, before the 503.
-    #[arg(long, default_value_t = 30_000, env = "KVROUTE_QUEUE_TIMEOUT_MS")]
+    #[arg(long, default_value_t = millis(ProxyConfig::default().queue_timeout), env = "KVROUTE_QUEUE_TIMEOUT_MS")]
     queue_timeout_ms: u64,
     /// A Hugging Face `tokenizer.json` for text prompts and chat messages, or
     /// `builtin` for the mocker's built-in tokenizer. Chats are rendered with
@@ -169,10 +170,10 @@ pub struct ServeArgs {
     tokenizer: Option<PathBuf>,
     /// Prompt positions each image takes (the model's image token count; the
     /// same setting as `kvroute mocker --mm-tokens-per-image`).
-    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MM_TOKENS_PER_IMAGE")]
+    #[arg(long, default_value_t = u32::try_from(ImageTokenRule::DEFAULT_TOKENS_PER_IMAGE).unwrap_or(u32::MAX), value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MM_TOKENS_PER_IMAGE")]
     mm_tokens_per_image: u32,
     /// Largest request body accepted, in MiB (larger: 413).
-    #[arg(long, default_value_t = 32, env = "KVROUTE_MAX_BODY_MIB")]
+    #[arg(long, default_value_t = ServeConfig::default().max_body_bytes >> 20, env = "KVROUTE_MAX_BODY_MIB")]
     max_body_mib: usize,
     /// Context length (prompt + output tokens) of workers that do not report
     /// `max_model_len` in their `/v1/models`; requests that cannot fit are
@@ -186,7 +187,7 @@ pub struct ServeArgs {
     #[arg(long, env = "KVROUTE_LEARN_SPEEDS")]
     learn_speeds: bool,
     /// Largest `/query` or `/query_by_hash` body, in MiB (larger: 413).
-    #[arg(long, default_value_t = 4, env = "KVROUTE_QUERY_MAX_BODY_MIB")]
+    #[arg(long, default_value_t = QueryLimits::default().max_body_bytes >> 20, env = "KVROUTE_QUERY_MAX_BODY_MIB")]
     query_max_body_mib: usize,
     /// `/query` and `/query_by_hash` requests computed at once (more: 429);
     /// default: the number of cores.
@@ -221,21 +222,21 @@ pub struct ServeArgs {
     replica_id: Option<String>,
     /// First token of the NATS subjects and bucket names, so several router
     /// fleets can share one NATS server.
-    #[arg(long, default_value = "kvroute", env = "KVROUTE_NATS_PREFIX", value_parser = parse_nats_prefix)]
+    #[arg(long, default_value_t = ReplicaConfig::new("", "").prefix, env = "KVROUTE_NATS_PREFIX", value_parser = parse_nats_prefix)]
     nats_prefix: String,
     /// Seconds between two saves of the state (with `--state-dir`, also at
     /// shutdown; with `--nats`, to the object store).
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..=86_400), env = "KVROUTE_SNAPSHOT_SECS")]
+    #[arg(long, default_value_t = StateConfig::DEFAULT_EVERY.as_secs(), value_parser = clap::value_parser!(u64).range(1..=86_400), env = "KVROUTE_SNAPSHOT_SECS")]
     snapshot_secs: u64,
     /// Seconds between continuity checks of a quiet stream (a replay request
     /// for the last batch applied, which proves the engine did not restart).
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=3600), env = "KVROUTE_VERIFY_SECS")]
+    #[arg(long, default_value_t = Timing::default().verify_ms / 1_000, value_parser = clap::value_parser!(u64).range(1..=3600), env = "KVROUTE_VERIFY_SECS")]
     verify_secs: u64,
     /// Seconds a client may take to send a request's head, from its first byte.
-    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_HEADER_TIMEOUT_SECS")]
+    #[arg(long, default_value_t = HttpLimits::default().header_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_HEADER_TIMEOUT_SECS")]
     header_timeout_secs: u64,
     /// Seconds a kept-alive connection may wait for its next request.
-    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_IDLE_TIMEOUT_SECS")]
+    #[arg(long, default_value_t = HttpLimits::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_IDLE_TIMEOUT_SECS")]
     idle_timeout_secs: u64,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info", env = "KVROUTE_LOG")]
@@ -268,7 +269,6 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 .with_context(|| format!("--config {}", path.display()))?,
         );
     }
-    let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
     let fd_limit = raise_fd_limit();
     let runtime = crate::cmd::runtime()?;
     runtime.block_on(async {
@@ -296,50 +296,68 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             "kvroute serve: listening on http://{addr} with {} worker(s)",
             workers.len()
         );
-        let max_connections = args
-            .max_connections
-            .unwrap_or_else(|| default_max_connections(fd_limit));
-        let config = ServeConfig {
-            block_size: args.block_size,
-            workers,
-            access: Access {
-                admin_token,
-                public_introspection: args.public_introspection,
-            },
-            allowed_worker_hosts: args.allow_worker_hosts.clone().unwrap_or_default(),
-            unreachable_grace: Duration::from_secs(args.unreachable_grace_secs),
-            index: IndexConfig {
-                default_capacity: Some(args.max_blocks_per_rank),
-                ..IndexConfig::default()
-            },
-            index_shards: args
-                .index_shards
-                .map_or_else(kvroute_server::default_index_shards, |n| n as usize),
-            ingest: ingest_config(args, max_connections, fd_limit),
-            state: args.state_dir.clone().map(|dir| StateConfig {
-                dir,
-                every: Duration::from_secs(args.snapshot_secs),
-            }),
-            replicas: replica_config(args, addr.port()),
-            proxy: router_config(args)?,
-            max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
-            query: QueryLimits {
-                max_body_bytes: args.query_max_body_mib.saturating_mul(1 << 20),
-                concurrency: args
-                    .query_concurrency
-                    .unwrap_or(QueryLimits::default().concurrency),
-            },
-            http: HttpLimits {
-                max_connections,
-                header_timeout: Duration::from_secs(args.header_timeout_secs),
-                idle_timeout: Duration::from_secs(args.idle_timeout_secs),
-                ..HttpLimits::default()
-            },
-        };
+        let config = serve_config(args, workers, fd_limit, addr.port())?;
         serve(config, listener, super::shutdown_signal()).await?;
         Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The server's configuration from the flags, the workers already read, the
+/// open-file limit and the bound port: every default comes from the config
+/// types themselves, so `--help` and an embedded router agree.
+fn serve_config(
+    args: &ServeArgs,
+    workers: Vec<WorkerSpec>,
+    fd_limit: u64,
+    port: u16,
+) -> Result<ServeConfig> {
+    let admin_token = args.admin_token.clone().filter(|t| !t.is_empty());
+    let max_connections = args
+        .max_connections
+        .unwrap_or_else(|| default_max_connections(fd_limit));
+    Ok(ServeConfig {
+        block_size: args.block_size,
+        workers,
+        access: Access {
+            admin_token,
+            public_introspection: args.public_introspection,
+        },
+        allowed_worker_hosts: args.allow_worker_hosts.clone().unwrap_or_default(),
+        unreachable_grace: Duration::from_secs(args.unreachable_grace_secs),
+        index: IndexConfig {
+            default_capacity: Some(args.max_blocks_per_rank),
+            ..IndexConfig::default()
+        },
+        index_shards: args
+            .index_shards
+            .map_or_else(kvroute_server::default_index_shards, |n| n as usize),
+        ingest: ingest_config(args, max_connections, fd_limit),
+        state: args.state_dir.clone().map(|dir| StateConfig {
+            dir,
+            every: Duration::from_secs(args.snapshot_secs),
+        }),
+        replicas: replica_config(args, port),
+        proxy: router_config(args)?,
+        max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
+        query: QueryLimits {
+            max_body_bytes: args.query_max_body_mib.saturating_mul(1 << 20),
+            concurrency: args
+                .query_concurrency
+                .unwrap_or(QueryLimits::default().concurrency),
+        },
+        http: HttpLimits {
+            max_connections,
+            header_timeout: Duration::from_secs(args.header_timeout_secs),
+            idle_timeout: Duration::from_secs(args.idle_timeout_secs),
+            ..HttpLimits::default()
+        },
+    })
+}
+
+/// A duration in whole milliseconds, for a flag's default.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
 /// The router's prompt renderer: the same rendering as `kvroute mocker`'s
@@ -446,5 +464,115 @@ fn parse_nats_prefix(s: &str) -> Result<String, String> {
         Ok(s.to_owned())
     } else {
         Err("letters, digits, `-` and `_` only (at most 64)".into())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::{CommandFactory, Parser};
+
+    /// `kvroute serve`'s flags alone, as the binary parses them.
+    #[derive(Debug, Parser)]
+    struct Serve {
+        #[command(flatten)]
+        args: ServeArgs,
+    }
+
+    fn defaults() -> ServeConfig {
+        let args = Serve::try_parse_from(["serve"])
+            .expect("no flags parse")
+            .args;
+        serve_config(&args, Vec::new(), 65_536, 8_000).expect("the defaults build")
+    }
+
+    #[test]
+    fn the_flags_defaults_are_the_configs_defaults() {
+        let (got, want) = (defaults(), ServeConfig::default());
+        assert_eq!(got.unreachable_grace, want.unreachable_grace);
+        assert_eq!(got.index.default_capacity, want.index.default_capacity);
+        assert_eq!(got.max_body_bytes, want.max_body_bytes);
+        assert_eq!(got.query.max_body_bytes, want.query.max_body_bytes);
+        assert_eq!(got.http.header_timeout, want.http.header_timeout);
+        assert_eq!(got.http.idle_timeout, want.http.idle_timeout);
+        assert_eq!(got.ingest.timing.verify_ms, want.ingest.timing.verify_ms);
+        assert!(got.state.is_none() && got.replicas.is_none());
+        let (p, q) = (&got.proxy, &want.proxy);
+        assert_eq!(p.policy, q.policy);
+        assert_eq!(p.weights, q.weights);
+        assert_eq!(p.temperature, q.temperature);
+        assert_eq!(p.busy, q.busy);
+        assert_eq!(p.max_attempts, q.max_attempts);
+        assert_eq!(p.request_timeout, q.request_timeout);
+        assert_eq!(p.connect_timeout, q.connect_timeout);
+        assert_eq!(p.breaker_failures, q.breaker_failures);
+        assert_eq!(p.breaker_open, q.breaker_open);
+        assert_eq!(p.active_expiry, q.active_expiry);
+        assert_eq!(p.dp_rank_in_body, q.dp_rank_in_body);
+        assert_eq!(p.queue_capacity, q.queue_capacity);
+        assert_eq!(p.queue_timeout, q.queue_timeout);
+        assert_eq!(p.max_model_len, q.max_model_len);
+        assert_eq!(p.learn_speeds.is_some(), q.learn_speeds.is_some());
+    }
+
+    /// The text `--help` prints for one flag, up to the next flag.
+    fn help_of(help: &str, flag: &str) -> String {
+        let start = help
+            .find(&format!("--{flag} "))
+            .unwrap_or_else(|| panic!("--{flag} is in the help"));
+        let rest = &help[start..];
+        let next_flag = |at: &str| rest[2..].find(at).map(|i| i + 2);
+        let end = [next_flag("\n      --"), next_flag("\n  -")]
+            .into_iter()
+            .flatten()
+            .min()
+            .unwrap_or(rest.len());
+        rest[..end].to_owned()
+    }
+
+    #[test]
+    fn help_prints_the_defaults_the_config_holds() {
+        let help = Serve::command().render_long_help().to_string();
+        let d = ServeConfig::default();
+        let w = d.proxy.weights;
+        let secs = |t: Duration| t.as_secs().to_string();
+        let shown = [
+            ("policy", d.proxy.policy.to_string()),
+            ("prefill-load-scale", w.prefill_load_scale.to_string()),
+            ("overlap-credit", w.overlap_credit.to_string()),
+            ("host-cache-weight", w.host_weight.to_string()),
+            ("disk-cache-weight", w.disk_weight.to_string()),
+            ("active-prefix-weight", w.active_prefix_weight.to_string()),
+            ("request-kv-weight", w.request_kv_weight.to_string()),
+            ("request-size-weight", w.request_size_weight.to_string()),
+            ("max-attempts", d.proxy.max_attempts.to_string()),
+            ("request-timeout-secs", secs(d.proxy.request_timeout)),
+            (
+                "connect-timeout-ms",
+                millis(d.proxy.connect_timeout).to_string(),
+            ),
+            ("breaker-failures", d.proxy.breaker_failures.to_string()),
+            ("breaker-open-secs", secs(d.proxy.breaker_open)),
+            (
+                "queue-timeout-ms",
+                millis(d.proxy.queue_timeout).to_string(),
+            ),
+            ("unreachable-grace-secs", secs(d.unreachable_grace)),
+            ("max-body-mib", (d.max_body_bytes >> 20).to_string()),
+            ("snapshot-secs", secs(StateConfig::DEFAULT_EVERY)),
+            ("header-timeout-secs", secs(d.http.header_timeout)),
+            ("idle-timeout-secs", secs(d.http.idle_timeout)),
+        ];
+        for (flag, value) in shown {
+            let text = help_of(&help, flag);
+            assert!(
+                text.contains(&format!("[default: {value}]")),
+                "--{flag} should show [default: {value}]: {text}"
+            );
+        }
+        // Prose states no default of its own beside clap's: the weights'
+        // reasons name Dynamo's, never a number for kvroute's.
+        let scale = help_of(&help, "prefill-load-scale");
+        assert!(!scale.contains("kvroute's is"), "{scale}");
     }
 }
