@@ -43,7 +43,7 @@ pub enum RankState {
 }
 
 impl RankState {
-    /// Every state, in the order of [`RankState::as_u8`].
+    /// Every state, in the order of its one-byte code.
     pub const ALL: [RankState; 6] = [
         RankState::Live,
         RankState::Replaying,

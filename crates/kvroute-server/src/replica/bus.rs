@@ -149,7 +149,7 @@ pub struct PeerView {
 }
 
 impl ReplicaSync {
-    /// The sync of `config`'s replica; nothing runs until [`ReplicaSync::start`].
+    /// The sync of `config`'s replica; nothing runs until [`ReplicaSync::run`].
     pub fn new(config: ReplicaConfig) -> Arc<Self> {
         let epoch = unix_us() ^ u64::from(std::process::id()).rotate_left(48);
         Arc::new(ReplicaSync {
