@@ -17,7 +17,7 @@ use std::future::Future;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::routing::Routing;
+use crate::contender::Routing;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_mocker::{Fleet, MockerConfig};
 use kvroute_server::ingest::spec::WorkerSpec;
@@ -25,10 +25,10 @@ use kvroute_server::replica::ReplicaConfig;
 use serde_json::{json, Map, Value};
 
 use crate::driver::{self, Endpoint, LoadOptions};
+use crate::embedded_router::{RouterTokenizer, RunningRouter};
 use crate::error::{Error, Result};
 use crate::nats::NatsServer;
 use crate::report::{table, PolicyReport, Report, ORACLE};
-use crate::router::{RouterTokenizer, RunningRouter};
 use crate::workload::WorkloadKind;
 
 /// Positions each image takes, for the engines and the router alike.
@@ -41,7 +41,7 @@ const REPLICA_SNAPSHOT_EVERY: Duration = Duration::from_secs(2);
 /// Longest wait for each replica to connect to NATS and hear its peers.
 const REPLICA_READY_WITHIN: Duration = Duration::from_secs(10);
 
-pub use crate::routing::Contender;
+pub use crate::contender::Contender;
 
 /// What the demo runs: the engines, the policies, the workload.
 #[derive(Debug, Clone)]

@@ -36,8 +36,10 @@
 
 mod balancer;
 pub mod bench;
+pub mod contender;
 pub mod demo;
 pub mod driver;
+mod embedded_router;
 pub mod error;
 mod exchange;
 pub mod image;
@@ -49,18 +51,16 @@ pub mod plot;
 pub mod preset;
 mod progress;
 pub mod report;
-mod router;
-pub mod routing;
 pub mod sim;
 pub mod stats;
 pub mod trace;
 pub mod workload;
 
 pub use driver::{measure, run, Arrival, Endpoint, LoadOptions};
+pub use embedded_router::RouterTokenizer;
 pub use error::{Error, Result};
 pub use nats::NatsServer;
 pub use plot::write_svg_plot;
 pub use preset::Preset;
 pub use report::{table, PolicyReport, Report, ORACLE};
-pub use router::RouterTokenizer;
 pub use workload::{TextRenderer, WorkloadKind, WorkloadSpec};

@@ -62,12 +62,12 @@ impl Index {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::index::{IndexConfig, WorkerId};
+    use crate::index::{DpRank, IndexConfig, WorkerId};
 
     fn key() -> WorkerRank {
         WorkerRank {
             worker: WorkerId(0),
-            rank: 0,
+            rank: DpRank(0),
         }
     }
 

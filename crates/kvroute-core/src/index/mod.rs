@@ -56,21 +56,39 @@ pub use snapshot::SnapshotError;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerId(pub u32);
 
+/// A data-parallel rank within one worker (0 for a worker without data
+/// parallelism): typed so that it cannot be mixed up with a worker id, a
+/// count or a sequence number on its way from the registry to the proxy.
+/// It goes out (headers, bodies, labels, JSON) as the plain integer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(transparent)
+)]
+pub struct DpRank(pub u32);
+
+impl std::fmt::Display for DpRank {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
 /// One data-parallel rank of a worker: the unit that caches blocks.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct WorkerRank {
     /// The worker.
     pub worker: WorkerId,
     /// Its data-parallel rank.
-    pub rank: u32,
+    pub rank: DpRank,
 }
 
 impl WorkerRank {
-    /// Rank `rank` of worker `worker`.
+    /// Rank `rank` of worker `worker`, from plain numbers (tests, tables).
     pub const fn new(worker: u32, rank: u32) -> Self {
         WorkerRank {
             worker: WorkerId(worker),
-            rank,
+            rank: DpRank(rank),
         }
     }
 }

@@ -338,7 +338,7 @@ impl Frozen<'_> {
 /// The shard of a rank among `count`.
 fn shard_of(key: WorkerRank, count: usize) -> usize {
     let n = count.max(1) as u64;
-    ((u64::from(key.worker.0) + u64::from(key.rank)) % n) as usize
+    ((u64::from(key.worker.0) + u64::from(key.rank.0)) % n) as usize
 }
 
 /// Splits an index into `count` indexes of its ranks by [`shard_of`].

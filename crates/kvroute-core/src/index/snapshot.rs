@@ -14,7 +14,7 @@
 
 use super::holders;
 use super::nodes::SlotId;
-use super::{Index, IndexConfig, IndexCounters, Slot, WorkerId, WorkerRank, VACANT};
+use super::{DpRank, Index, IndexConfig, IndexCounters, Slot, WorkerId, WorkerRank, VACANT};
 
 const MAGIC: &[u8; 8] = b"KVRIDX\0\0";
 const VERSION: u32 = 2;
@@ -114,7 +114,7 @@ impl Index {
                 Some(s) => {
                     w.u8(1);
                     w.u32(s.key.worker.0);
-                    w.u32(s.key.rank);
+                    w.u32(s.key.rank.0);
                     w.u64(opt(s.capacity));
                 }
             }
@@ -209,7 +209,7 @@ impl Index {
             }
             let key = WorkerRank {
                 worker: WorkerId(r.u32()?),
-                rank: r.u32()?,
+                rank: DpRank(r.u32()?),
             };
             let capacity = from_opt(r.u64()?);
             if self.slot_of.insert(key, i as SlotId).is_some() {

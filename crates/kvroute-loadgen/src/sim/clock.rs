@@ -9,7 +9,7 @@ use kvroute_mocker::config::EventFormat;
 use kvroute_mocker::encode::{encode_batch, EncodeOptions};
 use kvroute_mocker::engine::{Engine, NewRequest, RequestId, StepOutcome, Update};
 
-use super::router::{Pins, Placement, SimRouter};
+use super::routing::{Pins, Placement, SimRouter};
 use super::{SimConfig, SimLoad, SimReport};
 use crate::driver::{summarize, Arrival, Sample};
 use crate::error::{Error, Result};

@@ -6,7 +6,7 @@
 //! Nothing is imitated that can be run: each engine is the mocker's own
 //! engine core ([`kvroute_mocker::engine::Engine`]: its scheduler, prefix
 //! cache, events and step times), the router is kvroute's index, decoder,
-//! scoring and in-flight accounting ([`router`]), and the clients are the
+//! scoring and in-flight accounting ([`routing`]), and the clients are the
 //! load generator's workloads and arrival modes, or a Mooncake trace
 //! ([`crate::mooncake`]). Only the sockets and the sleeping are replaced:
 //! an engine's step takes its modelled time on the clock, a message takes
@@ -19,16 +19,16 @@
 
 pub mod bound;
 mod clock;
-pub mod router;
+pub mod routing;
 
 use kvroute_mocker::engine::EngineConfig;
 
+pub use crate::contender::{Contender, Routing};
 use crate::driver::Arrival;
 use crate::error::{Error, Result};
 use crate::report::PolicyReport;
-pub use crate::routing::{Contender, Routing};
 use crate::workload::WorkloadSpec;
-pub use router::{Pins, Placement, SimRouter};
+pub use routing::{Pins, Placement, SimRouter};
 
 /// Fixed delays of the messages between the parts, in microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

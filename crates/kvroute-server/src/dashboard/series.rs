@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use kvroute_core::index::DpRank;
 use serde::Serialize;
 
 use crate::proxy::observe::{Timing, Totals};
@@ -44,7 +45,7 @@ pub struct Sample {
     pub by_worker: BTreeMap<Arc<str>, u64>,
     /// The same per (worker, rank), for rates per rank.
     #[serde(skip)]
-    pub by_rank: BTreeMap<(Arc<str>, u32), u64>,
+    pub by_rank: BTreeMap<(Arc<str>, DpRank), u64>,
 }
 
 /// The samples, and the reading the next one is taken against.
@@ -129,7 +130,7 @@ mod tests {
         Totals {
             routed: routed
                 .iter()
-                .map(|&(w, r, n)| ((Arc::from(w), r), n))
+                .map(|&(w, r, n)| ((Arc::from(w), DpRank(r)), n))
                 .collect(),
             routed_on_load: on_load,
             compared: 0,

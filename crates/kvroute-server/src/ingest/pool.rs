@@ -103,7 +103,7 @@ impl IngestPool {
         }
         // The thread drops `done` once the rank is gone.
         if let Err(mpsc::RecvTimeoutError::Timeout) = wait.recv_timeout(Duration::from_secs(5)) {
-            warn!(rank = key.rank, "ingest thread slow to drop a rank");
+            warn!(rank = %key.rank, "ingest thread slow to drop a rank");
         }
     }
 

@@ -12,7 +12,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use kvroute_core::cursor::{Action, ClearReason, History, ReplayEnd, StreamCursor};
 use kvroute_core::event::KvEvent;
-use kvroute_core::index::{SharedIndex, WorkerRank};
+use kvroute_core::index::{DpRank, SharedIndex, WorkerRank};
 use kvroute_core::wire::{DecodedBatch, DecoderConfig, SkipReason, StreamDecoder};
 use tracing::{debug, info, warn};
 
@@ -131,7 +131,7 @@ impl RankStream {
     ) -> Self {
         let decoder = StreamDecoder::new(DecoderConfig {
             block_size: known(&target.block_size),
-            registered_rank: target.key.rank,
+            registered_rank: target.key.rank.0,
             ..DecoderConfig::default()
         });
         let mut stream = RankStream {
@@ -203,7 +203,7 @@ impl RankStream {
         self.suspended_ms = None;
         if end != ReplayEnd::Complete {
             let from = self.cursor.last_seq();
-            warn!(worker = %self.target.worker, rank = self.target.key.rank, ?from, ?end, "replay ended without its end marker");
+            warn!(worker = %self.target.worker, rank = %self.target.key.rank, ?from, ?end, "replay ended without its end marker");
         }
         let mut out = Vec::new();
         self.cursor.replay_finished(end, &mut out);
@@ -267,7 +267,7 @@ impl RankStream {
         if self.degraded()
             && self.target.stats.exact_streak.load(Ordering::Relaxed) >= EXACT_STREAK_TO_RECOVER
         {
-            info!(worker = %self.target.worker, rank = self.target.key.rank, "predictions match the engine again; history trusted");
+            info!(worker = %self.target.worker, rank = %self.target.key.rank, "predictions match the engine again; history trusted");
             self.cursor.history_reset();
             self.publish();
         }
@@ -291,7 +291,7 @@ impl RankStream {
                 Action::Apply { seq, payload } => self.apply(seq, &payload),
                 Action::Clear(reason) => self.clear(reason),
                 Action::Replay { from } => {
-                    debug!(worker = %self.target.worker, rank = self.target.key.rank, from, "requesting replay");
+                    debug!(worker = %self.target.worker, rank = %self.target.key.rank, from, "requesting replay");
                     self.requests.push(from);
                     self.replay_active_ms = Some(now_ms());
                 }
@@ -301,7 +301,7 @@ impl RankStream {
     }
 
     fn clear(&mut self, reason: ClearReason) {
-        warn!(worker = %self.target.worker, rank = self.target.key.rank, reason = reason.as_str(), "clearing the rank's blocks");
+        warn!(worker = %self.target.worker, rank = %self.target.key.rank, reason = reason.as_str(), "clearing the rank's blocks");
         self.index.clear_rank(self.target.key);
         self.decoder.reset();
         self.conflict = None;
@@ -326,7 +326,7 @@ impl RankStream {
                 };
                 match shared.compare_exchange(0, size, Ordering::Relaxed, Ordering::Relaxed) {
                     Ok(_) => {
-                        info!(worker = %self.target.worker, rank = self.target.key.rank, block_size = size, "block size learned from the stream");
+                        info!(worker = %self.target.worker, rank = %self.target.key.rank, block_size = size, "block size learned from the stream");
                         size
                     }
                     Err(other) => other,
@@ -340,7 +340,7 @@ impl RankStream {
     /// as the rank's error.
     fn block_size_conflict(&mut self, seq: u64, detail: String) {
         if self.conflict.is_none() {
-            warn!(worker = %self.target.worker, rank = self.target.key.rank, seq, %detail, "block size conflict: such events are skipped");
+            warn!(worker = %self.target.worker, rank = %self.target.key.rank, seq, %detail, "block size conflict: such events are skipped");
             self.conflict = Some(format!("block size conflict: {detail}"));
         }
     }
@@ -355,14 +355,14 @@ impl RankStream {
             Ok(batch) => batch,
             Err(e) => {
                 stats.envelope_errors.fetch_add(1, Ordering::Relaxed);
-                warn!(worker = %self.target.worker, rank = self.target.key.rank, seq, error = %e, "undecodable batch");
+                warn!(worker = %self.target.worker, rank = %self.target.key.rank, seq, error = %e, "undecodable batch");
                 self.cursor.undecodable(seq);
                 return;
             }
         };
         if batch.dp_rank >= self.target.dp_size.load(Ordering::Relaxed) {
             if stats.foreign_rank_batches.fetch_add(1, Ordering::Relaxed) == 0 {
-                warn!(worker = %self.target.worker, rank = self.target.key.rank, seq, batch_rank = batch.dp_rank, "batch for a DP rank the worker does not have; dropped");
+                warn!(worker = %self.target.worker, rank = %self.target.key.rank, seq, batch_rank = batch.dp_rank, "batch for a DP rank the worker does not have; dropped");
             }
             return;
         }
@@ -372,7 +372,7 @@ impl RankStream {
         }
         let key = WorkerRank {
             worker: self.target.key.worker,
-            rank: batch.dp_rank,
+            rank: DpRank(batch.dp_rank),
         };
         self.settle_block_size(&batch);
         let expected = self.decoder.block_size();
@@ -399,14 +399,14 @@ impl RankStream {
                 }
                 Err(skipped) if skipped.reason.is_error() => {
                     stats.decode_errors.fetch_add(1, Ordering::Relaxed);
-                    warn!(worker = %self.target.worker, rank = self.target.key.rank, seq, event = event.index, error = %skipped, "malformed event skipped");
+                    warn!(worker = %self.target.worker, rank = %self.target.key.rank, seq, event = event.index, error = %skipped, "malformed event skipped");
                 }
                 Err(skipped) => {
                     stats.events_filtered.fetch_add(1, Ordering::Relaxed);
                     if skipped.reason == SkipReason::BlockSizeMismatch {
                         self.block_size_conflict(seq, skipped.detail.clone());
                     }
-                    debug!(worker = %self.target.worker, rank = self.target.key.rank, seq, event = event.index, reason = %skipped, "event filtered");
+                    debug!(worker = %self.target.worker, rank = %self.target.key.rank, seq, event = event.index, reason = %skipped, "event filtered");
                 }
             }
         }
@@ -454,10 +454,10 @@ impl RankStream {
             let (worker, rank) = (&self.target.worker, self.target.key.rank);
             match state {
                 RankState::Error | RankState::Degraded => {
-                    warn!(%worker, rank, from = old.as_str(), to = state.as_str(), reason = reason.as_deref().unwrap_or(""), "rank state changed")
+                    warn!(%worker, %rank, from = old.as_str(), to = state.as_str(), reason = reason.as_deref().unwrap_or(""), "rank state changed")
                 }
                 _ => {
-                    info!(%worker, rank, from = old.as_str(), to = state.as_str(), "rank state changed")
+                    info!(%worker, %rank, from = old.as_str(), to = state.as_str(), "rank state changed")
                 }
             }
         }

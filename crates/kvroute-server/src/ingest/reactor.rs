@@ -361,7 +361,7 @@ impl Reactor {
             }
             Err(e) => {
                 let target = slot.stream.target();
-                warn!(worker = %target.worker, rank = target.key.rank, error = %e, retry_ms = slot.retry_ms, "cannot open the rank's event stream; retrying");
+                warn!(worker = %target.worker, rank = %target.key.rank, error = %e, retry_ms = slot.retry_ms, "cannot open the rank's event stream; retrying");
                 slot.stream
                     .set_error(Some(format!("cannot open the event stream: {e}")));
                 self.close_sockets(&mut slot);
@@ -403,7 +403,7 @@ impl Reactor {
             slot.router_endpoint = Some(endpoint);
             self.queue_router();
         }
-        debug!(worker = %target.worker, rank = target.key.rank, endpoint = %target.endpoints.events, "subscribed");
+        debug!(worker = %target.worker, rank = %target.key.rank, endpoint = %target.endpoints.events, "subscribed");
         Ok(())
     }
 

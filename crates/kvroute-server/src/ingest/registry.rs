@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use kvroute_core::event::WorkerFlavor;
-use kvroute_core::index::{SharedIndex, WorkerId, WorkerRank};
+use kvroute_core::index::{DpRank, SharedIndex, WorkerId, WorkerRank};
 use serde::Serialize;
 use tracing::{info, warn};
 
@@ -87,7 +87,7 @@ pub enum RegistryError {
         /// The worker.
         name: String,
         /// The rank.
-        rank: u32,
+        rank: DpRank,
     },
     /// The ingest threads could not start.
     #[error(transparent)]
@@ -359,7 +359,7 @@ impl Registry {
             .collect();
         let size = new
             .iter()
-            .map(|e| e.rank.saturating_add(1))
+            .map(|e| e.rank.0.saturating_add(1))
             .max()
             .unwrap_or(0)
             .max(worker.dp_size.load(Ordering::Relaxed));
@@ -512,7 +512,7 @@ pub struct WorkerView {
 #[derive(Debug, Clone, Serialize)]
 pub struct RankView {
     /// The rank.
-    pub dp_rank: u32,
+    pub dp_rank: DpRank,
     /// Its event publisher.
     pub events_endpoint: String,
     /// Its replay socket, if any.

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub use kvroute_core::event::WorkerFlavor;
+use kvroute_core::index::DpRank;
 
 /// Why a worker description was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -41,7 +42,7 @@ pub enum SpecError {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RankEndpoints {
     /// The rank.
-    pub rank: u32,
+    pub rank: DpRank,
     /// Its event publisher (`tcp://host:port`).
     pub events: String,
     /// Its replay ROUTER, if the engine runs one.
@@ -188,7 +189,7 @@ impl WorkerSpec {
         let ranks = (0..dp)
             .map(|rank| {
                 Ok(RankEndpoints {
-                    rank,
+                    rank: DpRank(rank),
                     events: offset_endpoint(events, rank)?,
                     replay: replay.map(|r| offset_endpoint(r, rank)).transpose()?,
                 })

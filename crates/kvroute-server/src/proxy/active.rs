@@ -210,7 +210,7 @@ impl Collector for ActiveCollector {
                     .map_or_else(|| Arc::from(""), |t| t.name.clone());
                 let labels = RankLabels {
                     worker,
-                    dp_rank: key.rank,
+                    dp_rank: key.rank.0,
                 };
                 (labels, [requests, prefill, blocks])
             })
@@ -239,7 +239,7 @@ impl ActiveCollector {
                 let speed = learned.as_ref().and_then(|l| l.get(&key).copied());
                 let labels = RankLabels {
                     worker: t.name.clone(),
-                    dp_rank: rank,
+                    dp_rank: rank.0,
                 };
                 (labels, speed.unwrap_or(t.speed))
             })

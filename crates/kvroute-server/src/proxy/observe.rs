@@ -7,6 +7,7 @@
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 
+use kvroute_core::index::DpRank;
 use kvroute_core::scheduler::Scored;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
@@ -32,7 +33,7 @@ pub struct CandidateView {
     /// The worker.
     pub worker: Arc<str>,
     /// Its data-parallel rank.
-    pub dp_rank: u32,
+    pub dp_rank: DpRank,
     /// Leading blocks of the request the index says the rank holds on the device.
     pub device_blocks: u32,
     /// The same in tokens.
@@ -119,7 +120,7 @@ impl Decision {
 #[derive(Debug, Clone, Default)]
 pub struct Totals {
     /// Requests sent to a worker, per (worker, rank).
-    pub routed: BTreeMap<(Arc<str>, u32), u64>,
+    pub routed: BTreeMap<(Arc<str>, DpRank), u64>,
     /// Of those, routed without cache knowledge.
     pub routed_on_load: u64,
     /// Responses whose `cached_tokens` the engine reported.
@@ -246,7 +247,7 @@ fn encode_totals(totals: &Totals, encoder: &mut DescriptorEncoder) -> Result<(),
         .map(|((worker, dp_rank), &n)| {
             let labels = RankLabels {
                 worker: worker.clone(),
-                dp_rank: *dp_rank,
+                dp_rank: dp_rank.0,
             };
             (labels, n)
         })
@@ -280,7 +281,7 @@ mod tests {
             load_only: load_only.then(|| "no tokens".to_owned()),
             candidates: vec![CandidateView {
                 worker: worker.into(),
-                dp_rank: 0,
+                dp_rank: DpRank(0),
                 device_blocks: 1,
                 matched_tokens: 16,
                 active_requests: 0,

@@ -4,6 +4,7 @@
 //! ends with the usage the accuracy metric reads). A field the body lacks is
 //! appended before its closing brace, without parsing the prompt again.
 
+use kvroute_core::index::DpRank;
 use serde_json::Value;
 
 use kvroute_prompt::body::ParseError;
@@ -14,11 +15,11 @@ fn bad(message: impl Into<String>) -> ParseError {
 
 /// Adds `"data_parallel_rank": rank` to a JSON object body (SGLang's way of
 /// choosing a rank).
-pub fn inject_dp_rank(body: &[u8], rank: u32) -> Result<Vec<u8>, ParseError> {
+pub fn inject_dp_rank(body: &[u8], rank: DpRank) -> Result<Vec<u8>, ParseError> {
     if let Some(b) = append_field(body, "data_parallel_rank", &rank.to_string()) {
         return Ok(b);
     }
-    inject_field(body, "data_parallel_rank", Value::from(rank))
+    inject_field(body, "data_parallel_rank", Value::from(rank.0))
 }
 
 /// Adds `"mm_hashes": [h, …]` (one unsigned 64-bit integer per image, in
@@ -134,7 +135,7 @@ mod tests {
             b"{ \"prompt\": \"hi\" }\n  ",
             br#"{"messages":[{"role":"user","content":"}"}]}"#,
         ] {
-            let out = inject_dp_rank(body, 3).expect("injects");
+            let out = inject_dp_rank(body, DpRank(3)).expect("injects");
             assert_eq!(
                 parse(&out),
                 full(body, "data_parallel_rank", serde_json::json!(3))
@@ -165,7 +166,7 @@ mod tests {
         let body = br#"{"prompt":"say \"data_parallel_rank\"","data_parallel_rank":0}"#;
         assert!(append_field(body, "data_parallel_rank", "1").is_none());
         assert_eq!(
-            parse(&inject_dp_rank(body, 1).expect("injects"))["data_parallel_rank"],
+            parse(&inject_dp_rank(body, DpRank(1)).expect("injects"))["data_parallel_rank"],
             1
         );
         assert!(append_field(b"[1]", "k", "1").is_none());
@@ -173,12 +174,12 @@ mod tests {
 
     #[test]
     fn the_dp_rank_is_added_to_the_body_and_nothing_else_changes() {
-        let out = inject_dp_rank(br#"{"model":"m","prompt":[1]}"#, 3).expect("valid");
+        let out = inject_dp_rank(br#"{"model":"m","prompt":[1]}"#, DpRank(3)).expect("valid");
         assert_eq!(
             String::from_utf8(out).expect("utf8"),
             r#"{"model":"m","prompt":[1],"data_parallel_rank":3}"#
         );
-        assert!(inject_dp_rank(b"[]", 0).is_err());
+        assert!(inject_dp_rank(b"[]", DpRank(0)).is_err());
         let out = inject_mm_hashes(br#"{"model":"m"}"#, &[u64::MAX, 7]).expect("valid");
         assert_eq!(
             String::from_utf8(out).expect("utf8"),

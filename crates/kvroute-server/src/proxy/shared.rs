@@ -11,7 +11,7 @@
 use std::time::Duration;
 
 use kvroute_core::hash::SequenceHash;
-use kvroute_core::index::WorkerRank;
+use kvroute_core::index::{DpRank, WorkerRank};
 
 use super::candidates::Target;
 use super::Proxy;
@@ -27,7 +27,7 @@ impl Proxy {
 }
 
 /// The index key of `worker`'s `rank` among `targets`, if this replica has them.
-fn key_of(targets: &[Target], worker: &str, rank: u32) -> Option<WorkerRank> {
+fn key_of(targets: &[Target], worker: &str, rank: DpRank) -> Option<WorkerRank> {
     targets
         .iter()
         .find(|t| &*t.name == worker && t.ranks.contains(&rank))

@@ -523,6 +523,7 @@ impl ReplicaSync {
 mod tests {
     use super::*;
     use crate::replica::message::{Admission, RequestRef};
+    use kvroute_core::index::DpRank;
 
     /// A load table that records what the sync does to it.
     #[derive(Default)]
@@ -561,7 +562,7 @@ mod tests {
             at: RequestRef {
                 id: 1,
                 worker: worker.into(),
-                rank: 0,
+                rank: DpRank(0),
             },
             prefill_tokens: 64,
             prefilling: true,

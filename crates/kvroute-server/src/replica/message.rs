@@ -7,6 +7,7 @@
 //! a leading version byte; a message of another version or a damaged one
 //! is refused whole, and the receiver counts it.
 
+use kvroute_core::index::DpRank;
 use serde::{Deserialize, Serialize};
 
 const VERSION: u8 = 1;
@@ -82,7 +83,7 @@ pub struct RequestRef {
     /// The worker's name (the same at every replica).
     pub worker: String,
     /// Its data-parallel rank.
-    pub rank: u32,
+    pub rank: DpRank,
 }
 
 /// Why a message could not be read.
@@ -199,7 +200,7 @@ mod tests {
             at: RequestRef {
                 id,
                 worker: "w0".into(),
-                rank: 1,
+                rank: DpRank(1),
             },
             prefill_tokens: 512,
             prefilling: true,
@@ -217,7 +218,7 @@ mod tests {
         let reference = RequestRef {
             id: 3,
             worker: "w0".into(),
-            rank: 0,
+            rank: DpRank(0),
         };
         let events = vec![
             admit(3, 20),

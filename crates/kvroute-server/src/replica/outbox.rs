@@ -180,12 +180,13 @@ impl Outbox {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_core::index::DpRank;
 
     fn at(id: u64) -> RequestRef {
         RequestRef {
             id,
             worker: "w".into(),
-            rank: 0,
+            rank: DpRank(0),
         }
     }
 

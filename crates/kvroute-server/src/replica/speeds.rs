@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::StreamExt;
+use kvroute_core::index::DpRank;
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
@@ -35,7 +36,7 @@ pub struct SpeedObservation {
     /// The worker's name (the same at every replica).
     pub worker: String,
     /// Its data-parallel rank.
-    pub rank: u32,
+    pub rank: DpRank,
     /// Blocks in flight on the rank at the response's first token.
     pub load_first: u64,
     /// Blocks in flight on the rank at its end.
@@ -232,7 +233,7 @@ mod tests {
     fn observation(worker: &str) -> SpeedObservation {
         SpeedObservation {
             worker: worker.into(),
-            rank: 1,
+            rank: DpRank(1),
             load_first: 130,
             load_end: 260,
             decoding_us: 75_000,

@@ -509,3 +509,14 @@ fn long_stores_are_applied_in_chunks_with_the_same_result() {
 }
 
 mod model;
+
+#[cfg(feature = "serde")]
+#[test]
+fn a_dp_rank_serializes_as_its_plain_integer() {
+    let rank = DpRank(3);
+    assert_eq!(serde_json::to_string(&rank).expect("serializes"), "3");
+    assert_eq!(serde_json::from_str::<DpRank>("3").expect("reads"), rank);
+    let packed = rmp_serde::to_vec(&rank).expect("packs");
+    assert_eq!(packed, rmp_serde::to_vec(&3u32).expect("packs"));
+    assert_eq!(rank.to_string(), "3");
+}

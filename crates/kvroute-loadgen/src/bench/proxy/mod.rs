@@ -25,9 +25,9 @@ use std::time::Duration;
 use kvroute_mocker::{Fleet, MockerConfig};
 
 use super::child::RouterProcess;
+use crate::embedded_router::wait_until_connected;
 use crate::error::{Error, Result};
 use crate::metrics::{accuracy_between, accuracy_counters};
-use crate::router::wait_until_connected;
 use crate::workload::TextRenderer;
 use body::Bodies;
 use phase::Loop;

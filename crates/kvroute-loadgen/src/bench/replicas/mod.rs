@@ -34,9 +34,9 @@ use kvroute_mocker::{Fleet, MockerConfig};
 
 use super::child::RouterProcess;
 use crate::driver::{self, Arrival, Endpoint, LoadOptions};
+use crate::embedded_router::wait_until_connected;
 use crate::error::{Error, Result};
 use crate::nats::NatsServer;
-use crate::router::wait_until_connected;
 use crate::workload::{WorkloadKind, WorkloadSpec};
 pub use report::{PhaseKind, PhaseReport, ReplicasBenchReport};
 pub use scrape::{Delay, SyncFigures};

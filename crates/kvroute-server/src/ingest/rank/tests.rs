@@ -1,7 +1,7 @@
 //! A rank's stream fed by hand: what reaches the index, and its state.
 
 use super::*;
-use kvroute_core::index::{Index, IndexConfig, WorkerId};
+use kvroute_core::index::{DpRank, Index, IndexConfig, WorkerId};
 use kvroute_core::wire::write as mp;
 
 /// A vLLM-style batch `[ts, [BlockStored], dp_rank]` storing one block of 4 tokens.
@@ -43,10 +43,10 @@ fn stream_sized(
         worker: "w0".into(),
         key: WorkerRank {
             worker: WorkerId(0),
-            rank: 0,
+            rank: DpRank(0),
         },
         endpoints: RankEndpoints {
-            rank: 0,
+            rank: DpRank(0),
             events: "tcp://127.0.0.1:1".into(),
             replay: replay.then(|| "tcp://127.0.0.1:2".into()),
         },

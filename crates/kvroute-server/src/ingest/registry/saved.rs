@@ -16,7 +16,7 @@ use crate::state::{SavedRank, SavedWorker, Snapshot, StateError};
 /// at the same endpoints.
 pub(super) fn resume_point(saved: &SavedWorker, endpoints: &RankEndpoints) -> Option<ResumePoint> {
     let same = saved.spec.ranks.iter().any(|e| e == endpoints);
-    let rank = saved.ranks.iter().find(|r| r.rank == endpoints.rank)?;
+    let rank = saved.ranks.iter().find(|r| r.rank == endpoints.rank.0)?;
     rank.at.filter(|_| same)
 }
 
@@ -37,7 +37,7 @@ impl Registry {
                     .ranks
                     .iter()
                     .map(|r| SavedRank {
-                        rank: r.endpoints.rank,
+                        rank: r.endpoints.rank.0,
                         at: r.stats.resume_point(),
                     })
                     .collect(),

@@ -1,7 +1,8 @@
-//! The router of a simulation: the index, fed by the engines' encoded
+//! The routing of a simulation: the index, fed by the engines' encoded
 //! event batches through the same decoder `kvroute serve` runs, the same
-//! candidate scoring (`kvroute_server::proxy::candidates`), the same policy
-//! order (`kvroute_core::scheduler::order`) and the same in-flight
+//! request hashing (`kvroute_server::proxy::candidates::request_hashes`),
+//! the same candidate scoring (`kvroute_core::scheduler::fleet`), the same
+//! policy order (`kvroute_core::scheduler::order`) and the same in-flight
 //! accounting (`ActiveSequences`, charged with the uncached prefill tokens,
 //! released at the first token and at the end). Or the oracle, which reads
 //! the engines' true caches. Or a fixed placement of prefix groups
@@ -12,17 +13,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvroute_core::event::WorkerFlavor;
-use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
+use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::rng::SplitMix64;
 use kvroute_core::scheduler::{
-    order, ActiveSequences, Load, Policy, Pricing, SpeedConfig, SpeedLearner,
+    order, score, ActiveSequences, FleetView, Load, Policy, Pricing, RequestHashes, RouteTarget,
+    SpeedConfig, SpeedLearner,
 };
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use kvroute_mocker::engine::{Engine, NewRequest};
 use kvroute_prompt::body::RoutingRequest;
-use kvroute_server::proxy::candidates::{request_hashes, score, RankState, RequestHashes, Target};
+use kvroute_server::proxy::candidates::request_hashes;
 
-use crate::routing::{Contender, Routing};
+use crate::contender::{Contender, Routing};
 
 /// Where a request went and what the router recorded for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,7 +44,7 @@ pub struct SimRouter {
     policy: Contender,
     index: SharedIndex,
     decoders: Vec<StreamDecoder>,
-    targets: Arc<Vec<Target>>,
+    targets: Arc<Vec<RouteTarget>>,
     active: HashMap<WorkerRank, ActiveSequences>,
     oracle_in_flight: Vec<usize>,
     rng: SplitMix64,
@@ -118,15 +120,13 @@ impl SimRouter {
         seed: u64,
     ) -> Self {
         let targets = (0..engines)
-            .map(|i| Target {
+            .map(|i| RouteTarget {
                 name: Arc::from(format!("sim{i}").as_str()),
                 id: WorkerId(i as u32),
-                url: String::new(),
                 block_size,
-                ranks: vec![0],
+                ranks: vec![DpRank(0)],
                 flavor,
                 speed: speeds.get(i).copied().unwrap_or(1.0),
-                rank_stats: Vec::new(),
             })
             .collect();
         let decoders = (0..engines)
@@ -224,7 +224,7 @@ impl SimRouter {
             &targets,
             &hashes,
             pricing,
-            RankState {
+            FleetView {
                 load: &|k, seqs| Load::of(active.get(&k), seqs),
                 available: &|_| true,
                 learned_speed: &|k| learner.as_ref()?.speed(k),

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::routing::Routing;
+use crate::contender::Routing;
 use kvroute_core::index::IndexConfig;
 use kvroute_prompt::Renderer;
 use kvroute_server::ingest::registry::IngestConfig;
