@@ -5,12 +5,12 @@
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::http::{header, HeaderMap};
 use axum::Json;
-use kvroute_core::index::WorkerRank;
+use kvroute_core::index::{DpRank, WorkerRank};
 use serde_json::{json, Value};
 
-use crate::api::{ApiError, Body};
+use crate::api::{Body, ProxyError};
 use crate::ingest::registry::{Registry, RegistryError};
 use crate::ingest::spec::{parse_flavor, RankEndpoints, Speed, WorkerFlavor, WorkerSpec};
 use crate::proxy::Proxy;
@@ -31,20 +31,15 @@ pub struct Access {
 
 impl Access {
     /// Whether the request may change the fleet.
-    pub fn admin(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+    pub fn admin(&self, headers: &HeaderMap) -> Result<(), ProxyError> {
         let Some(token) = &self.admin_token else {
-            return Err(ApiError::new(
-                StatusCode::FORBIDDEN,
-                "forbidden",
-                "the admin API is disabled: start kvroute serve with --admin-token \
-                 (or KVROUTE_ADMIN_TOKEN) to register and unregister workers",
-            ));
+            return Err(ProxyError::AdminDisabled);
         };
         check_bearer(token, headers)
     }
 
     /// Whether the request may see the fleet's addresses and the index.
-    pub fn introspection(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+    pub fn introspection(&self, headers: &HeaderMap) -> Result<(), ProxyError> {
         match &self.admin_token {
             Some(token) if !self.public_introspection => check_bearer(token, headers),
             _ => Ok(()),
@@ -64,17 +59,13 @@ fn bearer(headers: &HeaderMap) -> Option<&[u8]> {
 }
 
 /// 401 unless the request carries `token`, compared in constant time.
-fn check_bearer(token: &str, headers: &HeaderMap) -> Result<(), ApiError> {
+fn check_bearer(token: &str, headers: &HeaderMap) -> Result<(), ProxyError> {
     use subtle::ConstantTimeEq as _;
     let given = bearer(headers).unwrap_or_default();
     if bool::from(given.ct_eq(token.as_bytes())) {
         Ok(())
     } else {
-        Err(ApiError::new(
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            "a valid admin bearer token is required",
-        ))
+        Err(ProxyError::Unauthorized)
     }
 }
 
@@ -125,7 +116,10 @@ pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
         for (w, view) in list.iter_mut().zip(&views) {
             let ranks = w.get_mut("ranks").and_then(Value::as_array_mut);
             for (r, rank) in ranks.into_iter().flatten().zip(&view.ranks) {
-                let key = WorkerRank::new(view.id.0, rank.dp_rank);
+                let key = WorkerRank {
+                    worker: view.id,
+                    rank: rank.dp_rank,
+                };
                 r["learned_speed"] = json!(learned.get(&key));
             }
         }
@@ -134,27 +128,27 @@ pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
 }
 
 /// Parses a JSON body, answering 400 with serde's message when it is not JSON.
-fn parse_body(body: &[u8]) -> Result<Value, ApiError> {
+fn parse_body(body: &[u8]) -> Result<Value, ProxyError> {
     let value: Value = serde_json::from_slice(body)
-        .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e}")))?;
+        .map_err(|e| ProxyError::bad_request(format!("invalid JSON body: {e}")))?;
     if !value.is_object() {
-        return Err(ApiError::bad_request("the body must be a JSON object"));
+        return Err(ProxyError::bad_request("the body must be a JSON object"));
     }
     Ok(value)
 }
 
-fn str_field<'a>(v: &'a Value, key: &str) -> Result<Option<&'a str>, ApiError> {
+fn str_field<'a>(v: &'a Value, key: &str) -> Result<Option<&'a str>, ProxyError> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(Value::String(s)) => Ok(Some(s)),
-        Some(Value::Number(n)) => Err(ApiError::bad_request(format!(
+        Some(Value::Number(n)) => Err(ProxyError::bad_request(format!(
             "`{key}` must be a string, found {n}"
         ))),
-        Some(_) => Err(ApiError::bad_request(format!("`{key}` must be a string"))),
+        Some(_) => Err(ProxyError::bad_request(format!("`{key}` must be a string"))),
     }
 }
 
-fn u32_field(v: &Value, key: &str) -> Result<Option<u32>, ApiError> {
+fn u32_field(v: &Value, key: &str) -> Result<Option<u32>, ProxyError> {
     match v.get(key) {
         None | Some(Value::Null) => Ok(None),
         Some(value) => value
@@ -162,7 +156,7 @@ fn u32_field(v: &Value, key: &str) -> Result<Option<u32>, ApiError> {
             .and_then(|n| u32::try_from(n).ok())
             .map(Some)
             .ok_or_else(|| {
-                ApiError::bad_request(format!("`{key}` must be a non-negative integer"))
+                ProxyError::bad_request(format!("`{key}` must be a non-negative integer"))
             }),
     }
 }
@@ -172,12 +166,13 @@ fn u32_field(v: &Value, key: &str) -> Result<Option<u32>, ApiError> {
 /// `speed`) or Dynamo's
 /// standalone-indexer fields (`instance_id`, `endpoint`, `replay_endpoint`,
 /// `dp_rank`, `block_size`, `model_name`), which register one rank.
-fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSpec, ApiError> {
+fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSpec, ProxyError> {
     let block_size = u32_field(v, "block_size")?.or(default_block_size);
     if let Some(events) = str_field(v, "events")? {
         let name =
-            str_field(v, "name")?.ok_or_else(|| ApiError::bad_request("`name` is required"))?;
-        let url = str_field(v, "url")?.ok_or_else(|| ApiError::bad_request("`url` is required"))?;
+            str_field(v, "name")?.ok_or_else(|| ProxyError::bad_request("`name` is required"))?;
+        let url =
+            str_field(v, "url")?.ok_or_else(|| ProxyError::bad_request("`url` is required"))?;
         let mut spec = WorkerSpec::with_base_endpoints(
             name.to_owned(),
             url.to_owned(),
@@ -186,7 +181,7 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
             u32_field(v, "dp")?.unwrap_or(1),
             block_size,
         )
-        .map_err(|e| ApiError::bad_request(e.to_string()))?;
+        .map_err(|e| ProxyError::bad_request(e.to_string()))?;
         spec.topic = str_field(v, "topic")?.unwrap_or_default().to_owned();
         spec.model = str_field(v, "model")?.map(str::to_owned);
         spec.flavor = flavor_from_body(v)?;
@@ -198,20 +193,20 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
             Some(Value::String(s)) => s.clone(),
             Some(Value::Number(n)) => n.to_string(),
             _ => {
-                return Err(ApiError::bad_request(
+                return Err(ProxyError::bad_request(
                     "`instance_id` is required with `endpoint`",
                 ))
             }
         };
         if block_size == Some(0) {
-            return Err(ApiError::bad_request("`block_size` must be at least 1"));
+            return Err(ProxyError::bad_request("`block_size` must be at least 1"));
         }
         let rank = u32_field(v, "dp_rank")?.unwrap_or(0);
         return Ok(WorkerSpec {
             url: str_field(v, "url")?.unwrap_or_default().to_owned(),
             name,
             ranks: vec![RankEndpoints {
-                rank,
+                rank: DpRank(rank),
                 events: endpoint.to_owned(),
                 replay: str_field(v, "replay_endpoint")?.map(str::to_owned),
             }],
@@ -222,24 +217,24 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
             speed: speed_from_body(v)?,
         });
     }
-    Err(ApiError::bad_request(
+    Err(ProxyError::bad_request(
         "give `name`, `url` and `events` (or Dynamo's `instance_id` and `endpoint`)",
     ))
 }
 
 /// A registration's `flavor` (`vllm` or `sglang`; absent: `vllm`).
-fn flavor_from_body(v: &Value) -> Result<WorkerFlavor, ApiError> {
-    parse_flavor(str_field(v, "flavor")?).map_err(|e| ApiError::bad_request(e.to_string()))
+fn flavor_from_body(v: &Value) -> Result<WorkerFlavor, ProxyError> {
+    parse_flavor(str_field(v, "flavor")?).map_err(|e| ProxyError::bad_request(e.to_string()))
 }
 
 /// A registration's `speed` (a number; absent: 1).
-fn speed_from_body(v: &Value) -> Result<Speed, ApiError> {
+fn speed_from_body(v: &Value) -> Result<Speed, ProxyError> {
     match v.get("speed") {
         None | Some(Value::Null) => Ok(Speed::default()),
         Some(n) => n
             .as_f64()
             .and_then(Speed::new)
-            .ok_or_else(|| ApiError::bad_request(format!("`speed`: {}", Speed::EXPECTED))),
+            .ok_or_else(|| ProxyError::bad_request(format!("`speed`: {}", Speed::EXPECTED))),
     }
 }
 
@@ -248,7 +243,7 @@ pub async fn register(
     State(state): State<AdminState>,
     headers: HeaderMap,
     Body(body): Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Value>, ProxyError> {
     state.access.admin(&headers)?;
     let body = parse_body(&body)?;
     let spec = spec_from_body(&body, state.default_block_size)?;
@@ -257,12 +252,12 @@ pub async fn register(
     let registry = state.registry.clone();
     let id = tokio::task::spawn_blocking(move || registry.register(spec))
         .await
-        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ProxyError::internal(e.to_string()))?
         .map_err(|e| match e {
             RegistryError::Address(_) | RegistryError::HostNotAllowed { .. } => {
-                ApiError::bad_request(e.to_string())
+                ProxyError::bad_request(e.to_string())
             }
-            _ => ApiError::new(StatusCode::CONFLICT, "conflict", e.to_string()),
+            _ => ProxyError::Conflict(e.to_string()),
         })?;
     state.proxy.refresh(&state.registry);
     Ok(Json(
@@ -275,14 +270,14 @@ pub async fn unregister(
     State(state): State<AdminState>,
     headers: HeaderMap,
     Body(body): Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Value>, ProxyError> {
     state.access.admin(&headers)?;
     let body = parse_body(&body)?;
     let name = match (body.get("name"), body.get("instance_id")) {
         (Some(Value::String(s)), _) | (None, Some(Value::String(s))) => s.clone(),
         (None, Some(Value::Number(n))) => n.to_string(),
         _ => {
-            return Err(ApiError::bad_request(
+            return Err(ProxyError::bad_request(
                 "`name` (or `instance_id`) is required",
             ))
         }
@@ -291,16 +286,12 @@ pub async fn unregister(
     let lookup = name.clone();
     let removed = tokio::task::spawn_blocking(move || registry.unregister(&lookup))
         .await
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+        .map_err(|e| ProxyError::internal(e.to_string()))?;
     state.proxy.refresh(&state.registry);
     if removed {
         Ok(Json(json!({"status": "unregistered", "name": name})))
     } else {
-        Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            format!("no worker named `{name}`"),
-        ))
+        Err(ProxyError::NotFound(format!("no worker named `{name}`")))
     }
 }
 
@@ -318,7 +309,7 @@ mod tests {
         let spec = spec_from_body(&dynamo, Some(16)).expect("valid");
         assert_eq!(
             (spec.name.as_str(), spec.ranks[0].rank, spec.block_size),
-            ("7", 1, Some(32))
+            ("7", DpRank(1), Some(32))
         );
     }
 

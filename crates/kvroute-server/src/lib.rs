@@ -166,16 +166,18 @@ pub async fn serve(
         None => None,
     };
     let registry = start_registry(&config, index.clone(), from_peers)?;
+    let saved = state::SnapshotCounters::default();
     let snapshots = config
         .state
         .clone()
-        .map(|state| spawn_snapshots(registry.clone(), state));
+        .map(|state| spawn_snapshots(registry.clone(), state, saved.clone()));
     let proxy = Arc::new(Proxy::new(config.proxy.clone(), index.clone())?);
     proxy.refresh(&registry);
     let mut collectors: Vec<Box<dyn prometheus_client::collector::Collector>> = vec![
         Box::new(IngestCollector::new(registry.clone(), index.clone())),
         Box::new(ActiveCollector::new(proxy.clone())),
         Box::new(ObservedCollector::new(proxy.clone())),
+        Box::new(saved.clone()),
     ];
     let replica_tasks = replica.as_ref().map(|r| {
         proxy.share_with(r.sync.outbox().clone());
@@ -232,7 +234,7 @@ pub async fn serve(
     let dir = config.state.map(|s| s.dir);
     let _ = tokio::task::spawn_blocking(move || {
         if let Some(dir) = dir {
-            save_state(&registry, &dir);
+            save_state(&registry, &dir, &saved);
         }
         registry.shutdown();
     })
@@ -316,15 +318,20 @@ fn start_registry(
     Ok(registry)
 }
 
-/// Saves the state every `state.every`, off the runtime's threads.
-fn spawn_snapshots(registry: Arc<Registry>, state: StateConfig) -> tokio::task::JoinHandle<()> {
+/// Saves the state every `state.every`, off the runtime's threads,
+/// counting each snapshot in `saved`.
+fn spawn_snapshots(
+    registry: Arc<Registry>,
+    state: StateConfig,
+    saved: state::SnapshotCounters,
+) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(state.every);
         tick.tick().await;
         loop {
             tick.tick().await;
-            let (registry, dir) = (registry.clone(), state.dir.clone());
-            let _ = tokio::task::spawn_blocking(move || save_state(&registry, &dir)).await;
+            let (registry, dir, saved) = (registry.clone(), state.dir.clone(), saved.clone());
+            let _ = tokio::task::spawn_blocking(move || save_state(&registry, &dir, &saved)).await;
         }
     })
 }
@@ -348,17 +355,28 @@ fn restore_state(registry: &Registry, state: &StateConfig) {
     }
 }
 
-/// Writes a snapshot into `dir`, logging a failure (routing goes on).
-fn save_state(registry: &Registry, dir: &std::path::Path) {
+/// Writes a snapshot into `dir`, counting it in `saved` (the
+/// `kvroute_state_snapshot*` metrics) and logging a failure (routing goes on).
+fn save_state(registry: &Registry, dir: &std::path::Path, saved: &state::SnapshotCounters) {
     let started = std::time::Instant::now();
     let snapshot = registry.snapshot();
+    // Counted outside the log macros: their fields are not evaluated when
+    // the level is off.
     match state::save(dir, &snapshot) {
-        Ok(()) => tracing::debug!(
-            bytes = snapshot.index.len(),
-            ms = started.elapsed().as_millis() as u64,
-            "state saved"
-        ),
-        Err(e) => warn!(error = %e, "saving the router's state failed"),
+        Ok(()) => {
+            let written = saved.count_written();
+            tracing::debug!(
+                written,
+                bytes = snapshot.index.len(),
+                ms = started.elapsed().as_millis() as u64,
+                dir = %dir.display(),
+                "state snapshot written"
+            );
+        }
+        Err(e) => {
+            let failed = saved.count_failed();
+            warn!(failed, error = %e, "saving the router's state failed");
+        }
     }
 }
 

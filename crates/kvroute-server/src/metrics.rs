@@ -23,6 +23,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
+use crate::api::ErrorKind;
 use crate::ingest::registry::{RankView, Registry as Workers};
 use crate::ingest::stats::{RankCounters, RankState};
 use crate::listen::ConnectionMetrics;
@@ -88,6 +89,7 @@ const RANK_STATE: &[&str] = &["worker", "dp_rank", "state"];
 const STATE: &[&str] = &["state"];
 const RANK_STATE_ONLY: &[&str] = &["rank_state"];
 const NONE: &[&str] = &[];
+const KIND: &[&str] = &["kind"];
 
 /// Declares each metric as a constant (documented by its help text) and
 /// lists them all, in exposition order, as [`CATALOGUE`].
@@ -139,7 +141,8 @@ catalogue! {
     INDEX_APPROX_EXPIRED:         kvroute_index_approx_expired_total           Counter   NONE "Approximate residencies that expired.";
     PROXY_REQUESTS:               kvroute_proxy_requests_total                 Counter   NONE "Completion requests received.";
     PROXY_BAD_REQUESTS:           kvroute_proxy_bad_requests_total             Counter   NONE "Requests refused as malformed.";
-    PROXY_UPSTREAM_ERRORS:        kvroute_proxy_upstream_errors_total          Counter   NONE "Connection errors and 5xx answers from workers.";
+    PROXY_UPSTREAM_ERRORS:        kvroute_proxy_upstream_errors_total          Counter   NONE "Attempts a worker failed: connection errors, 503 and 429 refusals, 5xx answers, answers cut off.";
+    PROXY_ERRORS:                 kvroute_proxy_errors_total                   Counter   KIND "Completion requests kvroute answered with an error of its own, by kind (a stream cut off mid-way counts as upstream_incomplete).";
     PROXY_RETRIES:                kvroute_proxy_retries_total                  Counter   NONE "Attempts on a further candidate after a failure.";
     PROXY_OVERLOADED:             kvroute_proxy_overloaded_total               Counter   NONE "Requests refused because every candidate was busy.";
     PROXY_QUEUED:                 kvroute_proxy_queued_total                   Counter   NONE "Requests that waited in the overload queue.";
@@ -184,6 +187,8 @@ catalogue! {
     REPLICA_SPEEDS_DROPPED:       kvroute_replica_speed_observations_dropped_total  Counter NONE "Speed observations not published: NATS was down or too slow.";
     REPLICA_PEER_DELAY:           kvroute_replica_peer_delay_seconds           Histogram NONE "Delay from a peer's admission of a request to this replica applying it.";
     REPLICA_PUBLISH_COST:         kvroute_replica_publish_seconds              Histogram NONE "Time a request spends handing an event to the outbox.";
+    STATE_SNAPSHOTS_WRITTEN:      kvroute_state_snapshots_written_total        Counter   NONE "Router state snapshots written to --state-dir (every --snapshot-secs and at shutdown).";
+    STATE_SNAPSHOT_FAILURES:      kvroute_state_snapshot_failures_total        Counter   NONE "Router state snapshots that could not be written to --state-dir.";
 }
 
 /// The catalogue as the Markdown table of `docs/metrics.md`.
@@ -255,6 +260,8 @@ pub struct ProxyMetrics {
     pub no_workers: Counter,
     /// [`PROXY_LOAD_ONLY`].
     pub load_only: Counter,
+    /// [`PROXY_ERRORS`]; count through [`ProxyMetrics::answered`].
+    pub errors: Family<ErrorKind, Counter>,
     /// [`PROXY_TTFT`].
     pub ttft: Histogram,
     /// [`PROXY_LATENCY`].
@@ -279,6 +286,14 @@ impl Default for ProxyMetrics {
             queue_timeouts: Counter::default(),
             no_workers: Counter::default(),
             load_only: Counter::default(),
+            errors: {
+                // Every kind exported from the start, at 0.
+                let errors = Family::<ErrorKind, Counter>::default();
+                for kind in ErrorKind::PROXY {
+                    let _ = errors.get_or_create(&kind);
+                }
+                errors
+            },
             ttft: Histogram::new(SECONDS_BUCKETS),
             latency: Histogram::new(SECONDS_BUCKETS),
             comparisons: Family::default(),
@@ -301,6 +316,22 @@ impl ProxyMetrics {
         self.difference.get_or_create(&label).observe(diff as f64);
     }
 
+    /// Counts an error kvroute answered a completion request with: in
+    /// [`PROXY_ERRORS`], and in the older counter of its kind, if any.
+    pub fn answered(&self, kind: ErrorKind) {
+        self.errors.get_or_create(&kind).inc();
+        let older: &[&Counter] = match kind {
+            ErrorKind::BadRequest | ErrorKind::ContextTooLong => &[&self.bad_requests],
+            ErrorKind::NoWorkers => &[&self.no_workers],
+            ErrorKind::Overloaded => &[&self.overloaded],
+            ErrorKind::QueueTimeout => &[&self.overloaded, &self.queue_timeouts],
+            _ => &[],
+        };
+        for counter in older {
+            counter.inc();
+        }
+    }
+
     fn register(&self, registry: &mut Registry) {
         let counters = [
             (PROXY_REQUESTS, &self.requests),
@@ -319,6 +350,11 @@ impl ProxyMetrics {
         for (info, histogram) in [(PROXY_TTFT, &self.ttft), (PROXY_LATENCY, &self.latency)] {
             registry.register(info.family(), info.help, histogram.clone());
         }
+        registry.register(
+            PROXY_ERRORS.family(),
+            PROXY_ERRORS.help,
+            self.errors.clone(),
+        );
         for (info, family) in [
             (ACCURACY_COMPARISONS, &self.comparisons),
             (ACCURACY_EXACT, &self.exact),
@@ -429,7 +465,7 @@ impl Collector for IngestCollector {
                 w.ranks.into_iter().map(move |r| {
                     let labels = RankLabels {
                         worker: worker.clone(),
-                        dp_rank: r.dp_rank,
+                        dp_rank: r.dp_rank.0,
                     };
                     (labels, r)
                 })
@@ -644,6 +680,35 @@ mod tests {
                 m.name
             );
             assert!(m.name.starts_with("kvroute_"), "{}", m.name);
+        }
+    }
+
+    #[test]
+    fn every_error_kind_is_exported_and_counted_with_its_older_counter() {
+        let (proxy, http) = (ProxyMetrics::default(), ConnectionMetrics::default());
+        let metrics = Metrics::new(&proxy, &http, Vec::new());
+        let text = metrics.render(None).1;
+        for kind in ErrorKind::PROXY {
+            let sample = format!("kvroute_proxy_errors_total{{kind=\"{}\"}} 0", kind.label());
+            assert!(text.contains(&sample), "{sample}\n{text}");
+        }
+        for kind in [
+            ErrorKind::QueueTimeout,
+            ErrorKind::ContextTooLong,
+            ErrorKind::UpstreamIncomplete,
+        ] {
+            proxy.answered(kind);
+        }
+        let text = metrics.render(None).1;
+        for sample in [
+            "kvroute_proxy_errors_total{kind=\"queue_timeout\"} 1",
+            "kvroute_proxy_errors_total{kind=\"upstream_incomplete\"} 1",
+            "kvroute_proxy_overloaded_total 1",
+            "kvroute_proxy_queue_timeouts_total 1",
+            "kvroute_proxy_bad_requests_total 1",
+            "kvroute_proxy_no_workers_total 0",
+        ] {
+            assert!(text.contains(sample), "{sample}\n{text}");
         }
     }
 

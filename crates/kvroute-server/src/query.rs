@@ -12,7 +12,7 @@ use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::scheduler::{order, Policy};
 use serde_json::{json, Map, Value};
 
-use crate::api::{ApiError, Body};
+use crate::api::{Body, ProxyError};
 use crate::proxy::candidates::request_hashes;
 use crate::proxy::Proxy;
 use kvroute_prompt::body::{parse_hash_query, parse_query, RoutingRequest};
@@ -93,13 +93,14 @@ fn query_answer(
 pub async fn query(
     State(proxy): State<Arc<Proxy>>,
     Body(body): Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Value>, ProxyError> {
     off_runtime(move || {
-        let mut req: RoutingRequest = parse_query(&body).map_err(|e| ApiError::bad_request(e.0))?;
+        let mut req: RoutingRequest =
+            parse_query(&body).map_err(|e| ProxyError::bad_request(e.0))?;
         proxy.tokenize(&mut req);
         let Some(tokens) = &req.tokens else {
             proxy.metrics.load_only.inc();
-            return Err(ApiError::bad_request(
+            return Err(ProxyError::bad_request(
                 "text prompts need `kvroute serve --tokenizer`; give `token_ids`",
             ));
         };
@@ -118,9 +119,9 @@ pub async fn query(
 pub async fn query_by_hash(
     State(proxy): State<Arc<Proxy>>,
     Body(body): Body,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<Value>, ProxyError> {
     off_runtime(move || {
-        let locals = parse_hash_query(&body).map_err(|e| ApiError::bad_request(e.0))?;
+        let locals = parse_hash_query(&body).map_err(|e| ProxyError::bad_request(e.0))?;
         let n = locals.len() as u64;
         Ok(Json(query_answer(
             &proxy,
@@ -134,11 +135,11 @@ pub async fn query_by_hash(
 
 /// Runs `work` on the blocking pool.
 async fn off_runtime<T: Send + 'static>(
-    work: impl FnOnce() -> Result<T, ApiError> + Send + 'static,
-) -> Result<T, ApiError> {
+    work: impl FnOnce() -> Result<T, ProxyError> + Send + 'static,
+) -> Result<T, ProxyError> {
     tokio::task::spawn_blocking(work)
         .await
-        .map_err(|e| ApiError::internal(format!("the query failed: {e}")))?
+        .map_err(|e| ProxyError::internal(format!("the query failed: {e}")))?
 }
 
 /// How many queries may run at once and how large a query body may be.
@@ -167,10 +168,8 @@ pub async fn limit_concurrency(
 ) -> axum::response::Response {
     use axum::response::IntoResponse as _;
     let Ok(_permit) = slots.try_acquire() else {
-        let busy = ApiError::new(
-            axum::http::StatusCode::TOO_MANY_REQUESTS,
-            "rate_limit_exceeded",
-            "too many /query requests at once; retry in a second",
+        let busy = ProxyError::RateLimited(
+            "too many /query requests at once; retry in a second".to_owned(),
         );
         let mut response = busy.into_response();
         response.headers_mut().insert(

@@ -18,13 +18,18 @@
 
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use kvroute_core::index::Index;
 use kvroute_core::index::SnapshotError;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::DescriptorEncoder;
 use serde::{Deserialize, Serialize};
 
 use crate::ingest::spec::WorkerSpec;
 use crate::ingest::stats::ResumePoint;
+use crate::metrics::{encode_single, STATE_SNAPSHOTS_WRITTEN, STATE_SNAPSHOT_FAILURES};
 
 const MAGIC: &[u8; 8] = b"KVRSTATE";
 const VERSION: u32 = 1;
@@ -178,6 +183,42 @@ pub fn save(dir: &Path, snapshot: &Snapshot) -> Result<(), StateError> {
     std::fs::rename(&tmp, &target).map_err(io(&target))
 }
 
+/// How many snapshots were written into `--state-dir` and how many failed,
+/// shared by the writer and `/metrics`, so that an operator (or a test) can
+/// see that the state on disk is current without watching the file.
+/// Clones count into the same figures.
+#[derive(Debug, Clone, Default)]
+pub struct SnapshotCounters {
+    written: Arc<AtomicU64>,
+    failed: Arc<AtomicU64>,
+}
+
+impl SnapshotCounters {
+    /// Counts one snapshot written; returns how many have been.
+    pub fn count_written(&self) -> u64 {
+        self.written.fetch_add(1, Ordering::Relaxed) + 1
+    }
+
+    /// Counts one snapshot that could not be written; returns how many could not.
+    pub fn count_failed(&self) -> u64 {
+        self.failed.fetch_add(1, Ordering::Relaxed) + 1
+    }
+}
+
+/// [`STATE_SNAPSHOTS_WRITTEN`] and [`STATE_SNAPSHOT_FAILURES`], read at
+/// scrape time (0 without `--state-dir`).
+impl Collector for SnapshotCounters {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for (info, value) in [
+            (STATE_SNAPSHOTS_WRITTEN, &self.written),
+            (STATE_SNAPSHOT_FAILURES, &self.failed),
+        ] {
+            encode_single(&mut encoder, &info, value.load(Ordering::Relaxed))?;
+        }
+        Ok(())
+    }
+}
+
 /// The snapshot in `dir`, if there is one.
 pub fn load(dir: &Path) -> Result<Option<Snapshot>, StateError> {
     let path = state_file(dir);
@@ -238,5 +279,29 @@ mod tests {
         wrong[8] = 9;
         assert!(Snapshot::decode(&wrong).is_err(), "another version");
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn snapshots_written_and_failed_are_scraped_from_every_clone() {
+        use crate::listen::ConnectionMetrics;
+        use crate::metrics::{Metrics, ProxyMetrics};
+        let counters = SnapshotCounters::default();
+        let metrics = Metrics::new(
+            &ProxyMetrics::default(),
+            &ConnectionMetrics::default(),
+            vec![Box::new(counters.clone())],
+        );
+        assert_eq!(counters.count_written(), 1);
+        assert_eq!(counters.clone().count_written(), 2);
+        assert_eq!(counters.count_failed(), 1);
+        let (_, text) = metrics.render(None);
+        assert!(
+            text.contains("\nkvroute_state_snapshots_written_total 2\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("\nkvroute_state_snapshot_failures_total 1\n"),
+            "{text}"
+        );
     }
 }

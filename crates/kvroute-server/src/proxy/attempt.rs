@@ -2,35 +2,35 @@
 //! order, or a bounded wait while every rank is over its busy thresholds),
 //! then attempts on the candidates in that order.
 //!
-//! A request moves on to the next candidate only when it provably did not
-//! reach the worker, or the worker refused it before doing any work: the
-//! connection could not be made (refused, timed out), or the answer was 503
-//! or 429. A worker that took the request and then failed (the connection
-//! dropped, the answer cut off) may have failed *because of* the request, so
-//! it is never sent to another worker, which it could take down too: the
-//! client gets a 502 naming the request id, and the worker's breaker opens.
-//! Any other answer, a 500 included, is the worker's answer and goes back
-//! to the client (a 5xx still counts against the worker's breaker).
+//! Which failures move a request on, what each worker's breaker records
+//! and what the client is told is the retry rule of [`super::outcome`],
+//! applied here as each attempt ends: when it is sent, and when a whole
+//! (non-streamed) answer has been read; [`super::relay`] applies it when a
+//! stream ends. In short: a request moves on only when it provably did not
+//! reach the worker or was refused before any work (no connection, 503,
+//! 429); a worker that took it and then failed (the connection dropped, the
+//! answer cut off) gets no other worker the request, and its breaker opens;
+//! any other answer, a 500 included, is the worker's and goes to the client.
 
 use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::{Body, Bytes};
-use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
-use axum::response::{IntoResponse, Response};
+use axum::http::{header, HeaderMap, HeaderValue};
+use axum::response::Response;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::scheduler::{order, Policy, Scored};
-use tracing::{debug, warn};
 
 use super::active::{ActiveGuard, ActiveRanks};
 use super::candidates::{request_hashes, Candidates, Target};
 use super::observe::{CandidateView, Decision, CANDIDATES_KEPT};
+use super::outcome::{self, Ending, Next};
 use super::relay::{reported_cached_tokens, Learn, Passthrough, Prediction, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
 use super::{on_cpu, Endpoint, Proxy};
-use crate::api::ApiError;
+use crate::api::{error_chain, ErrorKind, ProxyError};
 use crate::ingest::stats::RankState;
 use kvroute_prompt::body::{ParseError, RoutingRequest};
 use kvroute_prompt::sampling::check_context;
@@ -53,7 +53,7 @@ pub async fn admit(
     proxy: &Arc<Proxy>,
     req: &Arc<RoutingRequest>,
     large: bool,
-) -> Result<Admitted, ApiError> {
+) -> Result<Admitted, ProxyError> {
     let config = proxy.config();
     let queued_until = tokio::time::Instant::now() + config.queue_timeout;
     let mut place_in_queue = None;
@@ -67,12 +67,7 @@ pub async fn admit(
             on_cpu(large, move || place(&proxy, &req)).await?
         };
         if candidates.scored.is_empty() {
-            proxy.metrics.no_workers.inc();
-            return Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "no_workers",
-                "no worker is available (none registered, or all failing)",
-            ));
+            return Err(ProxyError::NoWorkers);
         }
         if !ordered.is_empty() {
             return Ok(Admitted {
@@ -89,10 +84,6 @@ pub async fn admit(
         }
         let queued = place_in_queue.is_some();
         if !queued || tokio::time::Instant::now() >= queued_until {
-            proxy.metrics.overloaded.inc();
-            if queued {
-                proxy.metrics.queue_timeouts.inc();
-            }
             return Err(overloaded(proxy, candidates.scored.len(), queued));
         }
         // Woken when a prefill or a request ends; re-checked at least every
@@ -154,8 +145,8 @@ fn charge(
     ))
 }
 
-/// The 503 for a request no rank can take.
-fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ApiError {
+/// The 503 for a request no rank can take (`queued`: after its wait in the queue).
+fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ProxyError {
     let config = proxy.config();
     let wait = if queued {
         format!(
@@ -167,14 +158,15 @@ fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ApiError {
     } else {
         String::new()
     };
-    ApiError::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "overloaded",
-        format!(
-            "all {ranks} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}, requests {:?}){wait}; retry later",
-            config.busy.prefill_tokens, config.busy.decode_blocks, config.busy.requests,
-        ),
-    )
+    let message = format!(
+        "all {ranks} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}, requests {:?}){wait}; retry later",
+        config.busy.prefill_tokens, config.busy.decode_blocks, config.busy.requests,
+    );
+    if queued {
+        ProxyError::QueueTimeout(message)
+    } else {
+        ProxyError::Overloaded(message)
+    }
 }
 
 /// What one attempt sends, besides the client's headers.
@@ -194,8 +186,8 @@ fn outgoing(
     s: &Scored,
     ranks: usize,
     body: &Bytes,
-) -> Result<Outgoing, ApiError> {
-    let bad = |e: ParseError| ApiError::bad_request(e.0);
+) -> Result<Outgoing, ProxyError> {
+    let bad = |e: ParseError| ProxyError::bad_request(e.0);
     let multi_rank = ranks > 1;
     let rank_in_body = dp_rank_in_body || s.flavor == WorkerFlavor::Sglang;
     let mut payload = body.clone();
@@ -212,7 +204,7 @@ fn outgoing(
     }
     Ok(Outgoing {
         payload,
-        rank_header: (multi_rank && !rank_in_body).then_some(s.key.rank),
+        rank_header: (multi_rank && !rank_in_body).then_some(s.key.rank.0),
         added_usage,
     })
 }
@@ -238,7 +230,11 @@ pub struct Request<'a> {
 
 /// Tries the admitted candidates in order; the first worker that answers
 /// (see the module docs for which failures move on) gives the response.
-pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_>) -> Response {
+pub async fn forward(
+    proxy: &Arc<Proxy>,
+    admitted: Admitted,
+    request: Request<'_>,
+) -> Result<Response, ProxyError> {
     let Admitted {
         candidates,
         ordered,
@@ -266,8 +262,7 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
         }
         if let Some(limit) = proxy.context_length(target) {
             if let Err(message) = check_context(request_tokens, req.max_tokens, limit) {
-                proxy.metrics.bad_requests.inc();
-                return ApiError::bad_request(message).into_response();
+                return Err(ProxyError::ContextTooLong(message));
             }
         }
         if attempt > 0 {
@@ -288,10 +283,7 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
             let (in_body, ranks) = (proxy.config().dp_rank_in_body, target.ranks.len());
             on_cpu(large, move || outgoing(in_body, &req, &s, ranks, &body)).await
         };
-        let out = match rewritten.and_then(|r| r) {
-            Ok(out) => out,
-            Err(e) => return e.into_response(),
-        };
+        let out = rewritten??;
         let added_usage = out.added_usage;
         let resp = match send(proxy, target, endpoint, out, headers, request_id).await {
             Sent::Answer(resp) => resp,
@@ -299,7 +291,7 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
                 last_error = message;
                 continue;
             }
-            Sent::Failed(error) => return error.into_response(),
+            Sent::Failed(error) => return Err(error),
         };
         if proxy.config().policy == Policy::Approx && !locals.is_empty() {
             let now = proxy.now_ms();
@@ -323,12 +315,7 @@ pub async fn forward(proxy: &Arc<Proxy>, admitted: Admitted, request: Request<'_
         };
         return respond(proxy, req, s, target, resp, relay).await;
     }
-    ApiError::new(
-        StatusCode::BAD_GATEWAY,
-        "upstream_error",
-        format!("no worker answered: {last_error}"),
-    )
-    .into_response()
+    Err(ProxyError::UpstreamUnreachable(last_error))
 }
 
 /// The request's local and sequence hashes for candidate `s`'s block size
@@ -441,15 +428,15 @@ pub fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// How one attempt ended.
+/// How sending one attempt ended, as the retry rule sorted it.
 enum Sent {
-    /// The worker answered (any status but 503 and 429).
+    /// The worker answered (any status but 503 and 429): relay it.
     Answer(reqwest::Response),
     /// The request never reached the worker, or the worker refused it
     /// before doing any work: try the next candidate.
     Refused(String),
     /// The worker took the request and failed: answer the client, try no one else.
-    Failed(ApiError),
+    Failed(ProxyError),
 }
 
 /// Sends one attempt and sorts out how it ended (see the module docs).
@@ -474,45 +461,29 @@ async fn send(
     if let Some(auth) = headers.get(header::AUTHORIZATION) {
         upstream = upstream.header(header::AUTHORIZATION, auth.clone());
     }
-    let refused = |message: String| {
-        proxy.metrics.upstream_errors.inc();
-        proxy.breakers.record_outcome(&target.name, false);
-        Sent::Refused(message)
+    let sent = upstream.send().await;
+    let ending = match &sent {
+        Err(e) if e.is_connect() => Ending::NotConnected,
+        Err(_) => Ending::LostBeforeAnswer,
+        Ok(resp) => Ending::Head(resp.status()),
     };
-    match upstream.send().await {
-        Err(e) if e.is_connect() => {
-            debug!(worker = %target.name, request_id, error = %e, "worker unreachable");
-            refused(format!("worker `{}`: {e}", target.name))
+    let verdict = outcome::settle(proxy, &target.name, ending, request_id);
+    match (verdict.next, sent) {
+        (Next::Retry, Err(e)) => {
+            Sent::Refused(format!("worker `{}`: {}", target.name, error_chain(&e)))
         }
-        Err(e) => {
-            proxy.metrics.upstream_errors.inc();
-            proxy.breakers.trip(&target.name);
-            warn!(
-                worker = %target.name, request_id, error = %e,
-                "the worker failed a request it had received; not retried elsewhere"
-            );
-            Sent::Failed(ApiError::new(
-                StatusCode::BAD_GATEWAY,
-                "upstream_error",
-                format!(
-                    "worker `{}` failed request {request_id} after receiving it ({e}); \
-                     it was not sent to another worker",
-                    target.name
-                ),
-            ))
-        }
-        Ok(resp) if matches!(resp.status().as_u16(), 503 | 429) => refused(format!(
+        (Next::Retry, Ok(resp)) => Sent::Refused(format!(
             "worker `{}` answered {}",
             target.name,
             resp.status()
         )),
-        Ok(resp) => {
-            let ok = !resp.status().is_server_error();
-            if !ok {
-                proxy.metrics.upstream_errors.inc();
-            }
-            proxy.breakers.record_outcome(&target.name, ok);
-            Sent::Answer(resp)
+        // The rule relays every answer it does not retry, and fails every
+        // request that was sent and got none.
+        (_, Ok(resp)) => Sent::Answer(resp),
+        (next, Err(e)) => {
+            let kind = next.error().unwrap_or(ErrorKind::UpstreamFailed);
+            let error = ProxyError::lost(kind, &target.name, request_id, error_chain(&e));
+            Sent::Failed(error)
         }
     }
 }
@@ -527,7 +498,7 @@ async fn respond(
     target: &Target,
     resp: reqwest::Response,
     relay: Relay<'_>,
-) -> Response {
+) -> Result<Response, ProxyError> {
     let Relay {
         guard,
         added_usage,
@@ -544,7 +515,7 @@ async fn respond(
     let mut builder = Response::builder()
         .status(status.as_u16())
         .header("x-kvroute-worker", &*target.name)
-        .header("x-kvroute-dp-rank", s.key.rank);
+        .header("x-kvroute-dp-rank", s.key.rank.0);
     let content_type = resp.headers().get(header::CONTENT_TYPE);
     if let Some(v) = content_type.and_then(|ct| HeaderValue::from_bytes(ct.as_bytes()).ok()) {
         builder = builder.header(header::CONTENT_TYPE, v);
@@ -556,6 +527,7 @@ async fn respond(
             worker: target.name.clone(),
             request_id: request_id.to_owned(),
             sse,
+            status,
         };
         Body::from_stream(Passthrough::new(
             Box::pin(resp.bytes_stream()),
@@ -566,15 +538,21 @@ async fn respond(
         ))
     } else {
         guard.prefill_done();
-        let bytes = match resp.bytes().await {
+        let read = resp.bytes().await;
+        let ending = match &read {
+            Ok(_) => Ending::Complete(status),
+            Err(_) => Ending::CutOff,
+        };
+        let verdict = outcome::settle(proxy, &target.name, ending, request_id);
+        let bytes = match read {
             Ok(b) => b,
             Err(e) => {
-                return ApiError::new(
-                    StatusCode::BAD_GATEWAY,
-                    "upstream_error",
-                    format!("worker `{}`: reading the response: {e}", target.name),
-                )
-                .into_response()
+                let kind = verdict
+                    .next
+                    .error()
+                    .unwrap_or(ErrorKind::UpstreamIncomplete);
+                let detail = format!("reading the answer: {}", error_chain(&e));
+                return Err(ProxyError::lost(kind, &target.name, request_id, detail));
             }
         };
         drop(guard);
@@ -586,7 +564,7 @@ async fn respond(
     };
     builder
         .body(body)
-        .unwrap_or_else(|e| ApiError::internal(e.to_string()).into_response())
+        .map_err(|e| ProxyError::internal(e.to_string()))
 }
 
 /// What the response will be checked against: the prediction, the state of

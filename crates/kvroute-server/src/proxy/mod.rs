@@ -9,11 +9,13 @@
 //!    matches the index and prices every rank with the core's scheduler;
 //! 4. [`attempt`] orders the candidates by the policy, waits in the bounded
 //!    overload queue if every rank is busy, and sends the request to the
-//!    first, then the next on a connection error or a 5xx before any byte,
-//!    skipping workers whose circuit [`breaker`] is open; [`rewrite`] adds the
-//!    rank, image hashes or `include_usage` to the body on the way;
+//!    first, then the next only when the worker did no work (the retry rule
+//!    of [`outcome`]: a connection error, a 503 or 429), skipping workers
+//!    whose circuit [`breaker`] is open; [`rewrite`] adds the rank, image
+//!    hashes or `include_usage` to the body on the way;
 //! 5. [`relay`] passes the answer back (streams chunk by chunk) and compares
-//!    the engine's `cached_tokens` with the prediction;
+//!    the engine's `cached_tokens` with the prediction; how the answer ends
+//!    (whole, or cut off) is what the worker's breaker records;
 //! 6. [`active`] holds the request's place in its rank's load until it
 //!    ends, and with `--learn-speeds` tells [`speeds`] how fast it decoded.
 
@@ -23,6 +25,7 @@ pub mod breaker;
 pub mod candidates;
 pub mod context;
 pub mod observe;
+pub mod outcome;
 pub mod relay;
 pub mod rewrite;
 pub mod shared;
@@ -41,7 +44,7 @@ use kvroute_core::rng::{mix, unit_f64, SplitMix64};
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, Policy, SpeedConfig};
 use serde_json::{json, Map, Value};
 
-use crate::api::{ApiError, Body};
+use crate::api::{Body, ProxyError};
 use crate::ingest::registry::Registry;
 use crate::metrics::ProxyMetrics;
 use crate::replica::outbox::Outbox;
@@ -359,7 +362,7 @@ impl Endpoint {
 pub async fn completions(
     State(proxy): State<Arc<Proxy>>,
     headers: HeaderMap,
-    Body(body): Body,
+    body: Result<Body, ProxyError>,
 ) -> Response {
     handle(proxy, headers, body, Endpoint::Completions).await
 }
@@ -368,21 +371,30 @@ pub async fn completions(
 pub async fn chat_completions(
     State(proxy): State<Arc<Proxy>>,
     headers: HeaderMap,
-    Body(body): Body,
+    body: Result<Body, ProxyError>,
 ) -> Response {
     handle(proxy, headers, body, Endpoint::Chat).await
 }
 
+/// Answers one completion request; every error kvroute answers it with is
+/// counted here, once.
 async fn handle(
     proxy: Arc<Proxy>,
     headers: HeaderMap,
-    body: axum::body::Bytes,
+    body: Result<Body, ProxyError>,
     endpoint: Endpoint,
 ) -> Response {
     let arrived = Instant::now();
     proxy.metrics.requests.inc();
     let request_id = proxy.request_id(&headers);
-    let mut response = route(&proxy, &headers, &body, endpoint, (&request_id, arrived)).await;
+    let routed = match body {
+        Ok(Body(body)) => route(&proxy, &headers, &body, endpoint, (&request_id, arrived)).await,
+        Err(e) => Err(e),
+    };
+    let mut response = routed.unwrap_or_else(|e| {
+        proxy.metrics.answered(e.kind());
+        e.into_response()
+    });
     if let Ok(id) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(attempt::REQUEST_ID, id);
     }
@@ -395,31 +407,23 @@ async fn route(
     body: &axum::body::Bytes,
     endpoint: Endpoint,
     (request_id, arrived): (&str, Instant),
-) -> Response {
+) -> Result<Response, ProxyError> {
     let large = body.len() > LARGE_BODY;
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
-            let mut req = body::parse_request(&body, endpoint == Endpoint::Chat).map_err(|e| {
-                proxy.metrics.bad_requests.inc();
-                ApiError::bad_request(e.0)
-            })?;
+            let mut req = body::parse_request(&body, endpoint == Endpoint::Chat)
+                .map_err(|e| ProxyError::bad_request(e.0))?;
             proxy.tokenize(&mut req);
             Ok(req)
         })
         .await
     };
-    let req = match read.and_then(|r| r) {
-        Ok(req) => Arc::new(req),
-        Err(e) => return e.into_response(),
-    };
+    let req = Arc::new(read??);
     if req.tokens.is_none() {
         proxy.metrics.load_only.inc();
     }
-    let admitted = match attempt::admit(proxy, &req, large).await {
-        Ok(a) => a,
-        Err(e) => return e.into_response(),
-    };
+    let admitted = attempt::admit(proxy, &req, large).await?;
     let request = attempt::Request {
         req: &req,
         headers,
@@ -441,13 +445,13 @@ pub const LARGE_BODY: usize = 256 << 10;
 pub async fn on_cpu<T: Send + 'static>(
     large: bool,
     work: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, ApiError> {
+) -> Result<T, ProxyError> {
     if !large {
         return Ok(work());
     }
     tokio::task::spawn_blocking(work)
         .await
-        .map_err(|e| ApiError::internal(format!("request processing failed: {e}")))
+        .map_err(|e| ProxyError::internal(format!("request processing failed: {e}")))
 }
 
 /// `GET /v1/models`: the union of every worker's models.

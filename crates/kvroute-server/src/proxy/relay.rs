@@ -2,6 +2,8 @@
 //! (holding the request's place in the load until the stream ends), and on
 //! the way reading the engine's `cached_tokens` for the accuracy metric and
 //! removing the usage chunk that the proxy asked for on the client's behalf.
+//! How a stream ends, whole or cut off, goes through the retry rule of
+//! [`super::outcome`] like every other end of an attempt.
 
 use std::pin::Pin;
 use std::sync::atomic::Ordering;
@@ -10,15 +12,17 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use axum::body::Bytes;
+use axum::http::StatusCode;
 use futures_util::Stream;
 use serde_json::Value;
-use tracing::warn;
 
 use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::WorkerRank;
 
 use super::active::ActiveGuard;
+use super::outcome::{self, Ending};
 use super::Proxy;
+use crate::api::{error_chain, ErrorKind, ProxyError};
 use crate::ingest::stats::{RankState, RankStats};
 
 /// What the accuracy check needs after the response.
@@ -230,6 +234,8 @@ pub struct StreamOrigin {
     pub request_id: String,
     /// The stream is SSE, so a failure can be told to the client in-band.
     pub sse: bool,
+    /// The status of the answer (relayed before the stream).
+    pub status: StatusCode,
 }
 
 /// The upstream body, passed through chunk by chunk; holds the active entry.
@@ -281,29 +287,24 @@ impl<S> Passthrough<S> {
         }
     }
 
-    /// The worker failed mid-stream: its breaker opens, and an SSE client
-    /// gets a last `data: {"error": …}` event and `data: [DONE]`.
+    /// The worker cut the stream off: the retry rule's verdict (its breaker
+    /// opens, the failure is counted), and an SSE client gets the error as a
+    /// last `data: {"error": …}` event and `data: [DONE]`.
     fn failed(&mut self, error: &reqwest::Error) -> Option<Bytes> {
         let origin = &self.origin;
-        warn!(
-            worker = %origin.worker, request_id = %origin.request_id, error = %error,
-            "the worker failed mid-stream"
-        );
-        if let Some(g) = self.guard.take() {
-            g.proxy().breakers.trip(&origin.worker);
-        }
+        let g = self.guard.take()?;
+        let proxy = g.proxy();
+        let verdict = outcome::settle(proxy, &origin.worker, Ending::CutOff, &origin.request_id);
+        let kind = verdict
+            .next
+            .error()
+            .unwrap_or(ErrorKind::UpstreamIncomplete);
+        proxy.metrics.answered(kind);
         if !origin.sse {
             return None;
         }
-        let event = serde_json::json!({"error": {
-            "message": format!(
-                "worker `{}` failed mid-stream on request {}: {error}",
-                origin.worker, origin.request_id
-            ),
-            "type": "upstream_error",
-            "param": null,
-            "code": 502,
-        }});
+        let detail = format!("mid-stream: {}", error_chain(error));
+        let event = ProxyError::lost(kind, &origin.worker, &origin.request_id, detail).body();
         let lead = if self.at_boundary { "" } else { "\n\n" };
         Some(Bytes::from(format!(
             "{lead}data: {event}\n\ndata: [DONE]\n\n"
@@ -323,11 +324,16 @@ impl<S> Passthrough<S> {
         }
     }
 
-    /// The stream ended: its timings, and how fast its rank decoded it.
+    /// The stream ended whole: the retry rule's verdict on the answer (the
+    /// breaker's success, or its failure for a 5xx), its timings, and how
+    /// fast its rank decoded it.
     fn ended(&mut self) {
         let Some(g) = self.guard.take() else {
             return;
         };
+        let origin = &self.origin;
+        let ending = Ending::Complete(origin.status);
+        outcome::settle(g.proxy(), &origin.worker, ending, &origin.request_id);
         if let (Some(first), Some(tokens)) = (self.first_chunk, self.completion_tokens) {
             g.decoded(first.elapsed(), self.load_at_first, tokens);
         }
