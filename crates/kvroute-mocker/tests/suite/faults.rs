@@ -1,6 +1,6 @@
 //! Fault flags as a subscriber observes them over ZeroMQ.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::wire::{decode_batch, DecoderConfig, SkipReason};
@@ -29,6 +29,8 @@ fn drop_every_skips_live_batches_that_replay_still_has() {
         [0, 2, 4],
         "batches 2, 4, 6 (seq 1, 3, 5) are never sent live"
     );
+    // Absence: every batch was published before the requests returned, so
+    // one sent live would arrive within milliseconds; 300 ms without one.
     sub.set_rcvtimeo(300).expect("timeout");
     assert!(recv_live(&sub).is_none(), "nothing else arrives");
     let replayed: Vec<u64> = replay(&fleet.replay(0, 0), 0, ReplayFrames::Four)
@@ -76,19 +78,32 @@ fn restart_every_resets_seq_and_clears_the_cache() {
     let prompt: Vec<u64> = (1..=40).collect();
     let first = post(fleet.http(0), "/v1/completions", &ids_prompt(&prompt, 1)).json();
     assert_eq!(cached_tokens(&first), 0);
-    std::thread::sleep(Duration::from_millis(1300));
+    // The first restart (1 s after the start): the engine has emptied its
+    // cache before it has the publisher count it.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while publisher_restarts(&fleet) < 1.0 {
+        assert!(
+            Instant::now() < deadline,
+            "no publisher restart within 10 s of a 1 s --restart-every"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let second = post(fleet.http(0), "/v1/completions", &ids_prompt(&prompt, 1)).json();
     assert_eq!(cached_tokens(&second), 0, "the restart emptied the cache");
     // Only the batch published after the restart is retained, numbered 0 again.
     let batches = replay(&fleet.replay(0, 0), 0, ReplayFrames::Four);
     assert_eq!(batches.len(), 1);
     assert_eq!(batches[0].0, 0);
+    assert!(publisher_restarts(&fleet) >= 1.0);
+}
+
+/// `kvroute_mocker_publisher_restarts_total` of worker 0's rank 0.
+fn publisher_restarts(fleet: &TestFleet) -> f64 {
     let metrics = get(fleet.http(0), "/metrics").text();
-    let restarts: f64 = metrics
+    metrics
         .lines()
         .find_map(|l| l.strip_prefix("kvroute_mocker_publisher_restarts_total{"))
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
-        .expect("restart counter");
-    assert!(restarts >= 1.0);
+        .expect("restart counter")
 }

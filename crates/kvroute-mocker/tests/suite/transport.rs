@@ -52,7 +52,9 @@ fn malformed_replay_requests_are_ignored_and_later_ones_answered() {
     dealer.set_rcvtimeo(300).expect("timeout");
     dealer.set_linger(0).expect("linger");
     dealer.connect(&fleet.replay(0, 0)).expect("connect");
-    // No empty delimiter: the engines log "Invalid replay request" and stay silent.
+    // No empty delimiter: the engines log "Invalid replay request" and stay
+    // silent. Absence: a request is answered within milliseconds (the
+    // publisher polls every 5 ms); 300 ms without an answer.
     dealer.send(&0u64.to_be_bytes()[..], 0).expect("send");
     assert!(
         dealer.recv_multipart(0).is_err(),

@@ -1,4 +1,4 @@
-//! A worker whose block size nobody configured (issue 2.3): the router
+//! A worker whose block size nobody configured: the router
 //! learns it from the engine's first stored event, on real `kvroute serve`
 //! and `kvroute mocker` processes.
 

@@ -9,20 +9,26 @@ use crate::support::*;
 #[test]
 fn serve_takes_its_port_workers_and_token_from_the_environment() {
     let (_mocker, lines) = start_mocker(2, "100");
-    let port = free_port();
-    let serve = format!("127.0.0.1:{port}");
-    let _serve = Proc(
-        kvroute()
-            .arg("serve")
-            .env("KVROUTE_PORT", port.to_string())
-            .env("KVROUTE_WORKERS", lines.join(";"))
-            .env("KVROUTE_ADMIN_TOKEN", "from-env")
-            .env("KVROUTE_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("kvroute serve runs"),
-    );
+    let mut child = kvroute()
+        .arg("serve")
+        .env("KVROUTE_PORT", "0")
+        .env("KVROUTE_WORKERS", lines.join(";"))
+        .env("KVROUTE_ADMIN_TOKEN", "from-env")
+        .env("KVROUTE_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvroute serve runs");
+    let stderr = child.stderr.take().expect("stderr");
+    let _serve = Proc(child);
+    // Port 0 from the environment: the router binds an ephemeral port and
+    // says which (without the variable it would listen on its default, 8000).
+    let serve = listening_addr(stderr);
+    let port: u16 = serve
+        .strip_prefix("127.0.0.1:")
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("not 127.0.0.1:PORT: {serve}"));
+    assert!(port != 0 && port != 8000, "KVROUTE_PORT=0 ignored: {serve}");
     let token = [("Authorization", "Bearer from-env")];
     eventually("both workers from KVROUTE_WORKERS connected", || {
         std::net::TcpStream::connect(&serve).is_ok() && {

@@ -10,7 +10,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use kvroute_core::hash::{local_block_hashes, sequence_hashes, HASH_SEED};
-use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
+use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_server::ingest::registry::IngestConfig;
 use kvroute_server::ingest::registry::Registry;
 use kvroute_server::ingest::spec::{RankEndpoints, WorkerSpec};
@@ -179,7 +179,7 @@ impl Engine {
 
     fn endpoints(&self, rank: u32) -> RankEndpoints {
         RankEndpoints {
-            rank,
+            rank: DpRank(rank),
             events: self.events.clone(),
             replay: Some(self.replay.clone()),
         }
@@ -227,7 +227,7 @@ fn follow(ctx: &zmq::Context, frames: usize, ring: usize) -> (Engine, Fixture, W
         f,
         WorkerRank {
             worker: id,
-            rank: 0,
+            rank: DpRank(0),
         },
     )
 }
@@ -308,7 +308,7 @@ fn live_batches_are_applied_and_a_late_join_is_replayed_from_zero() {
     eventually("connected and synced", || synced(&f.registry, "w0"));
     let key = WorkerRank {
         worker: id,
-        rank: 0,
+        rank: DpRank(0),
     };
     eventually(
         "the batch published before the subscription, from the ring",
@@ -317,6 +317,7 @@ fn live_batches_are_applied_and_a_late_join_is_replayed_from_zero() {
     // Live batches follow (the first may still race the subscription; the ring covers it).
     for seq in 1..=3u64 {
         engine.publish(seq, &conversation_batch(seq as u32 + 1, 2, 0), true, 10_000);
+        // Pacing, as an engine's steps are; what the test waits for comes next.
         std::thread::sleep(Duration::from_millis(20));
     }
     eventually("live stores applied", || {
@@ -386,9 +387,9 @@ fn a_gap_older_than_the_ring_degrades_the_rank_and_keeps_its_blocks() {
     );
 }
 
-/// A live batch numbered `u64::MAX` (the replay's end marker) used to
-/// overflow the cursor's next sequence number: a panic that ended the rank's
-/// stream in a debug build.
+/// A live batch numbered `u64::MAX` (the replay's end marker, which no
+/// engine publishes live) is counted as a bad frame and applied to nothing;
+/// the stream goes on after it (its next sequence number does not overflow).
 #[test]
 fn a_sequence_number_no_engine_can_publish_is_a_bad_frame() {
     let ctx = zmq::Context::new();
@@ -475,12 +476,13 @@ fn two_ranks_stay_apart_and_unregistering_drops_the_workers_blocks() {
     eventually("connected", || {
         let doc = serde_json::json!({"workers": f.registry.view()});
         doc["workers"][0]["ranks"].as_array().is_some_and(|r| {
-            r.iter().all(|r| {
-                r["connected"] == true
-                    && r["replays_ok"].as_u64().unwrap_or(0)
-                        + r["replays_incomplete"].as_u64().unwrap_or(0)
-                        >= 1
-            })
+            r.len() == 2
+                && r.iter().all(|r| {
+                    r["connected"] == true
+                        && r["replays_ok"].as_u64().unwrap_or(0)
+                            + r["replays_incomplete"].as_u64().unwrap_or(0)
+                            >= 1
+                })
         })
     });
     rank0.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
@@ -488,11 +490,11 @@ fn two_ranks_stay_apart_and_unregistering_drops_the_workers_blocks() {
     let (k0, k1) = (
         WorkerRank {
             worker: id,
-            rank: 0,
+            rank: DpRank(0),
         },
         WorkerRank {
             worker: id,
-            rank: 1,
+            rank: DpRank(1),
         },
     );
     eventually("both ranks", || {
@@ -571,7 +573,7 @@ fn a_worker_unreachable_past_the_grace_period_loses_its_blocks() {
     eventually("connected and synced", || synced(&registry, "w0"));
     let key = WorkerRank {
         worker: id,
-        rank: 0,
+        rank: DpRank(0),
     };
     engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
     eventually("stored", || {
@@ -605,9 +607,9 @@ fn removed(out: &mut Vec<u8>, hashes: &[u64]) {
 
 #[test]
 fn an_engine_hash_reaches_only_the_blocks_of_the_worker_that_published_it() {
-    // The differential test's finding: w0 stores block x as engine hash 10,
-    // w1 stores x as 11; then w1's removal of hash 10, and w1's store under
-    // parent 10, must not reach x through w0's name for it.
+    // w0 stores block x as engine hash 10, w1 stores x as 11; then w1's
+    // removal of hash 10, and w1's store under parent 10, do not reach x
+    // through w0's name for it.
     let ctx = zmq::Context::new();
     let (e0, e1) = (Engine::start(&ctx, 4, 100), Engine::start(&ctx, 4, 100));
     let f = fixture();
@@ -622,11 +624,11 @@ fn an_engine_hash_reaches_only_the_blocks_of_the_worker_that_published_it() {
     let (k0, k1) = (
         WorkerRank {
             worker: w0,
-            rank: 0,
+            rank: DpRank(0),
         },
         WorkerRank {
             worker: w1,
-            rank: 0,
+            rank: DpRank(0),
         },
     );
     let x = tokens_of(1, 1);

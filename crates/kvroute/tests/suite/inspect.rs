@@ -77,6 +77,7 @@ fn inspect_reports_every_event_kind_and_omits_tokens_by_default() {
         ["stored", "stored", "removed", "removed", "removed", "cleared"]
     );
     assert_eq!(lines[1]["tier"], "host");
+    // Six lines (checked above), none with tokens.
     assert!(lines.iter().all(|l| l.get("token_ids").is_none()));
 }
 
@@ -93,9 +94,17 @@ fn inspect_reports_skipped_events_with_their_reason() {
         code, 0,
         "an envelope that decodes exits 0 even when events are skipped"
     );
-    assert!(lines.iter().all(|l| l["error"]
-        .as_str()
-        .is_some_and(|e| e.contains("block_size_mismatch"))));
+    // The batch's two stored events, each reported with why it was skipped.
+    let indices: Vec<&Value> = lines.iter().map(|l| &l["index"]).collect();
+    assert_eq!(indices, [0, 1], "{lines:?}");
+    for line in &lines {
+        assert_eq!(line["reason"], "block_size_mismatch", "{line}");
+        let error = line["error"].as_str().unwrap_or_default();
+        assert!(
+            error.contains("event block_size 16, worker block size 32"),
+            "{line}"
+        );
+    }
 }
 
 #[test]

@@ -102,7 +102,7 @@ fn wait_indexed(serve: &str, body: &Value, worker: &str, prompt_tokens: u64, fla
             && q["chosen"]["name"] == worker
             && q["workers"]
                 .as_array()
-                .is_some_and(|w| w.iter().all(|w| w["flavor"] == flavor))
+                .is_some_and(|w| !w.is_empty() && w.iter().all(|w| w["flavor"] == flavor))
     });
 }
 

@@ -34,9 +34,9 @@ fn replica(lines: &[String], nats: &NatsServer, id: &str, extra: &[&str]) -> (Pr
                     .is_some_and(|w| {
                         w.len() == lines.len()
                             && w.iter().all(|w| {
-                                w["ranks"]
-                                    .as_array()
-                                    .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+                                w["ranks"].as_array().is_some_and(|r| {
+                                    !r.is_empty() && r.iter().all(|r| r["connected"] == true)
+                                })
                             })
                     })
         },
@@ -226,6 +226,23 @@ fn bench(urls: &[&str], secs: &str) -> std::process::Child {
         .expect("kvroute bench runs")
 }
 
+/// Completion requests `serve` has received (`kvroute_proxy_requests_total`).
+fn requests(serve: &str) -> u64 {
+    crate::support::http::count(serve, "kvroute_proxy_requests_total")
+}
+
+/// Waits (at most 15 s) until each of `serves` has received 10 requests
+/// more than `before` says it had: the bench's load is flowing through it.
+fn await_load(serves: &[&str], before: &[u64]) {
+    for (serve, before) in serves.iter().zip(before) {
+        eventually_within(
+            &format!("10 requests of the bench through {serve}"),
+            Duration::from_secs(15),
+            || requests(serve) >= before + 10,
+        );
+    }
+}
+
 /// The bench's report of its one policy.
 fn report(child: std::process::Child) -> Value {
     let out = child.wait_with_output().expect("bench ends");
@@ -247,14 +264,13 @@ fn neither_nats_nor_a_replica_going_away_fails_a_request() {
     let (a_proc, a) = replica(&lines, &nats, "a", &[]);
     let (_b, b) = replica(&lines, &nats, "b", &[]);
     let load = bench(&[&a, &b], "5");
-    std::thread::sleep(Duration::from_millis(1_500));
+    await_load(&[&a, &b], &[0, 0]);
     nats.kill().expect("nats killed");
-    std::thread::sleep(Duration::from_millis(1_000));
     for serve in [&a, &b] {
+        let seen = settle(5, || sync(serve), |s| s["connected"] == false);
         assert_eq!(
-            sync(serve)["connected"],
-            false,
-            "{serve} did not notice the outage"
+            seen["connected"], false,
+            "{serve} did not notice the outage within 5 s: {seen}"
         );
     }
     nats.restart().expect("nats restarts");
@@ -280,8 +296,9 @@ fn neither_nats_nor_a_replica_going_away_fails_a_request() {
         let gauge = crate::support::http::metric(serve, "kvroute_replica_nats_connected");
         assert_eq!(gauge, Some(1.0));
     }
+    let before = requests(&a);
     let load = bench(&[&a, &b], "4");
-    std::thread::sleep(Duration::from_millis(1_500));
+    await_load(&[&a], &[before]);
     drop(a_proc);
     let r = report(load);
     assert_eq!(r["failed"], 0, "replica killed: {r}");

@@ -1,8 +1,8 @@
-//! Engine restarts and replays the router cannot take on trust (issue 2.3,
-//! findings 2 to 4): real `kvroute serve` and `kvroute mocker` processes on
-//! 127.0.0.1, an engine killed with SIGKILL and started again on the same
-//! ports, and the router's `/query` predictions compared with what the
-//! engine itself holds (`/internal/cache_match`).
+//! Engine restarts and replays the router cannot take on trust: real
+//! `kvroute serve` and `kvroute mocker` processes on 127.0.0.1, an engine
+//! killed with SIGKILL and started again on the same ports, and the router's
+//! `/query` predictions compared with what the engine itself holds
+//! (`/internal/cache_match`).
 //!
 //! Only the observable interface is used: processes, HTTP, `/workers` JSON
 //! and `/metrics` text. Router settings are given as `KVROUTE_*` variables
@@ -109,7 +109,11 @@ pub fn settle<T>(secs: u64, mut probe: impl FnMut() -> T, done: impl Fn(&T) -> b
     }
 }
 
-/// A free port `p` with `p + 1 .. p + n` free too, not within `n` of any in `avoid`.
+/// A free port `p` with `p + 1 .. p + n` free too, not within `n` of any in
+/// `avoid`: the base port of an engine with `n` data-parallel ranks, rank r
+/// on base + r, which its `--worker` line implies and so must be chosen
+/// before the engine starts. Racy as [`free_port`] is: use it for nothing
+/// a child could bind as port 0 and report.
 pub fn free_port_run(n: u16, avoid: &[u16]) -> u16 {
     loop {
         let p = free_port();
@@ -123,11 +127,14 @@ pub fn free_port_run(n: u16, avoid: &[u16]) -> u16 {
     }
 }
 
-/// One mock engine on fixed ports (HTTP, events, replay), so that it can be
-/// killed and started again on the same ones, as an engine restart is.
+/// One mock engine that can be killed and started again on the same ports
+/// (HTTP, events, replay), as an engine restart is. It first binds what it
+/// can as port 0 and reports it (HTTP always; events and replay when it has
+/// one rank), and is restarted on the ports it reported.
 pub struct Engine {
     proc: Option<Proc>,
-    args: Vec<String>,
+    dp: u16,
+    extra: Vec<String>,
     /// The engine's `--worker` line.
     pub line: String,
     /// The engine's HTTP `host:port`.
@@ -141,39 +148,54 @@ pub struct Engine {
 impl Engine {
     /// An engine with `dp` ranks, 100 times faster than real time, and `extra` flags.
     pub fn start(dp: u16, extra: &[&str]) -> Engine {
-        let http = free_port();
-        let events = free_port_run(dp, &[http]);
-        let replay = free_port_run(dp, &[http, events]);
-        let mut args: Vec<String> = [
-            "--port",
-            &http.to_string(),
-            "--kv-events-port",
-            &events.to_string(),
-            "--replay-port",
-            &replay.to_string(),
-            "--dp-size",
-            &dp.to_string(),
-            "--speedup",
-            "100",
-        ]
-        .iter()
-        .map(|s| s.to_string())
-        .collect();
-        args.extend(extra.iter().map(|s| s.to_string()));
+        // Rank r publishes on the base port + r (the line names rank 0's
+        // ports only): several ranks need their bases chosen beforehand.
+        let (events, replay) = if dp == 1 {
+            (0, 0)
+        } else {
+            let events = free_port_run(dp, &[]);
+            (events, free_port_run(dp, &[events]))
+        };
         let mut engine = Engine {
             proc: None,
-            args,
+            dp,
+            extra: extra.iter().map(|s| s.to_string()).collect(),
             line: String::new(),
-            http: format!("127.0.0.1:{http}"),
+            http: "127.0.0.1:0".into(),
             events,
             replay,
         };
         engine.launch();
+        engine.http = format!("127.0.0.1:{}", port_of(&engine.line, "url"));
+        (engine.events, engine.replay) = (
+            port_of(&engine.line, "events"),
+            port_of(&engine.line, "replay"),
+        );
         engine
     }
 
+    /// Starts the mocker on the engine's ports (0 for those not bound yet)
+    /// and keeps its `--worker` line.
     fn launch(&mut self) {
-        let args: Vec<&str> = self.args.iter().map(String::as_str).collect();
+        let http = self.http.rsplit(':').next().unwrap_or("0").to_owned();
+        let (events, replay, dp) = (
+            self.events.to_string(),
+            self.replay.to_string(),
+            self.dp.to_string(),
+        );
+        let mut args = vec![
+            "--port",
+            &http,
+            "--kv-events-port",
+            &events,
+            "--replay-port",
+            &replay,
+            "--dp-size",
+            &dp,
+            "--speedup",
+            "100",
+        ];
+        args.extend(self.extra.iter().map(String::as_str));
         let (proc, mut lines) = spawn_mocker(&args, 1);
         self.proc = Some(proc);
         self.line = lines.remove(0);
@@ -189,6 +211,14 @@ impl Engine {
         assert!(self.proc.is_none(), "kill the engine first");
         self.launch();
     }
+}
+
+/// The port of field `key` (`url`, `events`, `replay`) of a `--worker` line.
+pub fn port_of(line: &str, key: &str) -> u16 {
+    line.split(',')
+        .find_map(|kv| kv.strip_prefix(key)?.strip_prefix('='))
+        .and_then(|v| v.rsplit(':').next()?.parse().ok())
+        .unwrap_or_else(|| panic!("no port for `{key}` in {line}"))
 }
 
 /// A router following `engine`'s line, with an admin token, `env` settings,
@@ -268,13 +298,13 @@ fn assert_restart_counted(serve: &str) {
     );
 }
 
-/// Finding 2: the engine is killed, stays down past the router's reconnect
-/// backoff (10 s), and comes back on the same ports publishing 10 new
-/// batches (seq 0-9) before the router reconnects. Today's router asks the
-/// new engine to replay from seq 3 and applies its batches 3-9 as if they
-/// continued the old stream: the old prompts stay predicted, some new ones
-/// are missing, and no counter moves. The router must prove continuity:
-/// forget the old engine's blocks, index the new ones, count the restart.
+/// An engine killed, down until the router's reconnect attempts have backed
+/// off to their 2 s cap, and back on the same ports publishing 10 new
+/// batches (seq 0-9) between two attempts: the new stream's seq 3-9 look
+/// like a continuation of the old one (last seq 2) to a router that only
+/// asks for a replay from seq 3. The router proves continuity instead: it
+/// forgets the old engine's blocks, indexes the new ones and counts the
+/// restart.
 #[test]
 fn an_engine_restarted_between_reconnects_is_detected_and_reindexed() {
     let mut engine = Engine::start(1, &[]);
@@ -282,12 +312,28 @@ fn an_engine_restarted_between_reconnects_is_detected_and_reindexed() {
     let old = three_old_prompts(&serve, &engine);
     assert_eq!(counter(&rank(&serve, "w0", 0), "last_seq"), 2);
     engine.kill();
-    std::thread::sleep(Duration::from_secs(10));
+    let down = settle(
+        10,
+        || rank(&serve, "w0", 0)["connected"].clone(),
+        |c| *c == false,
+    );
+    assert_eq!(down, false, "the router never saw the engine go away");
+    // Time, not an event: ZeroMQ's reconnect interval doubles from 100 ms
+    // to its 2 s cap, its attempts falling 0.1, 0.3, 0.7, 1.5 and 3.1 s
+    // after the disconnection, then 5.1 s: a restart just after 3.1 s
+    // publishes within that 2 s window, before the router is back.
+    std::thread::sleep(Duration::from_millis(3_200));
     engine.restart();
     let new = named("new prompt", 100..110);
     for (_, tokens) in &new {
         send_to_engine(&engine.http, tokens);
     }
+    // The case under test: all of it published while the router was away.
+    let r = rank(&serve, "w0", 0);
+    assert!(
+        r["connected"] == false && counter(&r, "last_seq") == 2,
+        "the router was back before the engine had published: {r}"
+    );
     let all: Vec<_> = old.into_iter().chain(new).collect();
     assert_predictions_match(&serve, &engine.http, &all, 20);
     assert_restart_counted(&serve);
@@ -308,11 +354,10 @@ fn cached_then_restarted_fast() -> (Engine, Proc, String, Vec<(String, Vec<u32>)
     (engine, proc, serve, old)
 }
 
-/// Finding 3, no traffic: the engine is killed and started again within
-/// 0.3 s and then stays quiet. Today the replay of its new, empty ring
-/// counts as `replays_ok` and the old blocks stay until the engine publishes
-/// again. Within `--verify-secs` (1 here) and a few seconds the router must
-/// find out, predict 0 for the old prompts (as the engine) and count it.
+/// An engine killed and started again within 0.3 s that then stays quiet:
+/// the replay of its new, empty ring is no proof of continuity. Within
+/// `--verify-secs` (1 here) and a few seconds the router finds out, predicts
+/// 0 for the old prompts (as the engine does) and counts the restart.
 #[test]
 fn a_fast_engine_restart_with_no_traffic_drops_the_old_blocks() {
     let (engine, _serve, serve, old) = cached_then_restarted_fast();
@@ -320,11 +365,11 @@ fn a_fast_engine_restart_with_no_traffic_drops_the_old_blocks() {
     assert_restart_counted(&serve);
 }
 
-/// Finding 3, with traffic: the engine is killed and started again within
-/// 0.3 s and at once given 5 new prompts (seq 0-4 of the new engine, past
-/// the old stream's last seq 2). The router must predict the old prompts 0
-/// and the new ones as the engine holds them within `--verify-secs` (1) and
-/// a few seconds, and count the restart.
+/// An engine killed and started again within 0.3 s and at once given 5 new
+/// prompts (seq 0-4 of the new engine, past the old stream's last seq 2):
+/// within `--verify-secs` (1) and a few seconds the router predicts the old
+/// prompts 0 and the new ones as the engine holds them, and counts the
+/// restart.
 #[test]
 fn a_fast_engine_restart_with_traffic_reindexes_the_new_engine() {
     let (engine, _serve, serve, old) = cached_then_restarted_fast();
@@ -337,13 +382,13 @@ fn a_fast_engine_restart_with_traffic_reindexes_the_new_engine() {
     assert_restart_counted(&serve);
 }
 
-/// Finding 4: the engine's replay ring (`--replay-buffer 20`) has wrapped
-/// (40 batches published) before a router starts. Today the replay that
-/// starts at seq 20 instead of 0 counts as `replays_ok`. It must count as
-/// `replays_incomplete` and put the rank in state `degraded`; and once
-/// requests have been routed (the router learns from the engine's
-/// `cached_tokens`), prompts the engine holds from before the ring's start
-/// must be predicted as the engine holds them.
+/// An engine whose replay ring (`--replay-buffer 20`) has wrapped (40
+/// batches published) before a router starts: the replay that starts at
+/// seq 20 instead of 0 counts as `replays_incomplete` and puts the rank in
+/// state `degraded`, with a reason; once requests have been routed (the
+/// router learns from the engine's `cached_tokens`), prompts the engine
+/// holds from before the ring's start are predicted as the engine holds
+/// them.
 #[test]
 fn a_replay_from_a_wrapped_ring_is_incomplete_and_degraded() {
     let engine = Engine::start(1, &["--replay-buffer", "20"]);

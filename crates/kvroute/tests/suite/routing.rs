@@ -154,7 +154,7 @@ pub(crate) fn bench_long(serve: &str, requests: u32) -> Value {
 /// A fleet with one engine at a quarter of the others' speed, declared to
 /// the router (`speed=0.25`): a request there costs four times its work,
 /// so the slow engine takes few groups and so few requests (0 of 400 in
-/// three runs of the release build, 9–14 before the request-size term,
+/// three runs of the release build, 9–14 without the request-size term,
 /// against 45–65 undeclared: groups stay where they are cached). In
 /// `kvroute bench sim --engine-speeds 1,1,1,0.5` the same at half speed
 /// cuts kv's latency p99 from 977 to 539 ms.
@@ -177,7 +177,7 @@ fn a_worker_declared_a_quarter_as_fast_takes_few_requests() {
 /// A prompt cached only on an engine declared a quarter as fast as the
 /// other goes to the faster engine: there its blocks cost a prefill, but it
 /// decodes four times as fast, and the request-size term weighs that. With
-/// `--request-size-weight 0` the cached copy wins, as it did before the term.
+/// `--request-size-weight 0` (no such term) the cached copy wins.
 #[test]
 fn a_prompt_cached_only_on_a_much_slower_engine_goes_to_a_faster_one() {
     let prompt: Vec<u32> = (3000..3128).collect();

@@ -1,6 +1,6 @@
 //! Exposing kvroute must never open a way into the fleet or a way to take it
-//! down: each test is one finding of an operator probe, reproduced against a
-//! real `kvroute serve` in front of real `kvroute mocker` engines.
+//! down: each test is one probe an operator would make, against a real
+//! `kvroute serve` in front of real `kvroute mocker` engines.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -35,8 +35,9 @@ fn routed_to(serve: &str) -> Option<String> {
     request(serve, "POST", "/v1/completions", &body.to_string()).header("x-kvroute-worker")
 }
 
-/// Finding 1: without `--admin-token`, anyone could register a worker that
-/// points anywhere and unregister the real ones.
+/// Without `--admin-token` the admin API is closed: nobody can register a
+/// worker that points anywhere or unregister the real ones (403, naming the
+/// flag), and requests still reach the real worker.
 #[test]
 fn the_admin_api_is_closed_unless_a_token_is_set() {
     let (_mocker, lines) = start_mocker(1, "100");
@@ -54,8 +55,10 @@ fn the_admin_api_is_closed_unless_a_token_is_set() {
     assert_eq!(routed_to(&serve).as_deref(), Some("w0"));
 }
 
-/// Finding 1: a registered URL with a path and query made the router call
-/// arbitrary paths with clients' credentials (SSRF).
+/// A registration cannot aim the router at arbitrary paths, credentials,
+/// schemes, wildcard or disallowed hosts (SSRF): each is refused with 400,
+/// while one of the right form is taken; the fleet's addresses need the
+/// token too.
 #[test]
 fn registrations_cannot_aim_the_router_anywhere_else() {
     let (_mocker, lines) = start_mocker(1, "100");
@@ -125,9 +128,9 @@ fn public_introspection_opens_the_listing_but_not_the_admin_api() {
     assert_eq!(r.status, 401);
 }
 
-/// Finding 2: one request with `max_tokens` 99 999 999 999 killed every
-/// engine in turn (the mocker allocated for it; the router retried it on the
-/// next worker, and the next).
+/// A request with `max_tokens` 99 999 999 999 is refused with 400 (by the
+/// router once it knows the engines' context length, by an engine before
+/// that) and every engine survives it, so the fleet still serves.
 #[test]
 fn a_poison_request_is_refused_and_every_engine_survives() {
     let (_mocker, lines) = start_mocker(3, "100");
@@ -175,8 +178,8 @@ fn rss(pid: u32) -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// Finding 3: six concurrent 32 MiB `/query` bodies took the router to 1 GB
-/// and held up every other request.
+/// Six concurrent 32 MiB `/query` bodies are refused with 413 and the
+/// router's RSS stays under 100 MiB.
 #[test]
 fn huge_queries_are_refused_and_memory_stays_bounded() {
     let (_mocker, lines) = start_mocker(1, "100");
@@ -233,8 +236,43 @@ fn closed_within(mut socket: TcpStream, limit: Duration) -> Option<Duration> {
     None
 }
 
-/// Finding 4: idle and slow-header connections stayed open for a minute and
-/// more, and enough of them made the router unreachable.
+/// `kvroute_http_connections` as the router reports it in answer to a
+/// kept-alive `GET /metrics` on `socket` (which stays open), or `None` if
+/// the answer has no such line or could not be read.
+fn open_connections_on(socket: &mut TcpStream, host_port: &str) -> Option<u64> {
+    let ask = format!("GET /metrics HTTP/1.1\r\nHost: {host_port}\r\n\r\n");
+    socket.write_all(ask.as_bytes()).ok()?;
+    socket
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .expect("timeout");
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 8192];
+    let body = loop {
+        if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .expect("/metrics answers with a content-length");
+            if raw.len() >= end + 4 + length {
+                break String::from_utf8_lossy(&raw[end + 4..end + 4 + length]).into_owned();
+            }
+        }
+        match socket.read(&mut buf) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+        }
+    };
+    body.lines()
+        .find_map(|l| l.strip_prefix("kvroute_http_connections "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|v| v as u64)
+}
+
+/// Idle and slow-header connections are closed after their timeouts, and a
+/// connection beyond `--max-connections` is closed at once and counted, so
+/// that they cannot make the router unreachable.
 #[test]
 fn idle_and_slow_connections_are_closed_and_the_count_is_capped() {
     let (_mocker, lines) = start_mocker(1, "100");
@@ -259,6 +297,7 @@ fn idle_and_slow_connections_are_closed_and_the_count_is_capped() {
                 if slow.write_all(&[*b]).is_err() {
                     return;
                 }
+                // Pacing: a slow client's head, a byte every 300 ms.
                 std::thread::sleep(Duration::from_millis(300));
             }
         })
@@ -275,10 +314,22 @@ fn idle_and_slow_connections_are_closed_and_the_count_is_capped() {
     );
     let _ = slow_writer.join();
     // Eight connections held open: the ninth is closed at once, and counted.
-    let held: Vec<TcpStream> = (0..8)
+    let mut held: Vec<TcpStream> = (0..8)
         .map(|_| TcpStream::connect(&serve).expect("connect"))
         .collect();
-    std::thread::sleep(Duration::from_millis(200));
+    // All eight taken by the router before the ninth arrives (asked on one
+    // of them: a new connection would be the ninth).
+    let deadline = Instant::now() + Duration::from_secs(1);
+    loop {
+        let open = open_connections_on(&mut held[0], &serve);
+        if open == Some(8) {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the router never had the 8 held connections open: {open:?}"
+        );
+    }
     let extra = TcpStream::connect(&serve).expect("the kernel accepts");
     let refused = closed_within(extra, Duration::from_secs(1)).expect("refused at once");
     assert!(refused < Duration::from_millis(500), "{refused:?}");
@@ -293,7 +344,8 @@ fn idle_and_slow_connections_are_closed_and_the_count_is_capped() {
     );
 }
 
-/// Finding 3: while a huge body was being worked on, `/health` took 0.55 s.
+/// `/health` answers within 20 ms (p99) while 10 MB prompts are being
+/// worked on back to back.
 #[test]
 fn a_ten_megabyte_prompt_does_not_hold_up_other_requests() {
     let (_mocker, lines) = start_mocker(1, "100");
@@ -306,46 +358,54 @@ fn a_ten_megabyte_prompt_does_not_hold_up_other_requests() {
         ids.join(",")
     );
     assert!(body.len() > 10 << 20);
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
+    let stop = std::sync::Arc::new(AtomicBool::new(false));
+    let answered = std::sync::Arc::new(AtomicUsize::new(0));
     let load = {
-        let (serve, stop) = (serve.clone(), stop.clone());
+        let (serve, stop, answered) = (serve.clone(), stop.clone(), answered.clone());
         std::thread::spawn(move || {
-            let mut sent = 0;
-            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+            while !stop.load(Relaxed) {
                 let _ = request(&serve, "POST", "/v1/completions", &body);
-                sent += 1;
+                answered.fetch_add(1, Relaxed);
             }
-            sent
         })
     };
-    std::thread::sleep(Duration::from_millis(300));
+    // The prompts follow one another from the first answer on.
+    eventually("the first 10 MB prompt answered", || {
+        answered.load(Relaxed) >= 1
+    });
+    let before = answered.load(Relaxed);
     let mut latencies: Vec<Duration> = (0..200)
         .map(|_| {
             let start = Instant::now();
             assert_eq!(request(&serve, "GET", "/health", "").status, 200);
             let took = start.elapsed();
+            // Pacing: the probes spread over the prompts' processing.
             std::thread::sleep(Duration::from_millis(10));
             took
         })
         .collect();
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
-    let sent = load.join().expect("load");
+    // Answered while the probes ran: the prompts overlapped them.
+    let during = answered.load(Relaxed) - before;
+    stop.store(true, Relaxed);
+    load.join().expect("load");
     assert!(
-        sent >= 2,
-        "the large prompts overlapped the probes ({sent} sent)"
+        during >= 1,
+        "no 10 MB prompt was answered while /health was probed"
     );
     latencies.sort();
     let p99 = latencies[latencies.len() * 99 / 100];
     eprintln!(
-        "/health beside {sent} 10 MB prompts: p50 {:?}, p99 {p99:?}, max {:?}",
+        "/health beside {during} 10 MB prompts: p50 {:?}, p99 {p99:?}, max {:?}",
         latencies[latencies.len() / 2],
         latencies[latencies.len() - 1]
     );
     assert!(p99 < Duration::from_millis(20), "/health p99 {p99:?}");
 }
 
-/// Finding 5: a worker that died mid-stream cut the client's stream without
-/// telling it why.
+/// A worker that dies mid-stream ends the client's stream with an error
+/// event naming the request, then `data: [DONE]`, and a properly ended
+/// chunked body.
 #[test]
 fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     let (mocker, lines) = start_mocker(1, "0.5");
@@ -362,16 +422,53 @@ fn a_worker_dying_mid_stream_ends_the_stream_with_an_error_event() {
     }
     drop(mocker);
     let _ = socket.read_to_end(&mut seen);
-    let text = String::from_utf8_lossy(&seen);
-    let tail = &text[text.len().saturating_sub(600)..];
-    assert!(tail.contains("data: {\"error\""), "{tail}");
+    let split = seen
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("a response head");
+    let head = String::from_utf8_lossy(&seen[..split]).into_owned();
+    let lower = head.to_ascii_lowercase();
+    assert!(lower.starts_with("http/1.1 200"), "{head}");
+    assert!(lower.contains("transfer-encoding: chunked"), "{head}");
+    let id = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("x-request-id")
+                .then(|| value.trim())
+        })
+        .expect("an x-request-id header");
+    let (body, ended) = dechunk(&seen[split + 4..]);
+    let body = String::from_utf8_lossy(&body).into_owned();
+    assert!(ended, "the chunked body has no last chunk: {body}");
+    // Tokens (at least one was read before the kill), the error, [DONE]: nothing after.
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+    let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+    let [tokens @ .., error, done] = events.as_slice() else {
+        panic!("fewer than two events: {body}");
+    };
+    assert_eq!(*done, "data: [DONE]", "{body}");
     assert!(
-        tail.contains("x-request-id") || tail.contains("request kvroute-"),
-        "{tail}"
+        !tokens.is_empty(),
+        "no token event before the error: {body}"
     );
+    for token in tokens {
+        assert!(
+            token.starts_with("data: {\"") && !token.contains("\"error\""),
+            "a token event before the error: {token}"
+        );
+    }
+    let error: Value = serde_json::from_str(
+        error
+            .strip_prefix("data: ")
+            .unwrap_or_else(|| panic!("an SSE data event: {error}")),
+    )
+    .unwrap_or_else(|e| panic!("the error event is JSON ({e}): {error}"));
+    assert_eq!(error["error"]["code"], 502, "{error}");
+    let message = error["error"]["message"].as_str().unwrap_or_default();
     assert!(
-        tail.trim_end().ends_with("data: [DONE]") || tail.contains("data: [DONE]"),
-        "{tail}"
+        message.contains(id),
+        "the error names request {id}: {error}"
     );
 }
 
@@ -397,9 +494,9 @@ fn dropping_worker() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>)
     (addr, taken)
 }
 
-/// Finding 2: the router treated a connection the worker dropped after
-/// taking the request as retryable, and spread the request to the next
-/// workers.
+/// A request a worker took and then dropped the connection on is not sent
+/// to another worker: the client gets a 502 naming the request, and the
+/// worker's breaker opens at once.
 #[test]
 fn a_request_a_worker_took_and_dropped_is_not_sent_to_another() {
     let (_mocker, lines) = start_mocker(1, "100");
@@ -445,7 +542,195 @@ fn a_request_a_worker_took_and_dropped_is_not_sent_to_another() {
     assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
 
-/// Finding 5: a 413 was plain text.
+/// Reads one HTTP request from `stream` to the end of its body (so that
+/// closing the socket afterwards is a clean FIN, not a reset); `None` if the
+/// peer closed or stalled first.
+fn read_whole_request(stream: &mut TcpStream) -> Option<Vec<u8>> {
+    let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+    let mut raw = Vec::new();
+    let mut buf = [0u8; 65536];
+    loop {
+        if let Some(end) = raw.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&raw[..end]).to_ascii_lowercase();
+            let length: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if raw.len() >= end + 4 + length {
+                return Some(raw);
+            }
+        }
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => raw.extend_from_slice(&buf[..n]),
+        }
+    }
+}
+
+/// How many completions a fake worker took.
+type Taken = std::sync::Arc<std::sync::atomic::AtomicUsize>;
+
+/// The head and the first part of an answer that [`cutting_worker`] cuts
+/// off: JSON with a `content-length` larger than what follows, or (`sse`) a
+/// chunked event stream whose first event is followed by no last chunk.
+fn cut_answer(sse: bool) -> String {
+    if sse {
+        let event = "data: {\"id\":\"cmpl-cut\",\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n";
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{event}\r\n",
+            event.len()
+        )
+    } else {
+        let part = r#"{"id":"cmpl-cut","object":"text_completion","choices":[{"index":0,"te"#;
+        format!(
+            "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{part}",
+            part.len() + 400
+        )
+    }
+}
+
+/// An HTTP "worker" that takes a completion, answers `200 OK` and the first
+/// part of its answer ([`cut_answer`]), and closes the connection: an answer
+/// cut off after its head. Counts the completions it took (other requests,
+/// such as `/v1/models`, are dropped unanswered).
+fn cutting_worker(sse: bool) -> (String, Taken) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let taken = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = taken.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let Some(request) = read_whole_request(&mut stream) else {
+                continue;
+            };
+            if !request.starts_with(b"POST /v1/completions") {
+                continue;
+            }
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = stream.write_all(cut_answer(sse).as_bytes());
+            let _ = stream.flush();
+            // Let the router read the head and start on the body, then close.
+            std::thread::sleep(Duration::from_millis(100));
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+        }
+    });
+    (addr, taken)
+}
+
+/// A router in front of a mocker engine `w0` and a [`cutting_worker`]
+/// `fake`, taking turns (round-robin) while neither's breaker is open.
+fn serve_with_cutting_worker(sse: bool) -> (Proc, Proc, String, Taken) {
+    let (mocker, lines) = start_mocker(1, "100");
+    let (fake, taken) = cutting_worker(sse);
+    let dead_events = format!("tcp://127.0.0.1:{}", free_port());
+    let fake_line = format!("name=fake,url=http://{fake},events={dead_events},dp=1,block_size=16");
+    let (serve_proc, serve) = spawn_serve(
+        &[lines[0].clone(), fake_line],
+        &["--policy", "round-robin", "--breaker-failures", "5"],
+    );
+    eventually("serve answers", || {
+        request(&serve, "GET", "/health", "").status == 200
+    });
+    (mocker, serve_proc, serve, taken)
+}
+
+/// After a worker took a request and cut its answer off, the next requests
+/// all go to the engine (its breaker opened at once), and it is counted as
+/// one upstream failure, not as a completed request (`completed` were).
+fn assert_breaker_open_and_counted(
+    serve: &str,
+    taken: &std::sync::atomic::AtomicUsize,
+    completed: u64,
+) {
+    let body = json!({"model": "mock-model", "prompt": [9, 9, 9], "max_tokens": 1}).to_string();
+    for i in 0..4 {
+        let r = request(serve, "POST", "/v1/completions", &body);
+        assert_eq!(r.status, 200, "request {i} after the cut: {}", r.body);
+        assert_eq!(
+            r.header("x-kvroute-worker").as_deref(),
+            Some("w0"),
+            "request {i} after the cut"
+        );
+    }
+    assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(count(serve, "kvroute_proxy_upstream_errors_total"), 1);
+    let incomplete = metric_where(
+        serve,
+        "kvroute_proxy_errors_total",
+        "kind=\"upstream_incomplete\"",
+    );
+    assert_eq!(incomplete, Some(1.0));
+    assert_eq!(
+        count(serve, "kvroute_proxy_request_seconds_count"),
+        completed + 4
+    );
+}
+
+/// A worker that answers 200 and then cuts its body off: the client gets a
+/// 502 naming its request, the request goes to no other worker, the
+/// worker's breaker opens, and the answer counts as an upstream failure,
+/// not a success.
+#[test]
+fn an_answer_a_worker_cut_off_is_a_502_and_opens_its_breaker() {
+    let (_mocker, _serve, serve, taken) = serve_with_cutting_worker(false);
+    let body = json!({"model": "mock-model", "prompt": [9, 9, 9], "max_tokens": 1}).to_string();
+    let replies: Vec<Reply> = (0..2)
+        .map(|_| request(&serve, "POST", "/v1/completions", &body))
+        .collect();
+    let statuses: Vec<u16> = replies.iter().map(|r| r.status).collect();
+    let failed: Vec<&Reply> = replies.iter().filter(|r| r.status != 200).collect();
+    assert_eq!(failed.len(), 1, "{statuses:?}");
+    let failed = failed[0];
+    assert_eq!(failed.status, 502, "{}", failed.body);
+    // Taken once, and not sent on to the engine.
+    assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_breaker_open_and_counted(&serve, &taken, 1);
+    // The client was told, in OpenAI's error shape, naming its request.
+    let id = failed.header("x-request-id").expect("a request id");
+    let doc = failed.json();
+    assert_eq!(doc["error"]["code"], 502, "{doc}");
+    assert_eq!(doc["error"]["type"], "upstream_incomplete", "{doc}");
+    let message = doc["error"]["message"].as_str().unwrap_or("").to_owned();
+    assert!(
+        message.contains(&id) && message.contains("not sent to another worker"),
+        "{message}"
+    );
+}
+
+/// A worker that cuts its stream off after the first event: the client's
+/// stream ends with an `upstream_incomplete` error event naming its request
+/// and `[DONE]`, and the worker is treated as for a cut-off body (breaker
+/// open, one upstream failure).
+#[test]
+fn a_stream_a_worker_cut_off_ends_with_an_error_event_and_opens_its_breaker() {
+    let (_mocker, _serve, serve, taken) = serve_with_cutting_worker(true);
+    let body = json!({"model": "mock-model", "prompt": [9, 9, 9], "max_tokens": 1, "stream": true})
+        .to_string();
+    let replies: Vec<Reply> = (0..2)
+        .map(|_| request(&serve, "POST", "/v1/completions", &body))
+        .collect();
+    let cut: Vec<&Reply> = replies
+        .iter()
+        .filter(|r| r.header("x-kvroute-worker").as_deref() == Some("fake"))
+        .collect();
+    let bodies: Vec<&str> = replies.iter().map(|r| r.body.as_str()).collect();
+    assert_eq!(cut.len(), 1, "{bodies:?}");
+    let cut = cut[0];
+    let id = cut.header("x-request-id").expect("a request id");
+    assert!(cut.body.contains("\"cmpl-cut\""), "{}", cut.body);
+    let error = cut.body.find("data: {\"error\"").expect("an error event");
+    let tail = &cut.body[error..];
+    assert!(tail.contains("\"type\":\"upstream_incomplete\""), "{tail}");
+    assert!(tail.contains(&id), "{tail}");
+    assert!(tail.contains("data: [DONE]"), "{tail}");
+    assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_breaker_open_and_counted(&serve, &taken, 1);
+}
+
+/// Every refusal (413, 404, 405, 400) is an OpenAI error JSON whose code is
+/// the status.
 #[test]
 fn every_refusal_is_openai_error_json() {
     let (_mocker, lines) = start_mocker(1, "100");

@@ -1,5 +1,5 @@
-//! Ingestion at fleet scale and batches for ranks a worker does not have
-//! (issue 2.3, findings 1 and 5): real `kvroute serve` and `kvroute mocker`
+//! Ingestion at fleet scale and batches for ranks a worker does not have:
+//! real `kvroute serve` and `kvroute mocker`
 //! processes on 127.0.0.1, observed through `/workers`, `/query`,
 //! `/metrics` and `/proc`. Helpers are shared with [`super::restarts`].
 
@@ -70,7 +70,7 @@ fn states(serve: &str, names: &[&str]) -> BTreeMap<String, usize> {
     tally
 }
 
-/// Registers a worker: `POST /register` (today's admin endpoint), or
+/// Registers a worker: `POST /register` (the admin endpoint), or
 /// `POST /workers` (the name the ingestion contract uses) if a router has
 /// no `/register`.
 fn register(serve: &str, body: &str) -> crate::support::http::Reply {
@@ -91,14 +91,12 @@ fn threads_of(pid: u32) -> usize {
         .expect("a Threads line")
 }
 
-/// Finding 1: two registrations of one worker with `dp: 1000` each, on
-/// ports where nothing listens. Today both answer 200, then most rank
-/// threads end with "Too many open files" (ZeroMQ's default socket limit),
-/// a genuine worker registered afterwards is never indexed, and `/workers`
-/// only says `connected 0`. Every accepted rank must stay followed (state
-/// `disconnected`, not `error`), a genuine engine must become `live` and be
-/// indexed, the router must keep to a fixed set of threads (cores + 8), and
-/// a registration beyond `--max-ranks` must be refused with 409.
+/// Two registrations of one worker with `dp: 1000` each, on ports where
+/// nothing listens: every accepted rank stays followed (state
+/// `disconnected`, not `error`), a genuine engine
+/// registered afterwards becomes `live` and is indexed, the router keeps to
+/// a fixed set of threads (cores + 8), and a registration beyond
+/// `--max-ranks` is refused with 409 and registers nothing.
 #[test]
 fn two_thousand_dead_ranks_neither_lose_streams_nor_threads() {
     let (serve_proc, serve) = spawn_serve_with_env(
@@ -155,11 +153,11 @@ fn two_thousand_dead_ranks_neither_lose_streams_nor_threads() {
     assert_eq!(rank(&serve, "over", 0), Value::Null, "nothing registered");
 }
 
-/// Finding 5: an engine with four DP ranks, of which only rank 3's sockets
-/// are registered, as a worker with one rank; its batches say dp_rank 3.
-/// Today they are applied under a phantom rank no `/workers` entry shows and
-/// nothing ever clears. They must be counted as foreign (`/workers` and
-/// `kvroute_ingest_foreign_rank_batches_total`) and create no index state.
+/// An engine with four DP ranks, of which only rank 3's sockets are
+/// registered, as a worker with one rank; its batches say dp_rank 3. They
+/// are counted as foreign (`/workers` and
+/// `kvroute_ingest_foreign_rank_batches_total`) and create no index state
+/// (no phantom rank that no `/workers` entry shows and nothing clears).
 #[test]
 fn batches_for_a_rank_the_worker_does_not_have_are_counted_and_dropped() {
     let engine = Engine::start(4, &[]);

@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use super::restarts::{
     call, completion, counter, engine_match, predicted_on, prompt, rank, settle, Engine, TOKEN,
 };
+use crate::support::http::count;
 use crate::support::*;
 
 /// A fresh directory for one test's state.
@@ -48,6 +49,21 @@ fn router_with(
     );
     assert!(up, "the router never connected to every rank of w0");
     (proc, serve)
+}
+
+/// Waits (at most 10 s) until router `serve` has written a snapshot that it
+/// began after this call: the second one to complete from now, as the first
+/// may have been taken before (`kvroute_state_snapshots_written_total`; the
+/// snapshots are written one after the other). None may have failed.
+fn await_fresh_snapshot(serve: &str) {
+    let written = || count(serve, "kvroute_state_snapshots_written_total");
+    let before = written();
+    eventually_within(
+        "two more state snapshots written (kvroute_state_snapshots_written_total)",
+        Duration::from_secs(10),
+        || written() >= before + 2,
+    );
+    assert_eq!(count(serve, "kvroute_state_snapshot_failures_total"), 0);
 }
 
 /// Prompts that the router predicts differently from the engine's cache.
@@ -92,7 +108,7 @@ fn a_router_restarted_on_its_state_knows_what_the_ring_no_longer_holds() {
     }
     let left = settle(10, || wrong(&serve, &engine, &prompts), Vec::is_empty);
     assert!(left.is_empty(), "router A: {left:?}");
-    std::thread::sleep(Duration::from_millis(2_500));
+    await_fresh_snapshot(&serve);
     drop(a);
     let started = Instant::now();
     let (_b, serve) = router(&engine, &dir);
@@ -149,7 +165,7 @@ fn a_snapshot_of_a_sharded_index_restores_into_another_shard_count() {
         held >= 30,
         "the engine's two ranks hold {held} of 80 prompt-ranks"
     );
-    std::thread::sleep(Duration::from_millis(2_500));
+    await_fresh_snapshot(&serve);
     drop(a);
     let (_b, serve) = router_with(&engine, &dir, 2, &["--index-shards", "3"]);
     let left = settle(3, || all_wrong(&serve), Vec::is_empty);
@@ -170,7 +186,7 @@ fn restored_state_of_an_engine_that_restarted_meanwhile_is_dropped() {
     }
     let left = settle(10, || wrong(&serve, &engine, &prompts), Vec::is_empty);
     assert!(left.is_empty(), "router A: {left:?}");
-    std::thread::sleep(Duration::from_millis(2_500));
+    await_fresh_snapshot(&serve);
     drop(a);
     engine.kill();
     engine.restart();

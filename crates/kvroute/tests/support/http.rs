@@ -113,6 +113,34 @@ pub fn read_reply(mut s: TcpStream) -> Reply {
     }
 }
 
+/// The body of a `Transfer-Encoding: chunked` answer without its framing,
+/// and whether it ended properly (with the zero-size chunk); what follows a
+/// malformed or cut-off chunk is left out.
+pub fn dechunk(mut raw: &[u8]) -> (Vec<u8>, bool) {
+    let mut out = Vec::new();
+    loop {
+        let Some(line_end) = raw.windows(2).position(|w| w == b"\r\n") else {
+            return (out, false);
+        };
+        let size = std::str::from_utf8(&raw[..line_end])
+            .ok()
+            .and_then(|l| usize::from_str_radix(l.split(';').next()?.trim(), 16).ok());
+        let Some(size) = size else {
+            return (out, false);
+        };
+        raw = &raw[line_end + 2..];
+        if size == 0 {
+            return (out, true);
+        }
+        let Some(chunk) = raw.get(..size) else {
+            out.extend_from_slice(raw);
+            return (out, false);
+        };
+        out.extend_from_slice(chunk);
+        raw = raw.get(size + 2..).unwrap_or_default();
+    }
+}
+
 /// One request, read to the end.
 pub fn request(host_port: &str, method: &str, path: &str, body: &str) -> Reply {
     request_with(host_port, method, path, &[], body)

@@ -1,13 +1,20 @@
 //! Helpers of the end-to-end suite: the real `kvroute` binary as child
-//! processes (killed when the test ends, pass or fail), free ports, the one
-//! bounded wait, and a raw HTTP/1.1 client ([`http`]).
+//! processes (killed when the test ends, pass or fail) on ports they bind
+//! themselves and report, the one bounded wait, and a raw HTTP/1.1 client
+//! ([`http`]).
+//!
+//! A child binds port 0 and says which port it got (`kvroute serve` on
+//! stderr, `kvroute mocker` in its `--worker` lines): a port picked here and
+//! handed to a child can be taken by another test in between. [`free_port`]
+//! is for the few places that need a port number before anything listens on
+//! it (see there).
 #![allow(dead_code)]
 
 pub mod http;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, ChildStderr, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -34,7 +41,13 @@ pub fn kvroute_path() -> std::path::PathBuf {
         .map_or_else(|| env!("CARGO_BIN_EXE_kvroute").into(), Into::into)
 }
 
-/// A port nothing listens on right now.
+/// A port nothing listens on right now, and that nothing reserves: another
+/// test may bind it next. Use it only where a port must be known before a
+/// process listens on it, and a child cannot bind port 0 and report its own:
+/// a worker spec whose events endpoint nobody publishes on (or not yet), or
+/// the base ports of a multi-rank engine (rank r on base + r, see
+/// [`free_port_pair`]). An engine restarted "on the same port" reuses the
+/// port it reported the first time instead.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .expect("bind")
@@ -44,7 +57,9 @@ pub fn free_port() -> u16 {
 }
 
 /// A free port whose successor is free too (ranks 0 and 1 of one engine),
-/// not next to any port in `avoid`.
+/// not next to any port in `avoid`: for a two-rank engine, whose `--worker`
+/// line names rank 0's port and implies rank 1's (base + 1), so the pair
+/// must be chosen before the engine starts. Racy as [`free_port`] is.
 pub fn free_port_pair(avoid: &[u16]) -> u16 {
     loop {
         let p = free_port();
@@ -58,15 +73,23 @@ pub fn free_port_pair(avoid: &[u16]) -> u16 {
 }
 
 /// Waits (at most 30 s, polling every 20 ms) until `check` holds.
-pub fn eventually(what: &str, mut check: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while Instant::now() < deadline {
+pub fn eventually(what: &str, check: impl FnMut() -> bool) {
+    eventually_within(what, Duration::from_secs(30), check);
+}
+
+/// Waits (at most `limit`, polling every 20 ms) until `check` holds;
+/// panics naming `what` and the limit otherwise.
+pub fn eventually_within(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+    let deadline = Instant::now() + limit;
+    loop {
         if check() {
             return;
         }
+        if Instant::now() >= deadline {
+            panic!("timed out after {limit:?} waiting for: {what}");
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
-    panic!("timed out waiting for: {what}");
 }
 
 /// The lines of a child's piped output, read on a thread that keeps
@@ -125,7 +148,9 @@ pub fn start_mocker(workers: usize, speedup: &str) -> (Proc, Vec<String>) {
 }
 
 /// One engine of `flavor` with two data-parallel ranks on fixed ports (rank r
-/// publishes on the rank-0 port + r, as a descriptor or a base port implies).
+/// publishes on the rank-0 port + r, as a descriptor or a base port implies,
+/// so the bases are picked with [`free_port_pair`] before it starts; its HTTP
+/// port is its own).
 pub fn start_two_rank_mocker(flavor: &str) -> (Proc, String) {
     let events = free_port_pair(&[]);
     let replay = free_port_pair(&[events]);
@@ -150,9 +175,9 @@ pub fn start_two_rank_mocker(flavor: &str) -> (Proc, String) {
     (child, lines.remove(0))
 }
 
-/// Runs `kvroute serve` on a free port with `--worker` for each of `lines`
-/// and `extra` flags; returns it and its `host:port` once it prints its
-/// listening line (its workers' event streams are not waited for).
+/// Runs `kvroute serve --port 0` with `--worker` for each of `lines` and
+/// `extra` flags; returns it and the `host:port` it printed in its listening
+/// line (its workers' event streams are not waited for).
 pub fn spawn_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
     spawn_serve_with_env(lines, extra, &[])
 }
@@ -165,9 +190,8 @@ pub fn spawn_serve_with_env(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> (Proc, String) {
-    let port = free_port().to_string();
     let mut command = kvroute();
-    command.args(["serve", "--port", &port, "--log", "warn"]);
+    command.args(["serve", "--port", "0", "--log", "warn"]);
     command.envs(env.iter().copied());
     for line in lines {
         command.arg("--worker").arg(line);
@@ -178,14 +202,26 @@ pub fn spawn_serve_with_env(
         .stderr(Stdio::piped())
         .spawn()
         .expect("kvroute serve runs");
-    let rx = lines_of(child.stderr.take().expect("stderr"));
+    let stderr = child.stderr.take().expect("stderr");
     let child = Proc(child);
+    let addr = listening_addr(stderr);
+    (child, addr)
+}
+
+/// The `host:port` in `kvroute serve`'s `listening on http://ADDR` line on
+/// `stderr` (at most 30 s); the rest of `stderr` is drained on a thread.
+pub fn listening_addr(stderr: ChildStderr) -> String {
+    let rx = lines_of(stderr);
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
         let wait = deadline.saturating_duration_since(Instant::now());
-        let line = rx.recv_timeout(wait).expect("a listening line");
-        if line.contains("listening on http://") {
-            return (child, format!("127.0.0.1:{port}"));
+        let line = rx
+            .recv_timeout(wait)
+            .expect("kvroute serve prints `listening on http://ADDR` within 30 s");
+        if let Some((_, rest)) = line.split_once("listening on http://") {
+            let addr = rest.split_whitespace().next().unwrap_or_default();
+            assert!(!addr.is_empty(), "no address in {line:?}");
+            return addr.to_owned();
         }
     }
 }
@@ -202,7 +238,7 @@ pub fn start_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
                 && list.iter().all(|w| {
                     w["ranks"]
                         .as_array()
-                        .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+                        .is_some_and(|r| !r.is_empty() && r.iter().all(|r| r["connected"] == true))
                 })
         }
     });
