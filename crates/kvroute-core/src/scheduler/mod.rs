@@ -2,7 +2,8 @@
 //! ([`cost`]), what each is already doing ([`active`]), each candidate priced
 //! ([`candidates`]), a request hashed and every rank of a fleet priced
 //! ([`fleet`]), the order they are tried in under each routing policy
-//! ([`policy`]), and the workers' speeds learned from their responses
+//! ([`policy`]), where a disaggregated fleet sends each phase
+//! ([`disagg`]), and the workers' speeds learned from their responses
 //! ([`speed`]).
 //!
 //! Pure: the caller passes the index, the active-sequence state and a
@@ -11,6 +12,7 @@
 pub mod active;
 pub mod candidates;
 pub mod cost;
+pub mod disagg;
 pub mod fleet;
 pub mod policy;
 pub mod speed;
@@ -18,6 +20,7 @@ pub mod speed;
 pub use active::{ActiveRequest, ActiveSequences};
 pub use candidates::{predicted_cached_tokens, BusyThresholds, Load, Pricing, Scored};
 pub use cost::{Candidate, CostBreakdown, CostWeights};
+pub use disagg::{DecodeCost, LocalPrefillRule, WorkerRole};
 pub use fleet::{score, FleetView, MatchedHashes, RequestHashes, RouteTarget};
 pub use policy::{order, pick, Policy};
 pub use speed::{SpeedConfig, SpeedLearner};

@@ -24,6 +24,7 @@ pub mod attempt;
 pub mod breaker;
 pub mod candidates;
 pub mod context;
+pub mod handoff;
 pub mod observe;
 pub mod outcome;
 pub mod relay;
