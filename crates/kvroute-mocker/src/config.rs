@@ -2,6 +2,7 @@
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::PathBuf;
+use std::time::Duration;
 
 use kvroute_core::event::WorkerFlavor;
 
@@ -38,6 +39,68 @@ pub enum TsSource {
         start: f64,
     },
 }
+
+/// What an engine does in a prefill/decode disaggregated fleet (`--role`).
+///
+/// `Both` is an ordinary engine and ignores every transfer field. A vLLM
+/// `Prefill` or `Decode` engine is an engine with a NIXL connector: it hands
+/// off (`do_remote_decode`) and takes over (`do_remote_prefill`) KV as the
+/// request asks, and its role only says which pool it serves, as vLLM's
+/// `kv_role` does for NIXL. An SGLang engine's role is its
+/// `--disaggregation-mode`: a prefill engine serves the bootstrap rooms, a
+/// decode engine waits on them. See `docs/mocker.md`, "Prefill and decode roles".
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum Role {
+    /// Prefill and decode in one engine (the default; no transfers).
+    #[default]
+    Both,
+    /// Computes prompts and hands their KV to a decode engine.
+    Prefill,
+    /// Generates from KV a prefill engine computed.
+    Decode,
+}
+
+impl Role {
+    /// The name used by `--role` and in `--worker` lines.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Both => "both",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+        }
+    }
+}
+
+impl std::fmt::Display for Role {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "both" => Ok(Role::Both),
+            "prefill" => Ok(Role::Prefill),
+            "decode" => Ok(Role::Decode),
+            _ => Err(format!("unknown role `{s}` (prefill, decode, both)")),
+        }
+    }
+}
+
+/// Modelled time to move one KV block from a prefill to a decode engine,
+/// in microseconds (`--transfer-us-per-block`): a 16-token block of an
+/// 8B-class model in fp16 is about 2 MiB, which takes about 20 µs at
+/// 100 GB/s (RDMA or NVLink); see `docs/mocker.md`.
+pub const DEFAULT_TRANSFER_US_PER_BLOCK: u64 = 20;
+
+/// How long a prefill keeps a finished transfer for its decode (vLLM's
+/// `kv_lease_duration`), and how long an SGLang decode waits for its room.
+pub const DEFAULT_KV_LEASE: Duration = Duration::from_secs(30);
+
+/// SGLang's default `--disaggregation-bootstrap-port`.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
 
 /// Everything a fleet of mock engines needs; build with [`MockerConfig::default`]
 /// and override fields, then [`MockerConfig::validate`].
@@ -85,6 +148,17 @@ pub struct MockerConfig {
     pub ts_source: TsSource,
     /// Batches each rank keeps for replay (default 10,000, as both engines).
     pub replay_buffer_steps: usize,
+    /// Prefill/decode disaggregation role (default [`Role::Both`]: none).
+    pub role: Role,
+    /// Modelled microseconds per KV block moved to a decode engine, divided
+    /// by the speedup like every simulated time (default 20).
+    pub transfer_us_per_block: u64,
+    /// Lease of a prefill's finished transfer, and an SGLang decode's
+    /// longest wait for its bootstrap room (default 30 s).
+    pub kv_lease: Duration,
+    /// Bootstrap port of SGLang prefill engine 0; engine k uses `+ k`
+    /// (default 8998; 0 = ephemeral). Bound only by SGLang prefill engines.
+    pub bootstrap_port: u16,
 }
 
 impl MockerConfig {
@@ -126,6 +200,10 @@ impl Default for MockerConfig {
             faults: FaultConfig::default(),
             ts_source: TsSource::Wall,
             replay_buffer_steps: 10_000,
+            role: Role::Both,
+            transfer_us_per_block: DEFAULT_TRANSFER_US_PER_BLOCK,
+            kv_lease: DEFAULT_KV_LEASE,
+            bootstrap_port: DEFAULT_BOOTSTRAP_PORT,
         }
     }
 }
@@ -225,14 +303,33 @@ impl MockerConfig {
                 });
             }
         }
+        if self.kv_lease.is_zero() {
+            return Err(ConfigError::OutOfRange {
+                flag: "kv-lease-secs",
+                value: 0.0,
+                expected: "a duration above 0",
+            });
+        }
         self.faults.validate()?;
+        self.check_port_ranges()
+    }
+
+    /// No port range runs past 65535 or into another (ranges based at 0 are ephemeral).
+    fn check_port_ranges(&self) -> Result<(), ConfigError> {
         let sockets = u32::from(self.workers) * u32::from(self.dp_size);
-        let ranges = [
+        let mut ranges = vec![
             ("port", self.port, u32::from(self.workers)),
             ("kv-events-port", self.kv_events_port, sockets),
             ("replay-port", self.replay_port, sockets),
         ];
-        for (flag, base, count) in ranges {
+        if self.serves_bootstrap() {
+            ranges.push((
+                "bootstrap-port",
+                self.bootstrap_port,
+                u32::from(self.workers),
+            ));
+        }
+        for &(flag, base, count) in &ranges {
             if u32::from(base) + count - 1 > u32::from(u16::MAX) {
                 return Err(ConfigError::PortOverflow { flag, base, count });
             }
@@ -263,6 +360,11 @@ impl MockerConfig {
     pub fn capacity_tokens(&self) -> usize {
         self.num_gpu_blocks.saturating_mul(self.block_size)
     }
+
+    /// Whether each engine binds a bootstrap server (SGLang prefill engines).
+    pub fn serves_bootstrap(&self) -> bool {
+        self.flavor == WorkerFlavor::Sglang && self.role == Role::Prefill
+    }
 }
 
 #[cfg(test)]
@@ -291,6 +393,41 @@ mod tests {
             .expect_err("invalid")
             .to_string()
             .contains("--speedup"));
+    }
+
+    #[test]
+    fn roles_parse_and_print_by_their_flag_names() {
+        for role in [Role::Both, Role::Prefill, Role::Decode] {
+            assert_eq!(role.as_str().parse::<Role>(), Ok(role));
+        }
+        assert!("prefill-decode".parse::<Role>().is_err());
+        assert_eq!(MockerConfig::default().role, Role::Both);
+    }
+
+    #[test]
+    fn the_bootstrap_range_is_checked_only_where_it_is_bound() {
+        // 8998 + 2 engines would overlap HTTP ports 8998.. only for SGLang prefill.
+        let c = MockerConfig {
+            workers: 2,
+            port: 8999,
+            ..MockerConfig::default()
+        };
+        assert_eq!(c.validate(), Ok(()));
+        let c = MockerConfig {
+            flavor: WorkerFlavor::Sglang,
+            role: Role::Prefill,
+            ..c
+        };
+        assert!(matches!(c.validate(), Err(ConfigError::PortOverlap { .. })));
+        let c = MockerConfig {
+            kv_lease: Duration::ZERO,
+            ..MockerConfig::default()
+        };
+        assert!(c
+            .validate()
+            .expect_err("zero lease")
+            .to_string()
+            .contains("--kv-lease-secs"));
     }
 
     #[test]

@@ -6,6 +6,11 @@
 //! events and hands each request its tokens. HTTP handlers reach it through a
 //! cloneable [`RankHandle`] and a bounded command channel; commands that arrive
 //! during a step are applied at once and take effect from the next step.
+//!
+//! The driver also owns the leases of blocks held for remote decodes
+//! ([`Handoff::hold`]): a finished prefill leg's blocks are released when
+//! its decode reads them ([`RankHandle::release_held`]), when the lease ends,
+//! or early when more than [`MAX_HELD_REQUESTS`] requests hold blocks.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -17,20 +22,37 @@ use tokio::time::{sleep_until, Instant};
 
 use crate::config::TsSource;
 use crate::engine::{
-    validate_request, Engine, EngineStats, NewRequest, RequestId, RequestOutput, SubmitError,
-    Update,
+    validate_request, Engine, EngineStats, Handoff, NewRequest, RequestId, RequestOutput,
+    SubmitError, Update,
 };
 use crate::event::KvCacheEvent;
+use crate::lease::LeaseTable;
 use crate::publisher::{PublisherHandle, PublisherStats};
 
 /// Commands a rank accepts before the HTTP side waits (then it waits).
 const COMMAND_QUEUE: usize = 1024;
 
+/// Most finished requests one rank holds blocks for at once; past it the
+/// oldest hold is released early (held blocks are bounded by the cache
+/// anyway; this bounds the bookkeeping).
+pub const MAX_HELD_REQUESTS: usize = 4096;
+
 enum Command {
     Submit {
         id: RequestId,
         request: NewRequest,
+        handoff: Handoff,
         updates: mpsc::UnboundedSender<Update>,
+    },
+    /// The block ids a finished request holds.
+    Held {
+        id: RequestId,
+        reply: oneshot::Sender<Option<Vec<u32>>>,
+    },
+    /// Releases a finished request's held blocks; answers how many.
+    Release {
+        id: RequestId,
+        reply: oneshot::Sender<Option<usize>>,
     },
     Reset(oneshot::Sender<()>),
     /// A read-only cache query: cached prefix tokens of a prompt.
@@ -70,6 +92,8 @@ impl std::fmt::Debug for Command {
             Command::Submit { id, .. } => write!(f, "Submit({})", id.0),
             Command::Reset(_) => f.write_str("Reset"),
             Command::CacheMatch { .. } => f.write_str("CacheMatch"),
+            Command::Held { id, .. } => write!(f, "Held({})", id.0),
+            Command::Release { id, .. } => write!(f, "Release({})", id.0),
         }
     }
 }
@@ -109,6 +133,17 @@ impl RankHandle {
         &self,
         request: NewRequest,
     ) -> Result<mpsc::UnboundedReceiver<Update>, RankError> {
+        Ok(self.submit_with(request, Handoff::default()).await?.1)
+    }
+
+    /// Queues a request whose KV crosses engines as `handoff` says; returns
+    /// its id (for [`RankHandle::held_blocks`] and [`RankHandle::release_held`])
+    /// and its updates.
+    pub async fn submit_with(
+        &self,
+        request: NewRequest,
+        handoff: Handoff,
+    ) -> Result<(RequestId, mpsc::UnboundedReceiver<Update>), RankError> {
         validate_request(&request, self.capacity_tokens)?;
         let id = RequestId(self.next_id.fetch_add(1, Ordering::Relaxed));
         let (updates, rx) = mpsc::unbounded_channel();
@@ -118,6 +153,7 @@ impl RankHandle {
             .send(Command::Submit {
                 id,
                 request,
+                handoff,
                 updates,
             })
             .await;
@@ -125,7 +161,29 @@ impl RankHandle {
             self.in_flight.fetch_sub(1, Ordering::Relaxed);
             return Err(RankError::Stopped);
         }
-        Ok(rx)
+        Ok((id, rx))
+    }
+
+    /// The block ids finished request `id` holds for a remote decode, in
+    /// prompt order; `None` once released (or when it never held any).
+    pub async fn held_blocks(&self, id: RequestId) -> Result<Option<Vec<u32>>, RankError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Command::Held { id, reply })
+            .await
+            .map_err(|_| RankError::Stopped)?;
+        answer.await.map_err(|_| RankError::Stopped)
+    }
+
+    /// Releases the blocks `id` holds (its decode read them); how many, or
+    /// `None` when it held none (released already, lease ended, restarted).
+    pub async fn release_held(&self, id: RequestId) -> Result<Option<usize>, RankError> {
+        let (reply, answer) = oneshot::channel();
+        self.tx
+            .send(Command::Release { id, reply })
+            .await
+            .map_err(|_| RankError::Stopped)?;
+        answer.await.map_err(|_| RankError::Stopped)
     }
 
     /// Prompt tokens of `request` this rank's cache holds now (see
@@ -151,13 +209,15 @@ impl RankHandle {
     }
 }
 
-/// Where batch timestamps come from, and restarts.
+/// Where batch timestamps come from, restarts, and hold leases.
 #[derive(Debug, Clone, Copy)]
 pub struct DriverOptions {
     /// Batch timestamps.
     pub ts_source: TsSource,
     /// `--restart-every-secs`.
     pub restart_every: Option<Duration>,
+    /// How long finished requests may hold blocks for a remote decode (`--kv-lease-secs`).
+    pub hold_lease: Duration,
 }
 
 /// Starts the driver task of one rank; it returns the publisher when it stops.
@@ -185,6 +245,7 @@ pub fn spawn(
         requests: FxHashMap::default(),
         stats: handle.stats.clone(),
         in_flight: handle.in_flight.clone(),
+        holds: LeaseTable::new(MAX_HELD_REQUESTS, options.hold_lease),
         options,
         target: Instant::now(),
         next_restart: options.restart_every.map(|every| Instant::now() + every),
@@ -201,6 +262,8 @@ struct Driver {
     stats: Arc<Mutex<EngineStats>>,
     in_flight: Arc<AtomicUsize>,
     options: DriverOptions,
+    /// Finished requests holding blocks, by lease.
+    holds: LeaseTable<RequestId, ()>,
     /// When the simulated work done so far is due in real time.
     target: Instant,
     next_restart: Option<Instant>,
@@ -211,6 +274,7 @@ impl Driver {
     async fn run(mut self) -> PublisherHandle {
         while !*self.shutdown.borrow() {
             self.maybe_restart();
+            self.expire_holds();
             while let Ok(cmd) = self.rx.try_recv() {
                 self.handle(cmd);
             }
@@ -233,6 +297,7 @@ impl Driver {
                 None => {
                     self.store_stats();
                     let restart = self.next_restart;
+                    let lease_end = self.holds.next_expiry().map(Instant::from_std);
                     tokio::select! {
                         changed = self.shutdown.changed() => if changed.is_err() {
                             // The fleet is gone without saying so.
@@ -243,6 +308,7 @@ impl Driver {
                             None => break,
                         },
                         _ = sleep_until_opt(restart) => {}
+                        _ = sleep_until_opt(lease_end) => {}
                     }
                 }
             }
@@ -270,8 +336,9 @@ impl Driver {
             Command::Submit {
                 id,
                 request,
+                handoff,
                 updates,
-            } => match self.engine.submit(id, request) {
+            } => match self.engine.submit_with(id, request, handoff) {
                 Ok(()) => {
                     self.requests.insert(id, updates);
                 }
@@ -288,6 +355,46 @@ impl Driver {
             Command::CacheMatch { request, reply } => {
                 let _ = reply.send(self.engine.cached_prefix_tokens(&request));
             }
+            Command::Held { id, reply } => {
+                let _ = reply.send(self.engine.held_blocks(id).map(<[u32]>::to_vec));
+            }
+            Command::Release { id, reply } => {
+                self.holds.remove(&id);
+                let _ = reply.send(self.engine.release_held(id));
+                self.store_stats();
+            }
+        }
+    }
+
+    /// Releases the holds whose lease ended.
+    fn expire_holds(&mut self) {
+        let expired = self.holds.purge(std::time::Instant::now());
+        if expired.is_empty() {
+            return;
+        }
+        for (id, ()) in expired {
+            if let Some(blocks) = self.engine.release_held(id) {
+                tracing::info!(
+                    request = id.0,
+                    blocks,
+                    "held blocks released: lease ended unread"
+                );
+            }
+        }
+        self.store_stats();
+    }
+
+    /// Starts the lease of a request that finished holding blocks.
+    fn lease_hold(&mut self, id: RequestId) {
+        let evicted = self.holds.insert(id, (), std::time::Instant::now());
+        if let Some((old, ())) = evicted {
+            if let Some(blocks) = self.engine.release_held(old) {
+                tracing::warn!(
+                    request = old.0,
+                    blocks,
+                    "held blocks released early: more than {MAX_HELD_REQUESTS} holds"
+                );
+            }
         }
     }
 
@@ -301,6 +408,7 @@ impl Driver {
         }
         self.next_restart = Some(now + every);
         let failed = self.engine.restart();
+        self.holds.clear();
         tracing::info!(failed = failed.len(), "simulated engine restart");
         for id in failed {
             if let Some(tx) = self.requests.remove(&id) {
@@ -329,6 +437,9 @@ impl Driver {
     fn dispatch(&mut self, outputs: Vec<RequestOutput>) {
         for RequestOutput { id, update } in outputs {
             let last = !matches!(update, Update::Token(_));
+            if matches!(update, Update::Finished(_)) && self.engine.held_blocks(id).is_some() {
+                self.lease_hold(id);
+            }
             let Some(tx) = self.requests.get(&id) else {
                 continue;
             };

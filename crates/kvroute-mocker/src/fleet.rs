@@ -3,7 +3,8 @@
 //! Ports: engine k serves HTTP on `port + k`; its rank r publishes on
 //! `kv_events_port + k·dp + r` and replays on `replay_port + k·dp + r`. A base
 //! port of 0 gives every socket of that kind an ephemeral port instead (tests);
-//! [`WorkerInfo`] reports the ports actually bound.
+//! [`WorkerInfo`] reports the ports actually bound. An SGLang prefill
+//! engine k also serves its bootstrap rooms on `bootstrap_port + k`.
 
 use std::future::Future;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -14,12 +15,14 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::config::{ConfigError, MockerConfig};
+use crate::bootstrap::{self, BootstrapState, RoomTable};
+use crate::config::{ConfigError, MockerConfig, Role};
 use crate::driver::{self, DriverOptions, RankHandle};
 use crate::encode::EncodeOptions;
 use crate::engine::Engine;
 use crate::faults::FailureDice;
 use crate::filler::{Filler, FillerError};
+use crate::http::handoff::{HandoffStats, PdState};
 use crate::http::openai::PromptSettings;
 use crate::http::{self, EngineState, EventEndpoints};
 use crate::publisher::{PublisherError, PublisherHandle, PublisherSettings};
@@ -79,6 +82,10 @@ pub struct WorkerInfo {
     pub block_size: usize,
     /// The engine flavour (how its prompts lay out images; `flavor=` in the line).
     pub flavor: WorkerFlavor,
+    /// The prefill/decode role (`role=` in the line unless `both`).
+    pub role: Role,
+    /// The bootstrap server's port (SGLang prefill engines; `bootstrap_port=`).
+    pub bootstrap_port: Option<u16>,
 }
 
 impl WorkerInfo {
@@ -89,7 +96,9 @@ impl WorkerInfo {
 
     /// The `--worker` value of `kvroute serve`:
     /// `name=…,url=…,events=tcp://…,replay=tcp://…,flavor=…,dp=…,block_size=…`
-    /// (events and replay of rank 0; rank r uses the next ports).
+    /// (events and replay of rank 0; rank r uses the next ports), then
+    /// `,role=prefill|decode` for a disaggregated engine and
+    /// `,bootstrap_port=…` for an SGLang prefill engine.
     pub fn worker_arg(&self) -> String {
         let port = |endpoints: &[String]| {
             endpoints
@@ -98,7 +107,7 @@ impl WorkerInfo {
                 .unwrap_or("0")
                 .to_owned()
         };
-        format!(
+        let mut line = format!(
             "name={},url={},events=tcp://{host}:{},replay=tcp://{host}:{},flavor={},dp={},block_size={}",
             self.name,
             self.url(),
@@ -108,12 +117,21 @@ impl WorkerInfo {
             self.events.len(),
             self.block_size,
             host = self.connect_host,
-        )
+        );
+        if self.role != Role::Both {
+            line.push_str(&format!(",role={}", self.role));
+        }
+        if let Some(port) = self.bootstrap_port {
+            line.push_str(&format!(",bootstrap_port={port}"));
+        }
+        line
     }
 }
 
 struct RunningEngine {
     server: JoinHandle<()>,
+    /// The bootstrap server (SGLang prefill engines).
+    bootstrap: Option<JoinHandle<()>>,
     drivers: Vec<JoinHandle<PublisherHandle>>,
 }
 
@@ -189,18 +207,23 @@ impl Fleet {
         shutdown_rx: &watch::Receiver<bool>,
     ) -> Result<(), MockerError> {
         let (ranks, drivers, events, replay) = self.spawn_ranks(config, k, shutdown_rx).await?;
-        let addr = SocketAddr::new(config.host, offset(config.port, u32::from(k)));
-        let listener = match tokio::net::TcpListener::bind(addr).await {
+        let (listener, bootstrap_listener) = match bind_listeners(config, k).await {
             Ok(l) => l,
-            Err(source) => {
+            Err(e) => {
                 let _ = self.shutdown.send(true);
                 for d in drivers {
                     stop_driver(d).await;
                 }
-                return Err(MockerError::Http { addr, source });
+                return Err(e);
             }
         };
-        let http_addr = listener.local_addr().unwrap_or(addr);
+        let http_addr = listener
+            .local_addr()
+            .unwrap_or_else(|_| SocketAddr::new(config.host, 0));
+        let bootstrap_port = bootstrap_listener.as_ref().and_then(port_of_listener);
+        let rooms = bootstrap_listener
+            .is_some()
+            .then(|| Arc::new(RoomTable::new(config.kv_lease)));
         let name = format!("w{k}");
         let host = connect_host(config.host);
         let port_of = |e: &str| {
@@ -235,10 +258,23 @@ impl Fleet {
                 replay_port_base: replay.first().map_or(0, |e| port_of(e)),
             },
             counter: AtomicU64::new(0),
+            pd: pd_state(config, &name, &host, http_addr.port(), rooms.clone()),
         });
+        let bootstrap = match (bootstrap_listener, rooms) {
+            (Some(listener), Some(rooms)) => {
+                let ranks = state.ranks.clone();
+                let app = bootstrap::app(BootstrapState { rooms, ranks });
+                Some(serve_http(listener, app, shutdown_rx.clone()))
+            }
+            _ => None,
+        };
         let server = serve_http(listener, http::app(state), shutdown_rx.clone());
-        tracing::info!(worker = %name, %http_addr, ?events, ?replay, "engine started");
-        self.engines.push(RunningEngine { server, drivers });
+        tracing::info!(worker = %name, %http_addr, ?events, ?replay, role = %config.role, ?bootstrap_port, "engine started");
+        self.engines.push(RunningEngine {
+            server,
+            bootstrap,
+            drivers,
+        });
         self.workers.push(WorkerInfo {
             name,
             http_addr,
@@ -247,6 +283,8 @@ impl Fleet {
             replay,
             block_size: config.block_size,
             flavor: config.flavor,
+            role: config.role,
+            bootstrap_port,
         });
         Ok(())
     }
@@ -295,6 +333,7 @@ impl Fleet {
             let options = DriverOptions {
                 ts_source: config.ts_source,
                 restart_every: config.faults.restart_every,
+                hold_lease: config.kv_lease,
             };
             let (handle, task) = driver::spawn(r, engine, publisher, options, shutdown_rx.clone());
             ranks.push(handle);
@@ -322,12 +361,69 @@ impl Fleet {
                 tracing::warn!("HTTP responses still open after {DRAIN_TIMEOUT:?}: aborted");
                 server.abort();
             }
+            if let Some(mut bootstrap) = engine.bootstrap {
+                if tokio::time::timeout(DRAIN_TIMEOUT, &mut bootstrap)
+                    .await
+                    .is_err()
+                {
+                    bootstrap.abort();
+                }
+            }
             tracing::debug!("HTTP server stopped");
             for d in engine.drivers {
                 stop_driver(d).await;
             }
             tracing::debug!("drivers and publishers stopped");
         }
+    }
+}
+
+/// Engine `k`'s HTTP listener, and its bootstrap listener if it serves one.
+async fn bind_listeners(
+    config: &MockerConfig,
+    k: u16,
+) -> Result<(tokio::net::TcpListener, Option<tokio::net::TcpListener>), MockerError> {
+    let bind = |port: u16| async move {
+        let addr = SocketAddr::new(config.host, offset(port, u32::from(k)));
+        tokio::net::TcpListener::bind(addr)
+            .await
+            .map_err(|source| MockerError::Http { addr, source })
+    };
+    let http = bind(config.port).await?;
+    let bootstrap = if config.serves_bootstrap() {
+        Some(bind(config.bootstrap_port).await?)
+    } else {
+        None
+    };
+    Ok((http, bootstrap))
+}
+
+/// The port a listener is bound to.
+fn port_of_listener(listener: &tokio::net::TcpListener) -> Option<u16> {
+    listener.local_addr().ok().map(|a| a.port())
+}
+
+/// What engine `name`, reached at `host:port`, needs for its role.
+fn pd_state(
+    config: &MockerConfig,
+    name: &str,
+    host: &str,
+    port: u16,
+    rooms: Option<Arc<RoomTable>>,
+) -> PdState {
+    PdState {
+        role: config.role,
+        engine_id: format!("{name}@{host}:{port}"),
+        side_host: host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned(),
+        side_port: port,
+        transfer_us_per_block: config.transfer_us_per_block,
+        speedup: config.timing.speedup,
+        lease: config.kv_lease,
+        rooms,
+        stats: Arc::new(HandoffStats::default()),
     }
 }
 
@@ -415,12 +511,27 @@ mod tests {
             replay: vec!["tcp://127.0.0.1:5659".into(), "tcp://127.0.0.1:5660".into()],
             block_size: 16,
             flavor: WorkerFlavor::Sglang,
+            role: Role::Both,
+            bootstrap_port: None,
         };
         assert_eq!(
             w.worker_arg(),
             "name=w1,url=http://127.0.0.1:8101,events=tcp://127.0.0.1:5559,\
              replay=tcp://127.0.0.1:5659,flavor=sglang,dp=2,block_size=16"
         );
+        let prefill = WorkerInfo {
+            role: Role::Prefill,
+            bootstrap_port: Some(8998),
+            ..w.clone()
+        };
+        assert!(prefill
+            .worker_arg()
+            .ends_with(",block_size=16,role=prefill,bootstrap_port=8998"));
+        let decode = WorkerInfo {
+            role: Role::Decode,
+            ..w
+        };
+        assert!(decode.worker_arg().ends_with(",block_size=16,role=decode"));
     }
 
     #[test]

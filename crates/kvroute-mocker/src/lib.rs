@@ -13,9 +13,13 @@
 //! * [`hashing`], [`encode`], [`multimodal`], [`filler`] (pure): the engines'
 //!   hashes, their msgpack bytes, image pads and generated text; prompts are
 //!   rendered by `kvroute_prompt`, which the router shares;
+//! * [`handoff`], [`lease`] (pure): prefill/decode transfer fields as the
+//!   engines read them, the modelled transfer time, tables whose entries expire;
 //! * [`publisher`] (one OS thread per rank: ZeroMQ PUB + replay ROUTER),
 //!   [`driver`] (one tokio task per rank: gives the engine real time),
-//!   [`http`] (axum), [`fleet`] (start, print `--worker` lines, stop).
+//!   [`http`] (axum; [`http::handoff`]: the prefill and decode legs),
+//!   [`bootstrap`] (SGLang prefill engines' rooms), [`peer`] (what one engine
+//!   asks another), [`fleet`] (start, print `--worker` lines, stop).
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), kvroute_mocker::MockerError> {
@@ -28,6 +32,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod bootstrap;
 pub mod config;
 pub mod driver;
 pub mod encode;
@@ -36,10 +41,13 @@ pub mod event;
 pub mod faults;
 pub mod filler;
 pub mod fleet;
+pub mod handoff;
 pub mod hashing;
 pub mod http;
+pub mod lease;
 pub mod multimodal;
+pub mod peer;
 pub mod publisher;
 
-pub use config::{EventFormat, MockerConfig, ReplayFrames, TsSource};
+pub use config::{EventFormat, MockerConfig, ReplayFrames, Role, TsSource};
 pub use fleet::{run, Fleet, MockerError, WorkerInfo};

@@ -32,6 +32,7 @@
 //! and announced once: the cache never holds two blocks with one hash.
 
 mod cache;
+mod handoff;
 mod schedule;
 pub mod timing;
 
@@ -49,6 +50,7 @@ use crate::hashing::{
     Digest32, VllmHashKey,
 };
 use cache::{BlockId, BlockPool, CachedKey};
+pub use handoff::Handoff;
 use kvroute_core::event::WorkerFlavor;
 use timing::TimingModel;
 
@@ -202,6 +204,8 @@ pub struct EngineStats {
     pub preemptions_total: u64,
     /// Blocks evicted from the prefix cache.
     pub evicted_blocks_total: u64,
+    /// Blocks pinned by finished requests for a remote decode to read.
+    pub held_blocks: usize,
     /// Simulated time so far.
     pub elapsed: Duration,
 }
@@ -258,6 +262,8 @@ struct Request {
     num_registered: usize,
     cached_tokens: Option<usize>,
     mm_items: Vec<MmPlacement>,
+    /// How the request's KV crosses engines.
+    handoff: Handoff,
 }
 
 impl Request {
@@ -277,6 +283,7 @@ impl Request {
             num_registered: 0,
             cached_tokens: None,
             mm_items: r.mm_items,
+            handoff: Handoff::default(),
         }
     }
 
@@ -314,6 +321,8 @@ pub struct Engine {
     events: Vec<KvCacheEvent>,
     outputs: Vec<RequestOutput>,
     evicted: Vec<u64>,
+    /// Blocks of finished requests kept for a remote decode ([`Handoff::hold`]).
+    held: FxHashMap<RequestId, Vec<BlockId>>,
     stats: EngineStats,
 }
 
@@ -336,6 +345,7 @@ impl Engine {
             events: Vec::new(),
             outputs: Vec::new(),
             evicted: Vec::new(),
+            held: FxHashMap::default(),
             stats: EngineStats::default(),
         }
     }
@@ -357,10 +367,7 @@ impl Engine {
 
     /// Queues a request; it is scheduled by a later [`Engine::step`].
     pub fn submit(&mut self, id: RequestId, r: NewRequest) -> Result<(), SubmitError> {
-        self.validate(&r)?;
-        self.requests.insert(id, Request::admitted(r));
-        self.waiting.push_back(id);
-        Ok(())
+        self.submit_with(id, r, Handoff::default())
     }
 
     /// Drops a request (client gone); its blocks are released, cached ones stay cached.
@@ -395,6 +402,8 @@ impl Engine {
         let mut ids: Vec<RequestId> = self.running.drain(..).collect();
         ids.extend(self.waiting.drain(..));
         self.requests.clear();
+        self.held.clear();
+        self.stats.held_blocks = 0;
         self.pool.reset();
         self.events.clear();
         self.outputs.clear();
@@ -444,7 +453,8 @@ impl Engine {
         }
     }
 
-    /// One scheduler iteration; `None` when there is nothing to do or publish.
+    /// One scheduler iteration; `None` when there is nothing to do or publish
+    /// (or nothing can run until held blocks are released).
     pub fn step(&mut self) -> Option<StepOutcome> {
         if self.running.is_empty() && self.waiting.is_empty() {
             if self.events.is_empty() {
@@ -460,6 +470,17 @@ impl Engine {
         }
         let (scheduled, preempted) = self.schedule();
         if scheduled.is_empty() && !preempted && self.running.is_empty() {
+            if !self.held.is_empty() {
+                // Only blocks held for remote decodes keep the head waiting:
+                // nothing to do until a release (the caller steps again then).
+                return (!self.events.is_empty()).then(|| StepOutcome {
+                    duration: Duration::ZERO,
+                    events: std::mem::take(&mut self.events),
+                    outputs: std::mem::take(&mut self.outputs),
+                    prefill_tokens: 0,
+                    decodes: 0,
+                });
+            }
             // Unreachable with validated requests (a lone request always fits);
             // failing the head keeps a bug from spinning forever.
             if let Some(id) = self.waiting.pop_front() {
@@ -541,7 +562,9 @@ impl Engine {
     fn check_invariants(&self) {
         self.pool.check_invariants();
         let pinned: usize = self.requests.values().map(|r| r.blocks.len()).sum();
-        assert!(self.pool.in_use() <= pinned);
+        let held: usize = self.held.values().map(Vec::len).sum();
+        assert_eq!(held, self.stats.held_blocks);
+        assert!(self.pool.in_use() <= pinned + held);
         for id in &self.running {
             let r = &self.requests[id];
             assert!(r.blocks.len() * self.hasher.block_size >= r.num_computed);

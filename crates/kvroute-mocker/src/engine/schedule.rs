@@ -106,7 +106,10 @@ impl Engine {
             .iter()
             .map_while(|d| self.pool.lookup(d))
             .collect();
-        let computed = hits.len() * bs;
+        let local = hits.len() * bs;
+        // A decode leg's prompt arrives computed from the prefill engine
+        // (never its last token, which both engines compute themselves).
+        let computed = local.max(r.handoff.received_tokens.min(r.prompt_len - 1));
         let n = (r.tokens.len() - computed).min(budget);
         let needed = (computed + n).div_ceil(bs) - hits.len();
         let pinned_by_hit = hits.iter().filter(|&&b| self.pool.is_evictable(b)).count();
@@ -123,14 +126,20 @@ impl Engine {
             }
         }
         r.num_computed = computed;
-        r.num_registered = r.blocks.len().min(computed / bs);
+        r.num_registered = local / bs;
+        // Received once: after a preemption the blocks are found cached, or recomputed.
+        let received = std::mem::take(&mut r.handoff.received_tokens) > 0;
         if r.cached_tokens.is_none() {
             r.cached_tokens = Some(computed);
             self.stats.prompt_tokens_total += r.prompt_len as u64;
             self.stats.prefix_cache_queries_total += r.prompt_len as u64;
-            self.stats.prefix_cache_hits_total += computed as u64;
+            self.stats.prefix_cache_hits_total += local as u64;
         }
         self.flush_evictions();
+        if received {
+            // The transferred blocks enter the cache as they land: BlockStored now.
+            self.register(id, 0);
+        }
         Some(n)
     }
 
@@ -203,8 +212,13 @@ impl Engine {
         let Some(r) = self.requests.remove(&id) else {
             return;
         };
-        for &b in r.blocks.iter().rev() {
-            self.pool.release(b);
+        if r.handoff.hold {
+            self.stats.held_blocks += r.blocks.len();
+            self.held.insert(id, r.blocks);
+        } else {
+            for &b in r.blocks.iter().rev() {
+                self.pool.release(b);
+            }
         }
         self.stats.requests_finished_total += 1;
         self.outputs.push(RequestOutput {

@@ -4,7 +4,9 @@
 //!
 //! The metrics are named as the imitated engine names them (`vllm:` or
 //! `sglang:` prefixes; rank label `engine` or `dp_rank`), plus the mocker's
-//! own `kvroute_mocker_` metrics. Both engines serve the classic Prometheus
+//! own `kvroute_mocker_` metrics; a prefill or decode engine adds its
+//! transfer metrics (labelled `model_name` only, but for the held blocks of
+//! each rank), a `both` engine has none. Both engines serve the classic Prometheus
 //! text format (Python `prometheus_client`'s default: a counter's HELP and
 //! TYPE lines name its `_total` sample, no `# EOF`), so that is the default
 //! here too, from `prometheus_client::encoding::prometheus_text`; a scraper
@@ -23,7 +25,9 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
+use super::handoff::HandoffStats;
 use super::EngineState;
+use crate::config::Role;
 use crate::engine::EngineStats;
 use kvroute_core::event::WorkerFlavor;
 
@@ -203,6 +207,56 @@ const OWN: &[Metric] = &[
     ),
 ];
 
+/// The per-rank metric of prefill and decode engines.
+const OWN_PD: &[Metric] = &[metric(
+    "kvroute_mocker_held_blocks",
+    "Blocks held by finished prefill legs until their decode reads them.",
+    Value::Count(|r| r.engine.held_blocks as u64),
+)];
+
+/// How an engine-wide transfer metric is read, and so its type.
+#[derive(Clone, Copy)]
+enum PdValue {
+    /// A counter.
+    Counter(fn(&HandoffStats) -> u64),
+    /// A counter of seconds, kept in nanoseconds.
+    Seconds(fn(&HandoffStats) -> u64),
+}
+
+/// The engine-wide transfer metrics of prefill and decode engines.
+const PD: &[(&str, &str, PdValue)] = &[
+    (
+        "kvroute_mocker_kv_transfers_sent_total",
+        "Transfers handed to a decode: vLLM answers with kv_transfer_params, SGLang rooms filled.",
+        PdValue::Counter(|s| s.sent.load(Ordering::Relaxed)),
+    ),
+    (
+        "kvroute_mocker_kv_transfers_received_total",
+        "Decode requests whose prompt KV arrived from a prefill engine.",
+        PdValue::Counter(|s| s.received.load(Ordering::Relaxed)),
+    ),
+    (
+        "kvroute_mocker_kv_transfer_blocks_total",
+        "KV blocks moved to this decode engine.",
+        PdValue::Counter(|s| s.blocks.load(Ordering::Relaxed)),
+    ),
+    (
+        "kvroute_mocker_kv_transfer_wait_seconds_total",
+        "Time waited for modelled transfers (--transfer-us-per-block, divided by --speedup).",
+        PdValue::Seconds(|s| s.wait_nanos.load(Ordering::Relaxed)),
+    ),
+    (
+        "kvroute_mocker_kv_transfer_params_invalid_total",
+        "vLLM decode requests with do_remote_prefill but not every remote field, computed locally.",
+        PdValue::Counter(|s| s.invalid.load(Ordering::Relaxed)),
+    ),
+    (
+        "kvroute_mocker_kv_transfer_failures_total",
+        "Transfers that failed: an unreadable vLLM prefill (computed locally), an SGLang room failed or never filled.",
+        PdValue::Counter(|s| s.failures.load(Ordering::Relaxed)),
+    ),
+];
+
 /// The exposition formats served.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
@@ -273,7 +327,9 @@ impl Collector for EngineCollector {
                 }
             })
             .collect();
-        for m in engine_metrics.iter().chain(OWN) {
+        let pd = state.pd.role != Role::Both;
+        let own_pd: &[Metric] = if pd { OWN_PD } else { &[] };
+        for m in engine_metrics.iter().chain(OWN).chain(own_pd) {
             let (kind, name) = match m.value {
                 // The encoders add the suffix to a counter's family name.
                 Value::Counter(_) => (
@@ -297,8 +353,38 @@ impl Collector for EngineCollector {
                 }
             }
         }
+        if pd {
+            encode_pd(state, &mut encoder)?;
+        }
         Ok(())
     }
+}
+
+/// The engine-wide transfer metrics, labelled with the model only.
+fn encode_pd(state: &EngineState, encoder: &mut DescriptorEncoder) -> Result<(), fmt::Error> {
+    let labels = [("model_name", state.model.as_str())];
+    let stats = &state.pd.stats;
+    for &(name, help, value) in PD {
+        let family_name = name.strip_suffix("_total").unwrap_or(name);
+        let mut family = encoder.encode_descriptor(family_name, help, None, MetricType::Counter)?;
+        let sample = family.encode_family(&labels)?;
+        match value {
+            PdValue::Counter(read) => ConstCounter::new(read(stats)).encode(sample)?,
+            PdValue::Seconds(read) => {
+                ConstCounter::new(read(stats) as f64 / 1e9).encode(sample)?;
+            }
+        }
+    }
+    if let Some(rooms) = &state.pd.rooms {
+        let mut family = encoder.encode_descriptor(
+            "kvroute_mocker_bootstrap_rooms",
+            "Bootstrap rooms this SGLang prefill engine holds (pending, filled or failed).",
+            None,
+            MetricType::Gauge,
+        )?;
+        ConstGauge::new(rooms.len() as u64).encode(family.encode_family(&labels)?)?;
+    }
+    Ok(())
 }
 
 /// The exposition of `state`'s metrics in `format`.
@@ -347,10 +433,14 @@ mod tests {
     #[test]
     fn every_counter_is_named_with_total_and_names_are_unique() {
         let mut seen = std::collections::HashSet::new();
-        for m in VLLM.iter().chain(SGLANG).chain(OWN) {
+        for m in VLLM.iter().chain(SGLANG).chain(OWN).chain(OWN_PD) {
             assert!(seen.insert(m.name), "{} twice", m.name);
             let is_counter = matches!(m.value, Value::Counter(_));
             assert_eq!(m.name.ends_with("_total"), is_counter, "{}", m.name);
+        }
+        for &(name, _, _) in PD {
+            assert!(seen.insert(name), "{name} twice");
+            assert!(name.ends_with("_total"), "{name}");
         }
     }
 }

@@ -10,12 +10,16 @@
 //! | `POST /reset_prefix_cache` (also SGLang's `/flush_cache`) | clear every rank's cache → `AllBlocksCleared` |
 //! | `GET /server_info` (SGLang flavour) | SGLang's `kv_events` descriptor |
 //! | `POST /internal/cache_match` | internal: cached prefix tokens of a request body on every rank (the bench's oracle) |
+//! | `POST /internal/nixl/read` (vLLM prefill and decode roles) | a decode engine read the blocks a finished prefill leg holds ([`handoff`]) |
 //!
 //! A request goes to the rank named by the `X-data-parallel-rank` header or
-//! the body's `data_parallel_rank`, else to the rank with the fewest requests
+//! the body's `data_parallel_rank`, else (SGLang prefill and decode roles)
+//! to rank `bootstrap_room % dp`, else to the rank with the fewest requests
 //! in flight. Every error is an OpenAI-style JSON body `{"error": {"message",
-//! "type", "param", "code"}}`; bodies up to [`BODY_LIMIT`] are accepted.
+//! "type", "param", "code"}}`, except the disaggregation errors of SGLang
+//! roles ([`ErrorShape::Sglang`]); bodies up to [`BODY_LIMIT`] are accepted.
 
+pub mod handoff;
 mod metrics;
 pub mod openai;
 
@@ -35,7 +39,7 @@ use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::driver::{RankError, RankHandle};
+use crate::driver::RankHandle;
 use crate::engine::Update;
 use crate::faults::FailureDice;
 use crate::filler::{Filler, FillerToken};
@@ -46,12 +50,24 @@ use openai::{ChunkPiece, Endpoint, ParsedRequest, PromptSettings, ResponseMeta};
 /// Largest request body accepted (images arrive inline as data URLs).
 pub const BODY_LIMIT: usize = 64 * 1024 * 1024;
 
+/// The JSON layout of an error body.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// `{"error": {"message", "type", "param", "code"}}` (OpenAI, vLLM): the default.
+    #[default]
+    OpenAi,
+    /// `{"object": "error", "message", "type", "param", "code"}`: SGLang's
+    /// `ErrorResponse`, used for the errors of its disaggregation roles.
+    Sglang,
+}
+
 /// An HTTP error with an OpenAI-style JSON body.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ApiError {
     status: StatusCode,
     kind: &'static str,
     message: String,
+    shape: ErrorShape,
 }
 
 impl ApiError {
@@ -84,7 +100,14 @@ impl ApiError {
             status,
             kind,
             message: message.into(),
+            shape: ErrorShape::OpenAi,
         }
+    }
+
+    /// The same error with its body laid out as `shape` says.
+    pub fn with_shape(mut self, shape: ErrorShape) -> Self {
+        self.shape = shape;
+        self
     }
 
     /// The message.
@@ -98,12 +121,21 @@ impl ApiError {
     }
 
     fn body(&self) -> Value {
-        json!({"error": {
-            "message": self.message,
-            "type": self.kind,
-            "param": null,
-            "code": self.status.as_u16(),
-        }})
+        match self.shape {
+            ErrorShape::OpenAi => json!({"error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": null,
+                "code": self.status.as_u16(),
+            }}),
+            ErrorShape::Sglang => json!({
+                "object": "error",
+                "message": self.message,
+                "type": self.kind,
+                "param": null,
+                "code": self.status.as_u16(),
+            }),
+        }
     }
 }
 
@@ -153,11 +185,17 @@ pub struct EngineState {
     pub endpoints: EventEndpoints,
     /// Response ids.
     pub counter: AtomicU64,
+    /// The prefill/decode role and what it needs.
+    pub pd: handoff::PdState,
 }
 
 /// The router of one engine.
 pub fn app(state: Arc<EngineState>) -> Router {
-    Router::new()
+    let mut router = Router::new();
+    if state.flavor == WorkerFlavor::Vllm && state.pd.role != crate::config::Role::Both {
+        router = router.route("/internal/nixl/read", post(handoff::nixl_read));
+    }
+    router
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
         .route("/v1/models", get(models))
@@ -283,7 +321,7 @@ async fn generate(
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
-    let parsed = openai::parse(endpoint, &body)?;
+    let mut parsed = openai::parse(endpoint, &body)?;
     if let Some(model) = &parsed.prompt.model {
         if model != &state.model {
             return Err(ApiError::new(
@@ -293,7 +331,8 @@ async fn generate(
             ));
         }
     }
-    let rank = pick_rank(&state, &headers, &parsed)?;
+    let leg = handoff::Leg::plan(&state, &mut parsed)?;
+    let rank = pick_rank(&state, &headers, &parsed, leg.room())?;
     let failed = match state.dice.lock() {
         Ok(mut dice) => dice.roll(),
         Err(poisoned) => poisoned.into_inner().roll(),
@@ -309,10 +348,8 @@ async fn generate(
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
-    let updates = rank.submit(request).await.map_err(|e| match e {
-        RankError::Invalid(e) => ApiError::bad_request(e.to_string()),
-        RankError::Stopped => ApiError::unavailable(e.to_string()),
-    })?;
+    let prepared = leg.prepare(&state, rank, &request).await?;
+    let (id, updates) = leg.submit(&state, rank, request, prepared).await?;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
     let meta = ResponseMeta {
         id: match endpoint {
@@ -324,10 +361,13 @@ async fn generate(
         endpoint,
     };
     if parsed.stream {
-        Ok(stream_response(meta, parsed.include_usage, filler, updates))
-    } else {
-        full_response(meta, filler, updates).await
+        return Ok(stream_response(meta, parsed.include_usage, filler, updates));
     }
+    let mut answer = full_body(meta, filler, updates).await?;
+    if let Some(params) = leg.transfer_params(&state, rank, id).await {
+        answer["kv_transfer_params"] = params;
+    }
+    Ok(Json(answer).into_response())
 }
 
 /// `POST /internal/cache_match`: how many prompt tokens of a request each
@@ -390,6 +430,7 @@ fn pick_rank<'a>(
     state: &'a EngineState,
     headers: &HeaderMap,
     parsed: &ParsedRequest,
+    room: Option<u64>,
 ) -> Result<&'a RankHandle, ApiError> {
     let from_header = match headers.get("x-data-parallel-rank") {
         None => None,
@@ -409,19 +450,29 @@ fn pick_rank<'a>(
                 state.ranks.len()
             ))
         }),
-        None => state
-            .ranks
-            .iter()
-            .min_by_key(|r| (r.in_flight(), r.rank()))
-            .ok_or_else(|| ApiError::internal("the engine has no ranks")),
+        None => match room {
+            Some(room) if !state.ranks.is_empty() => {
+                let index = room % state.ranks.len() as u64;
+                state
+                    .ranks
+                    .get(usize::try_from(index).unwrap_or(0))
+                    .ok_or_else(|| ApiError::internal("the engine has no ranks"))
+            }
+            _ => state
+                .ranks
+                .iter()
+                .min_by_key(|r| (r.in_flight(), r.rank()))
+                .ok_or_else(|| ApiError::internal("the engine has no ranks")),
+        },
     }
 }
 
-async fn full_response(
+/// The non-streamed answer, once the request finished.
+async fn full_body(
     meta: ResponseMeta,
     filler: Vec<FillerToken>,
     mut updates: mpsc::UnboundedReceiver<Update>,
-) -> Result<Response, ApiError> {
+) -> Result<Value, ApiError> {
     let mut text = String::new();
     while let Some(update) = updates.recv().await {
         match update {
@@ -430,7 +481,7 @@ async fn full_response(
                     text.push_str(&t.text);
                 }
             }
-            Update::Finished(usage) => return Ok(Json(meta.full(&text, &usage)).into_response()),
+            Update::Finished(usage) => return Ok(meta.full(&text, &usage)),
             Update::Failed(message) => return Err(ApiError::unavailable(message)),
         }
     }

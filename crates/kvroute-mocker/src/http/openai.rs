@@ -13,6 +13,7 @@ use serde_json::{json, Map, Value};
 use crate::engine::SubmitError;
 use crate::engine::{MmPlacement, NewRequest, Usage};
 use crate::filler::{Filler, FillerToken};
+use crate::handoff::TransferFields;
 use crate::multimodal::sglang_padding;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_prompt::{fields, NeutralPrompt, Prompt, PromptError, Renderer};
@@ -46,6 +47,9 @@ pub struct ParsedRequest {
     pub include_usage: bool,
     /// `data_parallel_rank` from the body.
     pub dp_rank: Option<u32>,
+    /// The disaggregation fields, unparsed: `kv_transfer_params` and the
+    /// `bootstrap_*` triple (which apply depends on the engine's role).
+    pub transfer: TransferFields,
 }
 
 impl From<PromptError> for ApiError {
@@ -72,9 +76,10 @@ fn field_u64(value: &Value, field: &str) -> Result<u64, ApiError> {
 pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| bad(format!("the body is not valid JSON: {e}")))?;
-    let Value::Object(obj) = value else {
+    let Value::Object(mut obj) = value else {
         return Err(bad("the body must be a JSON object"));
     };
+    let transfer = TransferFields::take(&mut obj);
     let mut prompt = match endpoint {
         Endpoint::Completions => Prompt::completion(obj.get("prompt"))?,
         Endpoint::Chat => Prompt::chat(obj.get("messages"))?,
@@ -119,6 +124,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         stream,
         include_usage,
         dp_rank,
+        transfer,
     })
 }
 

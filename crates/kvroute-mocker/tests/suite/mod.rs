@@ -9,5 +9,7 @@ mod golden;
 mod http_api;
 mod msgpack;
 mod multimodal;
+mod pd_sglang;
+mod pd_vllm;
 mod transport;
 mod wire_exact;

@@ -11,9 +11,12 @@ use std::time::Duration;
 use anyhow::Result;
 use clap::{Args, ValueEnum};
 use kvroute_core::event::WorkerFlavor;
+use kvroute_mocker::config::{
+    DEFAULT_BOOTSTRAP_PORT, DEFAULT_KV_LEASE, DEFAULT_TRANSFER_US_PER_BLOCK,
+};
 use kvroute_mocker::engine::timing::TimingModel;
 use kvroute_mocker::faults::FaultConfig;
-use kvroute_mocker::{EventFormat, MockerConfig, ReplayFrames, TsSource};
+use kvroute_mocker::{EventFormat, MockerConfig, ReplayFrames, Role, TsSource};
 
 /// Arguments of `kvroute mocker`.
 #[derive(Debug, Args)]
@@ -99,6 +102,19 @@ pub struct MockerArgs {
     /// same requests publish byte-identical payloads (default: the wall clock).
     #[arg(long, value_name = "SECONDS")]
     ts_start: Option<f64>,
+    /// Prefill/decode disaggregation role: both (an ordinary engine), prefill or decode.
+    #[arg(long, default_value_t = Role::Both)]
+    role: Role,
+    /// Modelled microseconds to move one KV block to a decode engine (divided by --speedup).
+    #[arg(long, value_name = "US", default_value_t = DEFAULT_TRANSFER_US_PER_BLOCK)]
+    transfer_us_per_block: u64,
+    /// How long a prefill holds a finished transfer for its decode, and an SGLang
+    /// decode waits for its bootstrap room, in seconds.
+    #[arg(long, value_name = "S", default_value_t = DEFAULT_KV_LEASE.as_secs_f64())]
+    kv_lease_secs: f64,
+    /// Bootstrap port of SGLang prefill engine 0 (engine k: port + k; 0 = ephemeral).
+    #[arg(long, default_value_t = DEFAULT_BOOTSTRAP_PORT)]
+    bootstrap_port: u16,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -113,6 +129,10 @@ impl MockerArgs {
             None => None,
             Some(s) if s.is_finite() && s > 0.0 => Some(Duration::from_secs_f64(s)),
             Some(s) => anyhow::bail!("--restart-every-secs {s} must be a number above 0"),
+        };
+        let kv_lease = match self.kv_lease_secs {
+            s if s.is_finite() && s > 0.0 && s <= 86_400.0 => Duration::from_secs_f64(s),
+            s => anyhow::bail!("--kv-lease-secs {s} must be above 0 and at most a day"),
         };
         let config = MockerConfig {
             flavor: self.engine_flavor,
@@ -157,6 +177,10 @@ impl MockerArgs {
                 Some(start) => TsSource::Simulated { start },
                 None => TsSource::Wall,
             },
+            role: self.role,
+            transfer_us_per_block: self.transfer_us_per_block,
+            kv_lease,
+            bootstrap_port: self.bootstrap_port,
         };
         config.validate()?;
         Ok(config)
