@@ -12,7 +12,9 @@ use serde_json::{json, Value};
 
 use crate::api::{Body, ProxyError};
 use crate::ingest::registry::{Registry, RegistryError};
-use crate::ingest::spec::{parse_flavor, RankEndpoints, Speed, WorkerFlavor, WorkerSpec};
+use crate::ingest::spec::{
+    parse_flavor, parse_role_as, RankEndpoints, Speed, WorkerFlavor, WorkerRole, WorkerSpec,
+};
 use crate::proxy::Proxy;
 use crate::replica::bus::ReplicaSync;
 
@@ -163,12 +165,14 @@ fn u32_field(v: &Value, key: &str) -> Result<Option<u32>, ProxyError> {
 
 /// A worker from a registration body: kvroute's own fields (`name`, `url`,
 /// `events`, `replay`, `dp`, `block_size`, `topic`, `model`, `flavor`,
-/// `speed`) or Dynamo's
+/// `speed`, `role`, `bootstrap_port`) or Dynamo's
 /// standalone-indexer fields (`instance_id`, `endpoint`, `replay_endpoint`,
-/// `dp_rank`, `block_size`, `model_name`), which register one rank.
+/// `dp_rank`, `block_size`, `model_name`), which register one rank. Either
+/// shape may give the role as SMG's and Dynamo's `worker_type` and the
+/// flavour as SMG's `runtime_type` ([`role_from_body`], [`flavor_from_body`]).
 fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSpec, ProxyError> {
     let block_size = u32_field(v, "block_size")?.or(default_block_size);
-    if let Some(events) = str_field(v, "events")? {
+    let mut spec = if let Some(events) = str_field(v, "events")? {
         let name =
             str_field(v, "name")?.ok_or_else(|| ProxyError::bad_request("`name` is required"))?;
         let url =
@@ -184,11 +188,8 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
         .map_err(|e| ProxyError::bad_request(e.to_string()))?;
         spec.topic = str_field(v, "topic")?.unwrap_or_default().to_owned();
         spec.model = str_field(v, "model")?.map(str::to_owned);
-        spec.flavor = flavor_from_body(v)?;
-        spec.speed = speed_from_body(v)?;
-        return Ok(spec);
-    }
-    if let Some(endpoint) = str_field(v, "endpoint")? {
+        spec
+    } else if let Some(endpoint) = str_field(v, "endpoint")? {
         let name = match v.get("instance_id") {
             Some(Value::String(s)) => s.clone(),
             Some(Value::Number(n)) => n.to_string(),
@@ -202,7 +203,7 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
             return Err(ProxyError::bad_request("`block_size` must be at least 1"));
         }
         let rank = u32_field(v, "dp_rank")?.unwrap_or(0);
-        return Ok(WorkerSpec {
+        WorkerSpec {
             url: str_field(v, "url")?.unwrap_or_default().to_owned(),
             name,
             ranks: vec![RankEndpoints {
@@ -213,18 +214,82 @@ fn spec_from_body(v: &Value, default_block_size: Option<u32>) -> Result<WorkerSp
             block_size,
             topic: String::new(),
             model: str_field(v, "model_name")?.map(str::to_owned),
-            flavor: flavor_from_body(v)?,
-            speed: speed_from_body(v)?,
-        });
-    }
-    Err(ProxyError::bad_request(
-        "give `name`, `url` and `events` (or Dynamo's `instance_id` and `endpoint`)",
-    ))
+            flavor: WorkerFlavor::default(),
+            speed: Speed::default(),
+            role: WorkerRole::default(),
+            bootstrap_port: None,
+        }
+    } else {
+        return Err(ProxyError::bad_request(
+            "give `name`, `url` and `events` (or Dynamo's `instance_id` and `endpoint`)",
+        ));
+    };
+    spec.flavor = flavor_from_body(v)?;
+    spec.speed = speed_from_body(v)?;
+    spec.set_role(role_from_body(v)?, bootstrap_port_from_body(v)?)
+        .map_err(|e| ProxyError::bad_request(e.to_string()))?;
+    Ok(spec)
 }
 
-/// A registration's `flavor` (`vllm` or `sglang`; absent: `vllm`).
+/// The one value a registration gives under any of `keys` (names for the
+/// same field), parsed by `parse`; 400 when two of them disagree.
+fn aliased<T: PartialEq>(
+    v: &Value,
+    keys: [&'static str; 2],
+    parse: impl Fn(&'static str, &str) -> Result<T, ProxyError>,
+) -> Result<Option<T>, ProxyError> {
+    let mut found: Option<(&str, T)> = None;
+    for key in keys {
+        let Some(text) = str_field(v, key)? else {
+            continue;
+        };
+        let value = parse(key, text)?;
+        match &found {
+            Some((first, other)) if *other != value => {
+                return Err(ProxyError::bad_request(format!(
+                    "`{first}` and `{key}` disagree"
+                )))
+            }
+            Some(_) => {}
+            None => found = Some((key, value)),
+        }
+    }
+    Ok(found.map(|(_, value)| value))
+}
+
+/// A registration's role: `role`, or `worker_type` as SMG
+/// (`regular|prefill|decode`) and Dynamo (`aggregated|prefill|decode`)
+/// name it; absent: both.
+fn role_from_body(v: &Value) -> Result<WorkerRole, ProxyError> {
+    let role = aliased(v, ["role", "worker_type"], |key, text| {
+        parse_role_as(key, Some(text)).map_err(|e| ProxyError::bad_request(e.to_string()))
+    })?;
+    Ok(role.unwrap_or_default())
+}
+
+/// A registration's SGLang `bootstrap_port` (SMG's name too): a port from
+/// 1 to 65535, or absent or null.
+fn bootstrap_port_from_body(v: &Value) -> Result<Option<u16>, ProxyError> {
+    match v.get("bootstrap_port") {
+        None | Some(Value::Null) => Ok(None),
+        Some(n) => n
+            .as_u64()
+            .and_then(|n| u16::try_from(n).ok())
+            .filter(|&p| p > 0)
+            .map(Some)
+            .ok_or_else(|| {
+                ProxyError::bad_request("`bootstrap_port` must be a port from 1 to 65535")
+            }),
+    }
+}
+
+/// A registration's `flavor`, or SMG's `runtime_type` (`vllm` or `sglang`;
+/// absent: `vllm`).
 fn flavor_from_body(v: &Value) -> Result<WorkerFlavor, ProxyError> {
-    parse_flavor(str_field(v, "flavor")?).map_err(|e| ProxyError::bad_request(e.to_string()))
+    let flavor = aliased(v, ["flavor", "runtime_type"], |_, text| {
+        parse_flavor(Some(text)).map_err(|e| ProxyError::bad_request(e.to_string()))
+    })?;
+    Ok(flavor.unwrap_or_default())
 }
 
 /// A registration's `speed` (a number; absent: 1).
@@ -238,7 +303,8 @@ fn speed_from_body(v: &Value) -> Result<Speed, ProxyError> {
     }
 }
 
-/// `POST /register`: a worker in kvroute's or Dynamo's fields.
+/// `POST /register`: a worker in kvroute's or Dynamo's fields (with SMG's
+/// and Dynamo's names for its role).
 pub async fn register(
     State(state): State<AdminState>,
     headers: HeaderMap,
@@ -247,7 +313,7 @@ pub async fn register(
     state.access.admin(&headers)?;
     let body = parse_body(&body)?;
     let spec = spec_from_body(&body, state.default_block_size)?;
-    let flavor = spec.flavor;
+    let (flavor, role) = (spec.flavor, spec.role);
     let name = spec.name.clone();
     let registry = state.registry.clone();
     let id = tokio::task::spawn_blocking(move || registry.register(spec))
@@ -261,7 +327,8 @@ pub async fn register(
         })?;
     state.proxy.refresh(&state.registry);
     Ok(Json(
-        json!({"status": "registered", "name": name, "worker_id": id.0, "flavor": flavor.as_str()}),
+        json!({"status": "registered", "name": name, "worker_id": id.0,
+               "flavor": flavor.as_str(), "role": role.as_str()}),
     ))
 }
 
@@ -356,5 +423,82 @@ mod tests {
             .expect_err("not json")
             .message()
             .contains("invalid JSON"));
+    }
+
+    #[test]
+    fn registrations_take_the_role_in_kvroute_smg_and_dynamo_names() {
+        let ours = json!({"name": "p", "url": "http://h:1", "events": "tcp://h:5557",
+                          "flavor": "sglang", "role": "prefill", "bootstrap_port": 8998});
+        let spec = spec_from_body(&ours, Some(16)).expect("valid");
+        assert_eq!(
+            (spec.role, spec.bootstrap_port, spec.flavor),
+            (WorkerRole::Prefill, Some(8998), WorkerFlavor::Sglang)
+        );
+        // SMG: `worker_type` regular|prefill|decode, `runtime_type`, `bootstrap_port`.
+        let smg = json!({"name": "s", "url": "http://h:1", "events": "tcp://h:5557",
+                         "worker_type": "prefill", "runtime_type": "sglang", "bootstrap_port": 9000});
+        let spec = spec_from_body(&smg, Some(16)).expect("valid");
+        assert_eq!(
+            (spec.role, spec.bootstrap_port, spec.flavor),
+            (WorkerRole::Prefill, Some(9000), WorkerFlavor::Sglang)
+        );
+        let regular = json!({"name": "r", "url": "http://h:1", "events": "tcp://h:1",
+                             "worker_type": "regular", "bootstrap_port": null});
+        let spec = spec_from_body(&regular, Some(16)).expect("valid");
+        assert_eq!((spec.role, spec.bootstrap_port), (WorkerRole::Both, None));
+        // Dynamo: `worker_type` aggregated|prefill|decode with its indexer's fields.
+        for (given, role) in [
+            ("decode", WorkerRole::Decode),
+            ("prefill", WorkerRole::Prefill),
+            ("aggregated", WorkerRole::Both),
+        ] {
+            let dynamo =
+                json!({"instance_id": 7, "endpoint": "tcp://h:6000", "worker_type": given});
+            let spec = spec_from_body(&dynamo, Some(16)).expect("valid");
+            assert_eq!(spec.role, role, "{given}");
+        }
+        let spec = spec_from_body(&json!({"instance_id": 7, "endpoint": "tcp://h:6000"}), None);
+        assert_eq!(spec.map(|s| s.role), Ok(WorkerRole::Both));
+    }
+
+    #[test]
+    fn bad_roles_and_bootstrap_ports_get_clear_messages() {
+        let err = |extra: Value| {
+            let mut v = json!({"name": "a", "url": "http://h:1", "events": "tcp://h:1"});
+            for (k, x) in extra.as_object().expect("object") {
+                v[k] = x.clone();
+            }
+            spec_from_body(&v, Some(16))
+                .expect_err("invalid")
+                .message()
+                .to_owned()
+        };
+        let e = err(json!({"worker_type": "encode"}));
+        assert!(
+            e.contains("`worker_type=encode`") && e.contains("not supported"),
+            "{e}"
+        );
+        let e = err(json!({"role": "boss"}));
+        assert!(
+            e.contains("`role=boss`") && e.contains("prefill, decode or both"),
+            "{e}"
+        );
+        let e = err(json!({"role": "prefill", "worker_type": "decode"}));
+        assert!(e.contains("`role` and `worker_type` disagree"), "{e}");
+        let e = err(json!({"role": 3}));
+        assert!(e.contains("`role` must be a string"), "{e}");
+        let e = err(json!({"role": "prefill", "bootstrap_port": 8998}));
+        assert!(e.contains("only SGLang workers"), "{e}");
+        let e = err(json!({"flavor": "sglang", "role": "decode", "bootstrap_port": 8998}));
+        assert!(e.contains("a decode worker has no bootstrap server"), "{e}");
+        for bad in [json!(0), json!(70000), json!(-1), json!("8998")] {
+            let e = err(json!({"flavor": "sglang", "bootstrap_port": bad}));
+            assert!(e.contains("`bootstrap_port` must be a port"), "{e}");
+        }
+        let e = err(json!({"flavor": "vllm", "runtime_type": "sglang"}));
+        assert!(e.contains("`flavor` and `runtime_type` disagree"), "{e}");
+        let same = json!({"name": "a", "url": "http://h:1", "events": "tcp://h:1",
+                          "role": "decode", "worker_type": "decode"});
+        assert!(spec_from_body(&same, Some(16)).is_ok());
     }
 }

@@ -282,6 +282,46 @@ mod tests {
     }
 
     #[test]
+    fn the_role_survives_a_restart_and_older_snapshots_load_as_both() {
+        use crate::ingest::spec::WorkerRole;
+        let mut original = snapshot();
+        let line =
+            "name=p,url=http://h:1,events=tcp://h:2,flavor=sglang,role=prefill,bootstrap_port=8998";
+        let prefill = WorkerSpec::parse(line, Some(16)).expect("spec");
+        original.workers.push(SavedWorker {
+            id: 4,
+            spec: prefill,
+            block_size: Some(16),
+            ranks: vec![SavedRank { rank: 0, at: None }],
+        });
+        let back = Snapshot::decode(&original.encode()).expect("decodes");
+        assert_eq!(back.workers, original.workers);
+        assert_eq!(
+            (
+                back.workers[1].spec.role,
+                back.workers[1].spec.bootstrap_port
+            ),
+            (WorkerRole::Prefill, Some(8998))
+        );
+
+        // The header exactly as a build before roles wrote it.
+        let header = br#"[{"id":3,"spec":{"name":"w0","url":"http://h:1","ranks":[{"rank":0,"events":"tcp://h:2","replay":null}],"block_size":16,"topic":"","model":null,"flavor":"vllm","speed":1.0},"block_size":16,"ranks":[{"rank":0,"at":{"seq":9,"fingerprint":77,"exact":true}}]}]"#;
+        let mut older = Vec::new();
+        older.extend_from_slice(MAGIC);
+        older.extend_from_slice(&1u32.to_le_bytes());
+        older.extend_from_slice(&(header.len() as u64).to_le_bytes());
+        older.extend_from_slice(header);
+        older.extend_from_slice(&Index::new(IndexConfig::default()).dump());
+        let old = Snapshot::decode(&older).expect("an older snapshot loads");
+        let spec = &old.workers[0].spec;
+        assert_eq!(
+            (spec.name.as_str(), spec.role, spec.bootstrap_port),
+            ("w0", WorkerRole::Both, None)
+        );
+        old.index().expect("index");
+    }
+
+    #[test]
     fn snapshots_written_and_failed_are_scraped_from_every_clone() {
         use crate::listen::ConnectionMetrics;
         use crate::metrics::{Metrics, ProxyMetrics};

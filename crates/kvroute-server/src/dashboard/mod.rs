@@ -59,8 +59,8 @@ fn last_sum(samples: &[Sample], n: usize, f: impl Fn(&Sample) -> u64) -> u64 {
     samples.iter().rev().take(n).map(f).sum()
 }
 
-/// Everything the page shows: a summary, every worker and rank with its
-/// state and load, the last ten minutes second by second, and the last
+/// Everything the page shows: a summary, every worker (with its
+/// prefill/decode role) and rank with its state and load, the last ten minutes second by second, and the last
 /// routing decisions with their candidates.
 pub fn stats(state: &AdminState) -> Value {
     let proxy = &state.proxy;
@@ -109,7 +109,8 @@ pub fn stats(state: &AdminState) -> Value {
                     })
                 })
                 .collect();
-            json!({"name": w.name, "url": w.url, "model": w.model, "ranks": ranks})
+            json!({"name": w.name, "url": w.url, "model": w.model, "role": w.role.as_str(),
+                   "bootstrap_port": w.bootstrap_port, "ranks": ranks})
         })
         .collect();
     let routed_total: u64 = totals.routed.values().sum();

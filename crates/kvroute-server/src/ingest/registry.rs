@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::{DpRank, SharedIndex, WorkerId, WorkerRank};
+use kvroute_core::scheduler::WorkerRole;
 use serde::Serialize;
 use tracing::{info, warn};
 
@@ -290,13 +291,17 @@ impl Registry {
     }
 
     /// Registers a worker (or adds ranks to one registered with the same
-    /// name, URL and block size) and starts ingesting its ranks. Registering
-    /// the same worker twice is a no-op.
+    /// name, URL, block size, role and bootstrap port) and starts ingesting
+    /// its ranks. Registering the same worker twice is a no-op.
     pub fn register(&self, spec: WorkerSpec) -> Result<WorkerId, RegistryError> {
         self.check_addresses(&spec)?;
         let mut workers = self.lock();
         if let Some(existing) = workers.get(&spec.name) {
-            if existing.spec.url != spec.url || existing.spec.block_size != spec.block_size {
+            let same = existing.spec.url == spec.url
+                && existing.spec.block_size == spec.block_size
+                && existing.spec.role == spec.role
+                && existing.spec.bootstrap_port == spec.bootstrap_port;
+            if !same {
                 return Err(RegistryError::NameTaken(spec.name));
             }
             for endpoints in &spec.ranks {
@@ -452,6 +457,8 @@ impl Registry {
                 block_size: Some(w.block_size.load(Ordering::Relaxed)).filter(|&b| b > 0),
                 flavor: w.spec.flavor,
                 speed: w.spec.speed.get(),
+                role: w.spec.role,
+                bootstrap_port: w.spec.bootstrap_port,
                 ranks: w
                     .ranks
                     .iter()
@@ -504,6 +511,13 @@ pub struct WorkerView {
     pub flavor: WorkerFlavor,
     /// Its declared speed (1: the fleet's reference engine).
     pub speed: f64,
+    /// What it does in a disaggregated fleet: which legs routing may send it.
+    #[serde(with = "super::spec::role_name")]
+    pub role: WorkerRole,
+    /// Its SGLang bootstrap server's port, which a disaggregated request's
+    /// legs are given (`None`: not declared; left out of `/workers`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
     /// Its data-parallel ranks.
     pub ranks: Vec<RankView>,
 }

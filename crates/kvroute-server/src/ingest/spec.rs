@@ -7,6 +7,7 @@ use serde::{Deserialize, Serialize};
 
 pub use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::DpRank;
+pub use kvroute_core::scheduler::WorkerRole;
 
 /// Why a worker description was rejected.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -17,7 +18,7 @@ pub enum SpecError {
     NotKeyValue(String),
     /// A key this syntax does not know.
     #[error(
-        "unknown key `{0}` (known: name, url, events, replay, dp, block_size, topic, model, flavor, speed)"
+        "unknown key `{0}` (known: name, url, events, replay, dp, block_size, topic, model, flavor, speed, role, bootstrap_port)"
     )]
     UnknownKey(String),
     /// A required key is missing.
@@ -75,6 +76,17 @@ pub struct WorkerSpec {
     /// the speed, so a slower engine takes fewer prefixes and requests.
     #[serde(default)]
     pub speed: Speed,
+    /// What the worker does in a disaggregated fleet (`role=prefill|decode|both`,
+    /// default both: an aggregated engine), so that the router sends it only
+    /// the legs it can serve. Specs saved before roles existed load as both.
+    #[serde(default, with = "role_name")]
+    pub role: WorkerRole,
+    /// The port of the SGLang bootstrap server of a prefill (or both)
+    /// worker (`bootstrap_port=`), which the router hands both legs of a
+    /// disaggregated request; `None`: the engine's default. Only SGLang
+    /// workers run one, so it is refused elsewhere ([`WorkerSpec::set_role`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bootstrap_port: Option<u16>,
 }
 
 /// A worker's declared speed: a number from 1 / [`Speed::MAX`] to
@@ -204,14 +216,53 @@ impl WorkerSpec {
             model: None,
             flavor: WorkerFlavor::default(),
             speed: Speed::default(),
+            role: WorkerRole::default(),
+            bootstrap_port: None,
         })
+    }
+
+    /// Sets the worker's role and SGLang bootstrap port (set the flavour
+    /// first). A bootstrap port is refused where no bootstrap server can be:
+    /// on a vLLM worker (vLLM hands KV blocks over without one) and on a
+    /// decode worker (the server is the prefill side's), rather than kept
+    /// and silently never used.
+    pub fn set_role(
+        &mut self,
+        role: WorkerRole,
+        bootstrap_port: Option<u16>,
+    ) -> Result<(), SpecError> {
+        if let Some(port) = bootstrap_port {
+            let refuse = |problem| SpecError::BadValue {
+                key: "bootstrap_port",
+                value: port.to_string(),
+                problem,
+            };
+            if port == 0 {
+                return Err(refuse(BOOTSTRAP_PORT_EXPECTED));
+            }
+            if self.flavor != WorkerFlavor::Sglang {
+                return Err(refuse(
+                    "only SGLang workers (flavor=sglang) run a bootstrap server",
+                ));
+            }
+            if role == WorkerRole::Decode {
+                return Err(refuse(
+                    "a decode worker has no bootstrap server (prefill and both workers do)",
+                ));
+            }
+        }
+        self.role = role;
+        self.bootstrap_port = bootstrap_port;
+        Ok(())
     }
 
     /// Parses the `--worker` syntax: `name=w0,url=http://…,events=tcp://…:5557,
     /// replay=tcp://…:5657,dp=2,block_size=16` (keys in any order; `replay`,
     /// `dp` (default 1), `block_size` (default `default_block_size`; neither:
     /// learned from the stream), `topic`, `model`, `flavor` (`vllm|sglang`,
-    /// default `vllm`) and `speed` (default 1) optional).
+    /// default `vllm`), `speed` (default 1), `role` (`prefill|decode|both`,
+    /// default `both`; see [`parse_role`]) and `bootstrap_port` (SGLang
+    /// prefill workers) optional).
     pub fn parse(text: &str, default_block_size: Option<u32>) -> Result<Self, SpecError> {
         let mut fields: BTreeMap<&str, &str> = BTreeMap::new();
         for pair in text.split(',').map(str::trim).filter(|p| !p.is_empty()) {
@@ -231,6 +282,8 @@ impl WorkerSpec {
                     | "model"
                     | "flavor"
                     | "speed"
+                    | "role"
+                    | "bootstrap_port"
             ) {
                 return Err(SpecError::UnknownKey(key.to_owned()));
             }
@@ -276,6 +329,12 @@ impl WorkerSpec {
         if let Some(speed) = fields.get("speed") {
             spec.speed = Speed::parse(speed)?;
         }
+        let role = parse_role(fields.get("role").copied())?;
+        let bootstrap_port = fields
+            .get("bootstrap_port")
+            .map(|p| parse_bootstrap_port(p))
+            .transpose()?;
+        spec.set_role(role, bootstrap_port)?;
         Ok(spec)
     }
 }
@@ -295,6 +354,74 @@ pub(crate) mod flavor_name {
         let name = String::deserialize(d)?;
         name.parse().map_err(serde::de::Error::custom)
     }
+}
+
+/// A [`WorkerRole`] in serialized specs and views: its name (`both`,
+/// `prefill`, `decode`); reading takes every spelling [`parse_role`] does.
+pub(crate) mod role_name {
+    use super::WorkerRole;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes the role's name.
+    pub fn serialize<S: Serializer>(r: &WorkerRole, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(r.as_str())
+    }
+
+    /// Reads a role's name.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<WorkerRole, D::Error> {
+        let name = String::deserialize(d)?;
+        super::parse_role(Some(&name)).map_err(serde::de::Error::custom)
+    }
+}
+
+/// What a bootstrap port must be, for error messages.
+const BOOTSTRAP_PORT_EXPECTED: &str = "expected a port from 1 to 65535";
+
+/// What a role must be, for error messages.
+const ROLE_EXPECTED: &str =
+    "expected prefill, decode or both (also prefill-decode, regular, aggregated)";
+
+/// A worker's `role` value; absent: both. Besides kvroute's `prefill`,
+/// `decode` and `both` it takes `prefill-decode` (llm-d's name for both),
+/// `regular` (SMG's) and `aggregated` (Dynamo's), in any case. Encode
+/// workers are not supported.
+pub fn parse_role(value: Option<&str>) -> Result<WorkerRole, SpecError> {
+    parse_role_as("role", value)
+}
+
+/// [`parse_role`] for a value given under `key` (registrations also take
+/// SMG's and Dynamo's `worker_type`), which error messages name.
+pub fn parse_role_as(key: &'static str, value: Option<&str>) -> Result<WorkerRole, SpecError> {
+    let Some(given) = value else {
+        return Ok(WorkerRole::default());
+    };
+    let lower = given.trim().to_ascii_lowercase();
+    let name = match lower.as_str() {
+        "regular" | "aggregated" => "both",
+        other => other,
+    };
+    name.parse().map_err(|_| SpecError::BadValue {
+        key,
+        value: given.to_owned(),
+        problem: if name == "encode" {
+            "encode workers are not supported (prefill, decode or both)"
+        } else {
+            ROLE_EXPECTED
+        },
+    })
+}
+
+/// A worker's `bootstrap_port` value: a port from 1 to 65535.
+pub fn parse_bootstrap_port(value: &str) -> Result<u16, SpecError> {
+    value
+        .parse()
+        .ok()
+        .filter(|&p| p > 0)
+        .ok_or_else(|| SpecError::BadValue {
+            key: "bootstrap_port",
+            value: value.to_owned(),
+            problem: BOOTSTRAP_PORT_EXPECTED,
+        })
 }
 
 /// A worker's `flavor` value (`vllm`, `sglang`; absent: `vllm`).
@@ -323,6 +450,8 @@ struct ConfigWorker {
     model: Option<String>,
     flavor: Option<String>,
     speed: Option<f64>,
+    role: Option<String>,
+    bootstrap_port: Option<u16>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -357,6 +486,7 @@ pub fn parse_config(
             if let Some(speed) = w.speed {
                 spec.speed = Speed::checked(speed, &speed.to_string())?;
             }
+            spec.set_role(parse_role(w.role.as_deref())?, w.bootstrap_port)?;
             Ok(spec)
         })
         .collect()
@@ -463,5 +593,119 @@ mod tests {
         let slowest =
             "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nspeed = 0.0\n";
         assert!(parse_config(slowest, Some(16)).is_err());
+    }
+
+    #[test]
+    fn the_role_takes_every_spelling_and_defaults_to_both() {
+        let base = "name=a,url=u,events=tcp://h:1";
+        let spec = WorkerSpec::parse(base, Some(16)).expect("valid");
+        assert_eq!((spec.role, spec.bootstrap_port), (WorkerRole::Both, None));
+        for (given, role) in [
+            ("both", WorkerRole::Both),
+            ("prefill-decode", WorkerRole::Both),
+            ("regular", WorkerRole::Both),
+            ("aggregated", WorkerRole::Both),
+            ("prefill", WorkerRole::Prefill),
+            ("Prefill", WorkerRole::Prefill),
+            ("decode", WorkerRole::Decode),
+            ("DECODE", WorkerRole::Decode),
+        ] {
+            let spec = WorkerSpec::parse(&format!("{base},role={given}"), Some(16));
+            assert_eq!(spec.map(|s| s.role), Ok(role), "{given}");
+            assert_eq!(parse_role(Some(given)), Ok(role), "{given}");
+        }
+        assert_eq!(parse_role(None), Ok(WorkerRole::Both));
+        let err = |s: &str| {
+            WorkerSpec::parse(&format!("{base},{s}"), Some(16))
+                .expect_err("invalid")
+                .to_string()
+        };
+        let e = err("role=leader");
+        assert!(
+            e.contains("`role=leader`") && e.contains("prefill, decode or both"),
+            "{e}"
+        );
+        let e = err("role=encode");
+        assert!(e.contains("encode workers are not supported"), "{e}");
+        let e = err("colour=red");
+        assert!(e.contains("role, bootstrap_port"), "{e}");
+    }
+
+    #[test]
+    fn a_bootstrap_port_is_only_for_sglang_prefill_workers() {
+        let sglang = "name=a,url=u,events=tcp://h:1,flavor=sglang";
+        for role in ["prefill", "both"] {
+            let line = format!("{sglang},role={role},bootstrap_port=8998");
+            let spec = WorkerSpec::parse(&line, Some(16)).expect("valid");
+            assert_eq!(spec.bootstrap_port, Some(8998), "{role}");
+        }
+        let err = |s: &str| {
+            WorkerSpec::parse(s, Some(16))
+                .expect_err("invalid")
+                .to_string()
+        };
+        let e = err("name=a,url=u,events=tcp://h:1,role=prefill,bootstrap_port=8998");
+        assert!(
+            e.contains("`bootstrap_port=8998`") && e.contains("only SGLang workers"),
+            "{e}"
+        );
+        let e = err(&format!("{sglang},role=decode,bootstrap_port=8998"));
+        assert!(e.contains("a decode worker has no bootstrap server"), "{e}");
+        for bad in ["0", "65536", "-1", "x"] {
+            let e = err(&format!("{sglang},role=prefill,bootstrap_port={bad}"));
+            assert!(
+                e.contains(&format!("bootstrap_port={bad}")) && e.contains("1 to 65535"),
+                "{e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_config_file_and_saved_specs_carry_the_role() {
+        let text = r#"
+            [[worker]]
+            name = "p"
+            url = "u"
+            events = "tcp://h:1"
+            flavor = "sglang"
+            role = "prefill"
+            bootstrap_port = 8998
+
+            [[worker]]
+            name = "d"
+            url = "u"
+            events = "tcp://h:2"
+            role = "decode"
+        "#;
+        let workers = parse_config(text, Some(16)).expect("valid");
+        let flags = [
+            "name=p,url=u,events=tcp://h:1,flavor=sglang,role=prefill,bootstrap_port=8998",
+            "name=d,url=u,events=tcp://h:2,role=decode",
+        ]
+        .map(|l| WorkerSpec::parse(l, Some(16)).expect("valid"));
+        assert_eq!(workers, flags);
+        let refused = "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nbootstrap_port = 8998\n";
+        let e = parse_config(refused, Some(16))
+            .expect_err("vLLM")
+            .to_string();
+        assert!(e.contains("only SGLang workers"), "{e}");
+        let bad = "[[worker]]\nname = \"w\"\nurl = \"u\"\nevents = \"tcp://h:1\"\nrole = \"x\"\n";
+        assert!(parse_config(bad, Some(16)).is_err());
+
+        // Serialized, the role is its name and an unset port is left out;
+        // a spec saved before roles existed reads as both.
+        let json = serde_json::to_value(&workers[0]).expect("serializes");
+        assert_eq!(
+            (&json["role"], &json["bootstrap_port"]),
+            (&serde_json::json!("prefill"), &serde_json::json!(8998))
+        );
+        let decode = serde_json::to_value(&workers[1]).expect("serializes");
+        assert!(decode.get("bootstrap_port").is_none(), "{decode}");
+        let back: WorkerSpec = serde_json::from_value(json).expect("reads back");
+        assert_eq!(back, workers[0]);
+        let old = r#"{"name":"w","url":"u","ranks":[{"rank":0,"events":"tcp://h:1","replay":null}],
+            "block_size":16,"topic":"","model":null,"flavor":"vllm","speed":1.0}"#;
+        let old: WorkerSpec = serde_json::from_str(old).expect("an older spec reads");
+        assert_eq!((old.role, old.bootstrap_port), (WorkerRole::Both, None));
     }
 }

@@ -59,3 +59,80 @@ fn help_names_the_environment_variable_of_every_flag() {
     assert_eq!(envs, flags, "{help}");
     assert!(help.contains("[env: KVROUTE_WORKERS=]"));
 }
+
+#[test]
+fn roles_come_from_kvroute_workers_and_a_config_file() {
+    let events = || format!("tcp://127.0.0.1:{}", free_port());
+    let workers = format!(
+        "name=p,url=http://127.0.0.1:9,events={},flavor=sglang,role=prefill,bootstrap_port=8998;\
+         name=d,url=http://127.0.0.1:9,events={},role=decode",
+        events(),
+        events()
+    );
+    let dir = std::env::temp_dir().join(format!("kvroute-roles-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let config = dir.join("workers.toml");
+    let toml = format!(
+        "[[worker]]\nname = \"f\"\nurl = \"http://127.0.0.1:9\"\nevents = \"{}\"\nrole = \"prefill-decode\"\n\n\
+         [[worker]]\nname = \"g\"\nurl = \"http://127.0.0.1:9\"\nevents = \"{}\"\nrole = \"decode\"\n",
+        events(),
+        events()
+    );
+    std::fs::write(&config, toml).expect("write the config");
+    let config_path = config.to_string_lossy().into_owned();
+    let (_serve, serve) = spawn_serve_with_env(
+        &[],
+        &[],
+        &[
+            ("KVROUTE_WORKERS", &workers),
+            ("KVROUTE_CONFIG", &config_path),
+        ],
+    );
+    eventually("serve answers /workers", || {
+        std::net::TcpStream::connect(&serve).is_ok()
+            && request(&serve, "GET", "/workers", "").status == 200
+    });
+    let doc = request(&serve, "GET", "/workers", "").json();
+    let mut listed: Vec<(String, String, Option<u64>)> = doc["workers"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .map(|w| {
+            (
+                w["name"].as_str().unwrap_or("").to_owned(),
+                w["role"].as_str().unwrap_or("").to_owned(),
+                w.get("bootstrap_port").and_then(serde_json::Value::as_u64),
+            )
+        })
+        .collect();
+    listed.sort();
+    let expected = [
+        ("d", "decode", None),
+        ("f", "both", None),
+        ("g", "decode", None),
+        ("p", "prefill", Some(8998)),
+    ]
+    .map(|(n, r, p)| (n.to_owned(), r.to_owned(), p));
+    assert_eq!(listed, expected);
+    let metrics = request(&serve, "GET", "/metrics", "").body;
+    assert!(metrics.contains("kvroute_worker_info{worker=\"p\",role=\"prefill\"} 1"));
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn a_bootstrap_port_on_a_vllm_worker_stops_serve_with_the_reason() {
+    let out = kvroute()
+        .args(["serve", "--port", "0"])
+        .env(
+            "KVROUTE_WORKERS",
+            "name=v,url=http://127.0.0.1:9,events=tcp://127.0.0.1:9,role=prefill,bootstrap_port=8998",
+        )
+        .output()
+        .expect("kvroute serve runs");
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("bootstrap_port=8998") && stderr.contains("only SGLang workers"),
+        "{stderr}"
+    );
+}

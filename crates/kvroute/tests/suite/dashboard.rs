@@ -134,6 +134,10 @@ fn the_dashboard_shows_the_fleet_the_hit_rate_and_the_decisions_in_a_real_browse
             "worker {name} is not in the fleet table:\n{dom}"
         );
     }
+    // Each worker's role (aggregated engines: both), in the data and the table.
+    let doc = stats(&serve).json();
+    assert_eq!(doc["workers"][0]["role"], "both", "{doc}");
+    assert_eq!(testid_text(&dom, "worker-role"), Some("both"));
     // Each rank's speed: declared (1), none learned without --learn-speeds.
     let speed = testid_text(&dom, "rank-speed");
     assert_eq!(speed, Some("1.00"), "speed shown: {speed:?}");

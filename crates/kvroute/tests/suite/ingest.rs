@@ -242,6 +242,8 @@ fn worker(name: &str, ranks: Vec<RankEndpoints>) -> WorkerSpec {
         model: None,
         flavor: Default::default(),
         speed: Default::default(),
+        role: Default::default(),
+        bootstrap_port: None,
     }
 }
 
@@ -671,4 +673,53 @@ fn an_engine_hash_reaches_only_the_blocks_of_the_worker_that_published_it() {
         2,
         "w1's own name for x works"
     );
+}
+
+#[test]
+fn a_worker_keeps_its_role_through_a_snapshot_and_another_role_is_another_worker() {
+    use kvroute_server::ingest::registry::RegistryError;
+    use kvroute_server::ingest::spec::WorkerRole;
+    let rank = |r: u32| RankEndpoints {
+        rank: DpRank(r),
+        events: format!("tcp://127.0.0.1:{}", crate::support::free_port()),
+        replay: None,
+    };
+    let line = |role: &str| {
+        let events = format!("tcp://127.0.0.1:{}", crate::support::free_port());
+        let line = format!("name=p,url=http://127.0.0.1:1,events={events},flavor=sglang,{role}");
+        WorkerSpec::parse(&line, Some(BS as u32)).expect("spec")
+    };
+    let f = fixture();
+    let mut spec = line("role=prefill,bootstrap_port=8998");
+    f.registry.register(spec.clone()).expect("register");
+    // More ranks of the same worker: the same role and port.
+    spec.ranks = vec![rank(1)];
+    f.registry.register(spec.clone()).expect("a second rank");
+    let view = f.registry.view();
+    assert_eq!(
+        (view[0].role, view[0].bootstrap_port, view[0].ranks.len()),
+        (WorkerRole::Prefill, Some(8998), 2)
+    );
+    for other in ["role=decode", "role=prefill,bootstrap_port=9000"] {
+        let err = f.registry.register(line(other)).expect_err(other);
+        assert!(matches!(err, RegistryError::NameTaken(_)), "{other}: {err}");
+    }
+
+    // A restarted router registers it again, from its snapshot, as it was.
+    let snapshot = f.registry.snapshot();
+    f.registry.shutdown();
+    let g = fixture();
+    g.registry.restore(&snapshot).expect("restore");
+    g.registry.register_saved();
+    let view = g.registry.view();
+    assert_eq!(
+        (view[0].name.as_str(), view[0].role, view[0].bootstrap_port),
+        ("p", WorkerRole::Prefill, Some(8998))
+    );
+    let doc = serde_json::json!(view);
+    assert_eq!(
+        (&doc[0]["role"], &doc[0]["bootstrap_port"]),
+        (&serde_json::json!("prefill"), &serde_json::json!(8998))
+    );
+    g.registry.shutdown();
 }

@@ -71,9 +71,13 @@ fn every_catalogue_metric_is_scraped_from_a_running_router() {
                 "no OpenMetrics sample of {sample}"
             );
         }
-        if m.labels.contains(&"worker") {
+        if m.labels.contains(&"dp_rank") {
             // Per-rank labels first (the state gauge adds its `state` after them).
             let labelled = format!("{}{{worker=\"w0\",dp_rank=\"0\"", samples[0]);
+            assert!(classic.body.contains(&labelled), "{labelled}");
+        } else if m.labels.contains(&"worker") {
+            // Per-worker: the worker first (the info gauge adds its `role`).
+            let labelled = format!("{}{{worker=\"w0\"", samples[0]);
             assert!(classic.body.contains(&labelled), "{labelled}");
         }
     }

@@ -204,3 +204,99 @@ fn serve_discovers_an_sglang_worker_from_its_server_info() {
             >= 4
     });
 }
+
+/// The role of each worker `/workers` lists, by name, with its bootstrap
+/// port (`None` when `/workers` leaves it out).
+fn roles(serve: &str) -> Vec<(String, String, Option<u64>)> {
+    let (status, body) = request(serve, "GET", "/workers", None, Some("secret"));
+    assert_eq!(status, 200, "{body}");
+    let doc = json_body(&body);
+    let list = doc["workers"].as_array().cloned().unwrap_or_default();
+    list.iter()
+        .map(|w| {
+            let name = w["name"].as_str().unwrap_or("").to_owned();
+            let role = w["role"].as_str().unwrap_or("").to_owned();
+            (name, role, w.get("bootstrap_port").and_then(Value::as_u64))
+        })
+        .collect()
+}
+
+#[test]
+fn registrations_give_the_role_in_kvroute_smg_and_dynamo_names() {
+    let (_serve, serve) = spawn_serve(&[], &["--admin-token", "secret"]);
+    eventually("serve answers /health", || {
+        TcpStream::connect(&serve).is_ok() && request(&serve, "GET", "/health", None, None).0 == 200
+    });
+    // No engine publishes on these sockets: the workers only need to exist.
+    let events = || format!("tcp://127.0.0.1:{}", free_port());
+    let url = "http://127.0.0.1:9";
+    let bodies = [
+        // kvroute's own names.
+        serde_json::json!({"name": "k", "url": url, "events": events(), "role": "decode"}),
+        // SMG's: `worker_type` (regular|prefill|decode), `runtime_type`, `bootstrap_port`.
+        serde_json::json!({"name": "s", "url": url, "events": events(), "worker_type": "prefill",
+                           "runtime_type": "sglang", "bootstrap_port": 8998}),
+        serde_json::json!({"name": "r", "url": url, "events": events(), "worker_type": "regular"}),
+        // Dynamo's indexer fields with its `worker_type` (aggregated|prefill|decode).
+        serde_json::json!({"instance_id": 7, "endpoint": events(), "url": url,
+                           "model_name": "m", "worker_type": "decode"}),
+        serde_json::json!({"instance_id": 8, "endpoint": events(), "url": url,
+                           "worker_type": "aggregated"}),
+    ];
+    for body in &bodies {
+        let text = body.to_string();
+        let (status, reply) = request(&serve, "POST", "/register", Some(&text), Some("secret"));
+        assert_eq!(status, 200, "{text}: {reply}");
+        let expected = body
+            .get("role")
+            .or(body.get("worker_type"))
+            .and_then(Value::as_str)
+            .map(|r| match r {
+                "regular" | "aggregated" => "both",
+                r => r,
+            });
+        assert_eq!(json_body(&reply)["role"].as_str(), expected, "{reply}");
+    }
+    let mut listed = roles(&serve);
+    listed.sort();
+    let expected = [
+        ("7", "decode", None),
+        ("8", "both", None),
+        ("k", "decode", None),
+        ("r", "both", None),
+        ("s", "prefill", Some(8998)),
+    ]
+    .map(|(n, r, p)| (n.to_owned(), r.to_owned(), p));
+    assert_eq!(listed, expected);
+
+    let (_, metrics) = request(&serve, "GET", "/metrics", None, None);
+    for (name, role, _) in &expected {
+        let sample = format!("kvroute_worker_info{{worker=\"{name}\",role=\"{role}\"}} 1");
+        assert!(metrics.contains(&sample), "{sample}\n{metrics}");
+    }
+
+    // Refusals say why, and register nothing.
+    let refused = [
+        (
+            serde_json::json!({"name": "e", "url": url, "events": events(), "worker_type": "encode"}),
+            "not supported",
+        ),
+        (
+            serde_json::json!({"name": "v", "url": url, "events": events(), "role": "prefill",
+                               "bootstrap_port": 8998}),
+            "only SGLang workers",
+        ),
+        (
+            serde_json::json!({"name": "x", "url": url, "events": events(), "role": "prefill",
+                               "worker_type": "decode"}),
+            "disagree",
+        ),
+    ];
+    for (body, why) in refused {
+        let text = body.to_string();
+        let (status, reply) = request(&serve, "POST", "/register", Some(&text), Some("secret"));
+        assert_eq!(status, 400, "{text}: {reply}");
+        assert!(reply.contains(why), "{text}: {reply}");
+    }
+    assert_eq!(roles(&serve).len(), expected.len());
+}

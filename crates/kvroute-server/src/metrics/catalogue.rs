@@ -1,0 +1,135 @@
+//! The catalogue: every metric `kvroute serve` exposes, declared once with
+//! its kind, labels and help text, and the table of `docs/metrics.md`.
+
+use std::fmt::Write as _;
+
+use super::{Kind, MetricInfo};
+
+const RANK: &[&str] = &["worker", "dp_rank"];
+const RANK_STATE: &[&str] = &["worker", "dp_rank", "state"];
+const STATE: &[&str] = &["state"];
+const RANK_STATE_ONLY: &[&str] = &["rank_state"];
+const NONE: &[&str] = &[];
+const KIND: &[&str] = &["kind"];
+const WORKER_ROLE: &[&str] = &["worker", "role"];
+
+/// Declares each metric as a constant (documented by its help text) and
+/// lists them all, in exposition order, as [`CATALOGUE`].
+macro_rules! catalogue {
+    ($($id:ident: $name:ident $kind:ident $labels:ident $help:literal;)*) => {
+        $(
+            #[doc = $help]
+            pub const $id: MetricInfo = MetricInfo {
+                name: stringify!($name),
+                kind: Kind::$kind,
+                labels: $labels,
+                help: $help,
+            };
+        )*
+        /// Every metric, in exposition order.
+        pub const CATALOGUE: &[MetricInfo] = &[$($id),*];
+    };
+}
+
+catalogue! {
+    INGEST_BATCHES:               kvroute_ingest_batches_total                 Counter   RANK "Event batches received live.";
+    INGEST_EVENTS:                kvroute_ingest_events_total                  Counter   RANK "Events applied to the index.";
+    INGEST_DECODE_ERRORS:         kvroute_ingest_decode_errors_total           Counter   RANK "Malformed events skipped.";
+    INGEST_EVENTS_FILTERED:       kvroute_ingest_events_filtered_total         Counter   RANK "Events dropped on purpose (tier, placement, block size).";
+    INGEST_ENVELOPE_ERRORS:       kvroute_ingest_envelope_errors_total         Counter   RANK "Batches whose envelope could not be decoded.";
+    INGEST_BAD_FRAMES:            kvroute_ingest_bad_frames_total              Counter   RANK "Messages that were not [topic, seq, payload].";
+    INGEST_GAPS:                  kvroute_ingest_gaps_total                    Counter   RANK "Sequence gaps detected.";
+    INGEST_REPLAYS_OK:            kvroute_ingest_replays_ok_total              Counter   RANK "Replays that filled their gap.";
+    INGEST_REPLAYS_INCOMPLETE:    kvroute_ingest_replays_incomplete_total      Counter   RANK "Replays that could not fill their gap.";
+    INGEST_ENGINE_RESTARTS:       kvroute_ingest_engine_restarts_total         Counter   RANK "Engine restarts seen (sequence went back).";
+    INGEST_RANK_CLEARS:           kvroute_ingest_rank_clears_total             Counter   RANK "Times a rank's blocks were dropped.";
+    INGEST_STALE_BATCHES:         kvroute_ingest_stale_batches_total           Counter   RANK "Batches dropped as already applied.";
+    INGEST_VERIFIES:              kvroute_ingest_verifies_total                Counter   RANK "Continuity checks that proved the stream continuous.";
+    INGEST_REPLAY_TIMEOUTS:       kvroute_ingest_replay_timeouts_total         Counter   RANK "Replays that got no end marker in time.";
+    INGEST_FOREIGN_RANK_BATCHES:  kvroute_ingest_foreign_rank_batches_total    Counter   RANK "Batches for a DP rank the worker does not have, dropped.";
+    INGEST_CONNECTED:             kvroute_ingest_connected                     Gauge     RANK "Whether the rank's engine is reachable.";
+    INGEST_RANK_STATE:            kvroute_ingest_rank_state                    Gauge     RANK_STATE "1 for the rank's current state (live, replaying, unverified, degraded, disconnected, error).";
+    INGEST_RANKS:                 kvroute_ingest_ranks                         Gauge     STATE "Ranks in each state.";
+    WORKER_INFO:                  kvroute_worker_info                          Gauge     WORKER_ROLE "1 for each registered worker, labelled with its prefill/decode role (prefill, decode, both).";
+    INDEX_NODES:                  kvroute_index_nodes                          Gauge     NONE "Block prefixes in the index, once per index shard holding them.";
+    INDEX_RESIDENCIES:            kvroute_index_residencies                    Gauge     NONE "(block, rank, tier) residencies in the index.";
+    INDEX_HEAP_BYTES:             kvroute_index_heap_bytes                     Gauge     NONE "Heap bytes held by the index.";
+    INDEX_BLOCKS_STORED:          kvroute_index_blocks_stored_total            Counter   NONE "Blocks stored in the index.";
+    INDEX_BLOCKS_REMOVED:         kvroute_index_blocks_removed_total           Counter   NONE "Blocks removed from the index.";
+    INDEX_DUPLICATE_BLOCKS:       kvroute_index_duplicate_blocks_total         Counter   NONE "Stored blocks a rank already held.";
+    INDEX_PARENT_MISSING:         kvroute_index_parent_missing_total           Counter   NONE "Stored events dropped because their parent block was unknown.";
+    INDEX_UNKNOWN_REMOVALS:       kvroute_index_unknown_removals_total         Counter   NONE "Removals of blocks the rank did not hold.";
+    INDEX_EVICTED_OVER_CAPACITY:  kvroute_index_evicted_over_capacity_total    Counter   NONE "Residencies dropped because a rank was over its cap.";
+    INDEX_HASH_CONFLICTS:         kvroute_index_hash_conflicts_total           Counter   NONE "Engine hashes a rank bound to another block than the shared binding.";
+    INDEX_APPROX_EXPIRED:         kvroute_index_approx_expired_total           Counter   NONE "Approximate residencies that expired.";
+    PROXY_REQUESTS:               kvroute_proxy_requests_total                 Counter   NONE "Completion requests received.";
+    PROXY_BAD_REQUESTS:           kvroute_proxy_bad_requests_total             Counter   NONE "Requests refused as malformed.";
+    PROXY_UPSTREAM_ERRORS:        kvroute_proxy_upstream_errors_total          Counter   NONE "Attempts a worker failed: connection errors, 503 and 429 refusals, 5xx answers, answers cut off.";
+    PROXY_ERRORS:                 kvroute_proxy_errors_total                   Counter   KIND "Completion requests kvroute answered with an error of its own, by kind (a stream cut off mid-way counts as upstream_incomplete).";
+    PROXY_RETRIES:                kvroute_proxy_retries_total                  Counter   NONE "Attempts on a further candidate after a failure.";
+    PROXY_OVERLOADED:             kvroute_proxy_overloaded_total               Counter   NONE "Requests refused because every candidate was busy.";
+    PROXY_QUEUED:                 kvroute_proxy_queued_total                   Counter   NONE "Requests that waited in the overload queue.";
+    PROXY_QUEUE_TIMEOUTS:         kvroute_proxy_queue_timeouts_total           Counter   NONE "Queued requests refused when their wait ran out.";
+    PROXY_NO_WORKERS:             kvroute_proxy_no_workers_total               Counter   NONE "Requests refused because no worker was available.";
+    PROXY_LOAD_ONLY:              kvroute_proxy_load_only_total                Counter   NONE "Text requests routed on load alone (no tokenizer).";
+    PROXY_ROUTED:                 kvroute_proxy_routed_total                   Counter   RANK "Requests forwarded per (worker, rank).";
+    PROXY_ROUTED_ON_LOAD:         kvroute_proxy_routed_on_load_total           Counter   NONE "Requests forwarded without cache knowledge: no tokens, a load-only policy, or a rank whose history is incomplete.";
+    QUALITY_PROMPT_TOKENS:        kvroute_quality_prompt_tokens_total          Counter   NONE "Prompt tokens of responses whose cached_tokens the engine reported.";
+    QUALITY_CACHED_TOKENS:        kvroute_quality_cached_tokens_total          Counter   NONE "Cached tokens the engines reported for those responses.";
+    QUALITY_PREDICTED_TOKENS:     kvroute_quality_predicted_cached_tokens_total Counter  NONE "Cached tokens the index predicted for those responses.";
+    PROXY_TTFT:                   kvroute_proxy_ttft_seconds                   Histogram NONE "From a streamed request's arrival to the worker's first chunk.";
+    PROXY_LATENCY:                kvroute_proxy_request_seconds                Histogram NONE "From a request's arrival to the end of its answer.";
+    ACCURACY_COMPARISONS:         kvroute_accuracy_comparisons_total           Counter   RANK_STATE_ONLY "Responses whose cached_tokens were compared with the prediction, by the state of the rank the prediction came from.";
+    ACCURACY_EXACT:               kvroute_accuracy_exact_total                 Counter   RANK_STATE_ONLY "Comparisons where prediction and cached_tokens agreed exactly.";
+    ACCURACY_DIFFERENCE:          kvroute_accuracy_difference_tokens           Histogram RANK_STATE_ONLY "|predicted cached tokens - engine cached_tokens|.";
+    ACTIVE_REQUESTS:              kvroute_active_requests                      Gauge     RANK "Requests in flight per (worker, rank).";
+    ACTIVE_PREFILL_TOKENS:        kvroute_active_prefill_tokens                Gauge     RANK "Prompt tokens still to prefill per (worker, rank).";
+    HTTP_CONNECTIONS:             kvroute_http_connections                     Gauge     NONE "Client connections open.";
+    HTTP_CONNECTIONS_REFUSED:     kvroute_http_connections_refused_total       Counter   NONE "Connections closed on arrival because --max-connections were open.";
+    HTTP_HEADER_TIMEOUTS:         kvroute_http_header_timeouts_total           Counter   NONE "Connections closed because a request head took longer than --header-timeout-secs.";
+    HTTP_IDLE_TIMEOUTS:           kvroute_http_idle_timeouts_total             Counter   NONE "Kept-alive connections closed after --idle-timeout-secs without a request.";
+    ACTIVE_DECODE_BLOCKS:         kvroute_active_decode_blocks                 Gauge     RANK "Distinct blocks held by requests in flight per (worker, rank).";
+    RANK_SPEED:                   kvroute_rank_speed                           Gauge     RANK "The speed a rank is priced at: learned from its responses once known (--learn-speeds), else its worker's declared speed.";
+    REPLICA_NATS_CONNECTED:       kvroute_replica_nats_connected               Gauge     NONE "Whether this replica is connected to NATS (--nats).";
+    REPLICA_NATS_OUTAGES:         kvroute_replica_nats_outages_total           Counter   NONE "Times the NATS connection went down.";
+    REPLICA_PEERS:                kvroute_replica_peers                        Gauge     NONE "Peer replicas heard within the last 3.5 s.";
+    REPLICA_MESSAGES_SENT:        kvroute_replica_messages_sent_total          Counter   NONE "Messages published to the peers.";
+    REPLICA_MESSAGES_RECEIVED:    kvroute_replica_messages_received_total      Counter   NONE "Peer messages received.";
+    REPLICA_MESSAGES_LOST:        kvroute_replica_messages_lost_total          Counter   NONE "Peer messages that never arrived (sequence gaps).";
+    REPLICA_MESSAGES_UNDECODABLE: kvroute_replica_messages_undecodable_total   Counter   NONE "Replica messages skipped as undecodable.";
+    REPLICA_EVENTS_DROPPED:       kvroute_replica_events_dropped_total         Counter   NONE "In-flight events not published (NATS down or too slow); the whole state is resent.";
+    REPLICA_UNKNOWN_WORKERS:      kvroute_replica_unknown_workers_total        Counter   NONE "Peer events and speed observations about a worker or rank this replica does not have.";
+    REPLICA_RESYNCS_SENT:         kvroute_replica_resyncs_sent_total           Counter   NONE "Times this replica sent its whole in-flight state.";
+    REPLICA_RESYNCS_ASKED:        kvroute_replica_resyncs_asked_total          Counter   NONE "Times this replica asked a peer for its whole state.";
+    REPLICA_PEERS_EXPIRED:        kvroute_replica_peers_expired_total          Counter   NONE "Peers forgotten, with their requests, after 3.5 s of silence.";
+    REPLICA_ID_CONFLICTS:         kvroute_replica_id_conflicts_total           Counter   NONE "Messages skipped because another router uses this replica's --replica-id.";
+    REPLICA_SNAPSHOTS_WRITTEN:    kvroute_replica_snapshots_written_total      Counter   NONE "Index snapshots written to the JetStream object store.";
+    REPLICA_SNAPSHOT_FAILURES:    kvroute_replica_snapshot_failures_total      Counter   NONE "Index snapshots the object store did not take.";
+    REPLICA_SPEEDS_SENT:          kvroute_replica_speed_observations_sent_total     Counter NONE "Speed observations (one per streamed response) published to the peers (--learn-speeds).";
+    REPLICA_SPEEDS_RECEIVED:      kvroute_replica_speed_observations_received_total Counter NONE "Peers' speed observations fed to this replica's learner.";
+    REPLICA_SPEEDS_DROPPED:       kvroute_replica_speed_observations_dropped_total  Counter NONE "Speed observations not published: NATS was down or too slow.";
+    REPLICA_PEER_DELAY:           kvroute_replica_peer_delay_seconds           Histogram NONE "Delay from a peer's admission of a request to this replica applying it.";
+    REPLICA_PUBLISH_COST:         kvroute_replica_publish_seconds              Histogram NONE "Time a request spends handing an event to the outbox.";
+    STATE_SNAPSHOTS_WRITTEN:      kvroute_state_snapshots_written_total        Counter   NONE "Router state snapshots written to --state-dir (every --snapshot-secs and at shutdown).";
+    STATE_SNAPSHOT_FAILURES:      kvroute_state_snapshot_failures_total        Counter   NONE "Router state snapshots that could not be written to --state-dir.";
+}
+
+/// The catalogue as the Markdown table of `docs/metrics.md`.
+pub fn catalogue_table() -> String {
+    let mut out = String::from("| metric | type | labels | meaning |\n| --- | --- | --- | --- |\n");
+    for m in CATALOGUE {
+        let labels = if m.labels.is_empty() {
+            "-".to_owned()
+        } else {
+            m.labels.join(", ")
+        };
+        let help = m.help.replace('|', "\\|");
+        let _ = writeln!(
+            out,
+            "| `{}` | {} | {labels} | {help} |",
+            m.name,
+            m.kind.as_str()
+        );
+    }
+    out
+}
