@@ -16,6 +16,7 @@ use crate::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use crate::index::{DpRank, RankMatch, SharedIndex, WorkerId, WorkerRank};
 
 use super::candidates::{Load, Pricing, Scored};
+use super::disagg::WorkerRole;
 
 /// A worker as routing sees it: what its ranks are and how to price them.
 #[derive(Debug, Clone, PartialEq)]
@@ -34,6 +35,8 @@ pub struct RouteTarget {
     pub flavor: WorkerFlavor,
     /// Its declared speed against the fleet's reference engine (1: the reference).
     pub speed: f64,
+    /// What it does in a disaggregated fleet (aggregated engines: both).
+    pub role: WorkerRole,
 }
 
 impl AsRef<RouteTarget> for RouteTarget {
@@ -187,6 +190,7 @@ mod tests {
                 ranks: vec![DpRank(0)],
                 flavor: WorkerFlavor::Vllm,
                 speed: 1.0,
+                role: WorkerRole::Both,
             },
             RouteTarget {
                 name: Arc::from("w1"),
@@ -195,6 +199,7 @@ mod tests {
                 ranks: vec![DpRank(0), DpRank(1)],
                 flavor: WorkerFlavor::Vllm,
                 speed: 1.0,
+                role: WorkerRole::Both,
             },
         ]
     }

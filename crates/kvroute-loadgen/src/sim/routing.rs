@@ -127,6 +127,7 @@ impl SimRouter {
                 ranks: vec![DpRank(0)],
                 flavor,
                 speed: speeds.get(i).copied().unwrap_or(1.0),
+                role: kvroute_core::scheduler::WorkerRole::Both,
             })
             .collect();
         let decoders = (0..engines)

@@ -47,6 +47,21 @@ pub struct Admitted {
     first: Option<(usize, ActiveGuard)>,
 }
 
+impl Admitted {
+    /// Candidates to try in `ordered`, the first already charged (`first`).
+    pub(super) fn new(
+        candidates: Candidates,
+        ordered: Vec<usize>,
+        first: Option<(usize, ActiveGuard)>,
+    ) -> Self {
+        Admitted {
+            candidates,
+            ordered,
+            first,
+        }
+    }
+}
+
 /// Scores the request and orders its candidates; when every rank is busy,
 /// waits (woken as load drops) in the bounded queue, or refuses with 503.
 pub async fn admit(
@@ -125,7 +140,7 @@ fn place(proxy: &Arc<Proxy>, req: &RoutingRequest) -> Admitted {
 
 /// Adds the request to the load of candidate `i` in `ranks`, the proxy's
 /// table held by the caller (`None`: its worker is gone).
-fn charge(
+pub(super) fn charge(
     proxy: &Arc<Proxy>,
     ranks: &mut ActiveRanks,
     candidates: &Candidates,
@@ -170,17 +185,18 @@ fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ProxyError {
 }
 
 /// What one attempt sends, besides the client's headers.
-struct Outgoing {
-    payload: Bytes,
+pub(super) struct Outgoing {
+    /// The body to send.
+    pub payload: Bytes,
     /// The rank goes in the `X-data-parallel-rank` header.
-    rank_header: Option<u32>,
+    pub rank_header: Option<u32>,
     /// The proxy asked for the usage chunk on the client's behalf.
-    added_usage: bool,
+    pub added_usage: bool,
 }
 
 /// The body for candidate `s` of a worker with `ranks` ranks, with the
 /// rewrites it needs (`dp_rank_in_body`: the rank always goes in the body).
-fn outgoing(
+pub(super) fn outgoing(
     dp_rank_in_body: bool,
     req: &RoutingRequest,
     s: &Scored,
@@ -226,6 +242,8 @@ pub struct Request<'a> {
     pub large: bool,
     /// When it arrived.
     pub arrived: Instant,
+    /// In a disaggregated fleet: where each phase went and why.
+    pub disagg: Option<&'a str>,
 }
 
 /// Tries the admitted candidates in order; the first worker that answers
@@ -248,6 +266,7 @@ pub async fn forward(
         request_id,
         large,
         arrived,
+        disagg,
     } = request;
     let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
     let mut last_error = String::new();
@@ -303,15 +322,16 @@ pub async fn forward(
             index: i,
             retries: attempt,
         };
-        proxy
-            .observed
-            .routed(decision(proxy, req, request_id, target, chosen));
+        let mut decision = decision(proxy, req, request_id, target, chosen);
+        decision.disagg = disagg.map(str::to_owned);
+        proxy.observed.routed(decision);
         let relay = Relay {
             guard,
             added_usage,
             request_id,
             locals: &locals,
             arrived,
+            predict: true,
         };
         return respond(proxy, req, s, target, resp, relay).await;
     }
@@ -320,7 +340,7 @@ pub async fn forward(
 
 /// The request's local and sequence hashes for candidate `s`'s block size
 /// and flavour, as scoring computed them (or computed now if it did not).
-fn hashes_for<'a>(
+pub(super) fn hashes_for<'a>(
     candidates: &'a Candidates,
     req: &RoutingRequest,
     s: &Scored,
@@ -336,30 +356,37 @@ fn hashes_for<'a>(
 }
 
 /// What relaying the chosen worker's answer needs besides the answer.
-struct Relay<'a> {
-    guard: ActiveGuard,
+pub(super) struct Relay<'a> {
+    /// The request's place in its rank's load.
+    pub guard: ActiveGuard,
     /// The proxy asked for the usage chunk on the client's behalf.
-    added_usage: bool,
-    request_id: &'a str,
+    pub added_usage: bool,
+    /// The request's id.
+    pub request_id: &'a str,
     /// The request's local block hashes at the target's block size.
-    locals: &'a [LocalBlockHash],
+    pub locals: &'a [LocalBlockHash],
     /// When the request arrived.
-    arrived: Instant,
+    pub arrived: Instant,
+    /// Compare the engine's `cached_tokens` with the index's prediction
+    /// (not for a decode leg, whose blocks came from a prefill worker).
+    pub predict: bool,
 }
 
 /// The candidate a request was sent to, among those it was scored against.
-struct Chosen<'a> {
-    candidates: &'a Candidates,
-    ordered: &'a [usize],
+pub(super) struct Chosen<'a> {
+    /// What it was scored against.
+    pub candidates: &'a Candidates,
+    /// The order the candidates would be tried in.
+    pub ordered: &'a [usize],
     /// Its index in `candidates.scored`.
-    index: usize,
+    pub index: usize,
     /// Candidates that refused before it.
-    retries: usize,
+    pub retries: usize,
 }
 
 /// The routing decision as the dashboard shows it: the first candidates in
 /// the order they would be tried (and the chosen one), and why it won.
-fn decision(
+pub(super) fn decision(
     proxy: &Proxy,
     req: &RoutingRequest,
     request_id: &str,
@@ -418,6 +445,7 @@ fn decision(
         retries,
         load_only,
         candidates: views,
+        disagg: None,
     }
 }
 
@@ -429,7 +457,7 @@ pub fn unix_ms() -> u64 {
 }
 
 /// How sending one attempt ended, as the retry rule sorted it.
-enum Sent {
+pub(super) enum Sent {
     /// The worker answered (any status but 503 and 429): relay it.
     Answer(reqwest::Response),
     /// The request never reached the worker, or the worker refused it
@@ -440,7 +468,7 @@ enum Sent {
 }
 
 /// Sends one attempt and sorts out how it ended (see the module docs).
-async fn send(
+pub(super) async fn send(
     proxy: &Proxy,
     target: &Target,
     endpoint: Endpoint,
@@ -491,7 +519,7 @@ async fn send(
 /// The client's response from the worker's: streams relayed as they come,
 /// whole bodies read, and in both the engine's `cached_tokens` compared
 /// with the prediction.
-async fn respond(
+pub(super) async fn respond(
     proxy: &Proxy,
     req: &RoutingRequest,
     s: &Scored,
@@ -505,12 +533,13 @@ async fn respond(
         request_id,
         locals,
         arrived,
+        predict,
     } = relay;
     let status = resp.status();
     let prediction = req
         .tokens
         .as_ref()
-        .filter(|_| status.is_success())
+        .filter(|_| predict && status.is_success())
         .map(|t| prediction(s, target, t.len() as u64, locals));
     let mut builder = Response::builder()
         .status(status.as_u16())

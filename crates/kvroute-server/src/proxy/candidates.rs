@@ -30,6 +30,9 @@ pub struct Target {
     pub route: RouteTarget,
     /// HTTP base URL, without a trailing `/`.
     pub url: String,
+    /// Its SGLang bootstrap server's port (prefill workers of SGLang
+    /// disaggregation; `None`: the engine's default).
+    pub bootstrap_port: Option<u16>,
     /// Each rank's shared ingest state, by rank.
     pub rank_stats: Vec<(DpRank, Arc<RankStats>)>,
 }
@@ -56,7 +59,10 @@ impl PartialEq for Target {
                 .iter()
                 .zip(&other.rank_stats)
                 .all(|(a, b)| a.0 == b.0 && Arc::ptr_eq(&a.1, &b.1));
-        self.route == other.route && self.url == other.url && same_stats
+        self.route == other.route
+            && self.url == other.url
+            && self.bootstrap_port == other.bootstrap_port
+            && same_stats
     }
 }
 
@@ -85,8 +91,10 @@ impl Target {
                 ranks,
                 flavor: w.flavor,
                 speed: w.speed,
+                role: w.role,
             },
             url: url.to_owned(),
+            bootstrap_port: w.bootstrap_port,
             rank_stats,
         })
     }

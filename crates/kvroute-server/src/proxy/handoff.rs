@@ -102,6 +102,9 @@ pub struct Bootstrap {
     pub rooms: Vec<u64>,
 }
 
+/// SGLang's bootstrap port when a prefill worker's spec names none.
+pub const DEFAULT_BOOTSTRAP_PORT: u16 = 8998;
+
 impl Bootstrap {
     /// A room from a random 64-bit number: below 2^63, as SGLang's rooms are.
     pub fn room(random: u64) -> u64 {

@@ -24,6 +24,7 @@ pub mod attempt;
 pub mod breaker;
 pub mod candidates;
 pub mod context;
+pub mod disagg;
 pub mod handoff;
 pub mod observe;
 pub mod outcome;
@@ -42,7 +43,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvroute_core::index::{SharedIndex, WorkerRank};
 use kvroute_core::rng::{mix, unit_f64, SplitMix64};
-use kvroute_core::scheduler::{BusyThresholds, CostWeights, Policy, SpeedConfig};
+use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Policy, SpeedConfig};
 use serde_json::{json, Map, Value};
 
 use crate::api::{Body, ProxyError};
@@ -97,6 +98,11 @@ pub struct ProxyConfig {
     /// Learn each rank's speed from its streamed responses, in place of its
     /// worker's declared one once learned (`None`: declared speeds only).
     pub learn_speeds: Option<SpeedConfig>,
+    /// In a disaggregated fleet: when a decode rank prefills a request
+    /// itself instead of fetching its blocks from a prefill worker.
+    pub local_prefill: LocalPrefillRule,
+    /// In a disaggregated fleet: time allowed for a prefill leg's answer.
+    pub prefill_timeout: Duration,
 }
 
 impl Default for ProxyConfig {
@@ -118,6 +124,8 @@ impl Default for ProxyConfig {
             queue_timeout: Duration::from_secs(30),
             max_model_len: None,
             learn_speeds: None,
+            local_prefill: LocalPrefillRule::default(),
+            prefill_timeout: Duration::from_secs(120),
         }
     }
 }
@@ -286,11 +294,16 @@ impl Proxy {
 
     /// A uniform number in `[0, 1)` (SplitMix64 over an atomic state).
     pub fn random(&self) -> f64 {
+        unit_f64(self.random_u64())
+    }
+
+    /// A uniform 64-bit number (the same generator as [`Proxy::random`]).
+    pub fn random_u64(&self) -> u64 {
         let state = self
             .rng
             .fetch_add(SplitMix64::GAMMA, Ordering::Relaxed)
             .wrapping_add(SplitMix64::GAMMA);
-        unit_f64(mix(state))
+        mix(state)
     }
 
     /// The request's id: the client's `x-request-id` when it is a short
@@ -424,7 +437,6 @@ async fn route(
     if req.tokens.is_none() {
         proxy.metrics.load_only.inc();
     }
-    let admitted = attempt::admit(proxy, &req, large).await?;
     let request = attempt::Request {
         req: &req,
         headers,
@@ -433,7 +445,12 @@ async fn route(
         request_id,
         large,
         arrived,
+        disagg: None,
     };
+    if disagg::splits(&proxy.targets()) {
+        return disagg::route(proxy, &req, request).await;
+    }
+    let admitted = attempt::admit(proxy, &req, large).await?;
     attempt::forward(proxy, admitted, request).await
 }
 

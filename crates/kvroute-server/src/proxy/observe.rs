@@ -96,6 +96,8 @@ pub struct Decision {
     pub load_only: Option<String>,
     /// The first candidates in the order they would be tried, and the chosen one.
     pub candidates: Vec<CandidateView>,
+    /// In a disaggregated fleet: where each phase went and why.
+    pub disagg: Option<String>,
 }
 
 impl Decision {
@@ -111,6 +113,9 @@ impl Decision {
         };
         if self.retries > 0 {
             reason.push_str(&format!(", after {} refused", self.retries));
+        }
+        if let Some(disagg) = &self.disagg {
+            reason = format!("{disagg}; decode rank: {reason}");
         }
         reason
     }
@@ -293,6 +298,7 @@ mod tests {
                 total: 1.0,
                 overloaded: false,
             }],
+            disagg: None,
         }
     }
 

@@ -10,7 +10,7 @@ use clap::Args;
 use kvroute_core::index::IndexConfig;
 use kvroute_core::multimodal::ImageTokenRule;
 use kvroute_core::scheduler::{BusyThresholds, Policy};
-use kvroute_core::scheduler::{CostWeights, SpeedConfig};
+use kvroute_core::scheduler::{CostWeights, LocalPrefillRule, SpeedConfig};
 use kvroute_prompt::{Renderer, Tokenizer};
 use kvroute_server::admin::Access;
 use kvroute_server::ingest::address::AllowedHosts;
@@ -39,8 +39,10 @@ pub struct ServeArgs {
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_BLOCK_SIZE")]
     block_size: Option<u32>,
     /// A worker: `name=w0,url=http://…,events=tcp://…:5557,replay=tcp://…:5657,dp=2,block_size=16,flavor=vllm`
-    /// (repeatable; `replay`, `dp`, `block_size`, `topic`, `model`, `flavor` optional;
-    /// `flavor=sglang` for SGLang engines, whose image pads differ from vLLM's).
+    /// (repeatable; `replay`, `dp`, `block_size`, `topic`, `model`, `flavor`, `speed`,
+    /// `role`, `bootstrap_port` optional; `flavor=sglang` for SGLang engines, whose
+    /// image pads differ from vLLM's; `role=prefill|decode|both` for disaggregated
+    /// fleets, with `bootstrap_port` on SGLang prefill workers).
     /// In the environment, specs are separated by `;`.
     #[arg(
         long = "worker",
@@ -238,6 +240,19 @@ pub struct ServeArgs {
     /// Seconds a kept-alive connection may wait for its next request.
     #[arg(long, default_value_t = HttpLimits::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_IDLE_TIMEOUT_SECS")]
     idle_timeout_secs: u64,
+    /// Disaggregated fleets (workers with `role=prefill` and `role=decode`):
+    /// a decode rank prefills a request itself, skipping the transfer, when
+    /// fewer than this many of its prompt tokens are uncached there (and
+    /// under --local-prefill-max-fraction of the prompt); 0: never.
+    #[arg(long, default_value_t = LocalPrefillRule::default().max_uncached_tokens, env = "KVROUTE_LOCAL_PREFILL_MAX_TOKENS")]
+    local_prefill_max_tokens: u64,
+    /// The uncached share of the prompt under which a decode rank may
+    /// prefill it itself.
+    #[arg(long, default_value_t = LocalPrefillRule::default().max_uncached_fraction, env = "KVROUTE_LOCAL_PREFILL_MAX_FRACTION")]
+    local_prefill_max_fraction: f64,
+    /// Disaggregated fleets: seconds allowed for a prefill leg's answer.
+    #[arg(long, default_value_t = ProxyConfig::default().prefill_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_PREFILL_TIMEOUT_SECS")]
+    prefill_timeout_secs: u64,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info", env = "KVROUTE_LOG")]
     log: tracing::Level,
@@ -408,6 +423,11 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         queue_timeout: Duration::from_millis(args.queue_timeout_ms),
         max_model_len: args.max_model_len,
         learn_speeds: args.learn_speeds.then(SpeedConfig::default),
+        local_prefill: LocalPrefillRule {
+            max_uncached_tokens: args.local_prefill_max_tokens,
+            max_uncached_fraction: args.local_prefill_max_fraction,
+        },
+        prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
         renderer,
     })
 }
@@ -513,6 +533,8 @@ mod tests {
         assert_eq!(p.queue_timeout, q.queue_timeout);
         assert_eq!(p.max_model_len, q.max_model_len);
         assert_eq!(p.learn_speeds.is_some(), q.learn_speeds.is_some());
+        assert_eq!(p.local_prefill, q.local_prefill);
+        assert_eq!(p.prefill_timeout, q.prefill_timeout);
     }
 
     /// The text `--help` prints for one flag, up to the next flag.
@@ -562,6 +584,15 @@ mod tests {
             ("snapshot-secs", secs(StateConfig::DEFAULT_EVERY)),
             ("header-timeout-secs", secs(d.http.header_timeout)),
             ("idle-timeout-secs", secs(d.http.idle_timeout)),
+            ("prefill-timeout-secs", secs(d.proxy.prefill_timeout)),
+            (
+                "local-prefill-max-tokens",
+                d.proxy.local_prefill.max_uncached_tokens.to_string(),
+            ),
+            (
+                "local-prefill-max-fraction",
+                d.proxy.local_prefill.max_uncached_fraction.to_string(),
+            ),
         ];
         for (flag, value) in shown {
             let text = help_of(&help, flag);

@@ -6,6 +6,7 @@ mod config;
 mod dashboard;
 mod demo;
 mod deploy;
+mod disagg;
 mod ingest;
 mod inspect;
 mod metrics;

@@ -1,0 +1,647 @@
+//! A request through a disaggregated fleet: workers registered with
+//! `role=prefill` compute prompts, workers with `role=decode` generate.
+//!
+//! The decode rank is placed first, by its load, with credit for its own
+//! cache only where that cache lets it prefill the request itself
+//! (`kvroute_core::scheduler::disagg`); then, unless it prefills locally,
+//! the prefill rank, by the same KV-aware cost as an aggregated request,
+//! since its cache is what saves work. The legs follow the decode worker's
+//! engine ([`handoff`](super::handoff)):
+//! * vLLM: the prefill leg first, retried on the next prefill worker under
+//!   the retry rule ([`outcome`](super::outcome)); then the decode leg with
+//!   the prefill's `kv_transfer_params`, its answer relayed to the client;
+//! * SGLang: both legs at once with one bootstrap room; if either fails
+//!   before the decode answers, the other is dropped (cancelled) too.
+//!
+//! A request is sent to one decode worker at most: a decode leg that fails
+//! is the client's error, never retried elsewhere. Workers with
+//! `role=both` in such a fleet decode like decode workers and always
+//! prefill their own requests.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::response::Response;
+use kvroute_core::event::WorkerFlavor;
+use kvroute_core::scheduler::disagg::{pick_decode, prefill_order};
+use kvroute_core::scheduler::{order, DecodeCost, LocalPrefillRule, Policy, Scored, WorkerRole};
+use serde_json::Value;
+
+use super::active::{ActiveGuard, ActiveRanks};
+use super::attempt::{self, charge, hashes_for, outgoing, send, Admitted, Outgoing, Request, Sent};
+use super::candidates::{Candidates, Target};
+use super::handoff::{self, Bootstrap};
+use super::outcome::{self, Ending};
+use super::{on_cpu, Proxy};
+use crate::api::{ErrorKind, ProxyError};
+use kvroute_prompt::body::RoutingRequest;
+
+/// Whether requests to this fleet are split: it has prefill workers and
+/// decode workers.
+pub fn splits(targets: &[Target]) -> bool {
+    targets.iter().any(|t| t.role == WorkerRole::Prefill)
+        && targets.iter().any(|t| t.role == WorkerRole::Decode)
+}
+
+/// Where a request's phases go, each chosen rank already charged.
+struct Placed {
+    /// The decode rank (a position in the candidates).
+    decode: usize,
+    decode_guard: ActiveGuard,
+    /// Prefill ranks in the order to try them; empty when the decode rank
+    /// prefills the request itself.
+    prefill: Vec<usize>,
+    /// The first of them, charged with the prefill.
+    first_prefill: Option<(usize, ActiveGuard)>,
+    /// Where each phase goes and why, for the decisions ring and logs.
+    why: String,
+}
+
+/// Routes one parsed request through the disaggregated fleet.
+pub async fn route(
+    proxy: &Arc<Proxy>,
+    req: &Arc<RoutingRequest>,
+    request: Request<'_>,
+) -> Result<Response, ProxyError> {
+    let (candidates, placed) = {
+        let (proxy, req) = (proxy.clone(), req.clone());
+        on_cpu(request.large, move || place(&proxy, &req)).await?
+    };
+    let Some(placed) = placed else {
+        proxy.metrics.no_workers.inc();
+        return Err(ProxyError::NoWorkers);
+    };
+    tracing::debug!(request_id = request.request_id, placement = %placed.why, "disaggregated");
+    if placed.prefill.is_empty() {
+        let first = Some((placed.decode, placed.decode_guard));
+        let admitted = Admitted::new(candidates, vec![placed.decode], first);
+        let request = Request {
+            disagg: Some(&placed.why),
+            ..request
+        };
+        return attempt::forward(proxy, admitted, request).await;
+    }
+    let flavor = candidates.scored[placed.decode].flavor;
+    match flavor {
+        WorkerFlavor::Vllm => vllm(proxy, &candidates, placed, request).await,
+        WorkerFlavor::Sglang => sglang(proxy, &candidates, placed, request).await,
+    }
+}
+
+/// Scores the request and places its phases while the loads they were
+/// scored on are held; `None` when no rank may decode it.
+fn place(proxy: &Arc<Proxy>, req: &RoutingRequest) -> (Candidates, Option<Placed>) {
+    proxy.candidates_for(req, |candidates, ranks| {
+        let config = proxy.config();
+        let tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
+        let kv = matches!(config.policy, Policy::Kv | Policy::Approx) && req.tokens.is_some();
+        // SGLang decode engines take no request without a bootstrap room:
+        // they never prefill locally.
+        let sglang_decodes = candidates
+            .targets
+            .iter()
+            .any(|t| t.role == WorkerRole::Decode && t.flavor == WorkerFlavor::Sglang);
+        let rule = if kv && !sglang_decodes {
+            config.local_prefill
+        } else {
+            LocalPrefillRule::NEVER
+        };
+        let role = |s: &Scored| {
+            candidates
+                .targets
+                .get(s.worker)
+                .map_or(WorkerRole::Both, |t| t.role)
+        };
+        let turn = proxy
+            .turn
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let random = proxy.random();
+        let by_policy =
+            |subset: &[Scored]| order(subset, config.policy, config.temperature, random, turn);
+        let scored = &candidates.scored;
+        let (decode, cost) = if kv {
+            pick_decode(scored, |s| role(s).decodes(), tokens, &rule, random)?
+        } else {
+            let i = *prefill_order(scored, |s| role(s).decodes(), by_policy).first()?;
+            (i, DecodeCost::of(&scored[i], tokens, &rule))
+        };
+        let aggregated = role(&scored[decode]) == WorkerRole::Both;
+        let prefill = if cost.local || aggregated {
+            Vec::new()
+        } else {
+            prefill_order(scored, |s| role(s) == WorkerRole::Prefill, by_policy)
+        };
+        if prefill.is_empty()
+            && !cost.local
+            && !aggregated
+            && scored[decode].flavor == WorkerFlavor::Sglang
+        {
+            return None;
+        }
+        let why = explain(candidates, (decode, &cost), &prefill, tokens, &rule);
+        let decode_guard = if prefill.is_empty() {
+            charge(proxy, ranks, candidates, req, decode)?
+        } else {
+            charge_decode_only(proxy, ranks, candidates, req, decode)?
+        };
+        let first_prefill = prefill
+            .first()
+            .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
+        Some(Placed {
+            decode,
+            decode_guard,
+            prefill,
+            first_prefill,
+            why,
+        })
+    })
+}
+
+/// Charges decode rank `i` with the request's blocks but no prefill: its
+/// prompt is computed elsewhere.
+fn charge_decode_only(
+    proxy: &Arc<Proxy>,
+    ranks: &mut ActiveRanks,
+    candidates: &Candidates,
+    req: &RoutingRequest,
+    i: usize,
+) -> Option<ActiveGuard> {
+    let s = candidates.scored.get(i)?;
+    let target = candidates.targets.get(s.worker)?;
+    let (_, seqs) = hashes_for(candidates, req, s);
+    Some(ActiveGuard::add(
+        proxy,
+        ranks,
+        (s.key, &target.name),
+        &seqs,
+        0,
+    ))
+}
+
+/// In words: where each phase goes and why.
+fn explain(
+    candidates: &Candidates,
+    (decode, cost): (usize, &DecodeCost),
+    prefill: &[usize],
+    tokens: u64,
+    rule: &LocalPrefillRule,
+) -> String {
+    let name = |i: usize| {
+        let s = &candidates.scored[i];
+        let worker = candidates.targets.get(s.worker).map_or("?", |t| &t.name);
+        format!("{worker}/{}", s.key.rank)
+    };
+    let uncached = format!(
+        "{} of {tokens} prompt tokens uncached on decode rank {} (decode cost {:.1})",
+        cost.uncached_tokens,
+        name(decode),
+        cost.total
+    );
+    match prefill.first() {
+        _ if cost.local => format!(
+            "prefilled on the decode rank: {uncached}, under {} tokens and {} of the prompt",
+            rule.max_uncached_tokens, rule.max_uncached_fraction
+        ),
+        None => format!("prefilled on the decode rank (no prefill worker to split to): {uncached}"),
+        Some(&p) => format!(
+            "split: {uncached}; prefill on {} ({} tokens uncached there)",
+            name(p),
+            candidates.scored[p].uncached_prefill_tokens(tokens)
+        ),
+    }
+}
+
+/// The body and rank header of one leg to candidate `i`, the leg's
+/// rewrite applied to the client's body as the aggregated path sends it.
+async fn leg(
+    proxy: &Proxy,
+    candidates: &Candidates,
+    i: usize,
+    request: &Request<'_>,
+    rewrite: impl FnOnce(&[u8]) -> Result<Vec<u8>, handoff::HandoffError> + Send + 'static,
+) -> Result<Outgoing, ProxyError> {
+    let s = candidates.scored[i].clone();
+    let ranks = candidates
+        .targets
+        .get(s.worker)
+        .map_or(1, |t| t.ranks.len());
+    let in_body = proxy.config().dp_rank_in_body;
+    let (req, body) = (request.req.clone(), request.body.clone());
+    on_cpu(request.large, move || {
+        let mut out = outgoing(in_body, &req, &s, ranks, &body)?;
+        out.payload =
+            Bytes::from(rewrite(&out.payload).map_err(|e| ProxyError::bad_request(e.to_string()))?);
+        Ok(out)
+    })
+    .await?
+}
+
+/// How a vLLM prefill leg ended.
+enum Prefilled {
+    /// Its `kv_transfer_params`, from the prefill candidate at this position.
+    Params(Value),
+    /// The prefill worker's own answer, not a success: the client's.
+    Answer(Response),
+}
+
+/// vLLM: the prefill leg (retried under the rule), then the decode leg.
+async fn vllm(
+    proxy: &Arc<Proxy>,
+    candidates: &Candidates,
+    placed: Placed,
+    request: Request<'_>,
+) -> Result<Response, ProxyError> {
+    let Placed {
+        decode,
+        decode_guard,
+        prefill,
+        first_prefill,
+        why,
+        ..
+    } = placed;
+    let params = match vllm_prefill(proxy, candidates, &prefill, first_prefill, &request).await? {
+        Prefilled::Params(params) => params,
+        Prefilled::Answer(response) => return Ok(response),
+    };
+    let out = leg(proxy, candidates, decode, &request, move |body| {
+        handoff::vllm_decode_body(body, &params)
+    })
+    .await?;
+    relay_decode(
+        proxy,
+        candidates,
+        (decode, decode_guard),
+        out,
+        &request,
+        why,
+    )
+    .await
+}
+
+/// Tries the prefill leg on each prefill candidate in turn, as the retry
+/// rule allows, until one answers.
+async fn vllm_prefill(
+    proxy: &Arc<Proxy>,
+    candidates: &Candidates,
+    prefill: &[usize],
+    mut first: Option<(usize, ActiveGuard)>,
+    request: &Request<'_>,
+) -> Result<Prefilled, ProxyError> {
+    let mut last_error = String::from("no prefill worker available");
+    let max_attempts = proxy.config().max_attempts.max(1);
+    for (attempt, &i) in prefill.iter().take(max_attempts).enumerate() {
+        let s = &candidates.scored[i];
+        let Some(target) = candidates.targets.get(s.worker) else {
+            continue;
+        };
+        if !proxy.breakers.begin_attempt(&target.name) {
+            continue;
+        }
+        if attempt > 0 {
+            proxy.metrics.retries.inc();
+        }
+        let guard = match first.take() {
+            Some((charged, guard)) if charged == i => guard,
+            _ => match charge(proxy, &mut proxy.active.lock(), candidates, request.req, i) {
+                Some(guard) => guard,
+                None => continue,
+            },
+        };
+        let out = leg(proxy, candidates, i, request, handoff::vllm_prefill_body).await?;
+        let sent = tokio::time::timeout(
+            proxy.config().prefill_timeout,
+            send(
+                proxy,
+                target,
+                request.endpoint,
+                out,
+                request.headers,
+                request.request_id,
+            ),
+        )
+        .await;
+        let resp = match sent {
+            Err(_) => return Err(prefill_timed_out(proxy, target, request.request_id)),
+            Ok(Sent::Answer(resp)) => resp,
+            Ok(Sent::Refused(message)) => {
+                last_error = message;
+                continue;
+            }
+            Ok(Sent::Failed(error)) => return Err(error),
+        };
+        let answer = read_whole(proxy, target, resp, request.request_id).await;
+        drop(guard);
+        return answer;
+    }
+    Err(ProxyError::UpstreamUnreachable(last_error))
+}
+
+/// The error for a prefill leg that got no answer in `--prefill-timeout-secs`:
+/// the worker took it and failed, so the rule opens its breaker.
+fn prefill_timed_out(proxy: &Proxy, target: &Target, request_id: &str) -> ProxyError {
+    outcome::settle(proxy, &target.name, Ending::LostBeforeAnswer, request_id);
+    let detail = format!(
+        "no prefill answer within {} s",
+        proxy.config().prefill_timeout.as_secs()
+    );
+    ProxyError::lost(ErrorKind::UpstreamFailed, &target.name, request_id, detail)
+}
+
+/// Reads a prefill worker's whole answer: its `kv_transfer_params` when it
+/// succeeded, the answer itself (for the client) when it did not.
+async fn read_whole(
+    proxy: &Proxy,
+    target: &Target,
+    resp: reqwest::Response,
+    request_id: &str,
+) -> Result<Prefilled, ProxyError> {
+    let status = resp.status();
+    let read = tokio::time::timeout(proxy.config().prefill_timeout, resp.bytes()).await;
+    let bytes = match read {
+        Err(_) => return Err(prefill_timed_out(proxy, target, request_id)),
+        Ok(Err(e)) => {
+            outcome::settle(proxy, &target.name, Ending::CutOff, request_id);
+            let detail = format!(
+                "reading its prefill answer: {}",
+                crate::api::error_chain(&e)
+            );
+            return Err(ProxyError::lost(
+                ErrorKind::UpstreamIncomplete,
+                &target.name,
+                request_id,
+                detail,
+            ));
+        }
+        Ok(Ok(bytes)) => bytes,
+    };
+    outcome::settle(proxy, &target.name, Ending::Complete(status), request_id);
+    if !status.is_success() {
+        let response = Response::builder()
+            .status(status.as_u16())
+            .header("x-kvroute-worker", &*target.name)
+            .header(axum::http::header::CONTENT_TYPE, "application/json")
+            .body(axum::body::Body::from(bytes))
+            .map_err(|e| ProxyError::internal(e.to_string()))?;
+        return Ok(Prefilled::Answer(response));
+    }
+    match handoff::vllm_transfer_params(&bytes) {
+        Ok(params) => Ok(Prefilled::Params(params)),
+        Err(e) => Err(ProxyError::lost(
+            ErrorKind::UpstreamFailed,
+            &target.name,
+            request_id,
+            e.to_string(),
+        )),
+    }
+}
+
+/// Sends the decode leg to decode rank `decode` (once: never to another
+/// decode worker) and relays its answer to the client.
+async fn relay_decode(
+    proxy: &Arc<Proxy>,
+    candidates: &Candidates,
+    (decode, guard): (usize, ActiveGuard),
+    out: Outgoing,
+    request: &Request<'_>,
+    why: String,
+) -> Result<Response, ProxyError> {
+    let s = &candidates.scored[decode];
+    let target = candidates
+        .targets
+        .get(s.worker)
+        .ok_or(ProxyError::NoWorkers)?;
+    let added_usage = out.added_usage;
+    let resp = match send(
+        proxy,
+        target,
+        request.endpoint,
+        out,
+        request.headers,
+        request.request_id,
+    )
+    .await
+    {
+        Sent::Answer(resp) => resp,
+        Sent::Refused(message) => return Err(ProxyError::UpstreamUnreachable(message)),
+        Sent::Failed(error) => return Err(error),
+    };
+    record(proxy, candidates, decode, request, why);
+    let relay = attempt::Relay {
+        guard,
+        added_usage,
+        request_id: request.request_id,
+        locals: &[],
+        arrived: request.arrived,
+        predict: false,
+    };
+    attempt::respond(proxy, request.req, s, target, resp, relay).await
+}
+
+/// Puts the decision in the dashboard's ring.
+fn record(
+    proxy: &Proxy,
+    candidates: &Candidates,
+    decode: usize,
+    request: &Request<'_>,
+    why: String,
+) {
+    let Some(target) = candidates.targets.get(candidates.scored[decode].worker) else {
+        return;
+    };
+    let chosen = attempt::Chosen {
+        candidates,
+        ordered: &[decode],
+        index: decode,
+        retries: 0,
+    };
+    let mut decision = attempt::decision(proxy, request.req, request.request_id, target, chosen);
+    decision.disagg = Some(why);
+    proxy.observed.routed(decision);
+}
+
+/// The most prompts one request may carry to SGLang: one bootstrap room each.
+const MAX_BATCH: usize = 4_096;
+
+/// SGLang: both legs at once, in one bootstrap room; the decode's answer
+/// relayed, the prefill's read to its end in the background.
+async fn sglang(
+    proxy: &Arc<Proxy>,
+    candidates: &Candidates,
+    placed: Placed,
+    request: Request<'_>,
+) -> Result<Response, ProxyError> {
+    let Placed {
+        decode,
+        decode_guard,
+        prefill,
+        first_prefill,
+        why,
+        ..
+    } = placed;
+    // Both legs go at once, so a prefill refusal cannot be retried
+    // elsewhere without sending the decode leg twice: one prefill worker.
+    let (p, prefill_guard) = match first_prefill {
+        Some(first) => first,
+        None => {
+            return Err(ProxyError::UpstreamUnreachable(
+                "no prefill worker available".into(),
+            ))
+        }
+    };
+    debug_assert_eq!(prefill.first(), Some(&p));
+    let prefill_target = candidates
+        .targets
+        .get(candidates.scored[p].worker)
+        .ok_or(ProxyError::NoWorkers)?;
+    if !proxy.breakers.begin_attempt(&prefill_target.name) {
+        return Err(ProxyError::UpstreamUnreachable(format!(
+            "prefill worker `{}` is out of rotation",
+            prefill_target.name
+        )));
+    }
+    let batch =
+        handoff::batch_size(request.body).map_err(|e| ProxyError::bad_request(e.to_string()))?;
+    if batch.is_some_and(|n| n > MAX_BATCH) {
+        return Err(ProxyError::bad_request(format!(
+            "at most {MAX_BATCH} prompts per disaggregated request"
+        )));
+    }
+    let bootstrap = Bootstrap {
+        host: host_of(&prefill_target.url),
+        port: Some(
+            prefill_target
+                .bootstrap_port
+                .unwrap_or(handoff::DEFAULT_BOOTSTRAP_PORT),
+        ),
+        rooms: (0..batch.unwrap_or(1))
+            .map(|_| Bootstrap::room(proxy.random_u64()))
+            .collect(),
+    };
+    let legs = |i: usize| {
+        let bootstrap = bootstrap.clone();
+        leg(proxy, candidates, i, &request, move |body| {
+            handoff::sglang_body(body, &bootstrap, batch)
+        })
+    };
+    let (prefill_out, decode_out) = (legs(p).await?, legs(decode).await?);
+    let decode_target = candidates
+        .targets
+        .get(candidates.scored[decode].worker)
+        .ok_or(ProxyError::NoWorkers)?;
+    let added_usage = decode_out.added_usage;
+    let (prefill_resp, decode_resp) = both(
+        send(
+            proxy,
+            prefill_target,
+            request.endpoint,
+            prefill_out,
+            request.headers,
+            request.request_id,
+        ),
+        send(
+            proxy,
+            decode_target,
+            request.endpoint,
+            decode_out,
+            request.headers,
+            request.request_id,
+        ),
+    )
+    .await?;
+    drain_prefill(
+        proxy,
+        prefill_target.name.clone(),
+        prefill_resp,
+        prefill_guard,
+        request.request_id,
+    );
+    record(proxy, candidates, decode, &request, why);
+    let relay = attempt::Relay {
+        guard: decode_guard,
+        added_usage,
+        request_id: request.request_id,
+        locals: &[],
+        arrived: request.arrived,
+        predict: false,
+    };
+    let s = &candidates.scored[decode];
+    attempt::respond(proxy, request.req, s, decode_target, decode_resp, relay).await
+}
+
+/// Sends both SGLang legs at once and waits for both heads; the first leg
+/// to fail drops (cancels) the other, which would otherwise wait for a
+/// bootstrap room that never fills.
+async fn both(
+    prefill: impl std::future::Future<Output = Sent>,
+    decode: impl std::future::Future<Output = Sent>,
+) -> Result<(reqwest::Response, reqwest::Response), ProxyError> {
+    tokio::pin!(prefill);
+    tokio::pin!(decode);
+    let (mut p, mut d) = (None, None);
+    loop {
+        tokio::select! {
+            sent = &mut prefill, if p.is_none() => p = Some(answered(sent, true)?),
+            sent = &mut decode, if d.is_none() => d = Some(answered(sent, false)?),
+        }
+        if p.is_some() && d.is_some() {
+            if let (Some(p), Some(d)) = (p.take(), d.take()) {
+                return Ok((p, d));
+            }
+        }
+    }
+}
+
+/// A leg's answer, or the error the request ends with. A prefill leg must
+/// succeed: its decode twin cannot finish without it.
+fn answered(sent: Sent, prefill: bool) -> Result<reqwest::Response, ProxyError> {
+    match sent {
+        Sent::Answer(resp) if prefill && !resp.status().is_success() => Err(
+            ProxyError::UpstreamUnreachable(format!("the prefill leg answered {}", resp.status())),
+        ),
+        Sent::Answer(resp) => Ok(resp),
+        Sent::Refused(message) => Err(ProxyError::UpstreamUnreachable(message)),
+        Sent::Failed(error) => Err(error),
+    }
+}
+
+/// Reads an SGLang prefill leg's answer to its end in the background, then
+/// settles the worker's breaker and frees its prefill load.
+fn drain_prefill(
+    proxy: &Arc<Proxy>,
+    worker: Arc<str>,
+    resp: reqwest::Response,
+    guard: ActiveGuard,
+    request_id: &str,
+) {
+    let (proxy, request_id) = (proxy.clone(), request_id.to_owned());
+    tokio::spawn(async move {
+        let status = resp.status();
+        let ending = match resp.bytes().await {
+            Ok(_) => Ending::Complete(status),
+            Err(_) => Ending::CutOff,
+        };
+        outcome::settle(&proxy, &worker, ending, &request_id);
+        drop(guard);
+    });
+}
+
+/// The host of a worker's URL, as its peers reach it (IPv6 without brackets).
+fn host_of(url: &str) -> String {
+    reqwest::Url::parse(url)
+        .ok()
+        .and_then(|u| u.host_str().map(|h| h.trim_matches(['[', ']']).to_owned()))
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bootstrap_host_is_the_prefill_workers_host() {
+        assert_eq!(host_of("http://10.0.0.5:30000"), "10.0.0.5");
+        assert_eq!(host_of("http://[::1]:30000"), "::1");
+        assert_eq!(host_of("http://prefill-0.svc:8000/"), "prefill-0.svc");
+        assert_eq!(host_of("not a url"), "");
+    }
+}

@@ -1,0 +1,290 @@
+//! Prefill/decode disaggregation end to end: `kvroute serve` in front of
+//! mock engines started with `--role prefill` and `--role decode`, in both
+//! engines' protocols (vLLM's `kv_transfer_params`, SGLang's bootstrap
+//! rooms), and workers that fail mid-way.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::http::{dechunk, request, request_with, Reply};
+use crate::support::{eventually, spawn_mocker, spawn_serve, Proc};
+
+const TOKEN: &str = "pd-test-token";
+
+/// One mock engine of `flavor` in `role`, its `--worker` line renamed `name`.
+fn engine(flavor: &str, role: &str, name: &str) -> (Proc, String) {
+    let (child, mut lines) = spawn_mocker(
+        &[
+            "--workers",
+            "1",
+            "--engine-flavor",
+            flavor,
+            "--role",
+            role,
+            "--port",
+            "0",
+            "--kv-events-port",
+            "0",
+            "--replay-port",
+            "0",
+            "--bootstrap-port",
+            "0",
+            "--speedup",
+            "50",
+        ],
+        1,
+    );
+    let line = lines.remove(0);
+    let renamed = line
+        .split(',')
+        .map(|kv| {
+            if kv.starts_with("name=") {
+                format!("name={name}")
+            } else {
+                kv.to_owned()
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",");
+    assert!(renamed.contains(&format!("role={role}")), "{renamed}");
+    (child, renamed)
+}
+
+/// A prefill engine `p0` and a decode engine `d0` of `flavor`, and the
+/// router in front of them.
+fn fleet(flavor: &str, extra: &[&str]) -> (Vec<Proc>, String) {
+    let (p, p_line) = engine(flavor, "prefill", "p0");
+    let (d, d_line) = engine(flavor, "decode", "d0");
+    let (serve, addr) = start_serve(&[p_line, d_line], extra, &["p0", "d0"]);
+    (vec![p, d, serve], addr)
+}
+
+fn auth() -> String {
+    format!("Bearer {TOKEN}")
+}
+
+/// `kvroute serve` with the admin token and `extra` flags in front of
+/// `lines`, once the workers named in `live` have every rank connected
+/// (the others may point at sockets no one publishes on).
+fn start_serve(lines: &[String], extra: &[&str], live: &[&str]) -> (Proc, String) {
+    let mut args = vec!["--admin-token", TOKEN];
+    args.extend_from_slice(extra);
+    let (proc, serve) = spawn_serve(lines, &args);
+    eventually("serve up with the engines' ranks connected", || {
+        let r = request_with(&serve, "GET", "/workers", &[("Authorization", &auth())], "");
+        let doc: Value = if r.status == 200 {
+            r.json()
+        } else {
+            Value::Null
+        };
+        let workers = doc["workers"].as_array().cloned().unwrap_or_default();
+        workers.len() == lines.len()
+            && live.iter().all(|name| {
+                workers.iter().any(|w| {
+                    w["name"] == *name
+                        && w["ranks"].as_array().is_some_and(|r| {
+                            !r.is_empty() && r.iter().all(|r| r["connected"] == true)
+                        })
+                })
+            })
+    });
+    (proc, serve)
+}
+
+/// The newest routing decisions' reasons, newest first.
+fn reasons(serve: &str) -> Vec<String> {
+    let stats = request_with(
+        serve,
+        "GET",
+        "/api/stats",
+        &[("Authorization", &auth())],
+        "",
+    );
+    assert_eq!(stats.status, 200, "{}", stats.body);
+    stats.json()["decisions"]
+        .as_array()
+        .map(|d| {
+            d.iter()
+                .filter_map(|d| d["reason"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A 320-token prompt (20 blocks of 16), different for each `seed`.
+fn prompt(seed: u32) -> Vec<u32> {
+    (0..320).map(|i| 1_000 + seed * 1_000 + i).collect()
+}
+
+fn complete(serve: &str, tokens: &[u32], stream: bool) -> Reply {
+    let body = json!({"model": "mock-model", "prompt": tokens, "max_tokens": 6, "stream": stream});
+    request(serve, "POST", "/v1/completions", &body.to_string())
+}
+
+/// The first request is split (prefill on `p0`, the answer from `d0`);
+/// `d0` publishes the blocks it received, and the same prompt again is
+/// prefilled on `d0` itself when `local_repeat` (vLLM), split again when
+/// not (SGLang decode engines never prefill locally).
+fn a_split_request_then_a_repeat(flavor: &str, local_repeat: bool) {
+    let (_procs, serve) = fleet(flavor, &[]);
+    let tokens = prompt(1);
+    let first = complete(&serve, &tokens, false);
+    assert_eq!(first.status, 200, "{}", first.body);
+    assert_eq!(first.header("x-kvroute-worker").as_deref(), Some("d0"));
+    let doc: Value = first.json();
+    assert!(doc["choices"][0]["text"].is_string(), "{doc}");
+    let newest = reasons(&serve);
+    assert!(
+        newest
+            .first()
+            .is_some_and(|r| r.starts_with("split:") && r.contains("on p0/0")),
+        "{newest:?}"
+    );
+    // The decode engine published the blocks it received: the router sees
+    // them on d0, and the repeat is short enough to prefill there.
+    eventually("d0's transferred blocks reach the index", || {
+        let q = json!({"token_ids": tokens}).to_string();
+        let r = request_with(&serve, "POST", "/query", &[("Authorization", &auth())], &q);
+        r.json()["scores"]["d0"]["0"].as_u64().unwrap_or(0) >= 256
+    });
+    let second = complete(&serve, &tokens, true);
+    assert_eq!(second.status, 200, "{}", second.body);
+    assert_eq!(second.header("x-kvroute-worker").as_deref(), Some("d0"));
+    let (events, _) = dechunk(second.body.as_bytes());
+    let text = String::from_utf8_lossy(&events);
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let newest = reasons(&serve);
+    let expected = if local_repeat {
+        "prefilled on the decode rank"
+    } else {
+        "split:"
+    };
+    assert!(
+        newest.first().is_some_and(|r| r.starts_with(expected)),
+        "{newest:?}"
+    );
+}
+
+#[test]
+fn vllm_requests_are_split_then_prefilled_locally_once_the_decode_engine_caches_them() {
+    a_split_request_then_a_repeat("vllm", true);
+}
+
+#[test]
+fn sglang_requests_are_split_every_time_and_the_decode_engine_publishes_what_it_received() {
+    a_split_request_then_a_repeat("sglang", false);
+}
+
+#[test]
+fn a_streamed_split_request_relays_the_decode_engines_stream() {
+    for flavor in ["vllm", "sglang"] {
+        let (_procs, serve) = fleet(flavor, &["--local-prefill-max-tokens", "0"]);
+        let reply = complete(&serve, &prompt(2), true);
+        assert_eq!(reply.status, 200, "{flavor}: {}", reply.body);
+        assert_eq!(reply.header("x-kvroute-worker").as_deref(), Some("d0"));
+        let (events, complete) = dechunk(reply.body.as_bytes());
+        let text = String::from_utf8_lossy(&events);
+        assert!(complete, "{flavor}: {text}");
+        assert!(text.contains("data: {"), "{flavor}: {text}");
+        assert!(
+            text.trim_end().ends_with("data: [DONE]"),
+            "{flavor}: {text}"
+        );
+    }
+}
+
+/// An HTTP "worker" that takes every completion, counts it and drops the
+/// connection without answering.
+fn dropping_worker() -> (String, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let taken = Arc::new(AtomicUsize::new(0));
+    let count = taken.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let mut buf = [0u8; 65536];
+            let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
+            if matches!(stream.read(&mut buf), Ok(n) if buf[..n].starts_with(b"POST /v1/")) {
+                count.fetch_add(1, Ordering::SeqCst);
+            }
+            drop(stream);
+        }
+    });
+    (addr, taken)
+}
+
+/// A decode worker that fails after taking the request ends it with a 502;
+/// the request is never sent to the other decode worker, whichever of the
+/// two the router placed it on.
+#[test]
+fn a_failed_decode_leg_is_never_sent_to_a_second_decode_worker() {
+    let (_p, p_line) = engine("vllm", "prefill", "p0");
+    let (_d, d_line) = engine("vllm", "decode", "d0");
+    let (fake, taken) = dropping_worker();
+    let dead_events = format!("tcp://127.0.0.1:{}", crate::support::free_port());
+    let fake_line =
+        format!("name=dx,url=http://{fake},events={dead_events},dp=1,block_size=16,role=decode");
+    let (_serve, serve) = start_serve(
+        &[p_line, d_line, fake_line],
+        &["--policy", "round-robin", "--local-prefill-max-tokens", "0"],
+        &["p0", "d0"],
+    );
+    let mut to_fake = 0;
+    for seed in 0..4 {
+        let before = taken.load(Ordering::SeqCst);
+        let reply = complete(&serve, &prompt(10 + seed), false);
+        let took = taken.load(Ordering::SeqCst) - before;
+        match reply.status {
+            200 => {
+                assert_eq!(took, 0, "{}", reply.body);
+                assert_eq!(reply.header("x-kvroute-worker").as_deref(), Some("d0"));
+            }
+            502 => {
+                assert_eq!(took, 1, "{}", reply.body);
+                to_fake += 1;
+            }
+            other => panic!("{other}: {}", reply.body),
+        }
+    }
+    // Round-robin placed one request on the failing worker, whose breaker
+    // then opened; the rest went to d0 alone.
+    assert_eq!(to_fake, 1);
+    assert_eq!(taken.load(Ordering::SeqCst), 1);
+}
+
+/// A prefill worker that cannot be reached is a retry on the next prefill
+/// worker (vLLM's legs run one after the other, so no decode leg was sent).
+/// Declared a thousand times as fast, the unreachable one is always tried first
+/// until its breaker opens.
+#[test]
+fn an_unreachable_prefill_worker_is_retried_on_the_next() {
+    let (_p, p_line) = engine("vllm", "prefill", "p0");
+    let (_d, d_line) = engine("vllm", "decode", "d0");
+    let closed = crate::support::free_port();
+    let dead_events = format!("tcp://127.0.0.1:{}", crate::support::free_port());
+    let gone = format!(
+        "name=p-gone,url=http://127.0.0.1:{closed},events={dead_events},dp=1,block_size=16,role=prefill,speed=1000"
+    );
+    let (_serve, serve) = start_serve(
+        &[gone, p_line, d_line],
+        &["--local-prefill-max-tokens", "0"],
+        &["p0", "d0"],
+    );
+    for seed in 0..3 {
+        let reply = complete(&serve, &prompt(20 + seed), false);
+        assert_eq!(reply.status, 200, "{}", reply.body);
+        assert_eq!(reply.header("x-kvroute-worker").as_deref(), Some("d0"));
+    }
+    assert!(crate::support::http::count(&serve, "kvroute_proxy_retries_total") >= 1);
+    assert!(
+        reasons(&serve).iter().all(|r| r.starts_with("split:")),
+        "{:?}",
+        reasons(&serve)
+    );
+}
