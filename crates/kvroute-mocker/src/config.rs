@@ -49,45 +49,10 @@ pub enum TsSource {
 /// `kv_role` does for NIXL. An SGLang engine's role is its
 /// `--disaggregation-mode`: a prefill engine serves the bootstrap rooms, a
 /// decode engine waits on them. See `docs/mocker.md`, "Prefill and decode roles".
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
-pub enum Role {
-    /// Prefill and decode in one engine (the default; no transfers).
-    #[default]
-    Both,
-    /// Computes prompts and hands their KV to a decode engine.
-    Prefill,
-    /// Generates from KV a prefill engine computed.
-    Decode,
-}
-
-impl Role {
-    /// The name used by `--role` and in `--worker` lines.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Role::Both => "both",
-            Role::Prefill => "prefill",
-            Role::Decode => "decode",
-        }
-    }
-}
-
-impl std::fmt::Display for Role {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for Role {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "both" => Ok(Role::Both),
-            "prefill" => Ok(Role::Prefill),
-            "decode" => Ok(Role::Decode),
-            _ => Err(format!("unknown role `{s}` (prefill, decode, both)")),
-        }
-    }
-}
+///
+/// The same type as the router's worker role, so a mock engine's
+/// `role=` and the router's parse alike.
+pub use kvroute_core::scheduler::WorkerRole as Role;
 
 /// Modelled time to move one KV block from a prefill to a decode engine,
 /// in microseconds (`--transfer-us-per-block`): a 16-token block of an
@@ -400,7 +365,7 @@ mod tests {
         for role in [Role::Both, Role::Prefill, Role::Decode] {
             assert_eq!(role.as_str().parse::<Role>(), Ok(role));
         }
-        assert!("prefill-decode".parse::<Role>().is_err());
+        assert!("encode".parse::<Role>().is_err());
         assert_eq!(MockerConfig::default().role, Role::Both);
     }
 

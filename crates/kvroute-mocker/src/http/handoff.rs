@@ -1,7 +1,7 @@
 //! The HTTP side of prefill/decode roles: what each leg of a disaggregated
 //! request does around the engine, vLLM's side channel, and the counters.
 //!
-//! A request becomes one [`Leg`] (see `docs/mocker.md`, "Prefill and decode
+//! A request becomes one `Leg` (see `docs/mocker.md`, "Prefill and decode
 //! roles"):
 //! * vLLM, `kv_transfer_params.do_remote_decode` (a prefill leg): the
 //!   blocks are held when it finishes and a non-streamed answer carries

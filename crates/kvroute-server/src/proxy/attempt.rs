@@ -147,16 +147,32 @@ pub(super) fn charge(
     req: &RoutingRequest,
     i: usize,
 ) -> Option<ActiveGuard> {
+    charge_as(proxy, ranks, (candidates, req, i), true)
+}
+
+/// [`charge`], with the prompt's uncached tokens in the rank's prefill load
+/// only when it `prefills` (a decode rank of a split request does not).
+pub(super) fn charge_as(
+    proxy: &Arc<Proxy>,
+    ranks: &mut ActiveRanks,
+    (candidates, req, i): (&Candidates, &RoutingRequest, usize),
+    prefills: bool,
+) -> Option<ActiveGuard> {
     let s = candidates.scored.get(i)?;
     let target = candidates.targets.get(s.worker)?;
     let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
     let (_, seqs) = hashes_for(candidates, req, s);
+    let prefill = if prefills {
+        s.uncached_prefill_tokens(request_tokens)
+    } else {
+        0
+    };
     Some(ActiveGuard::add(
         proxy,
         ranks,
         (s.key, &target.name),
         &seqs,
-        s.uncached_prefill_tokens(request_tokens),
+        prefill,
     ))
 }
 

@@ -6,9 +6,9 @@
 //! (`kvroute_core::scheduler::disagg`); then, unless it prefills locally,
 //! the prefill rank, by the same KV-aware cost as an aggregated request,
 //! since its cache is what saves work. The legs follow the decode worker's
-//! engine ([`handoff`](super::handoff)):
+//! engine (`super::handoff`):
 //! * vLLM: the prefill leg first, retried on the next prefill worker under
-//!   the retry rule ([`outcome`](super::outcome)); then the decode leg with
+//!   the retry rule (`super::outcome`); then the decode leg with
 //!   the prefill's `kv_transfer_params`, its answer relayed to the client;
 //! * SGLang: both legs at once with one bootstrap room; if either fails
 //!   before the decode answers, the other is dropped (cancelled) too.
@@ -27,8 +27,8 @@ use kvroute_core::scheduler::disagg::{pick_decode, prefill_order};
 use kvroute_core::scheduler::{order, DecodeCost, LocalPrefillRule, Policy, Scored, WorkerRole};
 use serde_json::Value;
 
-use super::active::{ActiveGuard, ActiveRanks};
-use super::attempt::{self, charge, hashes_for, outgoing, send, Admitted, Outgoing, Request, Sent};
+use super::active::ActiveGuard;
+use super::attempt::{self, charge, charge_as, outgoing, send, Admitted, Outgoing, Request, Sent};
 use super::candidates::{Candidates, Target};
 use super::handoff::{self, Bootstrap};
 use super::outcome::{self, Ending};
@@ -139,11 +139,7 @@ fn place(proxy: &Arc<Proxy>, req: &RoutingRequest) -> (Candidates, Option<Placed
             return None;
         }
         let why = explain(candidates, (decode, &cost), &prefill, tokens, &rule);
-        let decode_guard = if prefill.is_empty() {
-            charge(proxy, ranks, candidates, req, decode)?
-        } else {
-            charge_decode_only(proxy, ranks, candidates, req, decode)?
-        };
+        let decode_guard = charge_as(proxy, ranks, (candidates, req, decode), prefill.is_empty())?;
         let first_prefill = prefill
             .first()
             .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
@@ -155,27 +151,6 @@ fn place(proxy: &Arc<Proxy>, req: &RoutingRequest) -> (Candidates, Option<Placed
             why,
         })
     })
-}
-
-/// Charges decode rank `i` with the request's blocks but no prefill: its
-/// prompt is computed elsewhere.
-fn charge_decode_only(
-    proxy: &Arc<Proxy>,
-    ranks: &mut ActiveRanks,
-    candidates: &Candidates,
-    req: &RoutingRequest,
-    i: usize,
-) -> Option<ActiveGuard> {
-    let s = candidates.scored.get(i)?;
-    let target = candidates.targets.get(s.worker)?;
-    let (_, seqs) = hashes_for(candidates, req, s);
-    Some(ActiveGuard::add(
-        proxy,
-        ranks,
-        (s.key, &target.name),
-        &seqs,
-        0,
-    ))
 }
 
 /// In words: where each phase goes and why.
