@@ -539,10 +539,12 @@ mod tests {
 
     /// The text `--help` prints for one flag, up to the next flag.
     fn help_of(help: &str, flag: &str) -> String {
+        // A flag's own line starts with six spaces; prose that names it is
+        // indented further.
         let start = help
-            .find(&format!("--{flag} "))
+            .find(&format!("\n      --{flag} "))
             .unwrap_or_else(|| panic!("--{flag} is in the help"));
-        let rest = &help[start..];
+        let rest = &help[start + 1..];
         let next_flag = |at: &str| rest[2..].find(at).map(|i| i + 2);
         let end = [next_flag("\n      --"), next_flag("\n  -")]
             .into_iter()
