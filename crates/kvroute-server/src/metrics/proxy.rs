@@ -39,6 +39,10 @@ pub struct ProxyMetrics {
     pub no_workers: Counter,
     /// [`PROXY_LOAD_ONLY`].
     pub load_only: Counter,
+    /// [`PROXY_DISAGG_SPLIT`].
+    pub disagg_split: Counter,
+    /// [`PROXY_DISAGG_LOCAL`].
+    pub disagg_local: Counter,
     /// [`PROXY_ERRORS`]; count through [`ProxyMetrics::answered`].
     pub errors: Family<ErrorKind, Counter>,
     /// [`PROXY_TTFT`].
@@ -65,6 +69,8 @@ impl Default for ProxyMetrics {
             queue_timeouts: Counter::default(),
             no_workers: Counter::default(),
             load_only: Counter::default(),
+            disagg_split: Counter::default(),
+            disagg_local: Counter::default(),
             errors: {
                 // Every kind exported from the start, at 0.
                 let errors = Family::<ErrorKind, Counter>::default();
@@ -123,6 +129,8 @@ impl ProxyMetrics {
             (PROXY_QUEUE_TIMEOUTS, &self.queue_timeouts),
             (PROXY_NO_WORKERS, &self.no_workers),
             (PROXY_LOAD_ONLY, &self.load_only),
+            (PROXY_DISAGG_SPLIT, &self.disagg_split),
+            (PROXY_DISAGG_LOCAL, &self.disagg_local),
         ];
         for (info, counter) in counters {
             registry.register(info.family(), info.help, counter.clone());

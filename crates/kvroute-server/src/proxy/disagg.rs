@@ -73,6 +73,7 @@ pub async fn route(
     };
     tracing::debug!(request_id = request.request_id, placement = %placed.why, "disaggregated");
     if placed.prefill.is_empty() {
+        proxy.metrics.disagg_local.inc();
         let first = Some((placed.decode, placed.decode_guard));
         let admitted = Admitted::new(candidates, vec![placed.decode], first);
         let request = Request {
@@ -81,6 +82,7 @@ pub async fn route(
         };
         return attempt::forward(proxy, admitted, request).await;
     }
+    proxy.metrics.disagg_split.inc();
     let flavor = candidates.scored[placed.decode].flavor;
     match flavor {
         WorkerFlavor::Vllm => vllm(proxy, &candidates, placed, request).await,

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use crate::support::http::{dechunk, request, request_with, Reply};
+use crate::support::http::{count, dechunk, request, request_with, Reply};
 use crate::support::{eventually, spawn_mocker, spawn_serve, Proc};
 
 const TOKEN: &str = "pd-test-token";
@@ -158,6 +158,11 @@ fn a_split_request_then_a_repeat(flavor: &str, local_repeat: bool) {
     let (events, _) = dechunk(second.body.as_bytes());
     let text = String::from_utf8_lossy(&events);
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let (split, local) = (
+        count(&serve, "kvroute_proxy_disagg_split_total"),
+        count(&serve, "kvroute_proxy_disagg_local_total"),
+    );
+    assert_eq!((split, local), if local_repeat { (1, 1) } else { (2, 0) });
     let newest = reasons(&serve);
     let expected = if local_repeat {
         "prefilled on the decode rank"
@@ -281,7 +286,7 @@ fn an_unreachable_prefill_worker_is_retried_on_the_next() {
         assert_eq!(reply.status, 200, "{}", reply.body);
         assert_eq!(reply.header("x-kvroute-worker").as_deref(), Some("d0"));
     }
-    assert!(crate::support::http::count(&serve, "kvroute_proxy_retries_total") >= 1);
+    assert!(count(&serve, "kvroute_proxy_retries_total") >= 1);
     assert!(
         reasons(&serve).iter().all(|r| r.starts_with("split:")),
         "{:?}",
