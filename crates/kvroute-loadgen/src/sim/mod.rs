@@ -57,12 +57,26 @@ impl Default for Delays {
     }
 }
 
+/// The simulated engines' configuration: `kvroute mocker`'s defaults with
+/// `num_gpu_blocks` blocks of KV cache (`None`: the mocker's default) and
+/// its step times divided by `speedup`. The command line reaches the engine
+/// model through here, never through the mocker crate itself.
+pub fn engine_config(num_gpu_blocks: Option<usize>, speedup: f64) -> EngineConfig {
+    let defaults = kvroute_mocker::MockerConfig::default();
+    let mut mocker = kvroute_mocker::MockerConfig {
+        num_gpu_blocks: num_gpu_blocks.unwrap_or(defaults.num_gpu_blocks),
+        ..defaults
+    };
+    mocker.timing.speedup = speedup;
+    mocker.engine_config()
+}
+
 /// The fleet and the router of a simulation.
 #[derive(Debug, Clone)]
 pub struct SimConfig {
     /// Engines (one rank each).
     pub engines: usize,
-    /// Every engine's configuration (`MockerConfig::engine_config`).
+    /// Every engine's configuration ([`engine_config`]).
     pub engine: EngineConfig,
     /// Engine `i`'s speed relative to `engine`'s timing (its speedup is
     /// multiplied by `engine_speeds[i]`; missing entries are 1).

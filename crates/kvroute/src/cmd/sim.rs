@@ -15,7 +15,6 @@ use kvroute_loadgen::contender::{Contender, Routing};
 use kvroute_loadgen::mooncake::Trace;
 use kvroute_loadgen::sim::bound::{search_pins, PinSearch, Targets};
 use kvroute_loadgen::sim::{simulate, Delays, SimConfig, SimLoad, SimReport};
-use kvroute_mocker::MockerConfig;
 use serde_json::{json, Value};
 
 /// Arguments of `kvroute bench sim`.
@@ -322,14 +321,10 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         }
     }
     let trace = a.trace.as_deref().map(Trace::read).transpose()?;
-    let mut mocker = MockerConfig {
-        num_gpu_blocks: a
-            .gpu_blocks
-            .or(a.preset.map(|p| p.gpu_blocks()))
-            .unwrap_or(MockerConfig::default().num_gpu_blocks),
-        ..MockerConfig::default()
-    };
-    mocker.timing.speedup = a.speedup;
+    let engine = kvroute_loadgen::sim::engine_config(
+        a.gpu_blocks.or(a.preset.map(|p| p.gpu_blocks())),
+        a.speedup,
+    );
     let delays = Delays {
         client_us: a.client_us,
         engine_us: a.engine_us,
@@ -338,7 +333,7 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
     };
     let config = |policy: Contender, seed: u64| SimConfig {
         engines: a.engines,
-        engine: mocker.engine_config(),
+        engine: engine.clone(),
         engine_speeds: a.engine_speeds.clone(),
         worker_speeds: a.worker_speeds.clone(),
         learn_speeds: a.learn_speeds.then_some(SpeedConfig {
