@@ -511,9 +511,7 @@ pub(super) async fn nixl_read(
     State(state): State<Arc<EngineState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
-    let value: Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let (_, value) = super::json_body(body)?;
     let field = |key: &str| {
         value
             .get(key)

@@ -370,6 +370,15 @@ async fn generate(
     Ok(Json(answer).into_response())
 }
 
+/// A request body and its JSON: the extractor's refusal (too large, …) or
+/// a 400 naming the JSON error.
+pub(super) fn json_body(body: Result<Bytes, BytesRejection>) -> Result<(Bytes, Value), ApiError> {
+    let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
+    let value = serde_json::from_slice(&body)
+        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    Ok((body, value))
+}
+
 /// `POST /internal/cache_match`: how many prompt tokens of a request each
 /// rank's prefix cache holds right now, without running or changing anything.
 ///
@@ -385,9 +394,7 @@ async fn cache_match(
     State(state): State<Arc<EngineState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
-    let value: Value = serde_json::from_slice(&body)
-        .map_err(|e| ApiError::bad_request(format!("the body is not valid JSON: {e}")))?;
+    let (body, value) = json_body(body)?;
     let endpoint = match value.get("endpoint") {
         None | Some(Value::Null) => {
             if value.get("messages").is_some() {

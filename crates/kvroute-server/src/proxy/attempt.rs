@@ -288,13 +288,9 @@ pub async fn forward(
     let mut last_error = String::new();
     let max_attempts = proxy.config().max_attempts.max(1);
     for (attempt, &i) in ordered.iter().take(max_attempts).enumerate() {
-        let s = &candidates.scored[i];
-        let Some(target) = candidates.targets.get(s.worker) else {
+        let Some((s, target)) = open_candidate(proxy, &candidates, i) else {
             continue;
         };
-        if !proxy.breakers.begin_attempt(&target.name) {
-            continue;
-        }
         if let Some(limit) = proxy.context_length(target) {
             if let Err(message) = check_context(request_tokens, req.max_tokens, limit) {
                 return Err(ProxyError::ContextTooLong(message));
@@ -352,6 +348,21 @@ pub async fn forward(
         return respond(proxy, req, s, target, resp, relay).await;
     }
     Err(ProxyError::UpstreamUnreachable(last_error))
+}
+
+/// Candidate `i` and its worker, when the worker is still known and its
+/// circuit breaker lets an attempt through (the attempt is then begun).
+pub(super) fn open_candidate<'c>(
+    proxy: &Proxy,
+    candidates: &'c Candidates,
+    i: usize,
+) -> Option<(&'c Scored, &'c Target)> {
+    let s = candidates.scored.get(i)?;
+    let target = candidates.targets.get(s.worker)?;
+    proxy
+        .breakers
+        .begin_attempt(&target.name)
+        .then_some((s, target))
 }
 
 /// The request's local and sequence hashes for candidate `s`'s block size

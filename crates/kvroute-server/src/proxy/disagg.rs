@@ -28,7 +28,9 @@ use kvroute_core::scheduler::{order, DecodeCost, LocalPrefillRule, Policy, Score
 use serde_json::Value;
 
 use super::active::ActiveGuard;
-use super::attempt::{self, charge, charge_as, outgoing, send, Admitted, Outgoing, Request, Sent};
+use super::attempt::{
+    self, charge, charge_as, open_candidate, outgoing, send, Admitted, Outgoing, Request, Sent,
+};
 use super::candidates::{Candidates, Target};
 use super::handoff::{self, Bootstrap};
 use super::outcome::{self, Ending};
@@ -267,13 +269,9 @@ async fn vllm_prefill(
     let mut last_error = String::from("no prefill worker available");
     let max_attempts = proxy.config().max_attempts.max(1);
     for (attempt, &i) in prefill.iter().take(max_attempts).enumerate() {
-        let s = &candidates.scored[i];
-        let Some(target) = candidates.targets.get(s.worker) else {
+        let Some((_, target)) = open_candidate(proxy, candidates, i) else {
             continue;
         };
-        if !proxy.breakers.begin_attempt(&target.name) {
-            continue;
-        }
         if attempt > 0 {
             proxy.metrics.retries.inc();
         }
