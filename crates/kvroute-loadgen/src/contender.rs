@@ -2,13 +2,47 @@
 //! weights and temperature, or the oracle. The same names mean the same
 //! thing in `kvroute demo` (real time) and `kvroute bench sim` (virtual time).
 
-use kvroute_core::scheduler::{BusyThresholds, CostWeights, Policy};
+use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Policy};
 
 use crate::error::Error;
 use crate::report::ORACLE;
 
 /// The name of kvroute's KV policy run with Dynamo's cost weights.
 pub const DYNAMO: &str = "dynamo";
+
+/// The name of the `kv` policy that always transfers a disaggregated
+/// request's KV ([`Disagg::AlwaysSplit`]).
+pub const KV_SPLIT: &str = "kv-split";
+
+/// The name of the `kv` policy serving a disaggregated fleet's engines as
+/// aggregated ones ([`Disagg::Aggregated`]).
+pub const AGGREGATED: &str = "aggregated";
+
+/// How a fleet with prefill and decode engines is served. Fleets without
+/// roles are served alike under all three.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Disagg {
+    /// Split each request, unless the decode rank's own cache leaves little
+    /// to compute (the router's default [`LocalPrefillRule`]).
+    #[default]
+    Conditional,
+    /// Split every request ([`LocalPrefillRule::NEVER`]): the baseline that
+    /// shows what conditional disaggregation saves.
+    AlwaysSplit,
+    /// Every engine serves whole requests, roles ignored: the same engines
+    /// as an aggregated fleet.
+    Aggregated,
+}
+
+impl Disagg {
+    /// The rule a router with this setting prefills locally by.
+    pub fn local_prefill(self) -> LocalPrefillRule {
+        match self {
+            Disagg::AlwaysSplit => LocalPrefillRule::NEVER,
+            Disagg::Conditional | Disagg::Aggregated => LocalPrefillRule::default(),
+        }
+    }
+}
 
 /// A kvroute router's routing settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -21,6 +55,8 @@ pub struct Routing {
     pub temperature: f64,
     /// Ranks at or over these are skipped.
     pub busy: BusyThresholds,
+    /// How prefill and decode engines are used, where the fleet has them.
+    pub disagg: Disagg,
 }
 
 impl Routing {
@@ -31,6 +67,7 @@ impl Routing {
             weights: CostWeights::default(),
             temperature: 0.0,
             busy: BusyThresholds::default(),
+            disagg: Disagg::Conditional,
         }
     }
 }
@@ -47,11 +84,24 @@ pub enum Contender {
 impl std::str::FromStr for Contender {
     type Err = Error;
 
-    /// `oracle`, `dynamo` (the `kv` policy with [`CostWeights::DYNAMO`]), or
-    /// a router policy's name (`kv`, `round-robin`, …) with kvroute's weights.
+    /// `oracle`, `dynamo` (the `kv` policy with [`CostWeights::DYNAMO`]),
+    /// `kv-split` and `aggregated` (the `kv` policy with [`Disagg`]'s other
+    /// settings), or a router policy's name (`kv`, `round-robin`, …) with
+    /// kvroute's weights.
     fn from_str(name: &str) -> Result<Self, Error> {
         if name == ORACLE {
             return Ok(Contender::Oracle);
+        }
+        let disagg = match name {
+            KV_SPLIT => Some(Disagg::AlwaysSplit),
+            AGGREGATED => Some(Disagg::Aggregated),
+            _ => None,
+        };
+        if let Some(disagg) = disagg {
+            return Ok(Contender::Router(Routing {
+                disagg,
+                ..Routing::new(Policy::Kv)
+            }));
         }
         if name == DYNAMO {
             return Ok(Contender::Router(Routing {
@@ -61,7 +111,7 @@ impl std::str::FromStr for Contender {
         }
         name.parse::<Policy>()
             .map(|p| Contender::Router(Routing::new(p)))
-            .map_err(|e| Error::Invalid(format!("{e}, dynamo or oracle")))
+            .map_err(|e| Error::Invalid(format!("{e}, dynamo, kv-split, aggregated or oracle")))
     }
 }
 
@@ -81,7 +131,16 @@ mod tests {
             "least-loaded".parse::<Contender>().ok(),
             Some(Contender::Router(Routing::new(Policy::LeastLoaded)))
         );
+        let split: Contender = "kv-split".parse().expect("known");
+        let aggregated: Contender = "aggregated".parse().expect("known");
+        for (c, disagg) in [(split, Disagg::AlwaysSplit), (aggregated, Disagg::Aggregated)] {
+            let Contender::Router(r) = c else {
+                panic!("a router");
+            };
+            assert_eq!((r.policy, r.disagg), (Policy::Kv, disagg));
+        }
+        assert_eq!(Disagg::AlwaysSplit.local_prefill(), LocalPrefillRule::NEVER);
         let e = "best".parse::<Contender>().expect_err("unknown");
-        assert!(e.to_string().contains("dynamo or oracle"), "{e}");
+        assert!(e.to_string().contains("aggregated or oracle"), "{e}");
     }
 }

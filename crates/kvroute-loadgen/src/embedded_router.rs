@@ -85,6 +85,7 @@ impl RunningRouter {
             weights: routing.weights,
             temperature: routing.temperature,
             busy: routing.busy,
+            local_prefill: routing.disagg.local_prefill(),
             renderer: Some(tokenizer),
             ..ProxyConfig::default()
         };

@@ -202,6 +202,7 @@ impl SimRouter {
             weights,
             temperature,
             busy,
+            ..
         }: Routing,
     ) -> Placement {
         let req = RoutingRequest {
