@@ -61,6 +61,6 @@ pub use embedded_router::RouterTokenizer;
 pub use error::{Error, Result};
 pub use nats::NatsServer;
 pub use plot::write_svg_plot;
-pub use preset::Preset;
+pub use preset::{PdLayout, Preset};
 pub use report::{table, PolicyReport, Report, ORACLE};
 pub use workload::{TextRenderer, WorkloadKind, WorkloadSpec};

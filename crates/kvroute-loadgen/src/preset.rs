@@ -7,16 +7,75 @@
 //! | --- | --- | --- | --- | --- | --- | --- |
 //! | `long` | 32 | 2 048 + 64 | 2 048 | 1 000 | 16 | 16 |
 //! | `short` | 32 | 256 + 32 | 256 | 1 000 | 16 | 16 |
+//! | `pd` | 32 | 2 048 + 64 | 2 048 | 400 | 16 | 32 |
 //!
 //! The published comparison gives no output length; 16 tokens is what its
 //! rates imply (16 in flight at 43 requests/s is 372 ms a request, ~60 ms
 //! of it to the first token, the rest ~17 decode steps of ~18 ms).
 //!
-//! Both are `shared-prefix`: each request is one group's prefix and a
+//! `pd` is `long` served by a disaggregated fleet, [`PdLayout::DEFAULT`]:
+//! two prefill engines and two decode engines, with fewer requests (each
+//! crosses two engines) and longer answers (decode is half the story).
+//!
+//! All are `shared-prefix`: each request is one group's prefix and a
 //! suffix of its own. The engines' caches cannot hold every group's prefix
 //! on every engine, so where requests go shows in the hit rate.
 
+use kvroute_core::scheduler::WorkerRole;
+
+use crate::error::Error;
 use crate::workload::{WorkloadKind, WorkloadSpec};
+
+/// The shape of a disaggregated fleet: prefill engines, then decode engines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PdLayout {
+    /// Engines with `role=prefill` (the first ones).
+    pub prefill: u16,
+    /// Engines with `role=decode` (the rest).
+    pub decode: u16,
+}
+
+impl PdLayout {
+    /// Two prefill engines and two decode engines: the `pd` preset's fleet.
+    pub const DEFAULT: PdLayout = PdLayout {
+        prefill: 2,
+        decode: 2,
+    };
+
+    /// Engines in all.
+    pub fn engines(self) -> u16 {
+        self.prefill + self.decode
+    }
+
+    /// Each engine's role, prefill engines first.
+    pub fn roles(self) -> Vec<WorkerRole> {
+        let prefill = std::iter::repeat_n(WorkerRole::Prefill, usize::from(self.prefill));
+        let decode = std::iter::repeat_n(WorkerRole::Decode, usize::from(self.decode));
+        prefill.chain(decode).collect()
+    }
+}
+
+impl std::str::FromStr for PdLayout {
+    type Err = Error;
+
+    /// `P:D`, e.g. `2:2`; each at least 1.
+    fn from_str(s: &str) -> Result<Self, Error> {
+        let invalid = || Error::Invalid(format!("`{s}`: expected PREFILL:DECODE engines, e.g. 2:2"));
+        let (p, d) = s.split_once(':').ok_or_else(invalid)?;
+        let prefill: u16 = p.trim().parse().map_err(|_| invalid())?;
+        let decode: u16 = d.trim().parse().map_err(|_| invalid())?;
+        if prefill == 0 || decode == 0 || prefill.checked_add(decode).is_none() {
+            return Err(invalid());
+        }
+        Ok(PdLayout { prefill, decode })
+    }
+}
+
+impl std::fmt::Display for PdLayout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}", self.prefill, self.decode)
+    }
+}
 
 /// A named workload and the engines it runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,17 +86,20 @@ pub enum Preset {
     /// 32 groups of 256-token prefixes with 32-token suffixes, 256 blocks
     /// per engine.
     Short,
+    /// `Long`'s groups and caches on two prefill and two decode engines.
+    Pd,
 }
 
 impl Preset {
     /// Every preset.
-    pub const ALL: [Preset; 2] = [Preset::Long, Preset::Short];
+    pub const ALL: [Preset; 3] = [Preset::Long, Preset::Short, Preset::Pd];
 
     /// Its name on the command line.
     pub fn name(self) -> &'static str {
         match self {
             Preset::Long => "long",
             Preset::Short => "short",
+            Preset::Pd => "pd",
         }
     }
 
@@ -49,7 +111,7 @@ impl Preset {
     /// (prefix tokens, suffix tokens, KV blocks per engine).
     fn sizes(self) -> (usize, usize, usize) {
         match self {
-            Preset::Long => (2_048, 64, 2_048),
+            Preset::Long | Preset::Pd => (2_048, 64, 2_048),
             Preset::Short => (256, 32, 256),
         }
     }
@@ -61,7 +123,10 @@ impl Preset {
 
     /// Requests a run sends.
     pub fn requests(self) -> usize {
-        1_000
+        match self {
+            Preset::Pd => 400,
+            Preset::Long | Preset::Short => 1_000,
+        }
     }
 
     /// Requests in flight (closed loop).
@@ -76,7 +141,18 @@ impl Preset {
 
     /// Tokens generated per request.
     pub fn max_tokens(self) -> u32 {
-        16
+        match self {
+            Preset::Pd => 32,
+            Preset::Long | Preset::Short => 16,
+        }
+    }
+
+    /// The disaggregated fleet the preset runs on; `None`: aggregated engines.
+    pub fn layout(self) -> Option<PdLayout> {
+        match self {
+            Preset::Pd => Some(PdLayout::DEFAULT),
+            Preset::Long | Preset::Short => None,
+        }
     }
 
     /// The workload, with `seed`.
@@ -125,11 +201,30 @@ mod tests {
             (Preset::Long.gpu_blocks(), Preset::Short.gpu_blocks()),
             (2_048, 256)
         );
-        for p in Preset::ALL {
+        for p in [Preset::Long, Preset::Short] {
             assert_eq!(Preset::parse(p.name()), Some(p));
             assert_eq!((p.requests(), p.concurrency()), (1_000, 16));
+            assert_eq!(p.layout(), None);
         }
+        let pd = Preset::Pd;
+        assert_eq!(Preset::parse("pd"), Some(pd));
+        assert_eq!((pd.requests(), pd.max_tokens(), pd.gpu_blocks()), (400, 32, 2_048));
+        assert_eq!(pd.layout(), Some(PdLayout { prefill: 2, decode: 2 }));
         assert_eq!(Preset::parse("medium"), None);
+    }
+
+    #[test]
+    fn layouts_parse_as_prefill_colon_decode() {
+        let layout: PdLayout = "1:3".parse().expect("valid");
+        assert_eq!(layout, PdLayout { prefill: 1, decode: 3 });
+        assert_eq!(layout.to_string(), "1:3");
+        assert_eq!(
+            layout.roles(),
+            [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode, WorkerRole::Decode]
+        );
+        for bad in ["2", "0:2", "2:0", "a:b", "2:2:2", "65535:1"] {
+            assert!(bad.parse::<PdLayout>().is_err(), "{bad}");
+        }
     }
 
     #[test]
