@@ -443,8 +443,14 @@ pub(crate) fn summarize(
 ) -> PolicyReport {
     let mut ttft: Vec<f64> = samples.iter().map(|s| s.ttft_ms).collect();
     let mut latency: Vec<f64> = samples.iter().map(|s| s.latency_ms).collect();
+    let mut tpot: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.output_tokens >= 2)
+        .map(|s| (s.latency_ms - s.ttft_ms).max(0.0) / (s.output_tokens - 1) as f64)
+        .collect();
     sort_samples(&mut ttft);
     sort_samples(&mut latency);
+    sort_samples(&mut tpot);
     let rate = |filter: &dyn Fn(&Sample) -> bool| {
         let (cached, prompt) = samples
             .iter()
@@ -464,6 +470,7 @@ pub(crate) fn summarize(
         hit_rate: ratio((cached, prompt)),
         ttft_ms: Percentiles3::of(&ttft),
         latency_ms: Percentiles2::of(&latency),
+        tpot_ms: Percentiles2::of(&tpot),
         output_tokens_per_s: if secs > 0.0 {
             output as f64 / secs
         } else {
@@ -480,6 +487,7 @@ pub(crate) fn summarize(
         image_repeat_hit_rate: per_kind
             .then(|| ratio(rate(&|s| s.label == RepeatLabel::ImageRepeat))),
         index_accuracy: None,
+        prefill_hit_rate: None,
         hit_rate_vs_oracle: None,
         timeline,
     }
@@ -523,6 +531,8 @@ mod tests {
         assert_eq!(r.ttft_ms.p50, 20.0);
         assert_eq!(r.latency_ms.p99, 60.0);
         assert_eq!(r.output_tokens_per_s, 6.0);
+        // (latency − TTFT) / 3 tokens after the first: 10, 20/3, 10/3 ms.
+        assert!((r.tpot_ms.p50 - 20.0 / 3.0).abs() < 1e-9, "{:?}", r.tpot_ms);
         assert_eq!(r.timeline.first().map(|t| t.1), Some(10.0));
         let plain = summarize(&[], 0, 0, Duration::ZERO, false);
         assert_eq!(plain.hit_rate, 0.0);

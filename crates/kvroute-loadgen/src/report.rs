@@ -22,6 +22,9 @@ pub struct PolicyReport {
     pub ttft_ms: Percentiles3,
     /// Time to the end of the response, ms.
     pub latency_ms: Percentiles2,
+    /// Time per output token after the first, ms: (latency − TTFT) /
+    /// (output tokens − 1), over requests that generated at least two.
+    pub tpot_ms: Percentiles2,
     /// Generated tokens per second of the whole run.
     pub output_tokens_per_s: f64,
     /// Requests started.
@@ -48,6 +51,13 @@ pub struct PolicyReport {
     /// `cached_tokens` per compared response during the run.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub index_accuracy: Option<f64>,
+    /// A disaggregated fleet's prefill-side hit rate: prompt tokens no
+    /// engine had to compute (found in the cache of the engine that
+    /// prefilled them) over prompt tokens, from the engines' own counters.
+    /// The client's `hit_rate` counts the KV a decode engine received as
+    /// cached, so only this one shows where prefill went.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prefill_hit_rate: Option<f64>,
     /// This hit rate / the oracle's, when the report has an `oracle` policy.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hit_rate_vs_oracle: Option<f64>,
@@ -124,10 +134,17 @@ pub fn table(report: &Report) -> String {
         .policies
         .iter()
         .any(|(_, r)| r.text_repeat_hit_rate.is_some());
+    let disagg = report
+        .policies
+        .iter()
+        .any(|(_, r)| r.prefill_hit_rate.is_some());
+    let _ = write!(out, "{:<14}", "policy");
+    if disagg {
+        let _ = write!(out, "{:>9}", "pf hit");
+    }
     let _ = write!(
         out,
-        "{:<14}{:>8}{:>9}{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>8}{:>8}{:>8}{:>9}",
-        "policy",
+        "{:>8}{:>9}{:>10}{:>10}{:>10}{:>10}{:>10}{:>9}{:>10}{:>8}{:>8}{:>8}{:>9}",
         "hit",
         "vs orc",
         "ttft p50",
@@ -135,6 +152,7 @@ pub fn table(report: &Report) -> String {
         "ttft p99",
         "lat p50",
         "lat p99",
+        "tpot p50",
         "out tok/s",
         "reqs",
         "failed",
@@ -146,9 +164,13 @@ pub fn table(report: &Report) -> String {
     }
     out.push('\n');
     for (name, r) in &report.policies {
+        let _ = write!(out, "{name:<14}");
+        if disagg {
+            let _ = write!(out, "{:>9}", opt_pct(r.prefill_hit_rate));
+        }
         let _ = write!(
             out,
-            "{name:<14}{:>8}{:>9}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>8}{:>8}{:>8}{:>9}",
+            "{:>8}{:>9}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>9.2}{:>10.1}{:>8}{:>8}{:>8}{:>9}",
             format!("{:.1}%", r.hit_rate * 100.0),
             opt_pct(r.hit_rate_vs_oracle),
             r.ttft_ms.p50,
@@ -156,6 +178,7 @@ pub fn table(report: &Report) -> String {
             r.ttft_ms.p99,
             r.latency_ms.p50,
             r.latency_ms.p99,
+            r.tpot_ms.p50,
             r.output_tokens_per_s,
             r.requests,
             r.failed,
@@ -172,7 +195,10 @@ pub fn table(report: &Report) -> String {
         }
         out.push('\n');
     }
-    out.push_str("times in ms; hit = cached / prompt tokens; vs orc = hit / the oracle's hit\n");
+    out.push_str("times in ms; hit = cached / prompt tokens; vs orc = hit / the oracle's hit; tpot = time per output token\n");
+    if disagg {
+        out.push_str("pf hit = prompt tokens found cached where they were prefilled / prompt tokens (the engines' counters)\n");
+    }
     out
 }
 
