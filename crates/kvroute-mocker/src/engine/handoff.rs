@@ -146,6 +146,7 @@ mod tests {
             assert_eq!((u.cached_tokens, u.completion_tokens), (9, 3));
             let stats = e.stats();
             assert_eq!(stats.prefix_cache_hits_total, 0, "no local hit");
+            assert_eq!(stats.kv_received_tokens_total, 9, "received, not hit");
             // A repeat hits the received blocks locally.
             e.submit(RequestId(2), request(1..=10, 1)).expect("ok");
             let (_, outputs, _) = drain(&mut e);
@@ -169,6 +170,11 @@ mod tests {
         assert_eq!(usage(&outputs).cached_tokens, 12);
         assert_eq!(stored_hashes(&events).len(), 1, "only block 2 is new");
         assert_eq!(e.stats().prefix_cache_hits_total, 8, "local hits only");
+        assert_eq!(
+            e.stats().kv_received_tokens_total,
+            4,
+            "12 computed elsewhere, 8 of them here"
+        );
     }
 
     #[test]

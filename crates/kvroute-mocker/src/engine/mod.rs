@@ -198,6 +198,10 @@ pub struct EngineStats {
     pub prefix_cache_queries_total: u64,
     /// Of those, tokens found cached.
     pub prefix_cache_hits_total: u64,
+    /// Of those, tokens neither cached nor computed here: their KV arrived
+    /// from a prefill engine (decode legs, first scheduling only). Prompt
+    /// tokens computed here = queries − hits − received.
+    pub kv_received_tokens_total: u64,
     /// Requests finished.
     pub requests_finished_total: u64,
     /// Preemptions.

@@ -134,6 +134,7 @@ impl Engine {
             self.stats.prompt_tokens_total += r.prompt_len as u64;
             self.stats.prefix_cache_queries_total += r.prompt_len as u64;
             self.stats.prefix_cache_hits_total += local as u64;
+            self.stats.kv_received_tokens_total += (computed - local) as u64;
         }
         self.flush_evictions();
         if received {

@@ -207,12 +207,19 @@ const OWN: &[Metric] = &[
     ),
 ];
 
-/// The per-rank metric of prefill and decode engines.
-const OWN_PD: &[Metric] = &[metric(
-    "kvroute_mocker_held_blocks",
-    "Blocks held by finished prefill legs until their decode reads them.",
-    Value::Count(|r| r.engine.held_blocks as u64),
-)];
+/// The per-rank metrics of prefill and decode engines.
+const OWN_PD: &[Metric] = &[
+    metric(
+        "kvroute_mocker_held_blocks",
+        "Blocks held by finished prefill legs until their decode reads them.",
+        Value::Count(|r| r.engine.held_blocks as u64),
+    ),
+    metric(
+        "kvroute_mocker_kv_received_tokens_total",
+        "Prompt tokens looked up here whose KV arrived from a prefill engine (neither cached nor computed here).",
+        Value::Counter(|r| r.engine.kv_received_tokens_total),
+    ),
+];
 
 /// How an engine-wide transfer metric is read, and so its type.
 #[derive(Clone, Copy)]

@@ -149,6 +149,11 @@ fn a_vllm_prefill_hands_off_its_blocks_and_the_decode_publishes_and_caches_them(
         1.0
     );
     assert_eq!(
+        metric(daddr, "kvroute_mocker_kv_received_tokens_total"),
+        99.0,
+        "every prompt token but the last arrived computed"
+    );
+    assert_eq!(
         metric(daddr, "kvroute_mocker_kv_transfer_blocks_total"),
         7.0
     );
