@@ -7,6 +7,12 @@
 //! the engines' own `cached_tokens`. Everything runs in this process, so an
 //! interruption (or the end) stops the router, the engines and their sockets.
 //!
+//! With a [`PdLayout`] the engines are prefill engines and decode engines
+//! ([`engines`]): `kv` and `round-robin` place each request's two phases,
+//! `kv-split` never lets a decode engine prefill, `aggregated` registers
+//! the same engines as aggregated ones; the report adds the prefill-side
+//! hit rate from the engines' own counters.
+//!
 //! With `replicas` ≥ 2 every router policy runs through that many routers
 //! (replicas sharing their state over a NATS server the demo starts as a
 //! child process) and the client balances its requests round-robin over
@@ -17,9 +23,13 @@ use std::future::Future;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::contender::Routing;
+mod engines;
+
+use crate::contender::{Disagg, Routing};
+use crate::preset::PdLayout;
+use engines::{Engines, PromptWork};
 use kvroute_core::event::WorkerFlavor;
-use kvroute_mocker::{Fleet, MockerConfig};
+use kvroute_mocker::MockerConfig;
 use kvroute_server::ingest::spec::WorkerSpec;
 use kvroute_server::replica::ReplicaConfig;
 use serde_json::{json, Map, Value};
@@ -48,8 +58,11 @@ pub use crate::contender::Contender;
 pub struct DemoConfig {
     /// Engine flavour of every mock worker.
     pub flavor: WorkerFlavor,
-    /// Mock engines (at least 1).
+    /// Mock engines (at least 1); ignored with a `layout`.
     pub workers: u16,
+    /// A disaggregated fleet: this many prefill engines and decode engines
+    /// instead of `workers` aggregated ones.
+    pub layout: Option<PdLayout>,
     /// KV-cache blocks per engine.
     pub gpu_blocks: usize,
     /// Divides the engines' simulated step times.
@@ -74,7 +87,7 @@ pub struct DemoConfig {
 /// The engines and the first router policy's routers, still serving after
 /// the run (`--keep`).
 pub struct Kept {
-    fleet: Fleet,
+    fleet: Engines,
     routers: Vec<RunningRouter>,
     policy: String,
 }
@@ -120,6 +133,7 @@ pub struct DemoReport {
     pub report: Report,
     extras: Extras,
     flavor: WorkerFlavor,
+    layout: Option<PdLayout>,
     replicas: Option<ReplicaRun>,
 }
 
@@ -151,6 +165,50 @@ impl DemoReport {
         self.report.get(name)
     }
 
+    /// The disaggregated fleet's comparisons: kv-aware against round-robin
+    /// placement, conditional disaggregation against always splitting, and
+    /// against the same engines serving aggregated.
+    fn pd_lines(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let Some(layout) = self.layout else {
+            return Ok(());
+        };
+        let Some(kv) = self.policy("kv") else {
+            return Ok(());
+        };
+        let pf = |p: &PolicyReport| {
+            p.prefill_hit_rate
+                .map_or_else(|| "-".to_owned(), |h| format!("{:.3}", h))
+        };
+        for (name, what) in [
+            ("round-robin", "round-robin P/D"),
+            (crate::contender::KV_SPLIT, "kv-split (always transfer)"),
+            (
+                crate::contender::AGGREGATED,
+                "aggregated (the same engines)",
+            ),
+        ] {
+            let Some(other) = self.policy(name) else {
+                continue;
+            };
+            if kv.ttft_ms.p50 > 0.0 {
+                writeln!(
+                    f,
+                    "kv P/D on {layout} vs {what}: prefill hit {} vs {}, TTFT p50 {:.1} vs {:.1} ms ({:.2}×), TPOT p50 {:.2} vs {:.2} ms, {:.0} vs {:.0} output tok/s.",
+                    pf(kv),
+                    pf(other),
+                    kv.ttft_ms.p50,
+                    other.ttft_ms.p50,
+                    other.ttft_ms.p50 / kv.ttft_ms.p50,
+                    kv.tpot_ms.p50,
+                    other.tpot_ms.p50,
+                    kv.output_tokens_per_s,
+                    other.output_tokens_per_s,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
     fn extra(&self, name: &str, key: &str) -> u64 {
         self.extras
             .iter()
@@ -176,7 +234,9 @@ impl fmt::Display for DemoReport {
                 )?;
             }
         }
-        if let (Some(kv), Some(rr)) = (self.policy("kv"), self.policy("round-robin")) {
+        if let (Some(kv), Some(rr), None) =
+            (self.policy("kv"), self.policy("round-robin"), self.layout)
+        {
             if kv.ttft_ms.p50 > 0.0 {
                 writeln!(
                     f,
@@ -189,6 +249,7 @@ impl fmt::Display for DemoReport {
                 )?;
             }
         }
+        self.pd_lines(f)?;
         let images = self.report.workload["name"] == WorkloadKind::Images.name();
         if let (Some(kv), true) = (self.policy("kv"), images) {
             writeln!(
@@ -258,6 +319,9 @@ pub async fn run(
             "replicas must be at least 1 (one router per policy)".into(),
         ));
     }
+    if config.layout.is_some() {
+        check_pd_contenders(config)?;
+    }
     let routed = config
         .contenders
         .iter()
@@ -290,9 +354,12 @@ pub async fn run(
         driver::Arrival::Poisson { rate } => format!("{rate} req/s"),
         driver::Arrival::Trace => "the trace's".to_owned(),
     };
+    let engines = match config.layout {
+        Some(layout) => format!("{} prefill + {} decode", layout.prefill, layout.decode),
+        None => config.workers.to_string(),
+    };
     eprintln!(
-        "kvroute demo: {} {} mock engines, {} {} requests per policy, concurrency {concurrency}",
-        config.workers,
+        "kvroute demo: {engines} {} mock engines, {} {} requests per policy, concurrency {concurrency}",
         config.flavor.as_str(),
         config.load.requests,
         config.load.workload.kind.name(),
@@ -304,7 +371,7 @@ pub async fn run(
             nats.url()
         );
     }
-    let fleet = Fleet::start(mocker).await?;
+    let fleet = Engines::start(mocker, config.layout).await?;
     let outcome = tokio::select! {
         r = compare(&fleet, config, block_size, tokenizer, nats.as_ref()) => Some(r),
         () = interrupt => None,
@@ -331,18 +398,14 @@ pub async fn run(
 type KeptRouters = Option<(String, Vec<RunningRouter>)>;
 
 async fn compare(
-    fleet: &Fleet,
+    fleet: &Engines,
     config: &DemoConfig,
     block_size: u32,
     tokenizer: RouterTokenizer,
     nats: Option<&NatsServer>,
 ) -> Result<(DemoReport, KeptRouters)> {
     let client = driver::client()?;
-    let urls: Vec<String> = fleet.workers().iter().map(|w| w.url()).collect();
-    let mut specs = Vec::new();
-    for w in fleet.workers() {
-        specs.push(WorkerSpec::parse(&w.worker_arg(), Some(block_size))?);
-    }
+    let urls = fleet.urls();
     let mut report = Report::new(config.load.workload.describe());
     let mut extras = Extras::new();
     let mut replicated = Vec::new();
@@ -352,7 +415,11 @@ async fn compare(
         let mut options = config.load.clone();
         options.label = name.clone();
         let started = Instant::now();
-        let (result, extra) = match contender {
+        let work_before = match fleet.disaggregated() {
+            true => PromptWork::read(&client, &urls, config.flavor).await?,
+            false => None,
+        };
+        let (mut result, extra) = match contender {
             Contender::Oracle => {
                 let endpoint = Endpoint::Oracle {
                     workers: urls.clone(),
@@ -364,6 +431,7 @@ async fn compare(
                 if nats.is_some() {
                     replicated.push(name.clone());
                 }
+                let specs = fleet.specs(block_size, routing.disagg)?;
                 let routers = Routers {
                     specs: &specs,
                     routing: *routing,
@@ -379,6 +447,11 @@ async fn compare(
                 (result, extra)
             }
         };
+        if let Some(before) = work_before {
+            if let Some(after) = PromptWork::read(&client, &urls, config.flavor).await? {
+                result.prefill_hit_rate = Some(before.hit_rate_until(after, result.prompt_tokens)?);
+            }
+        }
         eprintln!(
             "  {name:<12} hit rate {:>5.1} %   TTFT p50 {:>7.1} ms   p99 {:>7.1} ms   {} failed{}   ({:.1} s)",
             result.hit_rate * 100.0,
@@ -399,6 +472,7 @@ async fn compare(
         report,
         extras,
         flavor: config.flavor,
+        layout: config.layout,
         replicas: nats.map(|nats| ReplicaRun {
             count: config.replicas,
             nats_url: nats.url(),
@@ -406,6 +480,30 @@ async fn compare(
         }),
     };
     Ok((report, kept))
+}
+
+/// Refuses the contenders a disaggregated fleet cannot serve: the oracle
+/// (it sends whole requests to engines that only prefill or only decode),
+/// and `aggregated` on SGLang decode engines (they take no request without
+/// a bootstrap room).
+fn check_pd_contenders(config: &DemoConfig) -> Result<()> {
+    for (name, contender) in &config.contenders {
+        let refused = match contender {
+            Contender::Oracle => Some("the oracle sends whole requests to single engines"),
+            Contender::Router(r)
+                if r.disagg == Disagg::Aggregated && config.flavor == WorkerFlavor::Sglang =>
+            {
+                Some("SGLang decode engines serve no request without a bootstrap room")
+            }
+            Contender::Router(_) => None,
+        };
+        if let Some(why) = refused {
+            return Err(Error::Invalid(format!(
+                "`{name}` cannot run on a disaggregated fleet: {why}"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// One router's replica setting per router a policy runs through: `[None]`
@@ -528,6 +626,7 @@ mod tests {
         let config = DemoConfig {
             flavor: WorkerFlavor::Vllm,
             workers: 2,
+            layout: None,
             gpu_blocks: 2048,
             speedup: 200.0,
             seed: 1,

@@ -12,7 +12,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_loadgen::demo::{self, Contender, DemoConfig, MM_TOKENS_PER_IMAGE};
-use kvroute_loadgen::{Arrival, LoadOptions, WorkloadKind, WorkloadSpec};
+use kvroute_loadgen::{Arrival, LoadOptions, PdLayout, Preset, WorkloadKind, WorkloadSpec};
 use kvroute_prompt::Tokenizer;
 
 use crate::cmd::serve::renderer;
@@ -20,9 +20,10 @@ use crate::cmd::serve::renderer;
 /// Arguments of `kvroute demo`.
 #[derive(Debug, Args)]
 pub struct DemoArgs {
-    /// The workload (see docs/bench.md).
-    #[arg(long, default_value_t = WorkloadKind::SharedPrefix, value_parser = super::bench::workload_parser())]
-    workload: WorkloadKind,
+    /// The workload (see docs/bench.md); `pd` is `--preset pd`: the `long`
+    /// workload on 2 prefill + 2 decode engines.
+    #[arg(long, default_value = "shared-prefix", value_parser = workload_parser())]
+    workload: DemoWorkload,
     /// Engine flavour of every mock worker: vllm or sglang.
     #[arg(long, default_value_t = WorkerFlavor::Vllm)]
     flavor: WorkerFlavor,
@@ -30,8 +31,13 @@ pub struct DemoArgs {
     #[arg(long)]
     quick: bool,
     /// Mock engines (default 4; 2 for `--workload images`).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "pd")]
     workers: Option<u16>,
+    /// A disaggregated fleet of PREFILL:DECODE engines (e.g. `2:2`) with any
+    /// workload; the default policies become kv, kv-split, round-robin and
+    /// aggregated (the same engines registered as aggregated ones).
+    #[arg(long, value_name = "P:D", value_parser = parse_layout)]
+    pd: Option<PdLayout>,
     /// Requests per policy (default 400; 160 with `--quick`).
     #[arg(long)]
     requests: Option<usize>,
@@ -63,19 +69,17 @@ pub struct DemoArgs {
     /// Seed of the workload and the engines.
     #[arg(long, default_value_t = 1)]
     seed: u64,
-    /// Policies to compare, in order.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "kv,approx,least-loaded,round-robin,random,oracle"
-    )]
-    policies: Vec<String>,
+    /// Policies to compare, in order [default:
+    /// kv,approx,least-loaded,round-robin,random,oracle; on a disaggregated
+    /// fleet kv,kv-split,round-robin,aggregated].
+    #[arg(long, value_delimiter = ',')]
+    policies: Option<Vec<String>>,
     /// Routers per router policy: with 2 or more, that many replicas share
     /// their state over a NATS server the demo starts (`nats-server` must be
     /// installed) and the client balances round-robin over them.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=64))]
     replicas: u16,
-    /// A named workload (`long`, `short`): its prefix groups and sizes,
+    /// A named workload (`long`, `short`, `pd`): its prefix groups and sizes,
     /// engines' cache, requests and concurrency, with no time limit (add
     /// `--speedup 1` for real time).
     #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["workload", "groups", "scale", "question_tokens", "gpu_blocks", "requests", "concurrency", "quick", "max_tokens"])]
@@ -96,8 +100,43 @@ pub struct DemoArgs {
     plot: PathBuf,
 }
 
+/// The default `--policies` of an aggregated fleet.
+const POLICIES: &str = "kv,approx,least-loaded,round-robin,random,oracle";
+
+/// The default `--policies` of a disaggregated fleet.
+const PD_POLICIES: &str = "kv,kv-split,round-robin,aggregated";
+
+/// `--workload`: a load generator workload, or `pd` (the `pd` preset).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum DemoWorkload {
+    Kind(WorkloadKind),
+    Pd,
+}
+
+/// `--workload`'s values: every workload's name, and `pd`.
+fn workload_parser() -> impl clap::builder::TypedValueParser<Value = DemoWorkload> {
+    use clap::builder::TypedValueParser as _;
+    let names = WorkloadKind::ALL.map(WorkloadKind::name);
+    clap::builder::PossibleValuesParser::new(names.into_iter().chain(["pd"])).try_map(|s| {
+        if s == "pd" {
+            return Ok(DemoWorkload::Pd);
+        }
+        s.parse::<WorkloadKind>().map(DemoWorkload::Kind)
+    })
+}
+
+/// `--pd`'s value.
+fn parse_layout(s: &str) -> Result<PdLayout, String> {
+    s.parse().map_err(|e: kvroute_loadgen::Error| e.to_string())
+}
+
 fn config(args: &DemoArgs) -> Result<DemoConfig> {
-    let images = args.workload == WorkloadKind::Images;
+    let (kind, preset) = match args.workload {
+        DemoWorkload::Pd => (WorkloadKind::SharedPrefix, Some(Preset::Pd)),
+        DemoWorkload::Kind(kind) => (kind, args.preset),
+    };
+    let layout = args.pd.or(preset.and_then(Preset::layout));
+    let images = kind == WorkloadKind::Images;
     let workers = args.workers.unwrap_or(if images { 2 } else { 4 });
     if workers == 0 {
         bail!("--workers must be at least 1");
@@ -108,7 +147,7 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
         .max(1);
     let requests = args.requests.unwrap_or(if args.quick { 160 } else { 400 });
     let workload = WorkloadSpec {
-        kind: args.workload,
+        kind,
         seed: args.seed,
         scale: args.scale,
         groups: args.groups,
@@ -125,10 +164,10 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
     let arrival = match &trace {
         Some(_) => Arrival::Trace,
         None => Arrival::Closed {
-            concurrency: args.preset.map_or(concurrency, |p| p.concurrency()),
+            concurrency: preset.map_or(concurrency, |p| p.concurrency()),
         },
     };
-    let (workload, gpu_blocks, requests, max_duration) = match (args.preset, trace) {
+    let (workload, gpu_blocks, requests, max_duration) = match (preset, trace) {
         (Some(p), _) => (
             WorkloadSpec {
                 mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
@@ -157,8 +196,17 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
             Some(Duration::from_secs(if args.quick { 20 } else { 40 })),
         ),
     };
+    let default_policies = if layout.is_some() {
+        PD_POLICIES
+    } else {
+        POLICIES
+    };
+    let names: Vec<String> = match &args.policies {
+        Some(names) => names.clone(),
+        None => default_policies.split(',').map(str::to_owned).collect(),
+    };
     let mut contenders = Vec::new();
-    for name in &args.policies {
+    for name in &names {
         let contender: Contender = name.parse().with_context(|| "--policies".to_owned())?;
         contenders.push((name.clone(), contender));
     }
@@ -168,6 +216,7 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
     Ok(DemoConfig {
         flavor: args.flavor,
         workers,
+        layout,
         gpu_blocks,
         speedup: args.speedup,
         seed: args.seed,
@@ -226,4 +275,69 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
         println!("\n--keep: no router policy ran, so there is no dashboard to keep");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        demo: DemoArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<DemoConfig> {
+        let cli = Cli::try_parse_from(std::iter::once("demo").chain(args.iter().copied()))?;
+        config(&cli.demo)
+    }
+
+    fn names(config: &DemoConfig) -> Vec<&str> {
+        config.contenders.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    #[test]
+    fn the_pd_workload_is_the_pd_preset_on_two_prefill_and_two_decode_engines() {
+        let pd = parse(&["--workload", "pd"]).expect("valid");
+        assert_eq!(pd.layout, Some(PdLayout::DEFAULT));
+        assert_eq!(names(&pd), ["kv", "kv-split", "round-robin", "aggregated"]);
+        assert_eq!(pd.load.requests, Preset::Pd.requests());
+        assert_eq!(pd.gpu_blocks, Preset::Pd.gpu_blocks());
+        let preset = parse(&["--preset", "pd"]).expect("valid");
+        assert_eq!(
+            (preset.layout, preset.load.requests),
+            (pd.layout, pd.load.requests)
+        );
+        let plain = parse(&[]).expect("valid");
+        assert_eq!(plain.layout, None);
+        assert_eq!(names(&plain).last(), Some(&"oracle"));
+    }
+
+    #[test]
+    fn any_workload_runs_on_a_disaggregated_fleet_with_pd() {
+        let c = parse(&[
+            "--workload",
+            "multi-turn",
+            "--pd",
+            "1:3",
+            "--policies",
+            "kv,kv-split",
+        ])
+        .expect("valid");
+        assert_eq!(
+            c.layout,
+            Some(PdLayout {
+                prefill: 1,
+                decode: 3
+            })
+        );
+        assert_eq!(c.load.workload.kind, WorkloadKind::MultiTurn);
+        assert_eq!(names(&c), ["kv", "kv-split"]);
+        assert!(
+            parse(&["--pd", "2:2", "--workers", "4"]).is_err(),
+            "one or the other"
+        );
+        assert!(parse(&["--pd", "0:2"]).is_err());
+    }
 }
