@@ -1,7 +1,9 @@
 //! `/query` and `/query_by_hash`: what each (worker, rank) holds of a request
 //! and what sending it there would cost, without sending it. `scores` has the
 //! shape of Dynamo's standalone indexer `/query` (worker → dp rank → matched
-//! device tokens); `workers` and `chosen` add the detail.
+//! device tokens); `workers` and `chosen` add the detail, and on a fleet of
+//! prefill and decode workers `disagg` says where each phase would go and
+//! why, as the proxy would place it.
 
 use std::sync::Arc;
 
@@ -13,7 +15,8 @@ use kvroute_core::scheduler::{order, Policy};
 use serde_json::{json, Map, Value};
 
 use crate::api::{Body, ProxyError};
-use crate::proxy::candidates::request_hashes;
+use crate::proxy::candidates::{request_hashes, Candidates};
+use crate::proxy::disagg;
 use crate::proxy::Proxy;
 use kvroute_prompt::body::{parse_hash_query, parse_query, RoutingRequest};
 
@@ -52,6 +55,7 @@ fn query_answer(
                 "name": name,
                 "dp_rank": s.key.rank,
                 "flavor": s.flavor.as_str(),
+                "role": targets.get(s.worker).map_or("both", |t| t.role.as_str()),
                 "device_blocks": c.device_blocks,
                 "host_blocks": c.host_blocks.saturating_sub(c.device_blocks),
                 "disk_blocks": c.any_blocks.saturating_sub(c.host_blocks),
@@ -84,7 +88,33 @@ fn query_answer(
         let name = targets.get(scored[i].worker).map_or("", |t| &*t.name);
         json!({"name": name, "dp_rank": scored[i].key.rank})
     });
-    json!({"scores": scores, "workers": workers, "chosen": chosen})
+    let mut answer = json!({"scores": scores, "workers": workers, "chosen": chosen});
+    if disagg::splits(targets) {
+        answer["disagg"] = disagg_answer(proxy, &candidates, tokens);
+    }
+    answer
+}
+
+/// Where a disaggregated fleet would send the request's phases, and why
+/// (the proxy's own placement, nothing charged); `null` when no rank may
+/// decode it.
+fn disagg_answer(proxy: &Proxy, candidates: &Candidates, tokens: u64) -> Value {
+    let Some(plan) = disagg::plan(proxy, candidates, Some(tokens), 0) else {
+        return Value::Null;
+    };
+    let rank = |i: usize| {
+        let s = &candidates.scored[i];
+        let name = candidates.targets.get(s.worker).map_or("", |t| &*t.name);
+        json!({"name": name, "dp_rank": s.key.rank})
+    };
+    json!({
+        "decode": rank(plan.decode),
+        "decode_cost": plan.cost.total,
+        "uncached_on_decode_tokens": plan.cost.uncached_tokens,
+        "prefill_locally": plan.prefill.is_empty(),
+        "prefill": plan.prefill.first().map_or(Value::Null, |&i| rank(i)),
+        "reason": plan.why,
+    })
 }
 
 /// `POST /query`: what each (worker, rank) holds of a request and what it

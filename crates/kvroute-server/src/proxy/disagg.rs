@@ -92,57 +92,95 @@ pub async fn route(
     }
 }
 
+/// Where a request's phases would go, before anything is charged.
+pub struct Plan {
+    /// The decode rank (a position in the candidates).
+    pub decode: usize,
+    /// Its decode cost, and whether it prefills the request itself.
+    pub cost: DecodeCost,
+    /// Prefill ranks in the order to try them; empty when the decode rank
+    /// prefills.
+    pub prefill: Vec<usize>,
+    /// Where each phase goes and why, in words.
+    pub why: String,
+}
+
+/// Places a request of `tokens` prompt tokens (`None`: unknown, no
+/// KV-aware choice) on scored `candidates`; `turn` is the round-robin
+/// counter's value. `None` when no rank may decode it, or when an SGLang
+/// decode rank would need a prefill worker and there is none.
+pub fn plan(
+    proxy: &Proxy,
+    candidates: &Candidates,
+    tokens: Option<u64>,
+    turn: u64,
+) -> Option<Plan> {
+    let config = proxy.config();
+    let kv = matches!(config.policy, Policy::Kv | Policy::Approx) && tokens.is_some();
+    let tokens = tokens.unwrap_or(0);
+    // SGLang decode engines take no request without a bootstrap room:
+    // they never prefill locally.
+    let sglang_decodes = candidates
+        .targets
+        .iter()
+        .any(|t| t.role == WorkerRole::Decode && t.flavor == WorkerFlavor::Sglang);
+    let rule = if kv && !sglang_decodes {
+        config.local_prefill
+    } else {
+        LocalPrefillRule::NEVER
+    };
+    let role = |s: &Scored| {
+        candidates
+            .targets
+            .get(s.worker)
+            .map_or(WorkerRole::Both, |t| t.role)
+    };
+    let random = proxy.random();
+    let by_policy =
+        |subset: &[Scored]| order(subset, config.policy, config.temperature, random, turn);
+    let scored = &candidates.scored;
+    let (decode, cost) = if kv {
+        pick_decode(scored, |s| role(s).decodes(), tokens, &rule, random)?
+    } else {
+        let i = *prefill_order(scored, |s| role(s).decodes(), by_policy).first()?;
+        (i, DecodeCost::of(&scored[i], tokens, &rule))
+    };
+    let aggregated = role(&scored[decode]) == WorkerRole::Both;
+    let prefill = if cost.local || aggregated {
+        Vec::new()
+    } else {
+        prefill_order(scored, |s| role(s) == WorkerRole::Prefill, by_policy)
+    };
+    if prefill.is_empty()
+        && !cost.local
+        && !aggregated
+        && scored[decode].flavor == WorkerFlavor::Sglang
+    {
+        return None;
+    }
+    let why = explain(candidates, (decode, &cost), &prefill, tokens, &rule);
+    Some(Plan {
+        decode,
+        cost,
+        prefill,
+        why,
+    })
+}
+
 /// Scores the request and places its phases while the loads they were
 /// scored on are held; `None` when no rank may decode it.
 fn place(proxy: &Arc<Proxy>, req: &RoutingRequest) -> (Candidates, Option<Placed>) {
     proxy.candidates_for(req, |candidates, ranks| {
-        let config = proxy.config();
-        let tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
-        let kv = matches!(config.policy, Policy::Kv | Policy::Approx) && req.tokens.is_some();
-        // SGLang decode engines take no request without a bootstrap room:
-        // they never prefill locally.
-        let sglang_decodes = candidates
-            .targets
-            .iter()
-            .any(|t| t.role == WorkerRole::Decode && t.flavor == WorkerFlavor::Sglang);
-        let rule = if kv && !sglang_decodes {
-            config.local_prefill
-        } else {
-            LocalPrefillRule::NEVER
-        };
-        let role = |s: &Scored| {
-            candidates
-                .targets
-                .get(s.worker)
-                .map_or(WorkerRole::Both, |t| t.role)
-        };
+        let tokens = req.tokens.as_ref().map(|t| t.len() as u64);
         let turn = proxy
             .turn
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let random = proxy.random();
-        let by_policy =
-            |subset: &[Scored]| order(subset, config.policy, config.temperature, random, turn);
-        let scored = &candidates.scored;
-        let (decode, cost) = if kv {
-            pick_decode(scored, |s| role(s).decodes(), tokens, &rule, random)?
-        } else {
-            let i = *prefill_order(scored, |s| role(s).decodes(), by_policy).first()?;
-            (i, DecodeCost::of(&scored[i], tokens, &rule))
-        };
-        let aggregated = role(&scored[decode]) == WorkerRole::Both;
-        let prefill = if cost.local || aggregated {
-            Vec::new()
-        } else {
-            prefill_order(scored, |s| role(s) == WorkerRole::Prefill, by_policy)
-        };
-        if prefill.is_empty()
-            && !cost.local
-            && !aggregated
-            && scored[decode].flavor == WorkerFlavor::Sglang
-        {
-            return None;
-        }
-        let why = explain(candidates, (decode, &cost), &prefill, tokens, &rule);
+        let Plan {
+            decode,
+            prefill,
+            why,
+            ..
+        } = plan(proxy, candidates, tokens, turn)?;
         let decode_guard = charge_as(proxy, ranks, (candidates, req, decode), prefill.is_empty())?;
         let first_prefill = prefill
             .first()

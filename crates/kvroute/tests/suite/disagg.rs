@@ -121,6 +121,14 @@ fn prompt(seed: u32) -> Vec<u32> {
     (0..320).map(|i| 1_000 + seed * 1_000 + i).collect()
 }
 
+/// `/query`'s answer for `tokens`.
+fn query(serve: &str, tokens: &[u32]) -> Value {
+    let q = json!({"token_ids": tokens}).to_string();
+    let r = request_with(serve, "POST", "/query", &[("Authorization", &auth())], &q);
+    assert_eq!(r.status, 200, "{}", r.body);
+    r.json()
+}
+
 fn complete(serve: &str, tokens: &[u32], stream: bool) -> Reply {
     let body = json!({"model": "mock-model", "prompt": tokens, "max_tokens": 6, "stream": stream});
     request(serve, "POST", "/v1/completions", &body.to_string())
@@ -133,6 +141,18 @@ fn complete(serve: &str, tokens: &[u32], stream: bool) -> Reply {
 fn a_split_request_then_a_repeat(flavor: &str, local_repeat: bool) {
     let (_procs, serve) = fleet(flavor, &[]);
     let tokens = prompt(1);
+    // `/query` explains the placement the proxy is about to make.
+    let plan = query(&serve, &tokens)["disagg"].clone();
+    assert_eq!(plan["decode"]["name"], "d0", "{plan}");
+    assert_eq!(plan["prefill"]["name"], "p0", "{plan}");
+    assert_eq!(plan["prefill_locally"], false, "{plan}");
+    assert_eq!(plan["uncached_on_decode_tokens"], 320, "{plan}");
+    assert!(
+        plan["reason"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("split:")),
+        "{plan}"
+    );
     let first = complete(&serve, &tokens, false);
     assert_eq!(first.status, 200, "{}", first.body);
     assert_eq!(first.header("x-kvroute-worker").as_deref(), Some("d0"));
@@ -148,10 +168,14 @@ fn a_split_request_then_a_repeat(flavor: &str, local_repeat: bool) {
     // The decode engine published the blocks it received: the router sees
     // them on d0, and the repeat is short enough to prefill there.
     eventually("d0's transferred blocks reach the index", || {
-        let q = json!({"token_ids": tokens}).to_string();
-        let r = request_with(&serve, "POST", "/query", &[("Authorization", &auth())], &q);
-        r.json()["scores"]["d0"]["0"].as_u64().unwrap_or(0) >= 256
+        query(&serve, &tokens)["scores"]["d0"]["0"]
+            .as_u64()
+            .unwrap_or(0)
+            >= 256
     });
+    let plan = query(&serve, &tokens)["disagg"].clone();
+    assert_eq!(plan["prefill_locally"], local_repeat, "{plan}");
+    assert_eq!(plan["prefill"].is_null(), local_repeat, "{plan}");
     let second = complete(&serve, &tokens, true);
     assert_eq!(second.status, 200, "{}", second.body);
     assert_eq!(second.header("x-kvroute-worker").as_deref(), Some("d0"));
