@@ -8,7 +8,7 @@
 //! interruption (or the end) stops the router, the engines and their sockets.
 //!
 //! With a [`PdLayout`] the engines are prefill engines and decode engines
-//! ([`engines`]): `kv` and `round-robin` place each request's two phases,
+//! (`crate::engines`): `kv` and `round-robin` place each request's two phases,
 //! `kv-split` never lets a decode engine prefill, `aggregated` registers
 //! the same engines as aggregated ones; the report adds the prefill-side
 //! hit rate from the engines' own counters.
@@ -23,11 +23,9 @@ use std::future::Future;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-mod engines;
-
 use crate::contender::{Disagg, Routing};
+use crate::engines::{Engines, PromptWork};
 use crate::preset::PdLayout;
-use engines::{Engines, PromptWork};
 use kvroute_core::event::WorkerFlavor;
 use kvroute_mocker::MockerConfig;
 use kvroute_server::ingest::spec::WorkerSpec;

@@ -40,6 +40,7 @@ pub mod contender;
 pub mod demo;
 pub mod driver;
 mod embedded_router;
+mod engines;
 pub mod error;
 mod exchange;
 pub mod image;

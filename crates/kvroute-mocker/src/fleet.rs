@@ -100,6 +100,12 @@ impl WorkerInfo {
     /// `,role=prefill|decode` for a disaggregated engine and
     /// `,bootstrap_port=…` for an SGLang prefill engine.
     pub fn worker_arg(&self) -> String {
+        self.worker_arg_as(&self.name)
+    }
+
+    /// [`WorkerInfo::worker_arg`] naming the worker `name` instead (fleets
+    /// of different roles each number their engines from `w0`).
+    pub fn worker_arg_as(&self, name: &str) -> String {
         let port = |endpoints: &[String]| {
             endpoints
                 .first()
@@ -108,8 +114,7 @@ impl WorkerInfo {
                 .to_owned()
         };
         let mut line = format!(
-            "name={},url={},events=tcp://{host}:{},replay=tcp://{host}:{},flavor={},dp={},block_size={}",
-            self.name,
+            "name={name},url={},events=tcp://{host}:{},replay=tcp://{host}:{},flavor={},dp={},block_size={}",
             self.url(),
             port(&self.events),
             port(&self.replay),

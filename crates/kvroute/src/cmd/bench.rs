@@ -213,8 +213,13 @@ pub fn run_publisher(a: &PublisherArgs) -> Result<ExitCode> {
 #[derive(Debug, Args)]
 struct ProxyArgs {
     /// Mock engines behind the router.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, conflicts_with = "pd")]
     workers: u16,
+    /// PREFILL:DECODE engines (e.g. `2:2`) instead: the router splits every
+    /// request into a prefill leg and a decode leg, so its CPU per request
+    /// compares with an aggregated run's.
+    #[arg(long, value_name = "P:D", value_parser = super::demo::parse_layout)]
+    pd: Option<kvroute_loadgen::PdLayout>,
     /// Requests per phase (direct, then through the router), at each concurrency.
     #[arg(long, default_value_t = 20_000)]
     requests: u64,
@@ -435,6 +440,7 @@ fn run_proxy(a: &ProxyArgs) -> Result<ExitCode> {
             None => std::env::current_exe().context("the path of this kvroute executable")?,
         },
         workers: a.workers,
+        pd: a.pd,
         requests: a.requests,
         concurrency: a.concurrency.clone(),
         rate: a.rate,

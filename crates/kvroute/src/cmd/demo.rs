@@ -126,7 +126,7 @@ fn workload_parser() -> impl clap::builder::TypedValueParser<Value = DemoWorkloa
 }
 
 /// `--pd`'s value.
-fn parse_layout(s: &str) -> Result<PdLayout, String> {
+pub(super) fn parse_layout(s: &str) -> Result<PdLayout, String> {
     s.parse().map_err(|e: kvroute_loadgen::Error| e.to_string())
 }
 

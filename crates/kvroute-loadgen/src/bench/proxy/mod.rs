@@ -12,6 +12,13 @@
 //! routed phase and divided by the routed requests completed; it includes
 //! the ingestion of the KV events those requests make the engines publish
 //! (with `interleave`, also those of the direct requests sent meanwhile).
+//!
+//! With a [`PdLayout`] the engines are prefill and decode engines and the
+//! router splits every request (`--local-prefill-max-tokens 0`): each
+//! routed request is two legs, prefill then decode, so its CPU per request
+//! compares with an aggregated run's. The direct path still sends whole
+//! requests round-robin to every engine (vLLM engines of either role serve
+//! them), so the latency difference is not the router's alone there.
 
 mod body;
 mod phase;
@@ -22,12 +29,14 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_mocker::{Fleet, MockerConfig};
+use kvroute_mocker::MockerConfig;
 
 use super::child::RouterProcess;
 use crate::embedded_router::wait_until_connected;
+use crate::engines::Engines;
 use crate::error::{Error, Result};
 use crate::metrics::{accuracy_between, accuracy_counters};
+use crate::preset::PdLayout;
 use crate::workload::TextRenderer;
 use body::Bodies;
 use phase::Loop;
@@ -95,8 +104,10 @@ pub enum Prompt {
 pub struct ProxyBenchConfig {
     /// The `kvroute` executable whose `serve` is measured.
     pub router_exe: PathBuf,
-    /// Mock engines behind the router.
+    /// Mock engines behind the router (ignored with `pd`).
     pub workers: u16,
+    /// Prefill and decode engines instead, every request split by the router.
+    pub pd: Option<PdLayout>,
     /// Requests per phase (direct, then through the router), at each concurrency.
     pub requests: u64,
     /// Requests in flight at once; one run per value, in order.
@@ -136,7 +147,7 @@ impl ProxyBenchConfig {
 
 /// The engines, the router process over them, and how to reach both.
 struct Bench {
-    fleet: Fleet,
+    fleet: Engines,
     router: RouterProcess,
     client: reqwest::Client,
     bodies: Bodies,
@@ -146,7 +157,7 @@ struct Bench {
 
 impl Bench {
     async fn start(config: &ProxyBenchConfig) -> Result<Bench> {
-        let (bodies, engine_tokenizer, router_flags) = match &config.prompt {
+        let (bodies, engine_tokenizer, mut router_flags) = match &config.prompt {
             Prompt::TokenIds { tokens } => (Bodies::TokenIds { tokens: *tokens }, None, vec![]),
             Prompt::Text {
                 words,
@@ -176,8 +187,11 @@ impl Bench {
             ..MockerConfig::default()
         };
         mocker.timing.speedup = config.speedup;
-        let fleet = Fleet::start(mocker).await?;
-        let specs: Vec<String> = fleet.workers().iter().map(|w| w.worker_arg()).collect();
+        let fleet = Engines::start(mocker, config.pd).await?;
+        let specs = fleet.worker_args();
+        if config.pd.is_some() {
+            router_flags.extend(["--local-prefill-max-tokens".to_owned(), "0".to_owned()]);
+        }
         let exe = config.router_exe.clone();
         let router =
             tokio::task::spawn_blocking(move || RouterProcess::spawn(&exe, &specs, &router_flags))
@@ -186,9 +200,9 @@ impl Bench {
         let client = crate::driver::client()?;
         wait_until_connected(&client, &router.url, Duration::from_secs(20)).await?;
         let direct = fleet
-            .workers()
+            .urls()
             .iter()
-            .map(|w| format!("{}/v1/completions", w.url()))
+            .map(|url| format!("{url}/v1/completions"))
             .collect();
         let routed = vec![format!("{}/v1/completions", router.url)];
         Ok(Bench {

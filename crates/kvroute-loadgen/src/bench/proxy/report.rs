@@ -103,7 +103,8 @@ impl ProxyBenchReport {
                 let (d, p) = (run.direct, run.proxy);
                 let mut doc = json!({
                     "requests": c.requests, "concurrency": run.concurrency, "rate": c.rate,
-                    "workers": c.workers, "interleave": c.interleave,
+                    "workers": c.pd.map_or(c.workers, |pd| pd.engines()), "interleave": c.interleave,
+                    "pd": c.pd.map(|pd| pd.to_string()),
                     "direct": d,
                     "proxy": p,
                     "added_us": {
@@ -152,9 +153,16 @@ impl ProxyBenchReport {
         } else {
             ", closed loop".into()
         };
+        let engines = match c.pd {
+            Some(pd) => format!(
+                "{} prefill + {} decode engines, every request split",
+                pd.prefill, pd.decode
+            ),
+            None => format!("{} engines", c.workers),
+        };
         format!(
-            "{} requests, concurrency {}, {prompt}, {} engines{mode}",
-            c.requests, run.concurrency, c.workers
+            "{} requests, concurrency {}, {prompt}, {engines}{mode}",
+            c.requests, run.concurrency
         )
     }
 }
@@ -237,6 +245,7 @@ mod tests {
             config: ProxyBenchConfig {
                 router_exe: "kvroute".into(),
                 workers: 2,
+                pd: None,
                 requests: 200,
                 concurrency: vec![1, 8],
                 rate: 0.0,
