@@ -84,10 +84,42 @@ pub fn vllm_transfer_params(answer: &[u8]) -> Result<Value, HandoffError> {
 
 /// vLLM's decode leg: the client's request, unchanged but for the prefill
 /// answer's `kv_transfer_params`, copied as they came.
+///
+/// The body is one the router has already parsed. Where it names no
+/// `kv_transfer_params` (the usual case) the field is appended before its
+/// closing brace, byte for byte the rest, instead of parsing and writing
+/// the whole prompt again; otherwise the field is replaced in a re-parse.
 pub fn vllm_decode_body(body: &[u8], params: &Value) -> Result<Vec<u8>, HandoffError> {
+    const KEY: &[u8] = b"\"kv_transfer_params\"";
+    if !body.windows(KEY.len()).any(|w| w == KEY) {
+        if let Some(spliced) = append_field(body, KEY, params) {
+            return Ok(spliced);
+        }
+    }
     let mut map = object(body)?;
     map.insert("kv_transfer_params".into(), params.clone());
     Ok(bytes(map))
+}
+
+/// `body` (a JSON object) with `"key": value` added as its last member;
+/// `None` when `body` does not start with `{` and end with `}`.
+fn append_field(body: &[u8], quoted_key: &[u8], value: &Value) -> Option<Vec<u8>> {
+    let start = body.iter().position(|b| !b.is_ascii_whitespace())?;
+    let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
+    if body[start] != b'{' || body[end] != b'}' || end == start {
+        return None;
+    }
+    let empty = body[start + 1..end].iter().all(u8::is_ascii_whitespace);
+    let mut out = Vec::with_capacity(body.len() + quoted_key.len() + 256);
+    out.extend_from_slice(&body[..end]);
+    if !empty {
+        out.push(b',');
+    }
+    out.extend_from_slice(quoted_key);
+    out.push(b':');
+    serde_json::to_writer(&mut out, value).ok()?;
+    out.push(b'}');
+    Some(out)
 }
 
 /// Where an SGLang decode engine fetches a request's blocks: the prefill
@@ -218,6 +250,17 @@ mod tests {
             (leg["max_tokens"].clone(), leg["stream"].clone()),
             (json!(300), json!(true))
         );
+        // Appended to the client's bytes, or replacing a field it sent.
+        let spaced = b" {\"prompt\": [1, 2],\n \"stream\": false }\n";
+        let leg = vllm_decode_body(spaced, &params).expect("leg");
+        assert!(leg.starts_with(b" {\"prompt\": [1, 2],\n \"stream\": false ,"));
+        assert_eq!(parse(&leg)["kv_transfer_params"], params);
+        let leg = parse(&vllm_decode_body(b"{ }", &params).expect("leg"));
+        assert_eq!(leg, json!({"kv_transfer_params": params}));
+        let stale = json!({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": false}});
+        let leg = parse(&vllm_decode_body(stale.to_string().as_bytes(), &params).expect("leg"));
+        assert_eq!(leg["kv_transfer_params"], params);
+        assert!(vllm_decode_body(b"[1]", &params).is_err());
         for missing in [json!({"choices": []}), json!({"kv_transfer_params": null})] {
             assert_eq!(
                 vllm_transfer_params(missing.to_string().as_bytes()),
