@@ -133,7 +133,10 @@ mod tests {
         );
         let split: Contender = "kv-split".parse().expect("known");
         let aggregated: Contender = "aggregated".parse().expect("known");
-        for (c, disagg) in [(split, Disagg::AlwaysSplit), (aggregated, Disagg::Aggregated)] {
+        for (c, disagg) in [
+            (split, Disagg::AlwaysSplit),
+            (aggregated, Disagg::Aggregated),
+        ] {
             let Contender::Router(r) = c else {
                 panic!("a router");
             };

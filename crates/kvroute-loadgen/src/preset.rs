@@ -60,7 +60,8 @@ impl std::str::FromStr for PdLayout {
 
     /// `P:D`, e.g. `2:2`; each at least 1.
     fn from_str(s: &str) -> Result<Self, Error> {
-        let invalid = || Error::Invalid(format!("`{s}`: expected PREFILL:DECODE engines, e.g. 2:2"));
+        let invalid =
+            || Error::Invalid(format!("`{s}`: expected PREFILL:DECODE engines, e.g. 2:2"));
         let (p, d) = s.split_once(':').ok_or_else(invalid)?;
         let prefill: u16 = p.trim().parse().map_err(|_| invalid())?;
         let decode: u16 = d.trim().parse().map_err(|_| invalid())?;
@@ -208,19 +209,39 @@ mod tests {
         }
         let pd = Preset::Pd;
         assert_eq!(Preset::parse("pd"), Some(pd));
-        assert_eq!((pd.requests(), pd.max_tokens(), pd.gpu_blocks()), (400, 32, 2_048));
-        assert_eq!(pd.layout(), Some(PdLayout { prefill: 2, decode: 2 }));
+        assert_eq!(
+            (pd.requests(), pd.max_tokens(), pd.gpu_blocks()),
+            (400, 32, 2_048)
+        );
+        assert_eq!(
+            pd.layout(),
+            Some(PdLayout {
+                prefill: 2,
+                decode: 2
+            })
+        );
         assert_eq!(Preset::parse("medium"), None);
     }
 
     #[test]
     fn layouts_parse_as_prefill_colon_decode() {
         let layout: PdLayout = "1:3".parse().expect("valid");
-        assert_eq!(layout, PdLayout { prefill: 1, decode: 3 });
+        assert_eq!(
+            layout,
+            PdLayout {
+                prefill: 1,
+                decode: 3
+            }
+        );
         assert_eq!(layout.to_string(), "1:3");
         assert_eq!(
             layout.roles(),
-            [WorkerRole::Prefill, WorkerRole::Decode, WorkerRole::Decode, WorkerRole::Decode]
+            [
+                WorkerRole::Prefill,
+                WorkerRole::Decode,
+                WorkerRole::Decode,
+                WorkerRole::Decode
+            ]
         );
         for bad in ["2", "0:2", "2:0", "a:b", "2:2:2", "65535:1"] {
             assert!(bad.parse::<PdLayout>().is_err(), "{bad}");
