@@ -100,6 +100,8 @@ impl RunningRouter {
                 proxy,
                 max_body_bytes: 64 << 20,
                 replicas,
+                // The demo chose a closed admin API; no advice about its flag.
+                announce_access: false,
                 ..ServeConfig::default()
             },
             listener,

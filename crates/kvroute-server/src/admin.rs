@@ -320,7 +320,7 @@ pub async fn register(
         .await
         .map_err(|e| ProxyError::internal(e.to_string()))?
         .map_err(|e| match e {
-            RegistryError::Address(_) | RegistryError::HostNotAllowed { .. } => {
+            RegistryError::Address { .. } | RegistryError::HostNotAllowed { .. } => {
                 ProxyError::bad_request(e.to_string())
             }
             _ => ProxyError::Conflict(e.to_string()),

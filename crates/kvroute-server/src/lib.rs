@@ -78,6 +78,12 @@ pub struct ServeConfig {
     pub state: Option<StateConfig>,
     /// Replicas sharing in-flight state and index snapshots over NATS (`--nats`).
     pub replicas: Option<replica::ReplicaConfig>,
+    /// Whether to say at start what the admin API accepts, and warn when it
+    /// is closed or registrations may point anywhere: for an operator who
+    /// set (or forgot) `--admin-token`. A program embedding the router that
+    /// chose `access` itself (the demo) turns it off, so its user gets no
+    /// advice about flags they never had.
+    pub announce_access: bool,
 }
 
 /// Index shards when none are asked for: one per core, at most 8, so the
@@ -117,6 +123,7 @@ impl Default for ServeConfig {
             query: QueryLimits::default(),
             state: None,
             replicas: None,
+            announce_access: true,
         }
     }
 }
@@ -125,14 +132,10 @@ impl Default for ServeConfig {
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServeError {
-    /// A configured worker could not be registered.
-    #[error("worker `{name}`: {source}")]
-    Worker {
-        /// The worker.
-        name: String,
-        /// Why.
-        source: ingest::registry::RegistryError,
-    },
+    /// A configured worker could not be registered; the reason names the
+    /// worker (once: it is the whole message).
+    #[error(transparent)]
+    Worker(ingest::registry::RegistryError),
     /// Ingestion could not start.
     #[error("ingestion: {0}")]
     Ingest(ingest::registry::RegistryError),
@@ -212,7 +215,9 @@ pub async fn serve(
         query: config.query,
     };
     info!(addr = ?listener.local_addr().ok(), "kvroute listening");
-    log_access(&config.access, &config.allowed_worker_hosts);
+    if config.announce_access {
+        log_access(&config.access, &config.allowed_worker_hosts);
+    }
     // Every accepted connection gets TCP_NODELAY: without it, a streamed
     // token written after the response head on a kept-alive connection waits
     // for the client's delayed ACK (up to 40 ms on Linux).
@@ -309,10 +314,9 @@ fn start_registry(
         restore_state(&registry, state);
     }
     for spec in &config.workers {
-        let name = spec.name.clone();
         registry
             .register(spec.clone())
-            .map_err(|source| ServeError::Worker { name, source })?;
+            .map_err(ServeError::Worker)?;
     }
     registry.register_saved();
     Ok(registry)

@@ -29,8 +29,39 @@ pub struct IngestConfig {
     pub threads: usize,
     /// Most (worker, rank) streams; a rank without a replay endpoint counts twice.
     pub max_ranks: usize,
+    /// Where `max_ranks` came from, so that a refusal says what to raise.
+    pub max_ranks_source: RankLimitSource,
     /// Timeouts and the continuity check period.
     pub timing: Timing,
+}
+
+/// Where the limit on ranks came from: a refused registration tells the
+/// operator to raise the flag they gave, or the open-file limit that the
+/// default follows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RankLimitSource {
+    /// Given as such (`--max-ranks`, or by the program embedding the router).
+    #[default]
+    Given,
+    /// Computed by [`default_max_ranks`] from the open-file limit in force.
+    OpenFiles {
+        /// The open-file limit (soft, after raising it to the hard one).
+        limit: u64,
+    },
+}
+
+impl RankLimitSource {
+    /// The end of a refusal: what to raise.
+    fn advice(&self) -> String {
+        match self {
+            RankLimitSource::Given => "raise --max-ranks".to_owned(),
+            RankLimitSource::OpenFiles { limit } => format!(
+                "raise the open-file limit (`ulimit -n`, now {limit}), which the default \
+                 of --max-ranks follows, or set --max-ranks"
+            ),
+        }
+    }
 }
 
 impl Default for IngestConfig {
@@ -38,6 +69,7 @@ impl Default for IngestConfig {
         IngestConfig {
             threads: std::thread::available_parallelism().map_or(2, |n| n.get()),
             max_ranks: 4_096,
+            max_ranks_source: RankLimitSource::Given,
             timing: Timing::default(),
         }
     }
@@ -93,10 +125,13 @@ pub enum RegistryError {
     /// The ingest threads could not start.
     #[error(transparent)]
     Start(#[from] PoolError),
-    /// The registration would exceed `--max-ranks`.
+    /// The registration would exceed `--max-ranks`: one sentence naming
+    /// the worker once and what to raise.
     #[error(
-        "worker `{name}`: {requested} more rank(s) would exceed --max-ranks {max} \
-         ({used} in use; a rank without a replay endpoint counts twice)"
+        "worker `{name}` needs {requested} rank slot(s) but --max-ranks {max} has {free} free \
+         (a rank takes one slot, two without a replay endpoint); {advice}",
+        free = max.saturating_sub(*used),
+        advice = limit.advice()
     )]
     TooManyRanks {
         /// The worker.
@@ -107,10 +142,18 @@ pub enum RegistryError {
         used: usize,
         /// The limit.
         max: usize,
+        /// Where the limit came from.
+        limit: RankLimitSource,
     },
     /// A URL or socket address is not of a form a worker may have.
-    #[error("{0}")]
-    Address(#[from] SpecError),
+    #[error("worker `{name}`: {error}")]
+    Address {
+        /// The worker.
+        name: String,
+        /// What is wrong with the address (part of the message, not a
+        /// separate cause, so the reason is printed once).
+        error: SpecError,
+    },
     /// An address names a host outside `--allow-worker-hosts`.
     #[error("worker `{name}`: host `{host}` is not in --allow-worker-hosts")]
     HostNotAllowed {
@@ -211,7 +254,11 @@ impl Registry {
     /// Checks the form of every address of `spec` and that each names an
     /// allowed host.
     fn check_addresses(&self, spec: &WorkerSpec) -> Result<(), RegistryError> {
-        for host in worker_hosts(spec)? {
+        let hosts = worker_hosts(spec).map_err(|error| RegistryError::Address {
+            name: spec.name.clone(),
+            error,
+        })?;
+        for host in hosts {
             if !self.allowed.allows(&host) {
                 return Err(RegistryError::HostNotAllowed {
                     name: spec.name.clone(),
@@ -285,6 +332,7 @@ impl Registry {
                 requested,
                 used,
                 max: self.ingest.max_ranks,
+                limit: self.ingest.max_ranks_source,
             });
         }
         Ok(())

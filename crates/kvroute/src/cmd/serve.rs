@@ -15,7 +15,7 @@ use kvroute_prompt::{Renderer, Tokenizer};
 use kvroute_server::admin::Access;
 use kvroute_server::ingest::address::AllowedHosts;
 use kvroute_server::ingest::rank::Timing;
-use kvroute_server::ingest::registry::{default_max_ranks, IngestConfig};
+use kvroute_server::ingest::registry::{default_max_ranks, IngestConfig, RankLimitSource};
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
 use kvroute_server::proxy::ProxyConfig;
@@ -200,10 +200,20 @@ pub struct ServeArgs {
     /// start) after a reserve; the rest is for the engines' streams.
     #[arg(long, env = "KVROUTE_MAX_CONNECTIONS")]
     max_connections: Option<usize>,
-    /// Most (worker, DP rank) event streams; registrations beyond it are
-    /// refused (409). A rank without a replay endpoint counts twice.
-    /// Default: what the open-file limit leaves after --max-connections, at
-    /// four descriptors per rank.
+    /// Most (worker, DP rank) event streams, in slots (a rank without a
+    /// replay endpoint takes two); a registration beyond it is refused (409),
+    /// and a configured worker beyond it stops serve.
+    ///
+    /// A rank takes one slot; a rank without a replay endpoint takes two (its
+    /// SUB needs a socket monitor of its own, as many descriptors again), so
+    /// 2 048 ranks without replay endpoints fill 4 096 slots, as 4 096 ranks
+    /// with them do.
+    ///
+    /// Default: what the open-file limit (raised to its hard limit at start)
+    /// leaves after a reserve of 256 and two descriptors per connection of
+    /// --max-connections, at four descriptors per slot; at a limit of 20 000,
+    /// (20 000 − 256 − 2 × 1 974) / 4 = 3 949 slots. For more, raise the
+    /// open-file limit (`ulimit -n`) or set this flag.
     #[arg(long, value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_MAX_RANKS")]
     max_ranks: Option<u64>,
     /// Ingest threads, each serving many ranks; default: the number of cores.
@@ -367,6 +377,8 @@ fn serve_config(
             idle_timeout: Duration::from_secs(args.idle_timeout_secs),
             ..HttpLimits::default()
         },
+        // The operator's own flags: say what the admin API accepts.
+        announce_access: true,
     })
 }
 
@@ -435,13 +447,20 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
 /// Ingestion settings from the flags and the open-file limit.
 fn ingest_config(args: &ServeArgs, max_connections: usize, fd_limit: u64) -> IngestConfig {
     let defaults = IngestConfig::default();
-    let max_ranks = args.max_ranks.map_or_else(
-        || default_max_ranks(fd_limit, max_connections),
-        |n| usize::try_from(n).unwrap_or(usize::MAX),
-    );
+    let (max_ranks, max_ranks_source) = match args.max_ranks {
+        Some(n) => (
+            usize::try_from(n).unwrap_or(usize::MAX),
+            RankLimitSource::Given,
+        ),
+        None => (
+            default_max_ranks(fd_limit, max_connections),
+            RankLimitSource::OpenFiles { limit: fd_limit },
+        ),
+    };
     IngestConfig {
         threads: args.ingest_threads.map_or(defaults.threads, |n| n as usize),
         max_ranks,
+        max_ranks_source,
         timing: Timing {
             verify_ms: args.verify_secs.saturating_mul(1_000),
             ..Timing::default()
@@ -491,6 +510,7 @@ fn parse_nats_prefix(s: &str) -> Result<String, String> {
 mod tests {
     use super::*;
     use clap::{CommandFactory, Parser};
+    use kvroute_server::ingest::registry::FDS_PER_RANK;
 
     /// `kvroute serve`'s flags alone, as the binary parses them.
     #[derive(Debug, Parser)]
@@ -517,6 +537,7 @@ mod tests {
         assert_eq!(got.http.idle_timeout, want.http.idle_timeout);
         assert_eq!(got.ingest.timing.verify_ms, want.ingest.timing.verify_ms);
         assert!(got.state.is_none() && got.replicas.is_none());
+        assert_eq!(got.announce_access, want.announce_access);
         let (p, q) = (&got.proxy, &want.proxy);
         assert_eq!(p.policy, q.policy);
         assert_eq!(p.weights, q.weights);
@@ -607,5 +628,43 @@ mod tests {
         // reasons name Dynamo's, never a number for kvroute's.
         let scale = help_of(&help, "prefill-load-scale");
         assert!(!scale.contains("kvroute's is"), "{scale}");
+    }
+
+    /// `1974` as the help writes it: `1 974`.
+    fn spaced(n: u64) -> String {
+        let digits = n.to_string();
+        let mut out = String::new();
+        for (i, d) in digits.chars().enumerate() {
+            if i > 0 && (digits.len() - i).is_multiple_of(3) {
+                out.push(' ');
+            }
+            out.push(d);
+        }
+        out
+    }
+
+    #[test]
+    fn max_ranks_help_states_the_arithmetic_the_code_does() {
+        let help = Serve::command().render_long_help().to_string();
+        // Clap prints each paragraph of the doc comment on one line.
+        let text = help_of(&help, "max-ranks");
+        assert!(
+            text.contains("a rank without a replay endpoint takes two")
+                && text.contains("2 048 ranks without replay endpoints fill 4 096 slots"),
+            "{text}"
+        );
+        // The worked example is the code's own default at that limit.
+        let limit = 20_000;
+        let connections = default_max_connections(limit);
+        let ranks = default_max_ranks(limit, connections) as u64;
+        assert_eq!(ranks, (limit - 256 - 2 * connections as u64) / FDS_PER_RANK);
+        let example = format!(
+            "({} − 256 − 2 × {}) / {FDS_PER_RANK} = {} slots",
+            spaced(limit),
+            spaced(connections as u64),
+            spaced(ranks)
+        );
+        assert!(text.contains(&example), "{example} not in {text}");
+        assert!(text.contains("`ulimit -n`"), "{text}");
     }
 }

@@ -1,7 +1,10 @@
 //! `kvroute serve` configured from the environment alone, as a container
-//! deployment configures it: every flag has a `KVROUTE_*` variable.
+//! deployment configures it: every flag has a `KVROUTE_*` variable; and what
+//! serve says at start about its configuration (a worker it cannot take, the
+//! admin API).
 
-use std::process::Stdio;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
 
 use crate::support::http::*;
 use crate::support::*;
@@ -135,4 +138,84 @@ fn a_bootstrap_port_on_a_vllm_worker_stops_serve_with_the_reason() {
         stderr.contains("bootstrap_port=8998") && stderr.contains("only SGLang workers"),
         "{stderr}"
     );
+}
+
+/// `kvroute serve` with `args` and one worker `big` of `dp` ranks (nothing
+/// listens on its ports), run through `sh` so that `ulimit` may set the
+/// open-file limit first: its exit status and stderr.
+fn serve_big_worker(ulimit: Option<u32>, dp: u32, args: &str) -> (bool, String) {
+    let worker = format!(
+        "name=big,url=http://127.0.0.1:9,events=tcp://127.0.0.1:9,replay=tcp://127.0.0.1:200,dp={dp},block_size=16"
+    );
+    let limit = ulimit.map_or(String::new(), |n| format!("ulimit -n {n} && "));
+    let script = format!("{limit}exec \"$0\" serve --port 0 --worker {worker} {args}");
+    let out = Command::new("sh")
+        .arg("-c")
+        .arg(script)
+        .arg(kvroute_path())
+        .output()
+        .expect("kvroute serve runs");
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    (out.status.success(), stderr)
+}
+
+/// The line of `stderr` that says why serve stopped (`kvroute: …`).
+fn reason(stderr: &str) -> &str {
+    stderr
+        .lines()
+        .find(|l| l.starts_with("kvroute: "))
+        .unwrap_or_else(|| panic!("no `kvroute: ` line in {stderr}"))
+}
+
+/// A configured worker with more ranks than `--max-ranks` stops serve with
+/// one sentence that names the worker once and the flag to raise.
+#[test]
+fn a_worker_over_max_ranks_stops_serve_naming_it_once_and_the_flag_to_raise() {
+    let (ok, stderr) = serve_big_worker(None, 2, "--max-ranks 1");
+    assert!(!ok, "{stderr}");
+    let line = reason(&stderr);
+    assert_eq!(line.matches("big").count(), 1, "{line}");
+    assert!(
+        line.contains("needs 2 rank slot(s) but --max-ranks 1 has 1 free")
+            && line.ends_with("raise --max-ranks"),
+        "{line}"
+    );
+}
+
+/// With `--max-ranks` left to its default, the refusal names the open-file
+/// limit it follows: at 512 files, 32 slots ((512 − 256 − 2 × 64) / 4).
+#[test]
+fn a_worker_over_the_default_max_ranks_names_the_open_file_limit() {
+    let (ok, stderr) = serve_big_worker(Some(512), 40, "");
+    assert!(!ok, "{stderr}");
+    let line = reason(&stderr);
+    assert_eq!(line.matches("big").count(), 1, "{line}");
+    assert!(
+        line.contains("needs 40 rank slot(s) but --max-ranks 32 has 32 free")
+            && line.contains("raise the open-file limit (`ulimit -n`, now 512)"),
+        "{line}"
+    );
+}
+
+/// `kvroute serve` still says at start that its admin API is closed (the
+/// demo's own routers, which chose it, do not: see the demo tests).
+#[test]
+fn serve_says_at_start_that_the_admin_api_is_closed() {
+    let mut child = kvroute()
+        .args(["serve", "--port", "0"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvroute serve runs");
+    let lines = lines_of(child.stderr.take().expect("stderr"));
+    let _serve = Proc(child);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut seen = Vec::new();
+    while let Ok(line) = lines.recv_timeout(deadline.saturating_duration_since(Instant::now())) {
+        if line.contains("admin API disabled") && line.contains("--admin-token") {
+            return;
+        }
+        seen.push(line);
+    }
+    panic!("no admin API line within 30 s: {seen:#?}");
 }

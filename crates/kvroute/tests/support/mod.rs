@@ -94,7 +94,7 @@ pub fn eventually_within(what: &str, limit: Duration, mut check: impl FnMut() ->
 
 /// The lines of a child's piped output, read on a thread that keeps
 /// draining it (a closed pipe would end the child at its next print).
-fn lines_of(out: impl Read + Send + 'static) -> mpsc::Receiver<String> {
+pub fn lines_of(out: impl Read + Send + 'static) -> mpsc::Receiver<String> {
     let (tx, rx) = mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(out).lines().map_while(Result::ok) {
