@@ -2,9 +2,15 @@
 //! an admin token, real traffic, then the page rendered by the browser and
 //! its DOM checked (every worker named, a non-zero hit rate, a decision row
 //! naming a worker). `/api/stats` wants the token; the page gets it from its
-//! URL fragment, which never reaches the server.
+//! URL fragment, which never reaches the server. The charts' axes are read
+//! too: labelled as Grafana's "short" unit does (SI prefixes, three
+//! significant digits, never `0.0`), checked exactly on fixed data.
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use serde_json::{json, Value};
 
@@ -14,7 +20,7 @@ use crate::support::*;
 const TOKEN: &str = "dashboard-secret";
 
 /// The headless browser: `KVROUTE_CHROMIUM`, or the first of Debian's and
-/// others' names on the `PATH` (`.ci/run` installs Debian's `chromium`).
+/// others' names on the `PATH` (`scripts/test` installs Debian's `chromium`).
 pub fn chromium() -> String {
     if let Ok(path) = std::env::var("KVROUTE_CHROMIUM") {
         return path;
@@ -34,7 +40,8 @@ pub fn chromium() -> String {
         }
     }
     panic!(
-        "no headless Chromium: install Debian's `chromium` (.ci/run does) or set KVROUTE_CHROMIUM"
+        "no headless Chromium: run the tests with `scripts/test`, which installs it, or \
+         `sudo apt-get install chromium`, or set KVROUTE_CHROMIUM to one"
     );
 }
 
@@ -156,4 +163,142 @@ fn the_dashboard_shows_the_fleet_the_hit_rate_and_the_decisions_in_a_real_browse
     );
     assert!(decision.contains("lowest cost"), "{decision}");
     assert_eq!(testid_text(&dom, "load-only"), Some("0.0 %"));
+    for chart in ["c-hit", "c-acc", "c-ttft", "c-rps"] {
+        let labels = axis_labels(&dom, chart);
+        assert_eq!(labels.len(), 3, "{chart}: {labels:?}");
+        assert!(
+            labels.iter().all(|l| grafana_short(l)),
+            "{chart}'s axis: {labels:?}"
+        );
+    }
+}
+
+/// The texts of the axis labels of the chart `<svg id="{chart}">`.
+fn axis_labels(dom: &str, chart: &str) -> Vec<String> {
+    let start = dom
+        .find(&format!("<svg id=\"{chart}\""))
+        .unwrap_or_else(|| panic!("no chart {chart}"));
+    let end = start + dom[start..].find("</svg>").expect("</svg>");
+    dom[start..end]
+        .split("<text")
+        .skip(1)
+        .map(|rest| {
+            let text = &rest[rest.find('>').map_or(0, |i| i + 1)..];
+            text[..text.find('<').unwrap_or(0)].to_owned()
+        })
+        .collect()
+}
+
+/// Whether `label` reads as Grafana's "short" unit writes numbers: at most
+/// three significant digits before an SI prefix (`k`, `M`, `G`, `T`) and a
+/// unit, no trailing zeros after a point (never `0.0`).
+fn grafana_short(label: &str) -> bool {
+    let number = [" %", " ms", " s"]
+        .iter()
+        .fold(label, |l, unit| l.strip_suffix(unit).unwrap_or(l));
+    let number = number.trim_end_matches(['k', 'M', 'G', 'T']);
+    let digits: String = number.chars().filter(char::is_ascii_digit).collect();
+    let significant = digits.trim_start_matches('0').trim_end_matches('0');
+    number.parse::<f64>().is_ok()
+        && significant.len() <= 3
+        && !(number.contains('.') && number.ends_with('0'))
+}
+
+/// A one-page server: `GET /dashboard` answers `page`, `GET /api/stats`
+/// answers `stats`, anything else 404; stopped on drop.
+struct FixedServer {
+    addr: String,
+    stop: Arc<AtomicBool>,
+}
+
+impl FixedServer {
+    fn start(page: String, stats: String) -> FixedServer {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+        let addr = listener.local_addr().expect("addr").to_string();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        std::thread::spawn(move || {
+            for stream in listener.incoming() {
+                if stopped.load(Ordering::Relaxed) {
+                    return;
+                }
+                if let Ok(stream) = stream {
+                    answer(stream, &page, &stats);
+                }
+            }
+        });
+        FixedServer { addr, stop }
+    }
+}
+
+impl Drop for FixedServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        // Wakes the accept loop so that it sees the flag.
+        let _ = TcpStream::connect(&self.addr);
+    }
+}
+
+/// Reads one request head and answers it, closing the connection.
+fn answer(mut stream: TcpStream, page: &str, stats: &str) {
+    let _ = stream.set_read_timeout(Some(std::time::Duration::from_secs(5)));
+    let mut head = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return,
+            Ok(n) => head.extend_from_slice(&buf[..n]),
+        }
+    }
+    let head = String::from_utf8_lossy(&head);
+    let path = head.split_whitespace().nth(1).unwrap_or("");
+    let (status, kind, body) = match path.split('?').next() {
+        Some("/dashboard") => ("200 OK", "text/html; charset=utf-8", page),
+        Some("/api/stats") => ("200 OK", "application/json", stats),
+        _ => ("404 Not Found", "text/plain", "not found"),
+    };
+    let _ = write!(
+        stream,
+        "HTTP/1.1 {status}\r\ncontent-type: {kind}\r\ncontent-length: {}\r\n\
+         cache-control: no-store\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+}
+
+/// `/api/stats` as the page reads it, with three seconds of samples: half a
+/// million cached tokens a second, no requests routed, TTFTs of seconds.
+fn fixed_stats() -> Value {
+    let sample = |tokens: u64, ttft: Option<f64>| {
+        json!({"hit_rate": 0.5, "reported_tokens": tokens, "predicted_tokens": tokens,
+               "ttft_p50_ms": ttft, "ttft_p99_ms": ttft.map(|t| 2.0 * t), "by_worker": {"w0": 0}})
+    };
+    json!({
+        "policy": "kv",
+        "now_ms": 1_700_000_000_000u64,
+        "summary": {"hit_rate": 0.5, "reported_tokens": 996_000, "accuracy": 1.0, "compared": 3,
+                    "routed_per_s": 0.0, "routed": 3, "ttft_p50_ms": 850.0, "ttft_p99_ms": 2_400.0,
+                    "load_only_fraction": 0.0, "routed_on_load": 0},
+        "series": [sample(0, None), sample(480_000, Some(850.0)), sample(516_000, Some(1_200.0))],
+        "workers": [{"name": "w0", "role": "both", "ranks": []}],
+        "decisions": [],
+    })
+}
+
+#[test]
+fn the_dashboards_axes_use_si_units_and_show_no_fractions_of_counts() {
+    // The page as the binary serves it, beside fixed data.
+    let (_serve, serve) = spawn_serve(&[], &[]);
+    eventually("serve up", || TcpStream::connect(&serve).is_ok());
+    let page = request(&serve, "GET", "/dashboard", "");
+    assert_eq!(page.status, 200);
+    let server = FixedServer::start(page.body, fixed_stats().to_string());
+    let dom = rendered_dom(&format!("http://{}/dashboard", server.addr), 2_000);
+    let labels = |chart| axis_labels(&dom, chart);
+    // 516 000 tokens/s with headroom: an axis to 600k, not `567600`.
+    assert_eq!(labels("c-acc"), ["0", "300k", "600k"], "{dom}");
+    // No request routed: a count axis of 0, 1, 2, not `0.0`.
+    assert_eq!(labels("c-rps"), ["0", "1", "2"]);
+    // A p99 of 2 400 ms: seconds past a thousand milliseconds.
+    assert_eq!(labels("c-ttft"), ["0", "1.5 s", "3 s"]);
+    assert_eq!(labels("c-hit"), ["0 %", "50 %", "100 %"]);
 }
