@@ -69,9 +69,7 @@ pub async fn admit(
     req: &Arc<RoutingRequest>,
     large: bool,
 ) -> Result<Admitted, ProxyError> {
-    let config = proxy.config();
-    let queued_until = tokio::time::Instant::now() + config.queue_timeout;
-    let mut place_in_queue = None;
+    let mut wait = QueueWait::new(proxy);
     loop {
         let Admitted {
             candidates,
@@ -91,20 +89,48 @@ pub async fn admit(
                 first,
             });
         }
-        if place_in_queue.is_none() {
-            place_in_queue = proxy.queue.try_acquire().ok();
-            if place_in_queue.is_some() {
+        wait.busy(candidates.scored.len()).await?;
+    }
+}
+
+/// A request's wait in the bounded overload queue while every rank it
+/// could go to is busy, for as long as `--queue-timeout-ms` allows.
+pub(super) struct QueueWait<'a> {
+    proxy: &'a Proxy,
+    until: tokio::time::Instant,
+    place: Option<tokio::sync::SemaphorePermit<'a>>,
+}
+
+impl<'a> QueueWait<'a> {
+    /// A wait that has not started: no place in the queue taken yet.
+    pub(super) fn new(proxy: &'a Proxy) -> Self {
+        QueueWait {
+            proxy,
+            until: tokio::time::Instant::now() + proxy.config().queue_timeout,
+            place: None,
+        }
+    }
+
+    /// After a placement found all `ranks` busy: takes a place in the queue
+    /// (once), then waits until load drops, for the caller to place again;
+    /// the 503 when the queue is full or off, or the wait is over.
+    pub(super) async fn busy(&mut self, ranks: usize) -> Result<(), ProxyError> {
+        let proxy = self.proxy;
+        if self.place.is_none() {
+            self.place = proxy.queue.try_acquire().ok();
+            if self.place.is_some() {
                 proxy.metrics.queued.inc();
             }
         }
-        let queued = place_in_queue.is_some();
-        if !queued || tokio::time::Instant::now() >= queued_until {
-            return Err(overloaded(proxy, candidates.scored.len(), queued));
+        let queued = self.place.is_some();
+        if !queued || tokio::time::Instant::now() >= self.until {
+            return Err(overloaded(proxy, ranks, queued));
         }
         // Woken when a prefill or a request ends; re-checked at least every
         // 100 ms in case a wake-up came between scoring and waiting.
-        let recheck = (tokio::time::Instant::now() + Duration::from_millis(100)).min(queued_until);
+        let recheck = (tokio::time::Instant::now() + Duration::from_millis(100)).min(self.until);
         let _ = tokio::time::timeout_at(recheck, proxy.load_dropped.notified()).await;
+        Ok(())
     }
 }
 

@@ -29,7 +29,8 @@ use serde_json::Value;
 
 use super::active::ActiveGuard;
 use super::attempt::{
-    self, charge, charge_as, open_candidate, outgoing, send, Admitted, Outgoing, Request, Sent,
+    self, charge, charge_as, open_candidate, outgoing, send, Admitted, Outgoing, QueueWait,
+    Request, Sent,
 };
 use super::candidates::{Candidates, Target};
 use super::handoff::{self, Bootstrap};
@@ -65,13 +66,24 @@ pub async fn route(
     req: &Arc<RoutingRequest>,
     request: Request<'_>,
 ) -> Result<Response, ProxyError> {
-    let (candidates, placed) = {
-        let (proxy, req) = (proxy.clone(), req.clone());
-        on_cpu(request.large, move || place(&proxy, &req)).await?
-    };
-    let Some(placed) = placed else {
-        proxy.metrics.no_workers.inc();
-        return Err(ProxyError::NoWorkers);
+    let mut wait = QueueWait::new(proxy);
+    let (candidates, placed) = loop {
+        let (candidates, placed) = {
+            let (proxy, req) = (proxy.clone(), req.clone());
+            on_cpu(request.large, move || place(&proxy, &req)).await?
+        };
+        match placed {
+            Some(placed) => break (candidates, placed),
+            // No rank may take a phase now: busy ranks wait in the queue
+            // as an aggregated request does, when it is on.
+            None if !candidates.scored.is_empty() && proxy.config().queue_capacity > 0 => {
+                wait.busy(candidates.scored.len()).await?;
+            }
+            None => {
+                proxy.metrics.no_workers.inc();
+                return Err(ProxyError::NoWorkers);
+            }
+        }
     };
     tracing::debug!(request_id = request.request_id, placement = %placed.why, "disaggregated");
     if placed.prefill.is_empty() {

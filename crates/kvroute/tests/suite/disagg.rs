@@ -317,3 +317,37 @@ fn an_unreachable_prefill_worker_is_retried_on_the_next() {
         reasons(&serve)
     );
 }
+
+/// With every decode rank at `--busy-requests`, a split request waits in
+/// the overload queue until the rank frees up, as an aggregated one does,
+/// instead of a 503 at once.
+#[test]
+fn a_split_request_waits_in_the_queue_while_every_decode_rank_is_busy() {
+    let (_procs, serve) = fleet(
+        "vllm",
+        &[
+            "--busy-requests",
+            "1",
+            "--queue-capacity",
+            "4",
+            "--queue-timeout-ms",
+            "30000",
+        ],
+    );
+    let long = {
+        let serve = serve.clone();
+        std::thread::spawn(move || {
+            let body = json!({"model": "mock-model", "prompt": prompt(1), "max_tokens": 1500});
+            request(&serve, "POST", "/v1/completions", &body.to_string())
+        })
+    };
+    eventually("the long request is split and decoding on d0", || {
+        count(&serve, "kvroute_proxy_disagg_split_total") == 1
+    });
+    let waiting = complete(&serve, &prompt(2), false);
+    assert_eq!(waiting.status, 200, "{}", waiting.body);
+    assert_eq!(waiting.header("x-kvroute-worker").as_deref(), Some("d0"));
+    assert_eq!(count(&serve, "kvroute_proxy_queued_total"), 1, "it waited");
+    let long = long.join().expect("the long request's thread");
+    assert_eq!(long.status, 200, "{}", long.body);
+}
