@@ -7,7 +7,9 @@ use std::collections::BinaryHeap;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_mocker::config::EventFormat;
 use kvroute_mocker::encode::{encode_batch, EncodeOptions};
-use kvroute_mocker::engine::{Engine, NewRequest, RequestId, StepOutcome, Update};
+use kvroute_mocker::engine::{Engine, Handoff, NewRequest, RequestId, StepOutcome, Update};
+
+mod legs;
 
 use super::routing::{Pins, Placement, SimRouter};
 use super::{SimConfig, SimLoad, SimReport};
@@ -23,8 +25,22 @@ enum Event {
     Send,
     /// Request `n` reaches the router.
     Route(usize),
-    /// Request `n` reaches its engine.
+    /// Request `n` reaches its engine (whole: aggregated, or prefilled on
+    /// its decode engine).
     Submit(usize),
+    /// Request `n`'s prefill leg reaches its prefill engine.
+    SubmitPrefill(usize),
+    /// Request `n`'s prefill answer reaches the router, with the prefill
+    /// engine's cached tokens.
+    Prefilled(usize, u64),
+    /// Request `n`'s decode leg reaches its decode engine, which starts
+    /// reading the prompt's KV.
+    DecodeLeg(usize),
+    /// The decode engine's read of request `n`'s KV reaches the prefill
+    /// engine, which releases the held blocks.
+    Release(usize),
+    /// Request `n`'s decode leg enters its decode engine, the KV read.
+    SubmitDecode(usize),
     /// Engine `e`'s step ends.
     StepEnd(usize),
     /// A published batch of engine `e` reaches the index.
@@ -47,7 +63,12 @@ struct Request {
     tokens: Vec<u32>,
     max_tokens: usize,
     sent_us: u64,
+    /// Where it runs whole, or where its decode leg runs.
     placement: Option<Placement>,
+    /// Where its prefill leg runs (a split request).
+    prefill: Option<Placement>,
+    /// The cached tokens its prefill engine reported (a split request).
+    prefill_cached: Option<u64>,
     first_token_us: Option<u64>,
 }
 
@@ -73,6 +94,12 @@ pub(super) struct Sim<'a> {
     skipped: u64,
     predicted_exactly: u64,
     compared: u64,
+    /// Requests are split into prefill and decode legs.
+    splits: bool,
+    /// Prompt tokens of finished requests found cached where they were
+    /// prefilled, and their prompt tokens.
+    prefill_hits: (u64, u64),
+    transferred_blocks: u64,
 }
 
 const US_PER_MS: u64 = 1_000;
@@ -107,6 +134,9 @@ impl<'a> Sim<'a> {
             skipped: 0,
             predicted_exactly: 0,
             compared: 0,
+            splits: config.splits(),
+            prefill_hits: (0, 0),
+            transferred_blocks: 0,
         };
         match load.arrival {
             Arrival::Closed { concurrency } => {
@@ -169,9 +199,28 @@ impl<'a> Sim<'a> {
         let mut report = summarize(&self.samples, issued, self.failed, duration, per_kind);
         report.index_accuracy =
             (self.compared > 0).then(|| self.predicted_exactly as f64 / self.compared as f64);
+        let (hits, prompt) = self.prefill_hits;
+        report.prefill_hit_rate = self.config.layout.map(|_| {
+            if prompt > 0 {
+                hits as f64 / prompt as f64
+            } else {
+                0.0
+            }
+        });
+        let prefilled_tokens = self
+            .engines
+            .iter()
+            .map(|e| {
+                let s = e.stats();
+                let found = s.prefix_cache_hits_total + s.kv_received_tokens_total;
+                s.prefix_cache_queries_total.saturating_sub(found)
+            })
+            .collect();
         Ok(SimReport {
             report,
             per_engine: self.per_engine,
+            prefilled_tokens,
+            transferred_blocks: self.transferred_blocks,
             steps: self.steps,
             skipped_events: self.skipped,
         })
@@ -181,6 +230,7 @@ impl<'a> Sim<'a> {
         let d = self.config.delays;
         match event {
             Event::Send => self.send()?,
+            Event::Route(n) if self.splits => self.route_split(n),
             Event::Route(n) => {
                 let now_ms = self.now / US_PER_MS;
                 let placement = self
@@ -191,6 +241,11 @@ impl<'a> Sim<'a> {
                 self.at(self.now + d.engine_us, Event::Submit(n));
             }
             Event::Submit(n) => self.submit(n),
+            Event::SubmitPrefill(n) => self.submit_prefill(n),
+            Event::Prefilled(n, cached) => self.prefilled(n, cached),
+            Event::DecodeLeg(n) => self.decode_leg(n),
+            Event::Release(n) => self.release(n),
+            Event::SubmitDecode(n) => self.submit_decode(n),
             Event::StepEnd(e) => self.step_end(e),
             Event::Ingest(e, payload) => self.skipped += self.router.ingest(e, &payload),
             Event::FirstToken(n) => {
@@ -200,7 +255,10 @@ impl<'a> Sim<'a> {
             }
             Event::Finished(n, cached) => self.finished(n, cached),
             Event::Failed(n) => {
-                if let Some(p) = self.requests[n].placement {
+                let r = &mut self.requests[n];
+                // A prefill leg's charge is freed when its answer is read.
+                let prefill = r.prefill.filter(|_| r.prefill_cached.is_none());
+                for p in [r.placement, prefill].into_iter().flatten() {
                     self.router.finished(p, self.now, 0);
                 }
                 self.failed += 1;
@@ -240,6 +298,8 @@ impl<'a> Sim<'a> {
             max_tokens,
             sent_us: self.now,
             placement: None,
+            prefill: None,
+            prefill_cached: None,
             first_token_us: None,
         });
         if let Some(arrivals) = &mut self.arrivals {
@@ -263,15 +323,19 @@ impl<'a> Sim<'a> {
             output: vec![1; r.max_tokens],
             mm_items: Vec::new(),
         };
-        if self.engines[p.engine]
-            .submit(RequestId(n as u64), request)
-            .is_err()
-        {
+        let id = RequestId(n as u64);
+        self.enter(p.engine, (n, id), request, Handoff::default());
+    }
+
+    /// Queues a request, or one leg of request `n`, on engine `e`, which
+    /// starts stepping if it was idle; a refusal fails the request.
+    fn enter(&mut self, e: usize, (n, id): (usize, RequestId), r: NewRequest, handoff: Handoff) {
+        if self.engines[e].submit_with(id, r, handoff).is_err() {
             self.at(self.now + self.config.delays.engine_us, Event::Failed(n));
             return;
         }
-        if self.stepping[p.engine].is_none() {
-            self.start_step(p.engine);
+        if self.stepping[e].is_none() {
+            self.start_step(e);
         }
     }
 
@@ -306,7 +370,11 @@ impl<'a> Sim<'a> {
             self.at(self.now + d.event_us, Event::Ingest(e, payload));
         }
         for out in step.outputs {
-            let n = out.id.0 as usize;
+            let (n, prefill_leg) = legs::untag(out.id);
+            if prefill_leg {
+                self.prefill_output(n, out.update);
+                continue;
+            }
             match out.update {
                 Update::Token(0) => {
                     self.requests[n].first_token_us = Some(self.now);
@@ -339,6 +407,11 @@ impl<'a> Sim<'a> {
             .first_token_us
             .map_or(seen, |t| t + d.engine_us + d.client_us);
         let prompt_tokens = r.prompt_tokens;
+        // Where the prompt was computed: the prefill engine of a split
+        // request (the KV its decode engine received is no hit), else here.
+        let found = r.prefill_cached.unwrap_or(cached).min(prompt_tokens);
+        self.prefill_hits.0 += found;
+        self.prefill_hits.1 += prompt_tokens;
         self.samples.push(Sample {
             start_s: r.sent_us as f64 / 1e6,
             ttft_ms: (first - r.sent_us) as f64 / 1e3,
@@ -362,9 +435,13 @@ fn router(config: &SimConfig, block_size: u32) -> SimRouter {
         config.learn_speeds,
         config.seed,
     );
-    match &config.pins {
+    let router = match &config.pins {
         Some(pins) => router.pinned(Pins::new(pins.clone(), block_size)),
         None => router,
+    };
+    match config.layout {
+        Some(layout) if config.splits() => router.with_roles(&layout.roles()),
+        _ => router,
     }
 }
 

@@ -16,6 +16,16 @@
 //! chosen when it starts, requests that arrive during a step join the next
 //! one, and a step's events and tokens go out when it ends. The simulated
 //! figures are checked against real-time runs in `docs/bench.md`.
+//!
+//! A disaggregated fleet ([`SimConfig::layout`]) is served as `kvroute
+//! serve` serves vLLM prefill and decode engines: the router places the
+//! decode rank, then the prefill rank unless the decode rank prefills
+//! locally ([`routing::Split`]); the prefill leg (one output token, its
+//! blocks held) runs on the prefill engine, its answer goes back to the
+//! router, the decode leg to the decode engine, which waits the modelled
+//! transfer of the blocks it lacks, tells the prefill engine it read them
+//! (the blocks are released there) and runs the request with its prompt
+//! arrived computed. The client sees the decode leg's stream.
 
 pub mod bound;
 mod clock;
@@ -23,12 +33,19 @@ pub mod routing;
 
 use kvroute_mocker::engine::EngineConfig;
 
+use crate::contender::Disagg;
 pub use crate::contender::{Contender, Routing};
 use crate::driver::Arrival;
 use crate::error::{Error, Result};
+use crate::preset::PdLayout;
 use crate::report::PolicyReport;
 use crate::workload::WorkloadSpec;
-pub use routing::{Pins, Placement, SimRouter};
+pub use routing::{Pins, Placement, SimRouter, Split};
+
+/// Modelled microseconds to move one KV block from a prefill engine to a
+/// decode engine, as `kvroute mocker --transfer-us-per-block` defaults to.
+pub const DEFAULT_TRANSFER_US_PER_BLOCK: u64 =
+    kvroute_mocker::config::DEFAULT_TRANSFER_US_PER_BLOCK;
 
 /// Fixed delays of the messages between the parts, in microseconds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,6 +114,26 @@ pub struct SimConfig {
     pub delays: Delays,
     /// Seed of the router's random choices.
     pub seed: u64,
+    /// A disaggregated fleet: its first `prefill` engines have
+    /// `role=prefill`, the rest `role=decode` (`engines` must be its
+    /// [`PdLayout::engines`]). `None`: every engine serves whole requests.
+    /// The contender's [`Disagg`] says how the router uses the roles.
+    pub layout: Option<PdLayout>,
+    /// Modelled microseconds per KV block a decode engine reads from a
+    /// prefill engine, divided by the engines' speedup as the mocker
+    /// divides it ([`DEFAULT_TRANSFER_US_PER_BLOCK`]).
+    pub transfer_us_per_block: u64,
+}
+
+impl SimConfig {
+    /// Whether requests are split into prefill and decode legs: the fleet
+    /// has roles and the contender uses them.
+    pub fn splits(&self) -> bool {
+        match (self.layout, self.policy) {
+            (Some(_), Contender::Router(r)) => r.disagg != Disagg::Aggregated,
+            _ => false,
+        }
+    }
 }
 
 /// The traffic of a simulation: the load generator's own options.
@@ -116,8 +153,16 @@ pub struct SimLoad {
 pub struct SimReport {
     /// The load generator's report (times are virtual).
     pub report: PolicyReport,
-    /// Requests routed to each engine.
+    /// Requests routed to each engine; a split request counts on its
+    /// prefill engine and on its decode engine.
     pub per_engine: Vec<u64>,
+    /// Prompt tokens each engine computed (its prefix-cache lookups less
+    /// their hits and the KV it received: the engine's own counters). A
+    /// decode engine computes one token of a split request, the last,
+    /// which vLLM computes on both sides.
+    pub prefilled_tokens: Vec<u64>,
+    /// KV blocks decode engines read from prefill engines.
+    pub transferred_blocks: u64,
     /// Engine steps simulated.
     pub steps: u64,
     /// Events the router's decoder skipped (0 unless something is wrong).
@@ -145,7 +190,41 @@ pub fn simulate(config: &SimConfig, load: &SimLoad) -> Result<SimReport> {
         }
         _ => {}
     }
+    if let Some(layout) = config.layout {
+        check_layout(config, layout)?;
+    }
     clock::Sim::new(config, load).run()
+}
+
+/// Refuses what a disaggregated fleet cannot be simulated with.
+fn check_layout(config: &SimConfig, layout: PdLayout) -> Result<()> {
+    if config.engines != usize::from(layout.engines()) {
+        return Err(Error::Invalid(format!(
+            "a {layout} fleet has {} engines, not {}",
+            layout.engines(),
+            config.engines
+        )));
+    }
+    if config.policy == Contender::Oracle {
+        return Err(Error::Invalid(
+            "the oracle sends whole requests to one engine: it has no prefill/decode mode \
+             (compare `aggregated`, the same engines without roles)"
+                .into(),
+        ));
+    }
+    if config.pins.is_some() {
+        return Err(Error::Invalid(
+            "pinned groups place whole requests: not on a prefill/decode fleet".into(),
+        ));
+    }
+    if config.splits() && config.engine.flavor == kvroute_core::event::WorkerFlavor::Sglang {
+        return Err(Error::Invalid(
+            "the simulator hands KV off as vLLM does (two legs in turn): SGLang's \
+             bootstrap rooms are not simulated"
+                .into(),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -4,7 +4,9 @@
 //! the same candidate scoring (`kvroute_core::scheduler::fleet`), the same
 //! policy order (`kvroute_core::scheduler::order`) and the same in-flight
 //! accounting (`ActiveSequences`, charged with the uncached prefill tokens,
-//! released at the first token and at the end). Or the oracle, which reads
+//! released at the first token and at the end), and on a fleet of prefill
+//! and decode engines the same placement as the proxy's disaggregated path
+//! ([`Split`], [`SimRouter::route_split`]). Or the oracle, which reads
 //! the engines' true caches. Or a fixed placement of prefix groups
 //! ([`Pins`]), which no online router can know in advance: the bound of
 //! what a router that keeps every group on one engine can reach.
@@ -17,7 +19,7 @@ use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, Wor
 use kvroute_core::rng::SplitMix64;
 use kvroute_core::scheduler::{
     order, score, ActiveSequences, FleetView, Load, Policy, Pricing, RequestHashes, RouteTarget,
-    SpeedConfig, SpeedLearner,
+    Scored, SpeedConfig, SpeedLearner, WorkerRole,
 };
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use kvroute_mocker::engine::{Engine, NewRequest};
@@ -25,6 +27,10 @@ use kvroute_prompt::body::RoutingRequest;
 use kvroute_server::proxy::candidates::request_hashes;
 
 use crate::contender::{Contender, Routing};
+
+mod disagg;
+
+pub use disagg::Split;
 
 /// Where a request went and what the router recorded for it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,6 +64,27 @@ pub struct SimRouter {
     decoding: HashMap<u64, (u64, u64)>,
     /// A fixed placement of prefix groups, in place of the policy.
     pins: Option<Pins>,
+    /// Each engine's role (all [`WorkerRole::Both`] unless the fleet is
+    /// disaggregated: [`SimRouter::with_roles`]).
+    roles: Vec<WorkerRole>,
+}
+
+/// A request scored against every rank: what the policy orders, and the
+/// turn and random draw it orders them with.
+struct Scoring {
+    scored: Vec<Scored>,
+    hashes: RequestHashes,
+    turn: u64,
+    random: f64,
+}
+
+/// Clears every rank's busy mark: where `kvroute serve` would queue a
+/// request because every rank is over its thresholds, the simulator sends
+/// it where the policy would with the thresholds ignored.
+fn relax(scored: &mut [Scored]) {
+    for s in scored {
+        s.overloaded = false;
+    }
 }
 
 /// A fixed placement of prefix groups: the `k`-th group to arrive (a group
@@ -151,7 +178,26 @@ impl SimRouter {
             learner: learn.map(SpeedLearner::new),
             decoding: HashMap::new(),
             pins: None,
+            roles: vec![WorkerRole::Both; engines],
         }
+    }
+
+    /// The same router told each engine's role, as `role=` tells `kvroute
+    /// serve` (missing entries: both). With prefill and decode engines,
+    /// requests go through [`SimRouter::route_split`].
+    pub fn with_roles(mut self, roles: &[WorkerRole]) -> Self {
+        let targets: Vec<RouteTarget> = self
+            .targets
+            .iter()
+            .enumerate()
+            .map(|(i, t)| RouteTarget {
+                role: roles.get(i).copied().unwrap_or_default(),
+                ..t.clone()
+            })
+            .collect();
+        self.roles = targets.iter().map(|t| t.role).collect();
+        self.targets = Arc::new(targets);
+        self
     }
 
     /// The same router placing prefix groups by `pins` instead of its policy.
@@ -193,18 +239,45 @@ impl SimRouter {
         }
     }
 
-    fn route_scored(
-        &mut self,
-        tokens: &[u32],
-        now_ms: u64,
-        Routing {
-            policy,
-            weights,
-            temperature,
-            busy,
-            ..
-        }: Routing,
-    ) -> Placement {
+    fn route_scored(&mut self, tokens: &[u32], now_ms: u64, routing: Routing) -> Placement {
+        let Scoring {
+            mut scored,
+            hashes,
+            turn,
+            random,
+        } = self.score_request(tokens, &routing);
+        let by_policy =
+            |scored: &[Scored]| order(scored, routing.policy, routing.temperature, random, turn);
+        // Every rank busy: `kvroute serve` would queue the request; here it
+        // goes where the policy sends it with the thresholds ignored.
+        let chosen = match by_policy(&scored).first() {
+            Some(&i) => i,
+            None => {
+                relax(&mut scored);
+                by_policy(&scored).first().copied().unwrap_or(0)
+            }
+        };
+        let s = &scored[chosen];
+        let request_tokens = tokens.len() as u64;
+        let id = self.charge(
+            s,
+            &hashes,
+            s.uncached_prefill_tokens(request_tokens),
+            now_ms,
+        );
+        if routing.policy == Policy::Approx {
+            self.record_decision(s, &hashes, now_ms);
+        }
+        Placement {
+            engine: s.worker,
+            active_id: id,
+            predicted_cached: Some(s.predicted_cached_tokens(request_tokens)),
+        }
+    }
+
+    /// Scores every rank for a prompt as the proxy's `candidates::score`
+    /// does, with the turn and the random draw of this routing.
+    fn score_request(&mut self, tokens: &[u32], routing: &Routing) -> Scoring {
         let req = RoutingRequest {
             tokens: Some(tokens.to_vec()),
             ..RoutingRequest::default()
@@ -219,10 +292,10 @@ impl SimRouter {
         let (active, learner) = (&self.active, &self.learner);
         let pricing = Pricing {
             request_tokens: tokens.len() as u64,
-            weights: &weights,
-            busy: &busy,
+            weights: &routing.weights,
+            busy: &routing.busy,
         };
-        let mut scored = score(
+        let scored = score(
             &targets,
             &hashes,
             pricing,
@@ -235,41 +308,41 @@ impl SimRouter {
         let turn = self.turn;
         self.turn += 1;
         let random = self.rng.next_f64();
-        let ordered = order(&scored, policy, temperature, random, turn);
-        // Every rank busy: `kvroute serve` would queue the request; here it
-        // goes where the policy sends it with the thresholds ignored.
-        let chosen = match ordered.first() {
-            Some(&i) => i,
-            None => {
-                for s in &mut scored {
-                    s.overloaded = false;
-                }
-                let relaxed = order(&scored, policy, temperature, random, turn);
-                relaxed.first().copied().unwrap_or(0)
-            }
-        };
-        let s = &scored[chosen];
+        Scoring {
+            scored,
+            hashes,
+            turn,
+            random,
+        }
+    }
+
+    /// Charges a request to `s`'s rank with its blocks and `prefill_tokens`
+    /// uncached prompt tokens, as the proxy's `attempt::charge_as` does;
+    /// returns its id in the load table.
+    fn charge(
+        &mut self,
+        s: &Scored,
+        hashes: &RequestHashes,
+        prefill_tokens: u64,
+        now_ms: u64,
+    ) -> u64 {
         let seqs = hashes
             .get(s.block_size, s.flavor)
             .map_or(&[][..], |set| &set.seqs[..]);
         let id = self.next_id;
         self.next_id += 1;
-        self.active.entry(s.key).or_default().add(
-            id,
-            seqs,
-            s.uncached_prefill_tokens(tokens.len() as u64),
-            now_ms,
-        );
-        if policy == Policy::Approx {
-            if let Some(set) = hashes.get(s.block_size, s.flavor) {
-                self.index
-                    .record_routing_decision(s.key, &set.locals, now_ms);
-            }
-        }
-        Placement {
-            engine: s.worker,
-            active_id: id,
-            predicted_cached: Some(s.predicted_cached_tokens(tokens.len() as u64)),
+        self.active
+            .entry(s.key)
+            .or_default()
+            .add(id, seqs, prefill_tokens, now_ms);
+        id
+    }
+
+    /// The `approx` policy's record of a request sent to `s`'s rank.
+    fn record_decision(&self, s: &Scored, hashes: &RequestHashes, now_ms: u64) {
+        if let Some(set) = hashes.get(s.block_size, s.flavor) {
+            self.index
+                .record_routing_decision(s.key, &set.locals, now_ms);
         }
     }
 

@@ -21,6 +21,8 @@ fn config(policy: Contender, gpu_blocks: usize) -> SimConfig {
         pins: None,
         delays: Delays::default(),
         seed: 1,
+        layout: None,
+        transfer_us_per_block: DEFAULT_TRANSFER_US_PER_BLOCK,
     }
 }
 
@@ -238,4 +240,174 @@ fn the_placement_search_keeps_its_best_and_counts_its_runs() {
     };
     let none = search_pins(&base, &load, &targets, &unreachable).expect("runs");
     assert!(none.ratio.is_infinite());
+}
+
+// Prefill/decode disaggregation.
+
+use crate::preset::PdLayout;
+
+/// A 2:2 fleet of `gpu_blocks` blocks per engine under `name`.
+fn pd(name: &str, gpu_blocks: usize) -> SimConfig {
+    SimConfig {
+        layout: Some(PdLayout::DEFAULT),
+        ..config(name.parse().expect("a contender"), gpu_blocks)
+    }
+}
+
+/// The conversations of `multi-turn`, long enough that a decode engine's
+/// cache of the previous turn leaves a short remainder to prefill.
+fn conversations(requests: usize) -> SimLoad {
+    SimLoad {
+        workload: WorkloadSpec {
+            kind: WorkloadKind::MultiTurn,
+            groups: 8,
+            scale: 0.5,
+            max_tokens: 16,
+            ..WorkloadSpec::default()
+        },
+        arrival: Arrival::Closed { concurrency: 8 },
+        requests,
+    }
+}
+
+/// Sums engines `range`'s entries of `v`.
+fn sum(v: &[u64], range: std::ops::Range<usize>) -> u64 {
+    v[range].iter().sum()
+}
+
+/// The prefill-side hit rate from the engines' own counters: prompt tokens
+/// not computed on the engines that prefill them (here, where every
+/// request is split: the prefill engines), over prompt tokens.
+fn prefill_engines_hit_rate(r: &SimReport) -> f64 {
+    let computed = sum(&r.prefilled_tokens, 0..2);
+    let prompt = r.report.prompt_tokens;
+    prompt.saturating_sub(computed) as f64 / prompt as f64
+}
+
+#[test]
+fn a_kv_aware_pd_fleet_prefills_where_prefixes_are_and_beats_round_robin() {
+    // 32 groups of 128 blocks: half of them fit one prefill engine.
+    let load = preset_load(Preset::Pd, 400);
+    let kv = simulate(&pd("kv", 2_048), &load).expect("runs");
+    let rr = simulate(&pd("round-robin", 2_048), &load).expect("runs");
+    let split = simulate(&pd("kv-split", 2_048), &load).expect("runs");
+    for r in [&kv, &rr, &split] {
+        assert_eq!((r.report.requests, r.report.failed), (400, 0));
+        assert_eq!(r.skipped_events, 0);
+        assert_eq!(sum(&r.per_engine, 2..4), 400, "every request decodes once");
+    }
+    let (kv_pf, rr_pf) = (
+        kv.report.prefill_hit_rate.expect("measured"),
+        rr.report.prefill_hit_rate.expect("measured"),
+    );
+    assert!(kv_pf > rr_pf + 0.3, "kv {kv_pf} round-robin {rr_pf}");
+    // Every request split, so only where prompts are prefilled differs:
+    // the prefill rank by its cache, or in turn.
+    let split_pf = split.report.prefill_hit_rate.expect("measured");
+    assert!(
+        split_pf > rr_pf + 0.3,
+        "kv-split {split_pf} round-robin {rr_pf}"
+    );
+    assert!(split.report.ttft_ms.p50 < rr.report.ttft_ms.p50);
+    // Round-robin splits every request (it knows no cache to keep local).
+    assert_eq!(sum(&rr.per_engine, 0..2), 400);
+    assert!((rr_pf - prefill_engines_hit_rate(&rr)).abs() < 1e-12);
+    let (kv_p50, rr_p50) = (kv.report.ttft_ms.p50, rr.report.ttft_ms.p50);
+    assert!(
+        kv_p50 * 1.5 < rr_p50,
+        "TTFT p50: kv {kv_p50} round-robin {rr_p50}"
+    );
+    assert!(kv.report.tpot_ms.p50 > 0.0);
+    let again = simulate(&pd("kv", 2_048), &load).expect("runs");
+    assert_eq!(again, kv, "the same run twice gives the same figures");
+}
+
+#[test]
+fn kv_split_prefills_every_prompt_on_a_prefill_engine() {
+    let load = preset_load(Preset::Pd, 200);
+    let r = simulate(&pd("kv-split", 2_048), &load).expect("runs");
+    assert_eq!((r.report.requests, r.report.failed), (200, 0));
+    assert_eq!(sum(&r.per_engine, 0..2), 200, "every request split");
+    assert_eq!(sum(&r.per_engine, 2..4), 200);
+    // A decode engine computes one token of each request it decodes: the
+    // last prompt token, which vLLM computes on both sides.
+    assert_eq!(&r.prefilled_tokens[2..], &r.per_engine[2..]);
+    let pf = r.report.prefill_hit_rate.expect("measured");
+    assert!((pf - prefill_engines_hit_rate(&r)).abs() < 1e-12, "{pf}");
+    // The client counts the KV that arrived as cached; the engines do not.
+    assert!(
+        r.report.hit_rate > 0.99 && pf < 0.95,
+        "{} {pf}",
+        r.report.hit_rate
+    );
+    assert!(r.transferred_blocks > 0);
+}
+
+#[test]
+fn conditional_disaggregation_prefills_later_turns_on_their_decode_engine() {
+    let load = conversations(96);
+    let kv = simulate(&pd("kv", 16_384), &load).expect("runs");
+    let split = simulate(&pd("kv-split", 16_384), &load).expect("runs");
+    for r in [&kv, &split] {
+        assert_eq!((r.report.requests, r.report.failed), (96, 0));
+    }
+    // 8 conversations of 8 turns, then new ones: only first turns find
+    // too little on a decode engine to keep the prefill local.
+    assert_eq!(sum(&kv.per_engine, 0..2), 16, "{:?}", kv.per_engine);
+    assert_eq!(sum(&split.per_engine, 0..2), 96);
+    assert!(
+        sum(&kv.prefilled_tokens, 2..4) > 96 * 16,
+        "{:?}",
+        kv.prefilled_tokens
+    );
+    assert!(kv.transferred_blocks < split.transferred_blocks);
+    let (kv_p50, split_p50) = (kv.report.ttft_ms.p50, split.report.ttft_ms.p50);
+    assert!(
+        kv_p50 < split_p50,
+        "TTFT p50: kv {kv_p50} kv-split {split_p50}"
+    );
+}
+
+#[test]
+fn aggregated_serves_whole_requests_on_every_engine() {
+    let load = preset_load(Preset::Pd, 200);
+    let r = simulate(&pd("aggregated", 2_048), &load).expect("runs");
+    assert_eq!((r.report.requests, r.report.failed), (200, 0));
+    assert_eq!(r.per_engine.iter().sum::<u64>(), 200);
+    assert!(r.per_engine.iter().all(|&n| n > 0), "{:?}", r.per_engine);
+    assert_eq!(r.transferred_blocks, 0);
+    let pf = r.report.prefill_hit_rate.expect("a P/D fleet's run");
+    assert!(
+        (pf - r.report.hit_rate).abs() < 1e-12,
+        "each engine prefills its own"
+    );
+    let plain = simulate(&config(kv(Policy::Kv), 2_048), &load).expect("runs");
+    assert_eq!(
+        plain.report.prefill_hit_rate, None,
+        "no roles, no prefill side"
+    );
+}
+
+#[test]
+fn what_a_pd_fleet_cannot_be_simulated_with_is_refused() {
+    let load = preset_load(Preset::Pd, 10);
+    let oracle = SimConfig {
+        layout: Some(PdLayout::DEFAULT),
+        ..config(Contender::Oracle, 2_048)
+    };
+    let e = simulate(&oracle, &load).expect_err("no P/D oracle");
+    assert!(e.to_string().contains("oracle"), "{e}");
+    let three = SimConfig {
+        engines: 3,
+        ..pd("kv", 2_048)
+    };
+    assert!(simulate(&three, &load).is_err());
+    let pinned = SimConfig {
+        pins: Some(vec![0]),
+        ..pd("kv", 2_048)
+    };
+    assert!(simulate(&pinned, &load).is_err());
+    let mut sglang = pd("kv", 2_048);
+    sglang.engine.flavor = kvroute_core::event::WorkerFlavor::Sglang;
+    assert!(simulate(&sglang, &load).is_err());
 }

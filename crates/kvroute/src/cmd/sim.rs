@@ -1,6 +1,8 @@
 //! `kvroute bench sim`: the fleet, the router and the clients on a virtual
 //! clock (see `kvroute_loadgen::sim`), for each named policy, each seed and
-//! each combination of the cost weights given as lists: a sweep.
+//! each combination of the cost weights given as lists: a sweep. With a
+//! prefill/decode layout (`--pd P:D`, or `--preset pd`), the fleet's first
+//! P engines prefill and the rest decode.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -14,13 +16,17 @@ use kvroute_loadgen as load;
 use kvroute_loadgen::contender::{Contender, Routing};
 use kvroute_loadgen::mooncake::Trace;
 use kvroute_loadgen::sim::bound::{search_pins, PinSearch, Targets};
-use kvroute_loadgen::sim::{simulate, Delays, SimConfig, SimLoad, SimReport};
+use kvroute_loadgen::sim::{
+    simulate, Delays, SimConfig, SimLoad, SimReport, DEFAULT_TRANSFER_US_PER_BLOCK,
+};
+use kvroute_loadgen::PdLayout;
 use serde_json::{json, Value};
 
 /// Arguments of `kvroute bench sim`.
 #[derive(Debug, Args)]
 pub struct SimArgs {
-    /// A named workload and its engines' cache (`long`, `short`).
+    /// A named workload and its engines' cache (`long`, `short`, `pd`: on a
+    /// 2:2 prefill/decode fleet unless `--pd` says otherwise).
     #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["workload", "trace", "max_tokens"])]
     preset: Option<load::Preset>,
     /// A Mooncake-format trace (JSONL: timestamp, input_length,
@@ -54,9 +60,21 @@ pub struct SimArgs {
     /// Seeds of the workload and the router; one run each.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     seeds: Vec<u64>,
-    /// Engines (one rank each).
-    #[arg(long, default_value_t = 4)]
-    engines: usize,
+    /// Engines (one rank each; default 4, or the `--pd` layout's).
+    #[arg(long)]
+    engines: Option<usize>,
+    /// A prefill/decode disaggregated fleet: P prefill engines, then D
+    /// decode engines (`2:2`). `kv` prefills a request on its decode
+    /// engine when that engine caches all but a short part of it,
+    /// `kv-split` never does, `aggregated` serves whole requests on every
+    /// engine, roles ignored.
+    #[arg(long, value_name = "P:D", value_parser = parse_layout, conflicts_with_all = ["pin_search", "pins"])]
+    pd: Option<PdLayout>,
+    /// Modelled microseconds per KV block a decode engine reads from a
+    /// prefill engine (divided by `--speedup`, as `kvroute mocker
+    /// --transfer-us-per-block`).
+    #[arg(long, default_value_t = DEFAULT_TRANSFER_US_PER_BLOCK)]
+    transfer_us_per_block: u64,
     /// KV-cache blocks per engine (a preset sets its own).
     #[arg(long)]
     gpu_blocks: Option<usize>,
@@ -86,12 +104,11 @@ pub struct SimArgs {
     #[arg(long, default_value_t = SpeedConfig::default().forget)]
     speed_forget: f64,
     /// What routes, in order: router policies, `dynamo` (kv with Dynamo's
-    /// weights) and `oracle`.
-    #[arg(
-        long,
-        value_delimiter = ',',
-        default_value = "kv,dynamo,least-loaded,round-robin,oracle"
-    )]
+    /// weights), `kv-split` and `aggregated` (kv always splitting, or
+    /// ignoring the roles, on a P/D fleet) and `oracle` (not on a P/D
+    /// fleet). Default: kv,dynamo,least-loaded,round-robin,oracle; on a
+    /// P/D fleet kv,kv-split,round-robin,aggregated.
+    #[arg(long, value_delimiter = ',')]
     policies: Vec<String>,
     #[command(flatten)]
     sweep: SweepArgs,
@@ -219,12 +236,62 @@ impl SweepArgs {
 /// The most runs one command makes (policies × sweep points × seeds).
 const MAX_RUNS: usize = 100_000;
 
+/// The contenders compared when `--policies` is not given.
+const DEFAULT_POLICIES: [&str; 5] = ["kv", "dynamo", "least-loaded", "round-robin", "oracle"];
+
+/// The same on a prefill/decode fleet: conditional and forced
+/// disaggregation, a load-only baseline, and the engines without roles.
+const PD_POLICIES: [&str; 4] = ["kv", "kv-split", "round-robin", "aggregated"];
+
+/// `--pd`'s value.
+fn parse_layout(s: &str) -> Result<PdLayout, String> {
+    s.parse().map_err(|e: load::Error| e.to_string())
+}
+
+impl SimArgs {
+    /// The fleet's prefill/decode layout: `--pd`, else the preset's.
+    fn layout(&self) -> Option<PdLayout> {
+        self.pd.or(self.preset.and_then(|p| p.layout()))
+    }
+
+    /// Engines in the fleet: `--engines`, which a layout must agree with.
+    fn engines(&self) -> Result<usize> {
+        match (self.layout(), self.engines) {
+            (Some(l), Some(n)) if n != usize::from(l.engines()) => {
+                bail!("--engines {n} disagrees with the {l} prefill/decode layout")
+            }
+            (Some(l), _) => Ok(usize::from(l.engines())),
+            (None, n) => Ok(n.unwrap_or(4)),
+        }
+    }
+
+    /// The contenders' names: `--policies`, or the fleet's default list.
+    fn policy_names(&self) -> Vec<String> {
+        if !self.policies.is_empty() {
+            return self.policies.clone();
+        }
+        let names: &[&str] = if self.layout().is_some() {
+            &PD_POLICIES
+        } else {
+            &DEFAULT_POLICIES
+        };
+        names.iter().map(|n| n.to_string()).collect()
+    }
+}
+
 /// The contenders of the run: each named policy, the `kv` one once per
 /// combination of the sweep.
 fn contenders(a: &SimArgs) -> Result<Vec<(String, Contender)>> {
     let mut out = Vec::new();
-    for name in &a.policies {
+    for name in &a.policy_names() {
         let contender: Contender = name.parse().context("--policies")?;
+        if let (Some(layout), Contender::Oracle) = (a.layout(), contender) {
+            bail!(
+                "the oracle sends whole requests to one engine: it has no prefill/decode mode \
+                 (the {layout} fleet of --pd or --preset pd); compare `aggregated`, the same \
+                 engines without roles"
+            );
+        }
         match contender {
             Contender::Router(base)
                 if base.policy == Policy::Kv && base.weights == CostWeights::default() =>
@@ -247,7 +314,7 @@ fn contenders(a: &SimArgs) -> Result<Vec<(String, Contender)>> {
     if out.len().saturating_mul(a.seeds.len()) > MAX_RUNS {
         bail!("the sweep asks for more than {MAX_RUNS} runs; split it");
     }
-    if !a.sweep.axes().is_empty() && !out.iter().any(|(name, _)| name.starts_with("kv[")) {
+    if !a.sweep.axes().is_empty() && !out.iter().any(|(name, _)| name.contains('[')) {
         bail!("the weight lists sweep the `kv` policy: add kv to --policies");
     }
     Ok(out)
@@ -301,6 +368,8 @@ fn row(name: &str, seed: u64, r: &SimReport, cpu_ms: f64) -> Value {
         "seed": seed,
         "report": r.report,
         "per_engine": r.per_engine,
+        "prefilled_tokens": r.prefilled_tokens,
+        "transferred_blocks": r.transferred_blocks,
         "steps": r.steps,
         "skipped_events": r.skipped_events,
         "sim_cpu_ms": cpu_ms,
@@ -331,8 +400,12 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         event_us: a.event_us,
         step_us: a.step_us,
     };
+    let (engines, layout) = (a.engines()?, a.layout());
+    if layout.is_some() && (a.pin_search.is_some() || !a.pins.is_empty()) {
+        bail!("--pin-search and --pins place whole requests: not on a prefill/decode fleet");
+    }
     let config = |policy: Contender, seed: u64| SimConfig {
-        engines: a.engines,
+        engines,
         engine: engine.clone(),
         engine_speeds: a.engine_speeds.clone(),
         worker_speeds: a.worker_speeds.clone(),
@@ -346,6 +419,8 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         pins: None,
         delays,
         seed,
+        layout,
+        transfer_us_per_block: a.transfer_us_per_block,
     };
     if let Some(evaluations) = a.pin_search {
         return pin_search(a, evaluations, &config);
@@ -484,12 +559,22 @@ fn run_all(jobs: &[(String, u64, SimConfig, SimLoad)]) -> Result<Vec<Value>> {
         .collect()
 }
 
-/// One line per run, then the mean over seeds of each policy when there are several.
+/// One line per run, then the mean over seeds of each policy when there
+/// are several; a prefill-side hit rate column when the runs measured one
+/// (a prefill/decode fleet).
 fn table(rows: &[Value], seeds: usize) -> String {
     use std::fmt::Write as _;
-    let mut out = format!(
-        "{:<34}{:>6}{:>8}{:>10}{:>10}{:>10}{:>10}{:>10}{:>9}  per engine\n",
-        "policy", "seed", "hit", "ttft p50", "ttft p90", "ttft p99", "lat p50", "lat p99", "cpu ms"
+    let pd = rows
+        .iter()
+        .any(|r| r["report"]["prefill_hit_rate"].is_number());
+    let mut out = format!("{:<34}{:>6}{:>8}", "policy", "seed", "hit");
+    if pd {
+        let _ = write!(out, "{:>8}", "pf hit");
+    }
+    let _ = writeln!(
+        out,
+        "{:>10}{:>10}{:>10}{:>10}{:>10}{:>10}{:>9}  per engine",
+        "ttft p50", "ttft p90", "ttft p99", "lat p50", "lat p99", "tpot p50", "cpu ms"
     );
     let f = |r: &Value, path: &[&str]| path.iter().fold(r, |v, k| &v[*k]).as_f64().unwrap_or(0.0);
     let line = |out: &mut String, name: &str, seed: &str, r: &[&Value]| {
@@ -497,13 +582,21 @@ fn table(rows: &[Value], seeds: usize) -> String {
             |path: &[&str]| r.iter().map(|v| f(v, path)).sum::<f64>() / r.len().max(1) as f64;
         let _ = write!(
             out,
-            "{name:<34}{seed:>6}{:>8.4}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>9.0}",
-            mean(&["report", "hit_rate"]),
+            "{name:<34}{seed:>6}{:>8.4}",
+            mean(&["report", "hit_rate"])
+        );
+        if pd {
+            let _ = write!(out, "{:>8.4}", mean(&["report", "prefill_hit_rate"]));
+        }
+        let _ = write!(
+            out,
+            "{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.1}{:>10.2}{:>9.0}",
             mean(&["report", "ttft_ms", "p50"]),
             mean(&["report", "ttft_ms", "p90"]),
             mean(&["report", "ttft_ms", "p99"]),
             mean(&["report", "latency_ms", "p50"]),
             mean(&["report", "latency_ms", "p99"]),
+            mean(&["report", "tpot_ms", "p50"]),
             mean(&["sim_cpu_ms"]),
         );
         if let [one] = r {
@@ -526,6 +619,10 @@ fn table(rows: &[Value], seeds: usize) -> String {
             let refs: Vec<&Value> = group.iter().collect();
             line(&mut out, name, "mean", &refs);
         }
+    }
+    out.push_str("times in ms; hit = the engines' cached_tokens / prompt tokens, as clients see them; tpot = time per output token\n");
+    if pd {
+        out.push_str("pf hit = prompt tokens found cached on the engine that prefilled them / prompt tokens (a decode engine's received KV is no hit)\n");
     }
     out
 }
@@ -564,4 +661,103 @@ pub fn synth_trace(a: &SynthTraceArgs) -> Result<ExitCode> {
     });
     print!("{}", trace.to_jsonl());
     Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Debug, Parser)]
+    struct Cli {
+        #[command(flatten)]
+        sim: SimArgs,
+    }
+
+    fn args(flags: &[&str]) -> SimArgs {
+        Cli::try_parse_from(std::iter::once("sim").chain(flags.iter().copied()))
+            .expect("parses")
+            .sim
+    }
+
+    fn names(a: &SimArgs) -> Vec<String> {
+        contenders(a)
+            .expect("valid")
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect()
+    }
+
+    #[test]
+    fn a_pd_layout_sets_the_fleet_and_the_contenders_compared_on_it() {
+        let preset = args(&["--preset", "pd"]);
+        assert_eq!(preset.layout(), Some(PdLayout::DEFAULT));
+        assert_eq!(preset.engines().expect("valid"), 4);
+        assert_eq!(names(&preset), PD_POLICIES);
+        let given = args(&["--workload", "multi-turn", "--pd", "1:3"]);
+        assert_eq!(
+            given.layout(),
+            Some(PdLayout {
+                prefill: 1,
+                decode: 3
+            })
+        );
+        let wide = args(&["--preset", "pd", "--pd", "3:1"]);
+        assert_eq!(
+            wide.layout(),
+            Some(PdLayout {
+                prefill: 3,
+                decode: 1
+            })
+        );
+        let plain = args(&[]);
+        assert_eq!((plain.layout(), plain.engines().expect("valid")), (None, 4));
+        assert_eq!(names(&plain), DEFAULT_POLICIES);
+        assert!(args(&["--pd", "2:2", "--engines", "6"]).engines().is_err());
+        assert_eq!(
+            args(&["--pd", "2:2", "--engines", "4"]).engines().ok(),
+            Some(4)
+        );
+        for bad in [&["--pd", "3"][..], &["--pd", "2:2", "--pin-search", "4"]] {
+            assert!(
+                Cli::try_parse_from(std::iter::once("sim").chain(bad.iter().copied())).is_err()
+            );
+        }
+    }
+
+    #[test]
+    fn the_oracle_is_refused_on_a_pd_fleet_with_what_to_compare_instead() {
+        let e = contenders(&args(&["--preset", "pd", "--policies", "kv,oracle"]))
+            .expect_err("no P/D oracle");
+        assert!(e.to_string().contains("aggregated"), "{e}");
+        let plain = args(&["--policies", "kv,oracle,kv-split,aggregated"]);
+        assert_eq!(names(&plain), ["kv", "oracle", "kv-split", "aggregated"]);
+    }
+
+    #[test]
+    fn a_pd_run_shows_its_prefill_side_hit_rate_and_every_run_its_tpot() {
+        let row = |pf: Option<f64>| {
+            let mut report = json!({
+                "hit_rate": 0.99, "ttft_ms": {"p50": 50.0, "p90": 60.0, "p99": 70.0},
+                "latency_ms": {"p50": 900.0, "p99": 990.0}, "tpot_ms": {"p50": 27.5, "p99": 30.0},
+            });
+            if let Some(pf) = pf {
+                report["prefill_hit_rate"] = json!(pf);
+            }
+            json!({"policy": "kv", "seed": 1, "report": report, "per_engine": [1, 2], "sim_cpu_ms": 3.0})
+        };
+        let pd = table(&[row(Some(0.8125))], 1);
+        let header = pd.lines().next().expect("a header");
+        assert!(
+            header.contains("pf hit") && header.contains("tpot p50"),
+            "{pd}"
+        );
+        let line = pd.lines().nth(1).expect("a row");
+        assert!(line.contains("0.8125") && line.contains("27.50"), "{pd}");
+        let plain = table(&[row(None)], 1);
+        assert!(
+            !plain.contains("pf hit") && plain.contains("27.50"),
+            "{plain}"
+        );
+    }
 }
