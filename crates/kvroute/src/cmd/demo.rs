@@ -241,7 +241,8 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     // Text and chat requests are tokenized as the mock engines do.
     let tokenizer = renderer(Tokenizer::builtin(), MM_TOKENS_PER_IMAGE);
     let runtime = super::runtime()?;
-    let outcome = runtime.block_on(demo::run(&config, tokenizer, super::shutdown_signal()))?;
+    let outcome = runtime
+        .block_on(async { demo::run(&config, tokenizer, super::shutdown_signal()).await })?;
     let Some((done, kept)) = outcome else {
         eprintln!("kvroute demo: interrupted; the router and the engines are stopped");
         return Ok(ExitCode::from(130));

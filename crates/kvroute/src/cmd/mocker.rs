@@ -192,6 +192,6 @@ pub fn run(args: &MockerArgs) -> Result<ExitCode> {
     let config = args.config()?;
     super::init_logging(tracing_subscriber::filter::LevelFilter::INFO);
     let runtime = super::runtime()?;
-    runtime.block_on(kvroute_mocker::run(config, super::shutdown_signal()))?;
+    runtime.block_on(async { kvroute_mocker::run(config, super::shutdown_signal()).await })?;
     Ok(ExitCode::SUCCESS)
 }

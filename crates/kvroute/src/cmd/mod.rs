@@ -31,26 +31,37 @@ pub fn init_logging(default: LevelFilter) {
 }
 
 /// Completes on Ctrl-C or SIGTERM: how long-running commands are stopped.
-pub async fn shutdown_signal() {
-    let ctrl_c = async {
+///
+/// The handlers are installed when this is called (it must be called
+/// inside the runtime), not when the future is first polled, so a signal
+/// that arrives while the command is still starting (after it printed its
+/// address, before it awaits this) stops it cleanly instead of killing it.
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let interrupt = signal(SignalKind::interrupt()).ok();
+        let terminate = signal(SignalKind::terminate()).ok();
+        let recv = |s: Option<tokio::signal::unix::Signal>| async move {
+            match s {
+                Some(mut s) => {
+                    s.recv().await;
+                }
+                None => std::future::pending::<()>().await,
+            }
+        };
+        async move {
+            tokio::select! {
+                () = recv(interrupt) => {}
+                () = recv(terminate) => {}
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    async {
         if tokio::signal::ctrl_c().await.is_err() {
             std::future::pending::<()>().await;
         }
-    };
-    #[cfg(unix)]
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
-    #[cfg(not(unix))]
-    let terminate = std::future::pending::<()>();
-    tokio::select! {
-        () = ctrl_c => {}
-        () = terminate => {}
     }
 }
 

@@ -312,6 +312,8 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             }
         }
         let addr = format!("{}:{}", args.host, args.port);
+        // Before the address is printed: a SIGTERM from then on stops serve cleanly.
+        let stop = super::shutdown_signal();
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("binding {addr}"))?;
@@ -322,7 +324,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             workers.len()
         );
         let config = serve_config(args, workers, fd_limit, addr.port())?;
-        serve(config, listener, super::shutdown_signal()).await?;
+        serve(config, listener, stop).await?;
         Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
