@@ -344,8 +344,10 @@ fn idle_and_slow_connections_are_closed_and_the_count_is_capped() {
     );
 }
 
-/// `/health` answers within 20 ms (p99) while 10 MB prompts are being
-/// worked on back to back.
+/// `/health` answers while 10 MB prompts are being worked on back to back
+/// in a fraction of the time one such prompt takes (p99 under half the
+/// prompts' median): a probe held up behind a prompt's parsing and hashing
+/// would wait about that long. Relative, so a loaded machine slows both.
 #[test]
 fn a_ten_megabyte_prompt_does_not_hold_up_other_requests() {
     let (_mocker, lines) = start_mocker(1, "100");
@@ -364,10 +366,14 @@ fn a_ten_megabyte_prompt_does_not_hold_up_other_requests() {
     let load = {
         let (serve, stop, answered) = (serve.clone(), stop.clone(), answered.clone());
         std::thread::spawn(move || {
+            let mut took = Vec::new();
             while !stop.load(Relaxed) {
+                let start = Instant::now();
                 let _ = request(&serve, "POST", "/v1/completions", &body);
+                took.push(start.elapsed());
                 answered.fetch_add(1, Relaxed);
             }
+            took
         })
     };
     // The prompts follow one another from the first answer on.
@@ -388,7 +394,9 @@ fn a_ten_megabyte_prompt_does_not_hold_up_other_requests() {
     // Answered while the probes ran: the prompts overlapped them.
     let during = answered.load(Relaxed) - before;
     stop.store(true, Relaxed);
-    load.join().expect("load");
+    let mut prompts = load.join().expect("load");
+    prompts.sort();
+    let prompt_p50 = prompts[prompts.len() / 2];
     assert!(
         during >= 1,
         "no 10 MB prompt was answered while /health was probed"
@@ -396,11 +404,14 @@ fn a_ten_megabyte_prompt_does_not_hold_up_other_requests() {
     latencies.sort();
     let p99 = latencies[latencies.len() * 99 / 100];
     eprintln!(
-        "/health beside {during} 10 MB prompts: p50 {:?}, p99 {p99:?}, max {:?}",
+        "/health beside {during} 10 MB prompts (p50 {prompt_p50:?} each): p50 {:?}, p99 {p99:?}, max {:?}",
         latencies[latencies.len() / 2],
         latencies[latencies.len() - 1]
     );
-    assert!(p99 < Duration::from_millis(20), "/health p99 {p99:?}");
+    assert!(
+        p99 < prompt_p50 / 2,
+        "/health p99 {p99:?}, a 10 MB prompt's p50 {prompt_p50:?}"
+    );
 }
 
 /// A worker that dies mid-stream ends the client's stream with an error
