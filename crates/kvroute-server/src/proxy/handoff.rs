@@ -90,36 +90,14 @@ pub fn vllm_transfer_params(answer: &[u8]) -> Result<Value, HandoffError> {
 /// closing brace, byte for byte the rest, instead of parsing and writing
 /// the whole prompt again; otherwise the field is replaced in a re-parse.
 pub fn vllm_decode_body(body: &[u8], params: &Value) -> Result<Vec<u8>, HandoffError> {
-    const KEY: &[u8] = b"\"kv_transfer_params\"";
-    if !body.windows(KEY.len()).any(|w| w == KEY) {
-        if let Some(spliced) = append_field(body, KEY, params) {
-            return Ok(spliced);
-        }
+    if let Some(spliced) =
+        super::rewrite::append_field(body, "kv_transfer_params", &params.to_string())
+    {
+        return Ok(spliced);
     }
     let mut map = object(body)?;
     map.insert("kv_transfer_params".into(), params.clone());
     Ok(bytes(map))
-}
-
-/// `body` (a JSON object) with `"key": value` added as its last member;
-/// `None` when `body` does not start with `{` and end with `}`.
-fn append_field(body: &[u8], quoted_key: &[u8], value: &Value) -> Option<Vec<u8>> {
-    let start = body.iter().position(|b| !b.is_ascii_whitespace())?;
-    let end = body.iter().rposition(|b| !b.is_ascii_whitespace())?;
-    if body[start] != b'{' || body[end] != b'}' || end == start {
-        return None;
-    }
-    let empty = body[start + 1..end].iter().all(u8::is_ascii_whitespace);
-    let mut out = Vec::with_capacity(body.len() + quoted_key.len() + 256);
-    out.extend_from_slice(&body[..end]);
-    if !empty {
-        out.push(b',');
-    }
-    out.extend_from_slice(quoted_key);
-    out.push(b':');
-    serde_json::to_writer(&mut out, value).ok()?;
-    out.push(b'}');
-    Some(out)
 }
 
 /// Where an SGLang decode engine fetches a request's blocks: the prefill

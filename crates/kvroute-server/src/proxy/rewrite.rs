@@ -68,7 +68,7 @@ pub fn inject_include_usage(body: &[u8]) -> Result<Vec<u8>, ParseError> {
 /// parsing the (possibly long) prompt again. `None` (use the full parse)
 /// when `"key"` appears anywhere in the body, since it might be a top-level
 /// key to merge with or replace, or when the body does not end in `}`.
-fn append_field(body: &[u8], key: &str, value_json: &str) -> Option<Vec<u8>> {
+pub(super) fn append_field(body: &[u8], key: &str, value_json: &str) -> Option<Vec<u8>> {
     let quoted = format!("\"{key}\"");
     if contains(body, quoted.as_bytes()) {
         return None;
