@@ -21,6 +21,7 @@
 
 pub mod handoff;
 mod metrics;
+pub mod native;
 pub mod openai;
 
 use std::convert::Infallible;
@@ -40,7 +41,7 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::driver::RankHandle;
-use crate::engine::Update;
+use crate::engine::{Update, Usage};
 use crate::faults::FailureDice;
 use crate::filler::{Filler, FillerToken};
 use kvroute_core::event::WorkerFlavor;
@@ -195,6 +196,9 @@ pub fn app(state: Arc<EngineState>) -> Router {
     if state.flavor == WorkerFlavor::Vllm && state.pd.role != crate::config::Role::Both {
         router = router.route("/internal/nixl/read", post(handoff::nixl_read));
     }
+    if state.flavor == WorkerFlavor::Sglang {
+        router = router.route("/generate", post(native_generate));
+    }
     router
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
@@ -303,6 +307,17 @@ async fn completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
+/// SGLang's native `/generate` (SGLang-flavoured engines).
+async fn native_generate(
+    State(state): State<Arc<EngineState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(state, headers, body, Endpoint::Generate)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
+}
+
 async fn chat_completions(
     State(state): State<Arc<EngineState>>,
     headers: HeaderMap,
@@ -348,6 +363,11 @@ async fn generate(
     })
     .await
     .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    // A decode leg received the prompt's KV and computed none of it.
+    let input_logprobs = parsed.input_logprobs.then(|| match &leg {
+        handoff::Leg::SglangDecode { .. } => Value::Array(Vec::new()),
+        _ => native::input_token_logprobs(&request.prompt),
+    });
     let prepared = leg.prepare(&state, rank, &request).await?;
     let (id, updates) = leg.submit(&state, rank, request, prepared).await?;
     let n = state.counter.fetch_add(1, Ordering::Relaxed);
@@ -355,10 +375,12 @@ async fn generate(
         id: match endpoint {
             Endpoint::Completions => format!("cmpl-{}-{n}", state.name),
             Endpoint::Chat => format!("chatcmpl-{}-{n}", state.name),
+            Endpoint::Generate => format!("gen-{}-{n}", state.name),
         },
         created: unix_now(),
         model: state.model.clone(),
         endpoint,
+        input_logprobs,
     };
     if parsed.stream {
         return Ok(stream_response(meta, parsed.include_usage, filler, updates));
@@ -506,7 +528,23 @@ struct StreamState {
     updates: mpsc::UnboundedReceiver<Update>,
     /// Chunks ready to send, in order.
     pending: std::collections::VecDeque<Bytes>,
+    /// The text so far (`/generate` streams it whole each time).
+    text: String,
     done: bool,
+}
+
+impl StreamState {
+    /// The chunk of one generated piece, or of the end with `usage`.
+    fn chunk(&mut self, piece: ChunkPiece<'_>, usage: Option<&Usage>) -> Value {
+        if self.meta.endpoint != Endpoint::Generate {
+            return self.meta.chunk(piece, self.include_usage);
+        }
+        if let ChunkPiece::Text(t) = piece {
+            self.text.push_str(t);
+        }
+        let logprobs = self.meta.input_logprobs.as_ref();
+        native::chunk(&self.meta.id, &self.text, usage, logprobs)
+    }
 }
 
 fn stream_response(
@@ -525,6 +563,7 @@ fn stream_response(
         filler,
         updates,
         pending,
+        text: String::new(),
         done: false,
     };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
@@ -537,12 +576,12 @@ fn stream_response(
             }
             match s.updates.recv().await {
                 Some(Update::Token(i)) => {
-                    let text = s.filler.get(i).map_or("", |t| t.text.as_str());
-                    let chunk = s.meta.chunk(ChunkPiece::Text(text), s.include_usage);
+                    let text = s.filler.get(i).map(|t| t.text.clone()).unwrap_or_default();
+                    let chunk = s.chunk(ChunkPiece::Text(&text), None);
                     s.pending.push_back(sse(&chunk));
                 }
                 Some(Update::Finished(usage)) => {
-                    let chunk = s.meta.chunk(ChunkPiece::Finish, s.include_usage);
+                    let chunk = s.chunk(ChunkPiece::Finish, Some(&usage));
                     s.pending.push_back(sse(&chunk));
                     if s.include_usage {
                         s.pending.push_back(sse(&s.meta.usage_chunk(&usage)));

@@ -30,6 +30,8 @@ pub enum Endpoint {
     Completions,
     /// `/v1/chat/completions`.
     Chat,
+    /// SGLang's native `/generate` ([`super::native`]).
+    Generate,
 }
 
 /// A request body after validation.
@@ -50,6 +52,8 @@ pub struct ParsedRequest {
     /// The disaggregation fields, unparsed: `kv_transfer_params` and the
     /// `bootstrap_*` triple (which apply depends on the engine's role).
     pub transfer: TransferFields,
+    /// `/generate`'s `return_logprob`: the prompt's log-probabilities.
+    pub input_logprobs: bool,
 }
 
 impl From<PromptError> for ApiError {
@@ -83,8 +87,16 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
     let mut prompt = match endpoint {
         Endpoint::Completions => Prompt::completion(obj.get("prompt"))?,
         Endpoint::Chat => Prompt::chat(obj.get("messages"))?,
+        Endpoint::Generate => Prompt::completion(Some(super::native::prompt_field(&obj)?))?,
     };
-    let max_tokens = max_tokens(&obj, endpoint)?;
+    let max_tokens = match endpoint {
+        Endpoint::Generate => super::native::max_new_tokens(&obj)?,
+        Endpoint::Completions | Endpoint::Chat => max_tokens(&obj, endpoint)?,
+    };
+    let input_logprobs = match endpoint {
+        Endpoint::Generate => super::native::return_logprob(&obj)?,
+        Endpoint::Completions | Endpoint::Chat => false,
+    };
     match obj.get("n") {
         None | Some(Value::Null) => {}
         Some(n) if n.as_u64() == Some(1) => {}
@@ -125,12 +137,13 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         include_usage,
         dp_rank,
         transfer,
+        input_logprobs,
     })
 }
 
 fn max_tokens(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<usize, ApiError> {
     let keys: &[&str] = match endpoint {
-        Endpoint::Completions => &["max_tokens"],
+        Endpoint::Completions | Endpoint::Generate => &["max_tokens"],
         Endpoint::Chat => &["max_completion_tokens", "max_tokens"],
     };
     for &key in keys {
@@ -233,12 +246,17 @@ pub struct ResponseMeta {
     pub model: String,
     /// The endpoint.
     pub endpoint: Endpoint,
+    /// `/generate` with `return_logprob`: the prompt's `input_token_logprobs`.
+    pub input_logprobs: Option<Value>,
 }
 
 impl ResponseMeta {
     /// The non-streaming response body.
     pub fn full(&self, text: &str, usage: &Usage) -> Value {
         let choice = match self.endpoint {
+            Endpoint::Generate => {
+                return super::native::full(&self.id, text, usage, self.input_logprobs.as_ref())
+            }
             Endpoint::Completions => json!({
                 "index": 0, "text": text, "logprobs": null, "finish_reason": "length",
             }),
@@ -267,7 +285,7 @@ impl ResponseMeta {
             ChunkPiece::Finish => ("", Value::from("length"), false),
         };
         let choice = match self.endpoint {
-            Endpoint::Completions => json!({
+            Endpoint::Completions | Endpoint::Generate => json!({
                 "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
             }),
             Endpoint::Chat => {
@@ -308,7 +326,7 @@ impl ResponseMeta {
 
     fn object(&self, chunk: bool) -> &'static str {
         match (self.endpoint, chunk) {
-            (Endpoint::Completions, _) => "text_completion",
+            (Endpoint::Completions | Endpoint::Generate, _) => "text_completion",
             (Endpoint::Chat, false) => "chat.completion",
             (Endpoint::Chat, true) => "chat.completion.chunk",
         }
