@@ -2,7 +2,9 @@
 //! it never panics, reads every body exactly as serde's derive does (the
 //! one-pass scan is an optimisation, never a second opinion), and a body it
 //! accepts keeps its token ids folded and its output budget within what it
-//! read. Seeds: `fuzz/corpus/scan_request_body` (see docs/fuzzing.md).
+//! read. SGLang's native `/generate` reader gets the same bytes: it never
+//! panics, and a body it accepts holds ids or text, never both. Seeds:
+//! `fuzz/corpus/scan_request_body` (see docs/fuzzing.md).
 #![no_main]
 
 use kvroute_prompt::body::{parse_query, parse_request, parse_request_by_serde};
@@ -21,4 +23,7 @@ fuzz_target!(|data: &[u8]| {
         }
     }
     let _ = parse_query(data);
+    if let Ok(req) = kvroute_prompt::generate::parse_generate(data) {
+        assert!(req.tokens.is_none() || req.text.is_none(), "ids or text, not both");
+    }
 });

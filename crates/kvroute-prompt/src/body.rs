@@ -19,7 +19,7 @@ use crate::sampling::{self, SamplingFields};
 #[error("{0}")]
 pub struct ParseError(pub String);
 
-fn bad(message: impl Into<String>) -> ParseError {
+pub(crate) fn bad(message: impl Into<String>) -> ParseError {
     ParseError(message.into())
 }
 
@@ -57,9 +57,13 @@ pub struct RoutingRequest {
     pub include_usage: bool,
     /// The output budget asked for (`max_completion_tokens` or `max_tokens`).
     pub max_tokens: Option<u64>,
+    /// SGLang's `/generate` with `return_logprob`: the answer carries the
+    /// prompt's log-probabilities, which a disaggregated request must
+    /// gather from its prefill leg too.
+    pub input_logprobs: bool,
 }
 
-fn token_list(items: &[Value], key: &str) -> Result<Vec<u32>, ParseError> {
+pub(crate) fn token_list(items: &[Value], key: &str) -> Result<Vec<u32>, ParseError> {
     items
         .iter()
         .map(|v| {

@@ -59,6 +59,7 @@ pub mod cache;
 pub mod chat_template;
 pub mod error;
 pub mod fields;
+pub mod generate;
 pub mod prompt;
 pub mod render;
 pub mod sampling;

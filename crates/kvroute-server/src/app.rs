@@ -81,6 +81,7 @@ pub fn app(state: AppState) -> axum::Router {
     axum::Router::new()
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat_completions))
+        .route("/generate", post(proxy::generate))
         .route("/v1/models", get(proxy::models))
         .merge(introspection)
         .route("/health", get(admin::health))

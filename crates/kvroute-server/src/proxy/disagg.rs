@@ -34,6 +34,7 @@ use super::attempt::{
 };
 use super::candidates::{Candidates, Target};
 use super::handoff::{self, Bootstrap};
+use super::merge;
 use super::outcome::{self, Ending};
 use super::{on_cpu, Proxy};
 use crate::api::{ErrorKind, ProxyError};
@@ -573,6 +574,23 @@ async fn sglang(
         ),
     )
     .await?;
+    record(proxy, candidates, decode, &request, why);
+    if request.req.input_logprobs && !request.req.stream {
+        let rank = candidates.scored[decode].key.rank.0;
+        let prefill = merge::LegAnswer {
+            target: prefill_target,
+            resp: prefill_resp,
+            guard: prefill_guard,
+        };
+        let decode = merge::LegAnswer {
+            target: decode_target,
+            resp: decode_resp,
+            guard: decode_guard,
+        };
+        let answer = merge::respond(proxy, prefill, decode, (rank, request.request_id)).await;
+        proxy.timed(request.arrived, None);
+        return answer;
+    }
     drain_prefill(
         proxy,
         prefill_target.name.clone(),
@@ -580,7 +598,6 @@ async fn sglang(
         prefill_guard,
         request.request_id,
     );
-    record(proxy, candidates, decode, &request, why);
     let relay = attempt::Relay {
         guard: decode_guard,
         added_usage,

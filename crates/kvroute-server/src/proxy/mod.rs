@@ -26,6 +26,7 @@ pub mod candidates;
 pub mod context;
 pub mod disagg;
 pub mod handoff;
+pub mod merge;
 pub mod observe;
 pub mod outcome;
 pub mod relay;
@@ -360,6 +361,8 @@ pub enum Endpoint {
     Completions,
     /// `/v1/chat/completions`.
     Chat,
+    /// SGLang's native `/generate`.
+    Generate,
 }
 
 impl Endpoint {
@@ -368,8 +371,18 @@ impl Endpoint {
         match self {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Chat => "/v1/chat/completions",
+            Endpoint::Generate => "/generate",
         }
     }
+}
+
+/// `POST /generate`: SGLang's native endpoint, for SGLang workers.
+pub async fn generate(
+    State(proxy): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    body: Result<Body, ProxyError>,
+) -> Response {
+    handle(proxy, headers, body, Endpoint::Generate).await
 }
 
 /// `POST /v1/completions`.
@@ -426,8 +439,13 @@ async fn route(
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
-            let mut req = body::parse_request(&body, endpoint == Endpoint::Chat)
-                .map_err(|e| ProxyError::bad_request(e.0))?;
+            let parsed = match endpoint {
+                Endpoint::Generate => kvroute_prompt::generate::parse_generate(&body),
+                Endpoint::Completions | Endpoint::Chat => {
+                    body::parse_request(&body, endpoint == Endpoint::Chat)
+                }
+            };
+            let mut req = parsed.map_err(|e| ProxyError::bad_request(e.0))?;
             proxy.tokenize(&mut req);
             Ok(req)
         })

@@ -93,22 +93,30 @@ pub struct Usage {
     pub completion: Option<u64>,
 }
 
-/// The `usage` of a JSON document.
+/// The `usage` of a JSON document, or the `meta_info` of SGLang's native
+/// `/generate` answers.
 fn usage_of(doc: &Value) -> Usage {
     let usage = doc.get("usage");
+    let meta = doc.get("meta_info");
+    let meta_u64 = |key: &str| meta.and_then(|m| m.get(key)?.as_u64());
     Usage {
-        cached: usage.and_then(|u| {
-            u.get("prompt_tokens_details")?
-                .get("cached_tokens")?
-                .as_u64()
-        }),
-        completion: usage.and_then(|u| u.get("completion_tokens")?.as_u64()),
+        cached: usage
+            .and_then(|u| {
+                u.get("prompt_tokens_details")?
+                    .get("cached_tokens")?
+                    .as_u64()
+            })
+            .or_else(|| meta_u64("cached_tokens")),
+        completion: usage
+            .and_then(|u| u.get("completion_tokens")?.as_u64())
+            .or_else(|| meta_u64("completion_tokens")),
     }
 }
 
 #[derive(serde::Deserialize)]
 struct UsageDoc {
     usage: Option<UsageOnly>,
+    meta_info: Option<Details>,
 }
 
 #[derive(serde::Deserialize)]
@@ -121,14 +129,14 @@ struct Details {
     cached_tokens: Option<u64>,
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of a response body, read
-/// without building the rest of the document.
+/// `usage.prompt_tokens_details.cached_tokens` of a response body (or
+/// `meta_info.cached_tokens` of a native `/generate` answer), read without
+/// building the rest of the document.
 pub fn reported_cached_tokens(body: &[u8]) -> Option<u64> {
-    serde_json::from_slice::<UsageDoc>(body)
-        .ok()?
-        .usage?
-        .prompt_tokens_details?
-        .cached_tokens
+    let doc = serde_json::from_slice::<UsageDoc>(body).ok()?;
+    doc.usage
+        .and_then(|u| u.prompt_tokens_details?.cached_tokens)
+        .or_else(|| doc.meta_info?.cached_tokens)
 }
 
 /// The usage reported in an SSE chunk, if it has one with cached or
@@ -422,6 +430,16 @@ mod tests {
             usage.map(|u| (u.cached, u.completion)),
             Some((None, Some(7)))
         );
+        // SGLang's native answers: `meta_info`.
+        let native =
+            json!({"text": "a", "meta_info": {"cached_tokens": 16, "completion_tokens": 2}});
+        assert_eq!(
+            reported_cached_tokens(native.to_string().as_bytes()),
+            Some(16)
+        );
+        let last = format!("data: {native}\n\ndata: [DONE]\n\n");
+        let usage = usage_in_sse(last.as_bytes()).map(|u| (u.cached, u.completion));
+        assert_eq!(usage, Some((Some(16), Some(2))));
     }
 
     const ROLE: &[u8] =

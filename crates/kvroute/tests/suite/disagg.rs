@@ -351,3 +351,39 @@ fn a_split_request_waits_in_the_queue_while_every_decode_rank_is_busy() {
     let long = long.join().expect("the long request's thread");
     assert_eq!(long.status, 200, "{}", long.body);
 }
+
+/// SGLang's native `/generate` through a split fleet: the decode engine
+/// received the prompt's KV and lists none of its log-probabilities, so
+/// the answer carries the prefill leg's, one per prompt token, merged in;
+/// a streamed `/generate` is relayed to its `[DONE]`.
+#[test]
+fn sglang_generate_merges_the_prefill_legs_prompt_logprobs() {
+    let (_procs, serve) = fleet("sglang", &[]);
+    let tokens = prompt(3);
+    let body = json!({"input_ids": tokens, "return_logprob": true,
+        "sampling_params": {"max_new_tokens": 4}});
+    let answer = request(&serve, "POST", "/generate", &body.to_string());
+    assert_eq!(answer.status, 200, "{}", answer.body);
+    assert_eq!(answer.header("x-kvroute-worker").as_deref(), Some("d0"));
+    let doc: Value = answer.json();
+    let meta = &doc["meta_info"];
+    assert_eq!(meta["completion_tokens"], 4, "{doc}");
+    let logprobs = meta["input_token_logprobs"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(logprobs.len(), tokens.len(), "one per prompt token: {meta}");
+    assert_eq!(logprobs[0], json!([null, tokens[0], null]));
+    assert_eq!(logprobs[1][1], tokens[1]);
+    assert!(logprobs[1][0].is_f64(), "{}", logprobs[1]);
+    assert_eq!(count(&serve, "kvroute_proxy_disagg_split_total"), 1);
+    // Streamed: relayed as the decode engine sends it.
+    let stream = json!({"input_ids": prompt(4), "stream": true,
+        "sampling_params": {"max_new_tokens": 3}});
+    let streamed = request(&serve, "POST", "/generate", &stream.to_string());
+    assert_eq!(streamed.status, 200, "{}", streamed.body);
+    let (events, _) = dechunk(streamed.body.as_bytes());
+    let text = String::from_utf8_lossy(&events);
+    assert!(text.contains("\"meta_info\""), "{text}");
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+}
