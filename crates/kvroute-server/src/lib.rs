@@ -17,6 +17,7 @@ pub mod admin;
 pub mod api;
 pub mod app;
 pub mod dashboard;
+pub mod discovery;
 pub mod ingest;
 pub mod listen;
 pub mod metrics;
@@ -54,6 +55,9 @@ pub struct ServeConfig {
     pub block_size: Option<u32>,
     /// Workers known at start.
     pub workers: Vec<WorkerSpec>,
+    /// Workers listed in an endpoints file, followed as it changes
+    /// (`--endpoints-file`).
+    pub discovery: Option<discovery::FileDiscovery>,
     /// Who may use the admin and introspection endpoints.
     pub access: admin::Access,
     /// Where workers may point (`--allow-worker-hosts`; empty: anywhere).
@@ -111,6 +115,7 @@ impl Default for ServeConfig {
         ServeConfig {
             block_size: None,
             workers: Vec::new(),
+            discovery: None,
             access: admin::Access::default(),
             allowed_worker_hosts: AllowedHosts::default(),
             unreachable_grace: Duration::from_secs(30),
@@ -182,6 +187,12 @@ pub async fn serve(
         Box::new(ObservedCollector::new(proxy.clone())),
         Box::new(saved.clone()),
     ];
+    let discovered = config.discovery.clone().map(|file| {
+        let counters = discovery::DiscoveryCounters::default();
+        collectors.push(Box::new(counters.clone()));
+        let watched = (registry.clone(), proxy.clone());
+        discovery::spawn(file, watched, config.block_size, counters)
+    });
     let replica_tasks = replica.as_ref().map(|r| {
         proxy.share_with(r.sync.outbox().clone());
         let speeds: Option<Arc<dyn SharedSpeeds>> = proxy.learns_speeds().then(|| {
@@ -199,6 +210,7 @@ pub async fn serve(
     let series = Arc::new(dashboard::series::Series::default());
     let mut background = spawn_housekeeping(&registry, &index, &proxy, &series);
     background.extend(snapshots);
+    background.extend(discovered);
     background.extend(replica_tasks.into_iter().flatten());
     let state = AppState {
         admin: admin::AdminState {

@@ -114,6 +114,9 @@ catalogue! {
     REPLICA_PUBLISH_COST:         kvroute_replica_publish_seconds              Histogram NONE "Time a request spends handing an event to the outbox.";
     STATE_SNAPSHOTS_WRITTEN:      kvroute_state_snapshots_written_total        Counter   NONE "Router state snapshots written to --state-dir (every --snapshot-secs and at shutdown).";
     STATE_SNAPSHOT_FAILURES:      kvroute_state_snapshot_failures_total        Counter   NONE "Router state snapshots that could not be written to --state-dir.";
+    DISCOVERY_RELOADS:            kvroute_discovery_reloads_total              Counter   NONE "Times the --endpoints-file was read and its workers applied.";
+    DISCOVERY_ERRORS:             kvroute_discovery_errors_total               Counter   NONE "Problems applying the --endpoints-file, each new one once (the workers it gave before stay), and its workers the registry refused.";
+    DISCOVERY_ENDPOINTS:          kvroute_discovery_endpoints                  Gauge     NONE "Workers registered from the --endpoints-file.";
 }
 
 /// The catalogue as the Markdown table of `docs/metrics.md`.

@@ -2,6 +2,7 @@
 
 pub mod bench;
 pub mod demo;
+pub mod endpoints;
 pub mod inspect;
 pub mod load;
 pub mod mocker;

@@ -266,6 +266,8 @@ pub struct ServeArgs {
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info", env = "KVROUTE_LOG")]
     log: tracing::Level,
+    #[command(flatten)]
+    endpoints: super::endpoints::EndpointsArgs,
 }
 
 /// Builds the runtime and serves until Ctrl-C or SIGTERM.
@@ -346,6 +348,7 @@ fn serve_config(
     Ok(ServeConfig {
         block_size: args.block_size,
         workers,
+        discovery: args.endpoints.discovery(),
         access: Access {
             admin_token,
             public_introspection: args.public_introspection,

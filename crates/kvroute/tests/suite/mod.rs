@@ -7,6 +7,7 @@ mod dashboard;
 mod demo;
 mod deploy;
 mod disagg;
+mod discovery;
 mod ingest;
 mod inspect;
 mod metrics;

@@ -1,0 +1,271 @@
+//! The endpoints file: llm-d's `endpoints.yaml` shape, read into worker
+//! specs. Pure: text in, specs (or the first problem) out.
+//!
+//! ```yaml
+//! endpoints:
+//!   - name: vllm-0              # required; with `namespace`, the worker is `namespace/name`
+//!     namespace: inference      # optional
+//!     address: 10.0.0.7         # required: an IP address
+//!     port: "8000"              # required: the HTTP port (a string, as llm-d writes it, or a number)
+//!     labels:                   # optional; kvroute reads these:
+//!       kvroute.io/events-port: "5557"    # ZeroMQ KV events (default --endpoints-events-port)
+//!       kvroute.io/replay-port: "5558"    # replay (default --endpoints-replay-port, none if unset)
+//!       kvroute.io/flavor: sglang         # vllm | sglang (default --endpoints-flavor)
+//!       kvroute.io/dp-size: "2"           # data-parallel ranks on consecutive ports
+//!       kvroute.io/role: prefill          # prefill | decode | both (also llm-d.ai/role)
+//!       kvroute.io/bootstrap-port: "8998" # SGLang prefill engines
+//!       kvroute.io/block-size: "16"
+//!       kvroute.io/model: my-model
+//! ```
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use yaml_rust2::{Yaml, YamlLoader};
+
+use crate::ingest::spec::{WorkerFlavor, WorkerSpec};
+
+/// The largest endpoints file read, as llm-d's file discovery allows.
+pub const MAX_FILE_BYTES: usize = 1 << 20;
+
+/// The most endpoints one file may list.
+pub const MAX_ENDPOINTS: usize = 4_096;
+
+/// What an endpoint's labels do not say.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EndpointDefaults {
+    /// The engines' KV-event port (vLLM's and SGLang's usual 5557).
+    pub events_port: u16,
+    /// Their replay port, if they have one.
+    pub replay_port: Option<u16>,
+    /// Their engine.
+    pub flavor: WorkerFlavor,
+}
+
+impl Default for EndpointDefaults {
+    fn default() -> Self {
+        EndpointDefaults {
+            events_port: 5557,
+            replay_port: None,
+            flavor: WorkerFlavor::Vllm,
+        }
+    }
+}
+
+/// Why an endpoints file was not used (the workers it gave before stay).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct EndpointsError(pub String);
+
+fn bad(message: impl Into<String>) -> EndpointsError {
+    EndpointsError(message.into())
+}
+
+/// The workers `text` lists, by name, as `default_block_size` and
+/// `defaults` complete them.
+pub fn parse_endpoints(
+    text: &str,
+    defaults: &EndpointDefaults,
+    default_block_size: Option<u32>,
+) -> Result<BTreeMap<String, WorkerSpec>, EndpointsError> {
+    if text.len() > MAX_FILE_BYTES {
+        return Err(bad(format!(
+            "the file is {} bytes, over the {MAX_FILE_BYTES} allowed",
+            text.len()
+        )));
+    }
+    let docs = YamlLoader::load_from_str(text).map_err(|e| bad(format!("not YAML: {e}")))?;
+    let list = match docs.first() {
+        None => return Ok(BTreeMap::new()),
+        Some(doc) => match &doc["endpoints"] {
+            Yaml::Array(list) => list.as_slice(),
+            Yaml::BadValue | Yaml::Null => &[],
+            _ => return Err(bad("`endpoints` must be a list")),
+        },
+    };
+    if list.len() > MAX_ENDPOINTS {
+        return Err(bad(format!(
+            "{} endpoints, over the {MAX_ENDPOINTS} allowed",
+            list.len()
+        )));
+    }
+    let mut specs = BTreeMap::new();
+    for (i, entry) in list.iter().enumerate() {
+        let spec = endpoint(entry, defaults, default_block_size)
+            .map_err(|e| bad(format!("endpoints[{i}]: {e}")))?;
+        if specs.contains_key(&spec.name) {
+            return Err(bad(format!(
+                "endpoints[{i}]: `{}` is listed twice",
+                spec.name
+            )));
+        }
+        specs.insert(spec.name.clone(), spec);
+    }
+    Ok(specs)
+}
+
+/// A scalar as text: a string, or a number written as YAML reads it.
+fn scalar(value: &Yaml) -> Option<String> {
+    match value {
+        Yaml::String(s) | Yaml::Real(s) => Some(s.clone()),
+        Yaml::Integer(n) => Some(n.to_string()),
+        Yaml::Boolean(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+fn port(value: Option<String>, what: &str) -> Result<Option<u16>, EndpointsError> {
+    value
+        .map(|v| {
+            v.trim()
+                .parse::<u16>()
+                .ok()
+                .filter(|&p| p > 0)
+                .ok_or_else(|| bad(format!("{what} `{v}` is not a port")))
+        })
+        .transpose()
+}
+
+/// Characters a worker-spec value may hold (the spec line is `,`- and
+/// `=`-separated).
+fn plain(value: &str, what: &str) -> Result<(), EndpointsError> {
+    let ok = !value.is_empty()
+        && value.len() <= 253
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-._/:".contains(c));
+    if ok {
+        Ok(())
+    } else {
+        Err(bad(format!(
+            "{what} `{value}` must be 1 to 253 of [A-Za-z0-9-._/:]"
+        )))
+    }
+}
+
+/// One endpoint as a worker spec.
+fn endpoint(
+    entry: &Yaml,
+    defaults: &EndpointDefaults,
+    default_block_size: Option<u32>,
+) -> Result<WorkerSpec, EndpointsError> {
+    let field = |key: &str| scalar(&entry[key]);
+    let name = field("name").ok_or_else(|| bad("`name` is required"))?;
+    let name = match field("namespace") {
+        Some(ns) => format!("{ns}/{name}"),
+        None => name,
+    };
+    plain(&name, "the name")?;
+    let address = field("address").ok_or_else(|| bad("`address` is required"))?;
+    let ip: IpAddr = address
+        .trim()
+        .parse()
+        .map_err(|_| bad(format!("`address` `{address}` is not an IP address")))?;
+    let http = port(field("port"), "`port`")?.ok_or_else(|| bad("`port` is required"))?;
+    let labels = &entry["labels"];
+    let label = |key: &str| scalar(&labels[key]);
+    let events = port(label("kvroute.io/events-port"), "kvroute.io/events-port")?
+        .unwrap_or(defaults.events_port);
+    let replay =
+        port(label("kvroute.io/replay-port"), "kvroute.io/replay-port")?.or(defaults.replay_port);
+    let host = match ip {
+        IpAddr::V4(v4) => v4.to_string(),
+        IpAddr::V6(v6) => format!("[{v6}]"),
+    };
+    let mut line = format!(
+        "name={name},url=http://{host}:{http},events=tcp://{host}:{events},flavor={}",
+        defaults.flavor.as_str()
+    );
+    if let Some(replay) = replay {
+        line.push_str(&format!(",replay=tcp://{host}:{replay}"));
+    }
+    let role = label("kvroute.io/role").or_else(|| label("llm-d.ai/role"));
+    for (key, value) in [
+        ("flavor", label("kvroute.io/flavor")),
+        ("dp", label("kvroute.io/dp-size")),
+        ("role", role),
+        ("bootstrap_port", label("kvroute.io/bootstrap-port")),
+        ("block_size", label("kvroute.io/block-size")),
+        ("model", label("kvroute.io/model")),
+    ] {
+        if let Some(value) = value {
+            plain(&value, key)?;
+            line.push_str(&format!(",{key}={value}"));
+        }
+    }
+    WorkerSpec::parse(&line, default_block_size).map_err(|e| bad(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ingest::spec::WorkerRole;
+
+    fn parse(text: &str) -> Result<BTreeMap<String, WorkerSpec>, EndpointsError> {
+        parse_endpoints(text, &EndpointDefaults::default(), Some(16))
+    }
+
+    #[test]
+    fn llm_d_endpoints_become_workers_with_kvroutes_labels() {
+        let text = r#"
+endpoints:
+  - name: vllm-0
+    address: 10.0.0.7
+    port: "8000"
+  - name: sgl-p
+    namespace: inference
+    address: 10.0.0.8
+    port: 30000
+    labels:
+      kvroute.io/flavor: sglang
+      kvroute.io/events-port: "6000"
+      kvroute.io/replay-port: 7000
+      kvroute.io/dp-size: "2"
+      llm-d.ai/role: prefill
+      kvroute.io/bootstrap-port: "8998"
+      app: ignored
+"#;
+        let specs = parse(text).expect("valid");
+        let names: Vec<&str> = specs.keys().map(String::as_str).collect();
+        assert_eq!(names, ["inference/sgl-p", "vllm-0"]);
+        let v = &specs["vllm-0"];
+        assert_eq!(v.url, "http://10.0.0.7:8000");
+        assert_eq!(v.ranks[0].events, "tcp://10.0.0.7:5557");
+        assert_eq!(
+            (v.ranks[0].replay.clone(), v.flavor),
+            (None, WorkerFlavor::Vllm)
+        );
+        let s = &specs["inference/sgl-p"];
+        assert_eq!(
+            (s.flavor, s.role),
+            (WorkerFlavor::Sglang, WorkerRole::Prefill)
+        );
+        assert_eq!(s.ranks.len(), 2);
+        assert_eq!(s.ranks[1].events, "tcp://10.0.0.8:6001");
+        assert_eq!(s.ranks[0].replay.as_deref(), Some("tcp://10.0.0.8:7000"));
+        assert_eq!(s.bootstrap_port, Some(8998));
+        assert!(parse("").expect("empty").is_empty());
+        assert!(parse("endpoints: []\n").expect("none").is_empty());
+    }
+
+    #[test]
+    fn a_bad_file_names_its_first_problem() {
+        for (text, problem) in [
+            ("endpoints: 3", "`endpoints` must be a list"),
+            ("endpoints:\n  - address: 10.0.0.1\n    port: 1", "endpoints[0]: `name` is required"),
+            ("endpoints:\n  - name: a\n    address: host.local\n    port: 1", "not an IP address"),
+            ("endpoints:\n  - name: a\n    address: 10.0.0.1\n    port: \"0\"", "is not a port"),
+            ("endpoints:\n  - name: a\n    address: 10.0.0.1", "`port` is required"),
+            ("endpoints:\n  - {name: a, address: 10.0.0.1, port: 1}\n  - {name: a, address: 10.0.0.2, port: 1}", "listed twice"),
+            ("endpoints:\n  - {name: 'a,b', address: 10.0.0.1, port: 1}", "must be 1 to 253"),
+            ("endpoints:\n  - {name: a, address: 10.0.0.1, port: 1, labels: {kvroute.io/role: 'x=y'}}", "must be 1 to 253"),
+            ("endpoints:\n  - {name: a, address: 10.0.0.1, port: 1, labels: {kvroute.io/role: chef}}", "role"),
+            ("endpoints: [", "not YAML"),
+        ] {
+            let e = parse(text).expect_err(problem);
+            assert!(e.0.contains(problem), "{e} (wanted {problem})");
+        }
+        let huge = "#".repeat(MAX_FILE_BYTES + 1);
+        assert!(parse(&huge).expect_err("too big").0.contains("over the"));
+    }
+}
