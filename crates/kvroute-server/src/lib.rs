@@ -211,6 +211,7 @@ pub async fn serve(
     let mut background = spawn_housekeeping(&registry, &index, &proxy, &series);
     background.extend(snapshots);
     background.extend(discovered);
+    background.extend(spawn_engine_scrapes(&proxy));
     background.extend(replica_tasks.into_iter().flatten());
     let state = AppState {
         admin: admin::AdminState {
@@ -257,6 +258,20 @@ pub async fn serve(
     })
     .await;
     result.map_err(ServeError::Http)
+}
+
+/// Reads the workers' `/metrics` every `--engine-metrics-ms`, when set.
+fn spawn_engine_scrapes(proxy: &Arc<Proxy>) -> Option<tokio::task::JoinHandle<()>> {
+    let every = proxy.config().engine_metrics_every?;
+    let proxy = proxy.clone();
+    Some(tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            proxy.scrape_engines(every).await;
+        }
+    }))
 }
 
 /// The periodic chores: every 10 s the workers' context lengths; every

@@ -73,6 +73,37 @@ impl Load {
     }
 }
 
+/// A rank's load as its engine reports it (`/metrics`): it counts requests
+/// that did not come through this router (other routers, direct clients),
+/// which the router's own accounting cannot see.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EngineReport {
+    /// Requests running or waiting there.
+    pub requests: u64,
+    /// KV blocks in use there, when the engine says its capacity.
+    pub kv_blocks: Option<u64>,
+}
+
+impl Load {
+    /// This load, raised to what the engine reports where it reports more:
+    /// requests and blocks the router did not send there are load all the
+    /// same. The router's own figures stand where they are higher (the
+    /// engine's lag a scrape behind), and without a report.
+    pub fn with_report(self, report: Option<&EngineReport>) -> Load {
+        let Some(r) = report else {
+            return self;
+        };
+        let outside = r.requests.saturating_sub(self.requests);
+        let blocks = r.kv_blocks.unwrap_or(0).max(self.decode_blocks);
+        Load {
+            requests: self.requests + outside,
+            decode_blocks: blocks,
+            request_blocks: self.request_blocks + (blocks - self.decode_blocks),
+            ..self
+        }
+    }
+}
+
 /// What is being scored: the request's size and the rules that price it.
 #[derive(Debug, Clone, Copy)]
 pub struct Pricing<'a> {
@@ -352,5 +383,37 @@ mod tests {
         assert_eq!(predicted(WorkerFlavor::Vllm, None), 80);
         assert_eq!(predicted(WorkerFlavor::Sglang, Some(&hit)), 32);
         assert_eq!(predicted(WorkerFlavor::Sglang, None), 0);
+    }
+}
+
+#[cfg(test)]
+mod report_tests {
+    use super::*;
+
+    #[test]
+    fn an_engine_report_raises_the_load_only_where_it_says_more() {
+        let own = Load {
+            prefill_tokens: 100,
+            decode_blocks: 40,
+            new_blocks: 3,
+            active_prefix: 1,
+            requests: 2,
+            request_blocks: 50,
+        };
+        assert_eq!(own.with_report(None), own);
+        let busier = EngineReport {
+            requests: 7,
+            kv_blocks: Some(90),
+        };
+        let raised = own.with_report(Some(&busier));
+        assert_eq!((raised.requests, raised.decode_blocks), (7, 90));
+        assert_eq!(raised.request_blocks, 100, "the outside blocks count once");
+        assert_eq!((raised.prefill_tokens, raised.new_blocks), (100, 3));
+        // The router's own figures stand where the engine lags behind.
+        let behind = EngineReport {
+            requests: 1,
+            kv_blocks: None,
+        };
+        assert_eq!(own.with_report(Some(&behind)), own);
     }
 }

@@ -18,7 +18,9 @@ pub mod policy;
 pub mod speed;
 
 pub use active::{ActiveRequest, ActiveSequences};
-pub use candidates::{predicted_cached_tokens, BusyThresholds, Load, Pricing, Scored};
+pub use candidates::{
+    predicted_cached_tokens, BusyThresholds, EngineReport, Load, Pricing, Scored,
+};
 pub use cost::{Candidate, CostBreakdown, CostWeights};
 pub use disagg::{DecodeCost, LocalPrefillRule, WorkerRole};
 pub use fleet::{score, FleetView, MatchedHashes, RequestHashes, RouteTarget};

@@ -39,6 +39,10 @@ pub struct ProxyMetrics {
     pub no_workers: Counter,
     /// [`PROXY_LOAD_ONLY`].
     pub load_only: Counter,
+    /// [`PROXY_ENGINE_SCRAPES`].
+    pub engine_scrapes: Counter,
+    /// [`PROXY_ENGINE_SCRAPE_FAILURES`].
+    pub engine_scrape_failures: Counter,
     /// [`PROXY_DISAGG_SPLIT`].
     pub disagg_split: Counter,
     /// [`PROXY_DISAGG_LOCAL`].
@@ -69,6 +73,8 @@ impl Default for ProxyMetrics {
             queue_timeouts: Counter::default(),
             no_workers: Counter::default(),
             load_only: Counter::default(),
+            engine_scrapes: Counter::default(),
+            engine_scrape_failures: Counter::default(),
             disagg_split: Counter::default(),
             disagg_local: Counter::default(),
             errors: {
@@ -129,6 +135,8 @@ impl ProxyMetrics {
             (PROXY_QUEUE_TIMEOUTS, &self.queue_timeouts),
             (PROXY_NO_WORKERS, &self.no_workers),
             (PROXY_LOAD_ONLY, &self.load_only),
+            (PROXY_ENGINE_SCRAPES, &self.engine_scrapes),
+            (PROXY_ENGINE_SCRAPE_FAILURES, &self.engine_scrape_failures),
             (PROXY_DISAGG_SPLIT, &self.disagg_split),
             (PROXY_DISAGG_LOCAL, &self.disagg_local),
         ];

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{namespace_seed, LocalBlockHash};
-use kvroute_core::index::DpRank;
+use kvroute_core::index::{DpRank, WorkerRank};
 use kvroute_core::multimodal::prompt_local_hashes;
 use kvroute_core::scheduler::{
     score, FleetView, Load, Pricing, RequestHashes, RouteTarget, Scored,
@@ -177,6 +177,12 @@ impl Proxy {
         // Index walks first, outside the active-sequence lock.
         let hashes = RequestHashes::compute(&targets, &self.index, locals_at, flavor_matters);
         let learned = self.learned_speeds();
+        // Reports older than three scrapes are the engine's past, not its load.
+        let reports = self
+            .config
+            .engine_metrics_every
+            .map(|every| self.reported.fresh(every * 3));
+        let report = |key: &WorkerRank| reports.as_ref().and_then(|r| r.get(key));
         let mut ranks = self.active.lock();
         let pricing = Pricing {
             request_tokens,
@@ -188,7 +194,7 @@ impl Proxy {
             &hashes,
             pricing,
             FleetView {
-                load: &|key, seqs| Load::of(ranks.get(&key), seqs),
+                load: &|key, seqs| Load::of(ranks.get(&key), seqs).with_report(report(&key)),
                 available: &|name| self.breakers.available(name),
                 learned_speed: &|key| learned.as_ref()?.get(&key).copied(),
             },

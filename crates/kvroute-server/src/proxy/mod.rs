@@ -30,6 +30,7 @@ pub mod merge;
 pub mod observe;
 pub mod outcome;
 pub mod relay;
+pub mod reported;
 pub mod rewrite;
 pub mod shared;
 pub mod speeds;
@@ -104,6 +105,9 @@ pub struct ProxyConfig {
     pub local_prefill: LocalPrefillRule,
     /// In a disaggregated fleet: time allowed for a prefill leg's answer.
     pub prefill_timeout: Duration,
+    /// How often each worker's `/metrics` is read for the load it reports
+    /// ([`reported`]; `None`: the router's own accounting alone).
+    pub engine_metrics_every: Option<Duration>,
 }
 
 impl Default for ProxyConfig {
@@ -127,6 +131,7 @@ impl Default for ProxyConfig {
             learn_speeds: None,
             local_prefill: LocalPrefillRule::default(),
             prefill_timeout: Duration::from_secs(120),
+            engine_metrics_every: None,
         }
     }
 }
@@ -160,6 +165,8 @@ pub struct Proxy {
     speeds: Option<speeds::SpeedBook>,
     /// Where responses tell peer replicas what they taught of speeds.
     speed_share: OnceLock<Arc<SpeedShare>>,
+    /// The load each rank's engine reports (`--engine-metrics-ms`).
+    reported: reported::ReportBook,
 }
 
 impl Proxy {
@@ -191,6 +198,7 @@ impl Proxy {
             started: Instant::now(),
             outbox: OnceLock::new(),
             speed_share: OnceLock::new(),
+            reported: reported::ReportBook::default(),
         })
     }
 

@@ -263,6 +263,12 @@ pub struct ServeArgs {
     /// Disaggregated fleets: seconds allowed for a prefill leg's answer.
     #[arg(long, default_value_t = ProxyConfig::default().prefill_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_PREFILL_TIMEOUT_SECS")]
     prefill_timeout_secs: u64,
+    /// Read each worker's `/metrics` this often (ms) for the load its engine
+    /// reports (requests running and waiting, KV-cache usage), counted where
+    /// it exceeds what the router sent there: for fleets that other routers
+    /// or clients also reach. Off by default (docs/serving.md)
+    #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(50..=600_000), env = "KVROUTE_ENGINE_METRICS_MS")]
+    engine_metrics_ms: Option<u64>,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info", env = "KVROUTE_LOG")]
     log: tracing::Level,
@@ -445,6 +451,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             max_uncached_fraction: args.local_prefill_max_fraction,
         },
         prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
+        engine_metrics_every: args.engine_metrics_ms.map(Duration::from_millis),
         renderer,
     })
 }

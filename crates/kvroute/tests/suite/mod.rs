@@ -8,6 +8,7 @@ mod demo;
 mod deploy;
 mod disagg;
 mod discovery;
+mod engine_load;
 mod ingest;
 mod inspect;
 mod metrics;
