@@ -107,6 +107,10 @@ pub struct MockerConfig {
     pub tokenizer: Option<PathBuf>,
     /// The served model name (default `"mock-model"`).
     pub model: String,
+    /// LoRA adapters loaded on every engine (`--lora-adapters`): each is
+    /// listed in `/v1/models` with the model as its `parent`, served when a
+    /// request names it, and hashed into its blocks.
+    pub lora_adapters: Vec<String>,
     /// Fault injection (all off by default).
     pub faults: FaultConfig,
     /// Batch timestamps (default wall clock).
@@ -162,6 +166,7 @@ impl Default for MockerConfig {
             mm_tokens_per_image: 64,
             tokenizer: None,
             model: "mock-model".to_owned(),
+            lora_adapters: Vec::new(),
             faults: FaultConfig::default(),
             ts_source: TsSource::Wall,
             replay_buffer_steps: 10_000,

@@ -240,6 +240,7 @@ impl Fleet {
         let state = Arc::new(EngineState {
             name: name.clone(),
             model: config.model.clone(),
+            lora_adapters: config.lora_adapters.clone(),
             flavor: config.flavor,
             ranks,
             renderer: prompts.renderer.clone(),

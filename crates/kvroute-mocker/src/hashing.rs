@@ -37,6 +37,12 @@ pub enum VllmHashKey {
         /// Item start relative to the block start.
         offset: i64,
     },
+    /// `("lora", name, path)`: the adapter the block was computed with (the
+    /// mock's adapters have no path of their own: the name stands for it).
+    Lora {
+        /// The adapter's name.
+        name: String,
+    },
 }
 
 /// A minimal canonical CBOR writer: exactly the subset `cbor2.dumps(obj,
@@ -129,6 +135,12 @@ fn vllm_block_cbor(parent: &Digest32, tokens: &[u64], extra: &[VllmHashKey]) -> 
                     c.text("mm");
                     c.text(identifier);
                     c.int(*offset);
+                }
+                VllmHashKey::Lora { name } => {
+                    c.array(3);
+                    c.text("lora");
+                    c.text(name);
+                    c.text(name);
                 }
             }
         }

@@ -114,6 +114,11 @@ pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
     let replicas = state.replica.as_ref().map(|sync| sync.view());
     let views = state.registry.view();
     let mut workers = json!(views);
+    if let Some(list) = workers.as_array_mut() {
+        for (w, view) in list.iter_mut().zip(&views) {
+            w["models"] = json!(state.proxy.listed_models(&view.name));
+        }
+    }
     if let (Some(learned), Some(list)) = (state.proxy.learned_speeds(), workers.as_array_mut()) {
         for (w, view) in list.iter_mut().zip(&views) {
             let ranks = w.get_mut("ranks").and_then(Value::as_array_mut);

@@ -36,6 +36,8 @@ pub enum ErrorKind {
     RateLimited,
     /// No worker can be routed to (none registered, or all failing).
     NoWorkers,
+    /// No worker serves the model the request names.
+    ModelNotFound,
     /// Every rank is over its busy thresholds and the queue is full or off.
     Overloaded,
     /// Every rank stayed over its busy thresholds for the whole queue wait.
@@ -53,11 +55,12 @@ pub enum ErrorKind {
 impl ErrorKind {
     /// The kinds a completion request can be answered with: the label
     /// values of `kvroute_proxy_errors_total`, each exported from the start.
-    pub const PROXY: [ErrorKind; 10] = [
+    pub const PROXY: [ErrorKind; 11] = [
         ErrorKind::BadRequest,
         ErrorKind::ContextTooLong,
         ErrorKind::TooLarge,
         ErrorKind::NoWorkers,
+        ErrorKind::ModelNotFound,
         ErrorKind::Overloaded,
         ErrorKind::QueueTimeout,
         ErrorKind::UpstreamUnreachable,
@@ -73,7 +76,7 @@ impl ErrorKind {
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
-            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::NotFound | ErrorKind::ModelNotFound => StatusCode::NOT_FOUND,
             ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
             ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::RateLimited => StatusCode::TOO_MANY_REQUESTS,
@@ -92,7 +95,9 @@ impl ErrorKind {
     /// keyed on it keep working.
     pub fn openai_type(self) -> &'static str {
         match self {
-            ErrorKind::BadRequest | ErrorKind::ContextTooLong => "invalid_request_error",
+            ErrorKind::BadRequest | ErrorKind::ContextTooLong | ErrorKind::ModelNotFound => {
+                "invalid_request_error"
+            }
             ErrorKind::TooLarge => "request_too_large",
             ErrorKind::RateLimited => "rate_limit_exceeded",
             ErrorKind::Overloaded | ErrorKind::QueueTimeout => "overloaded",
@@ -114,6 +119,7 @@ impl ErrorKind {
             ErrorKind::Conflict => "conflict",
             ErrorKind::RateLimited => "rate_limited",
             ErrorKind::NoWorkers => "no_workers",
+            ErrorKind::ModelNotFound => "model_not_found",
             ErrorKind::Overloaded => "overloaded",
             ErrorKind::QueueTimeout => "queue_timeout",
             ErrorKind::UpstreamUnreachable => "upstream_unreachable",
@@ -175,6 +181,9 @@ pub enum ProxyError {
     /// 503: no worker can be routed to.
     #[error("no worker is available (none registered, or all failing)")]
     NoWorkers,
+    /// 404: no worker serves the model named.
+    #[error("The model `{0}` does not exist or you do not have access to it.")]
+    ModelNotFound(String),
     /// 503: every rank is busy and the request could not wait.
     #[error("{0}")]
     Overloaded(String),
@@ -260,6 +269,7 @@ impl ProxyError {
             ProxyError::Conflict(_) => ErrorKind::Conflict,
             ProxyError::RateLimited(_) => ErrorKind::RateLimited,
             ProxyError::NoWorkers => ErrorKind::NoWorkers,
+            ProxyError::ModelNotFound(_) => ErrorKind::ModelNotFound,
             ProxyError::Overloaded(_) => ErrorKind::Overloaded,
             ProxyError::QueueTimeout(_) => ErrorKind::QueueTimeout,
             ProxyError::UpstreamUnreachable(_) => ErrorKind::UpstreamUnreachable,
@@ -281,6 +291,15 @@ impl ProxyError {
 
     /// The OpenAI error body (also sent as a stream's last event).
     pub fn body(&self) -> Value {
+        if let ProxyError::ModelNotFound(_) = self {
+            // OpenAI's own answer, which clients key on by its code.
+            return json!({"error": {
+                "message": self.to_string(),
+                "type": "invalid_request_error",
+                "param": "model",
+                "code": "model_not_found",
+            }});
+        }
         json!({"error": {
             "message": self.to_string(),
             "type": self.kind().openai_type(),
@@ -423,6 +442,15 @@ mod tests {
             assert_eq!(error.status().as_u16(), status);
             labels.push(error.kind().label());
         }
+        // No such model: OpenAI's own answer.
+        let missing = ProxyError::ModelNotFound("m".into());
+        assert_eq!(missing.status().as_u16(), 404);
+        assert_eq!(
+            missing.body(),
+            json!({"error": {"message": "The model `m` does not exist or you do not have access to it.",
+                "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
+        );
+        labels.push(missing.kind().label());
         // Every kind has its own label.
         let n = labels.len();
         labels.sort_unstable();

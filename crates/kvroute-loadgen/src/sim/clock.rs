@@ -322,6 +322,7 @@ impl<'a> Sim<'a> {
                 .collect(),
             output: vec![1; r.max_tokens],
             mm_items: Vec::new(),
+            lora_name: None,
         };
         let id = RequestId(n as u64);
         self.enter(p.engine, (n, id), request, Handoff::default());

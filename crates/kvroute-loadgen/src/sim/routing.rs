@@ -351,6 +351,7 @@ impl SimRouter {
             prompt: tokens.iter().map(|&t| u64::from(t)).collect(),
             output: Vec::new(),
             mm_items: Vec::new(),
+            lora_name: None,
         };
         let candidates: Vec<(usize, u32, u64)> = engines
             .iter()

@@ -80,6 +80,7 @@ mod tests {
             prompt: prompt.into_iter().collect(),
             output: (0..max_tokens as u64).map(|i| 900_000 + i).collect(),
             mm_items: Vec::new(),
+            lora_name: None,
         }
     }
 

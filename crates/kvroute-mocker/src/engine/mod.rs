@@ -84,6 +84,9 @@ pub struct NewRequest {
     pub output: Vec<u64>,
     /// Multimodal items in the prompt (vLLM hashes them into block keys).
     pub mm_items: Vec<MmPlacement>,
+    /// The LoRA adapter it runs with: part of every block's hash, and
+    /// named in its `BlockStored` events.
+    pub lora_name: Option<String>,
 }
 
 /// Where a multimodal item sits in the prompt.
@@ -228,16 +231,27 @@ impl Hasher {
         let tokens = &r.tokens[start..start + self.block_size];
         match self.flavor {
             WorkerFlavor::Vllm => {
-                let keys: Vec<VllmHashKey> = r
+                // vLLM's order: the adapter's key, then the items'.
+                let lora = r
+                    .lora_name
+                    .iter()
+                    .map(|name| VllmHashKey::Lora { name: name.clone() });
+                let items = r
                     .mm_in_block(block, self.block_size)
                     .map(|(identifier, offset)| VllmHashKey::Mm {
                         identifier: identifier.to_owned(),
                         offset,
-                    })
-                    .collect();
+                    });
+                let keys: Vec<VllmHashKey> = lora.chain(items).collect();
                 vllm_block_digest(parent.unwrap_or(&self.none_hash), tokens, &keys)
             }
-            WorkerFlavor::Sglang => sglang_page_digest(parent, tokens),
+            WorkerFlavor::Sglang => match (parent, &r.lora_name) {
+                // An adapter's pages chain from a digest of its name.
+                (None, Some(name)) => {
+                    sglang_page_digest(Some(&sglang_page_digest(None, &lora_ids(name))), tokens)
+                }
+                _ => sglang_page_digest(parent, tokens),
+            },
         }
     }
 
@@ -266,6 +280,8 @@ struct Request {
     num_registered: usize,
     cached_tokens: Option<usize>,
     mm_items: Vec<MmPlacement>,
+    /// Its LoRA adapter.
+    lora_name: Option<String>,
     /// How the request's KV crosses engines.
     handoff: Handoff,
 }
@@ -287,6 +303,7 @@ impl Request {
             num_registered: 0,
             cached_tokens: None,
             mm_items: r.mm_items,
+            lora_name: r.lora_name,
             handoff: Handoff::default(),
         }
     }
@@ -431,6 +448,7 @@ impl Engine {
             prompt: r.prompt.clone(),
             output: Vec::new(),
             mm_items: r.mm_items.clone(),
+            lora_name: None,
         });
         let mut parent: Option<Digest32> = None;
         let mut hits = 0;
@@ -607,6 +625,11 @@ pub fn validate_request(r: &NewRequest, capacity_tokens: usize) -> Result<(), Su
     Ok(())
 }
 
+/// An adapter's name as ids, to seed an SGLang chain apart from the base model's.
+fn lora_ids(name: &str) -> Vec<u64> {
+    name.bytes().map(|b| u64::from(b) | (1 << 40)).collect()
+}
+
 /// The `BlockStored` for blocks `start..end` of a request.
 fn stored_event(hasher: &Hasher, r: &Request, start: usize, end: usize) -> BlockStored {
     let bs = hasher.block_size;
@@ -639,7 +662,7 @@ fn stored_event(hasher: &Hasher, r: &Request, start: usize, end: usize) -> Block
         block_size: u32::try_from(bs).unwrap_or(u32::MAX),
         lora_id: None,
         medium: Some(MEDIUM_GPU.to_owned()),
-        lora_name: None,
+        lora_name: r.lora_name.clone(),
         extra_keys,
         cache_salt: None,
         session_id: None,

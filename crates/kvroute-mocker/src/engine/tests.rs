@@ -20,6 +20,7 @@ fn request(prompt: impl IntoIterator<Item = u64>, max_tokens: usize) -> NewReque
         prompt: prompt.into_iter().collect(),
         output: (0..max_tokens as u64).map(|i| 900_000 + i).collect(),
         mm_items: Vec::new(),
+        lora_name: None,
     }
 }
 
@@ -483,5 +484,30 @@ fn random_workloads_keep_every_invariant_and_finish_every_request() {
         assert_eq!(finished + aborted, submitted, "seed {seed}");
         assert_eq!(e.stats().used_blocks, 0);
         assert_eq!(view.live.len(), e.stats().cached_blocks, "seed {seed}");
+    }
+}
+
+#[test]
+fn an_adapters_blocks_hash_apart_and_their_events_name_it() {
+    for flavor in [WorkerFlavor::Vllm, WorkerFlavor::Sglang] {
+        let mut e = Engine::new(config(flavor, 64));
+        e.submit(RequestId(1), request(1..=8, 1)).expect("ok");
+        let (base, _) = drain(&mut e);
+        let lora = NewRequest {
+            lora_name: Some("sql".into()),
+            ..request(1..=8, 1)
+        };
+        e.submit(RequestId(2), lora).expect("ok");
+        let (adapted, outputs) = drain(&mut e);
+        assert_eq!(
+            usage_of(&outputs, 2).cached_tokens,
+            0,
+            "{flavor:?}: no hit across adapters"
+        );
+        let (base, adapted) = (stored(&base), stored(&adapted));
+        assert_eq!(adapted[0].lora_name.as_deref(), Some("sql"));
+        assert_eq!(base[0].lora_name, None);
+        assert_eq!(base[0].token_ids, adapted[0].token_ids);
+        assert_ne!(base[0].block_hashes, adapted[0].block_hashes, "{flavor:?}");
     }
 }

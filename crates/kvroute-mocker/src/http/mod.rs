@@ -164,6 +164,8 @@ pub struct EngineState {
     pub name: String,
     /// The served model name.
     pub model: String,
+    /// The LoRA adapters it serves besides.
+    pub lora_adapters: Vec<String>,
     /// Which engine is imitated.
     pub flavor: WorkerFlavor,
     /// The data-parallel ranks.
@@ -253,18 +255,22 @@ impl EngineState {
 
 async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
     let max_model_len = state.capacity_tokens();
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.model,
+    let entry = |id: &str, parent: Option<&str>| {
+        json!({
+            "id": id,
             "object": "model",
             "created": state.created,
             "owned_by": state.flavor.as_str(),
-            "root": state.model,
-            "parent": null,
+            "root": parent.unwrap_or(id),
+            "parent": parent,
             "max_model_len": max_model_len,
-        }],
-    }))
+        })
+    };
+    let mut data = vec![entry(&state.model, None)];
+    for adapter in &state.lora_adapters {
+        data.push(entry(adapter, Some(&state.model)));
+    }
+    Json(json!({"object": "list", "data": data}))
 }
 
 async fn server_info(State(state): State<Arc<EngineState>>) -> Result<Json<Value>, ApiError> {
@@ -338,7 +344,9 @@ async fn generate(
     let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
     let mut parsed = openai::parse(endpoint, &body)?;
     if let Some(model) = &parsed.prompt.model {
-        if model != &state.model {
+        if state.lora_adapters.contains(model) {
+            parsed.lora = Some(model.clone());
+        } else if model != &state.model {
             return Err(ApiError::new(
                 StatusCode::NOT_FOUND,
                 "NotFoundError",

@@ -54,6 +54,8 @@ pub struct ParsedRequest {
     pub transfer: TransferFields,
     /// `/generate`'s `return_logprob`: the prompt's log-probabilities.
     pub input_logprobs: bool,
+    /// The LoRA adapter the request names as its model, if it is one.
+    pub lora: Option<String>,
 }
 
 impl From<PromptError> for ApiError {
@@ -138,6 +140,7 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         dp_rank,
         transfer,
         input_logprobs,
+        lora: None,
     })
 }
 
@@ -221,6 +224,7 @@ pub fn build(
         prompt,
         output: filler.iter().map(|f| f.id).collect(),
         mm_items,
+        lora_name: parsed.lora.clone(),
     };
     Ok((request, filler))
 }

@@ -56,11 +56,13 @@ fn requests() -> Vec<NewRequest> {
             prompt: a,
             output: (90_000..90_021).collect(),
             mm_items: Vec::new(),
+            lora_name: None,
         },
         NewRequest {
             prompt: b,
             output: (91_000..91_003).collect(),
             mm_items: Vec::new(),
+            lora_name: None,
         },
     ]
 }

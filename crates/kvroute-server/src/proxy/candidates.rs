@@ -33,6 +33,8 @@ pub struct Target {
     /// Its SGLang bootstrap server's port (prefill workers of SGLang
     /// disaggregation; `None`: the engine's default).
     pub bootstrap_port: Option<u16>,
+    /// The model its spec names (`model=`), if any.
+    pub model: Option<Arc<str>>,
     /// Each rank's shared ingest state, by rank.
     pub rank_stats: Vec<(DpRank, Arc<RankStats>)>,
 }
@@ -62,6 +64,7 @@ impl PartialEq for Target {
         self.route == other.route
             && self.url == other.url
             && self.bootstrap_port == other.bootstrap_port
+            && self.model == other.model
             && same_stats
     }
 }
@@ -95,6 +98,7 @@ impl Target {
             },
             url: url.to_owned(),
             bootstrap_port: w.bootstrap_port,
+            model: w.model.as_deref().map(Arc::from),
             rank_stats,
         })
     }
@@ -145,7 +149,7 @@ impl Proxy {
         let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
         self.candidates_then(
             &mut |bs, flavor| request_hashes(req, bs, flavor),
-            request_tokens,
+            (request_tokens, req.model.as_deref()),
             !req.images.is_empty(),
             then,
         )
@@ -160,20 +164,29 @@ impl Proxy {
         request_tokens: u64,
         flavor_matters: bool,
     ) -> Candidates {
-        self.candidates_then(locals_at, request_tokens, flavor_matters, |_, _| ())
+        self.candidates_then(locals_at, (request_tokens, None), flavor_matters, |_, _| ())
             .0
     }
 
-    /// [`Proxy::candidates`], then `then` under the same hold of the ranks'
+    /// [`Proxy::candidates`] among the workers that serve `model` (any
+    /// worker without one), then `then` under the same hold of the ranks'
     /// loads: a request charged there is seen by the next one scored.
     fn candidates_then<R>(
         &self,
         locals_at: &mut dyn FnMut(u32, WorkerFlavor) -> Vec<LocalBlockHash>,
-        request_tokens: u64,
+        (request_tokens, model): (u64, Option<&str>),
         flavor_matters: bool,
         then: impl FnOnce(&Candidates, &mut ActiveRanks) -> R,
     ) -> (Candidates, R) {
         let targets = self.targets();
+        let elsewhere: Vec<&str> = match model {
+            Some(m) => targets
+                .iter()
+                .filter(|t| !self.serves(t, m))
+                .map(|t| &*t.name)
+                .collect(),
+            None => Vec::new(),
+        };
         // Index walks first, outside the active-sequence lock.
         let hashes = RequestHashes::compute(&targets, &self.index, locals_at, flavor_matters);
         let learned = self.learned_speeds();
@@ -195,7 +208,7 @@ impl Proxy {
             pricing,
             FleetView {
                 load: &|key, seqs| Load::of(ranks.get(&key), seqs).with_report(report(&key)),
-                available: &|name| self.breakers.available(name),
+                available: &|name| !elsewhere.contains(&name) && self.breakers.available(name),
                 learned_speed: &|key| learned.as_ref()?.get(&key).copied(),
             },
         );

@@ -35,6 +35,7 @@ pub mod rewrite;
 pub mod shared;
 pub mod speeds;
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};
 use std::time::{Duration, Instant};
@@ -90,6 +91,9 @@ pub struct ProxyConfig {
     /// Renders text prompts and chat messages to token ids as the engines
     /// do; without it they are routed on load only.
     pub renderer: Option<Arc<Renderer>>,
+    /// Each named model's own tokenizer and chat template (`--model
+    /// NAME=FILE`), used for requests naming it instead of `renderer`.
+    pub model_renderers: HashMap<String, Arc<Renderer>>,
     /// Requests that may wait for a rank to drop below its busy thresholds
     /// when every rank is over them; 0: refuse at once with 503.
     pub queue_capacity: usize,
@@ -125,6 +129,7 @@ impl Default for ProxyConfig {
             active_expiry: Duration::from_secs(600),
             dp_rank_in_body: false,
             renderer: None,
+            model_renderers: HashMap::new(),
             queue_capacity: 0,
             queue_timeout: Duration::from_secs(30),
             max_model_len: None,
@@ -332,14 +337,19 @@ impl Proxy {
     }
 
     /// Fills in `req.tokens` and `req.images` from its text with the
-    /// renderer, if there is one. Requests with token ids keep them as
+    /// renderer of the model it names, else the default one, if there is one. Requests with token ids keep them as
     /// given; a prompt the renderer refuses is routed on load alone (the
     /// engine then answers the client).
     pub fn tokenize(&self, req: &mut RoutingRequest) {
         if req.tokens.is_some() {
             return;
         }
-        let (Some(renderer), Some(text)) = (&self.config.renderer, &req.text) else {
+        let own = req
+            .model
+            .as_deref()
+            .and_then(|m| self.config.model_renderers.get(m));
+        let (Some(renderer), Some(text)) = (own.or(self.config.renderer.as_ref()), &req.text)
+        else {
             return;
         };
         let source = match text {
@@ -455,11 +465,24 @@ async fn route(
             };
             let mut req = parsed.map_err(|e| ProxyError::bad_request(e.0))?;
             proxy.tokenize(&mut req);
+            // A LoRA adapter named as the model is hashed into the engine's
+            // blocks: the request's must be too.
+            if req.lora_name.is_none() {
+                let model = req.model.as_deref();
+                if model.is_some_and(|m| proxy.context.is_adapter(m)) {
+                    req.lora_name = req.model.clone();
+                }
+            }
             Ok(req)
         })
         .await
     };
     let req = Arc::new(read??);
+    if let Some(model) = req.model.as_deref() {
+        if !proxy.targets().is_empty() && !proxy.model_served(model) {
+            return Err(ProxyError::ModelNotFound(model.to_owned()));
+        }
+    }
     if req.tokens.is_none() {
         proxy.metrics.load_only.inc();
     }

@@ -83,6 +83,11 @@ pub struct MockerArgs {
     /// Served model name.
     #[arg(long, default_value = "mock-model")]
     model: String,
+    /// LoRA adapters every engine has loaded: listed in `/v1/models` with
+    /// the model as parent, served when a request names one as its model,
+    /// hashed into its blocks and named in its events.
+    #[arg(long, value_delimiter = ',', value_name = "NAME,…")]
+    lora_adapters: Vec<String>,
     /// Do not send every Nth live batch (it stays in the replay ring).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     drop_every: Option<u64>,
@@ -166,6 +171,7 @@ impl MockerArgs {
             mm_tokens_per_image: self.mm_tokens_per_image,
             tokenizer: self.tokenizer.clone(),
             model: self.model.clone(),
+            lora_adapters: self.lora_adapters.clone(),
             faults: FaultConfig {
                 drop_every: self.drop_every,
                 bad_event_every: self.bad_event_every,

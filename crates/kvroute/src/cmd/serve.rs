@@ -170,6 +170,11 @@ pub struct ServeArgs {
     /// requests are routed on load alone.
     #[arg(long, value_name = "FILE|builtin", env = "KVROUTE_TOKENIZER")]
     tokenizer: Option<PathBuf>,
+    /// A model's own tokenizer (and chat template beside it), for requests
+    /// naming that model; repeat for each model (`--model a=/m/a/tokenizer.json
+    /// --model b=builtin`). Others use `--tokenizer`
+    #[arg(long = "model", value_name = "NAME=FILE|builtin", value_parser = parse_model_tokenizer)]
+    models: Vec<(String, PathBuf)>,
     /// Prompt positions each image takes (the model's image token count; the
     /// same setting as `kvroute mocker --mm-tokens-per-image`).
     #[arg(long, default_value_t = u32::try_from(ImageTokenRule::DEFAULT_TOKENS_PER_IMAGE).unwrap_or(u32::MAX), value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MM_TOKENS_PER_IMAGE")]
@@ -408,15 +413,33 @@ pub fn renderer(tokenizer: Tokenizer, mm_tokens_per_image: usize) -> Arc<Rendere
     ))
 }
 
+/// `--model`'s value: `NAME=FILE` or `NAME=builtin`.
+fn parse_model_tokenizer(value: &str) -> Result<(String, PathBuf), String> {
+    match value.split_once('=') {
+        Some((name, file)) if !name.is_empty() && !file.is_empty() => {
+            Ok((name.to_owned(), PathBuf::from(file)))
+        }
+        _ => Err(format!("`{value}`: expected NAME=FILE or NAME=builtin")),
+    }
+}
+
 fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
-    let load = |tokenizer| renderer(tokenizer, args.mm_tokens_per_image as usize);
+    let load = |path: &PathBuf, flag: &str| -> Result<Arc<Renderer>> {
+        let tokenizer = if path.as_os_str() == "builtin" {
+            Tokenizer::builtin()
+        } else {
+            Tokenizer::from_file(path).with_context(|| format!("{flag} {}", path.display()))?
+        };
+        Ok(renderer(tokenizer, args.mm_tokens_per_image as usize))
+    };
     let renderer = match &args.tokenizer {
         None => None,
-        Some(p) if p.as_os_str() == "builtin" => Some(load(Tokenizer::builtin())),
-        Some(p) => Some(load(
-            Tokenizer::from_file(p).with_context(|| format!("--tokenizer {}", p.display()))?,
-        )),
+        Some(p) => Some(load(p, "--tokenizer")?),
     };
+    let mut model_renderers = std::collections::HashMap::new();
+    for (name, path) in &args.models {
+        model_renderers.insert(name.clone(), load(path, &format!("--model {name}="))?);
+    }
     Ok(ProxyConfig {
         policy: args.policy,
         weights: CostWeights {
@@ -453,6 +476,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
         engine_metrics_every: args.engine_metrics_ms.map(Duration::from_millis),
         renderer,
+        model_renderers,
     })
 }
 

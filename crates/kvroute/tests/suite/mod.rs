@@ -13,6 +13,7 @@ mod ingest;
 mod inspect;
 mod metrics;
 mod mocker;
+mod models;
 mod multimodal;
 mod proxy;
 mod replicas;

@@ -71,6 +71,7 @@ impl Sim<'_> {
             prompt: self.prompt(n),
             output: vec![1],
             mm_items: Vec::new(),
+            lora_name: None,
         };
         let hold = Handoff {
             received_tokens: 0,
@@ -112,6 +113,7 @@ impl Sim<'_> {
             prompt: self.prompt(n),
             output: Vec::new(),
             mm_items: Vec::new(),
+            lora_name: None,
         };
         let cached = self.engines[d.engine].cached_prefix_tokens(&probe);
         let bs = self.config.engine.block_size.max(1);
@@ -158,6 +160,7 @@ impl Sim<'_> {
             prompt,
             output: vec![1; r.max_tokens],
             mm_items: Vec::new(),
+            lora_name: None,
         };
         self.enter(d.engine, (n, RequestId(n as u64)), request, received);
     }
