@@ -11,13 +11,16 @@
 //! [`admin`] registers workers, [`query`] explains a decision without
 //! making it, [`metrics`] declares everything `/metrics` shows, and [`api`]
 //! holds the error every endpoint answers with. [`serve`] runs it all on a
-//! bound listener until a shutdown future completes.
+//! bound listener until a shutdown future completes; [`serve_with_epp`]
+//! also runs [`epp`], the Gateway API Inference Extension endpoint picker
+//! (Envoy's ext_proc over gRPC), on the same routing state.
 
 pub mod admin;
 pub mod api;
 pub mod app;
 pub mod dashboard;
 pub mod discovery;
+pub mod epp;
 pub mod ingest;
 pub mod listen;
 pub mod metrics;
@@ -55,9 +58,10 @@ pub struct ServeConfig {
     pub block_size: Option<u32>,
     /// Workers known at start.
     pub workers: Vec<WorkerSpec>,
-    /// Workers listed in an endpoints file, followed as it changes
-    /// (`--endpoints-file`).
-    pub discovery: Option<discovery::FileDiscovery>,
+    /// Workers listed in an endpoints file (`--endpoints-file`), or the
+    /// pods of an InferencePool (`--inference-pool`, feature `kube`),
+    /// followed as they change.
+    pub discovery: Option<discovery::Discovery>,
     /// Who may use the admin and introspection endpoints.
     pub access: admin::Access,
     /// Where workers may point (`--allow-worker-hosts`; empty: anywhere).
@@ -82,6 +86,9 @@ pub struct ServeConfig {
     pub state: Option<StateConfig>,
     /// Replicas sharing in-flight state and index snapshots over NATS (`--nats`).
     pub replicas: Option<replica::ReplicaConfig>,
+    /// The endpoint picker (`--epp-port`), served on the listeners given to
+    /// [`serve_with_epp`].
+    pub epp: Option<epp::EppConfig>,
     /// Whether to say at start what the admin API accepts, and warn when it
     /// is closed or registrations may point anywhere: for an operator who
     /// set (or forgot) `--admin-token`. A program embedding the router that
@@ -128,6 +135,7 @@ impl Default for ServeConfig {
             query: QueryLimits::default(),
             state: None,
             replicas: None,
+            epp: None,
             announce_access: true,
         }
     }
@@ -153,12 +161,29 @@ pub enum ServeError {
     /// The HTTP client could not be built.
     #[error("http client: {0}")]
     Client(#[from] reqwest::Error),
+    /// The endpoint picker could not start.
+    #[error(transparent)]
+    Epp(#[from] epp::EppError),
+    /// Discovery could not start (no Kubernetes API to reach).
+    #[error(transparent)]
+    Discovery(#[from] discovery::DiscoveryError),
 }
 
 /// Runs ingestion and the HTTP server on `listener` until `shutdown` completes.
 pub async fn serve(
     config: ServeConfig,
     listener: tokio::net::TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> Result<(), ServeError> {
+    serve_with_epp(config, listener, None, shutdown).await
+}
+
+/// [`serve`], and the endpoint picker on `epp` when `config.epp` is set
+/// (the same index, workers, load and metrics; it stops with the server).
+pub async fn serve_with_epp(
+    config: ServeConfig,
+    listener: tokio::net::TcpListener,
+    epp: Option<epp::EppListeners>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
     let index = Arc::new(SharedIndex::sharded(
@@ -187,12 +212,15 @@ pub async fn serve(
         Box::new(ObservedCollector::new(proxy.clone())),
         Box::new(saved.clone()),
     ];
-    let discovered = config.discovery.clone().map(|file| {
-        let counters = discovery::DiscoveryCounters::default();
-        collectors.push(Box::new(counters.clone()));
-        let watched = (registry.clone(), proxy.clone());
-        discovery::spawn(file, watched, config.block_size, counters)
-    });
+    let discovered = match config.discovery.clone() {
+        Some(source) => {
+            let counters = discovery::DiscoveryCounters::default();
+            collectors.push(Box::new(counters.clone()));
+            let watched = (registry.clone(), proxy.clone());
+            Some(discovery::start(source, watched, config.block_size, counters).await?)
+        }
+        None => None,
+    };
     let replica_tasks = replica.as_ref().map(|r| {
         proxy.share_with(r.sync.outbox().clone());
         let speeds: Option<Arc<dyn SharedSpeeds>> = proxy.learns_speeds().then(|| {
@@ -205,11 +233,13 @@ pub async fn serve(
         )));
         r.run(proxy.clone(), registry.clone(), speeds)
     });
+    let (epp_tasks, stopping) = start_epp(&config, epp, &proxy, &mut collectors)?;
     let connections = ConnectionMetrics::default();
     let metrics = Arc::new(Metrics::new(&proxy.metrics, &connections, collectors));
     let series = Arc::new(dashboard::series::Series::default());
     let mut background = spawn_housekeeping(&registry, &index, &proxy, &series);
     background.extend(snapshots);
+    background.extend(epp_tasks);
     background.extend(discovered);
     background.extend(spawn_engine_scrapes(&proxy));
     background.extend(replica_tasks.into_iter().flatten());
@@ -234,6 +264,10 @@ pub async fn serve(
     // Every accepted connection gets TCP_NODELAY: without it, a streamed
     // token written after the response head on a kept-alive connection waits
     // for the client's delayed ACK (up to 40 ms on Linux).
+    let shutdown = async move {
+        shutdown.await;
+        let _ = stopping.send(true);
+    };
     let result = serve_bounded(
         listener,
         app::app(state),
@@ -258,6 +292,36 @@ pub async fn serve(
     })
     .await;
     result.map_err(ServeError::Http)
+}
+
+/// Starts the endpoint picker when there are listeners and a config for
+/// it (its metrics joining `collectors`); its tasks, and the sender that
+/// stops it when set to true.
+fn start_epp(
+    config: &ServeConfig,
+    listeners: Option<epp::EppListeners>,
+    proxy: &Arc<Proxy>,
+    collectors: &mut Vec<Box<dyn prometheus_client::collector::Collector>>,
+) -> Result<
+    (
+        Vec<tokio::task::JoinHandle<()>>,
+        tokio::sync::watch::Sender<bool>,
+    ),
+    ServeError,
+> {
+    let (stopping, stop) = tokio::sync::watch::channel(false);
+    let (Some(listeners), Some(epp_config)) = (listeners, &config.epp) else {
+        return Ok((Vec::new(), stopping));
+    };
+    let metrics = Arc::new(metrics::epp::EppMetrics::default());
+    collectors.push(Box::new(metrics::epp::EppCollector(metrics.clone())));
+    let shared = epp::EppShared {
+        proxy: proxy.clone(),
+        metrics,
+        max_body_bytes: config.max_body_bytes,
+    };
+    let tasks = epp::spawn(shared, epp_config, listeners, stop)?;
+    Ok((tasks, stopping))
 }
 
 /// Reads the workers' `/metrics` every `--engine-metrics-ms`, when set.

@@ -155,7 +155,6 @@ fn endpoint(
         Some(ns) => format!("{ns}/{name}"),
         None => name,
     };
-    plain(&name, "the name")?;
     let address = field("address").ok_or_else(|| bad("`address` is required"))?;
     let ip: IpAddr = address
         .trim()
@@ -163,17 +162,69 @@ fn endpoint(
         .map_err(|_| bad(format!("`address` `{address}` is not an IP address")))?;
     let http = port(field("port"), "`port`")?.ok_or_else(|| bad("`port` is required"))?;
     let labels = &entry["labels"];
-    let label = |key: &str| scalar(&labels[key]);
+    let engine = Engine {
+        name: &name,
+        ip,
+        http,
+        index: 0,
+    };
+    worker_spec(
+        &engine,
+        &|key| scalar(&labels[key]),
+        defaults,
+        default_block_size,
+    )
+}
+
+/// One engine found by a discovery source, before its labels complete it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Engine<'a> {
+    /// The worker's name.
+    pub name: &'a str,
+    /// Where it listens.
+    pub ip: IpAddr,
+    /// Its HTTP port.
+    pub http: u16,
+    /// Which of the pod's serving ports this is (0 for the first): its
+    /// events and replay ports are the labels' (or defaults') plus
+    /// `index` × its data-parallel size, as vLLM offsets a rank's ports.
+    pub index: u16,
+}
+
+/// A port plus an offset, when it stays a port.
+fn offset(base: u16, by: u32, what: &str) -> Result<u16, EndpointsError> {
+    u16::try_from(u32::from(base) + by)
+        .map_err(|_| bad(format!("{what} {base} + {by} is beyond 65535")))
+}
+
+/// The worker spec of `engine`, completed by `label` (an endpoint's labels
+/// or a pod's annotations and labels), `defaults` and `default_block_size`.
+pub(crate) fn worker_spec(
+    engine: &Engine<'_>,
+    label: &dyn Fn(&str) -> Option<String>,
+    defaults: &EndpointDefaults,
+    default_block_size: Option<u32>,
+) -> Result<WorkerSpec, EndpointsError> {
+    let name = engine.name;
+    plain(name, "the name")?;
+    let dp = label("kvroute.io/dp-size");
+    let ranks = dp.as_deref().and_then(|d| d.trim().parse::<u32>().ok());
+    let shift = u32::from(engine.index) * ranks.unwrap_or(1).max(1);
     let events = port(label("kvroute.io/events-port"), "kvroute.io/events-port")?
         .unwrap_or(defaults.events_port);
+    let events = offset(events, shift, "the events port")?;
     let replay =
         port(label("kvroute.io/replay-port"), "kvroute.io/replay-port")?.or(defaults.replay_port);
-    let host = match ip {
+    let replay = replay
+        .map(|r| offset(r, shift, "the replay port"))
+        .transpose()?;
+    let host = match engine.ip {
         IpAddr::V4(v4) => v4.to_string(),
         IpAddr::V6(v6) => format!("[{v6}]"),
     };
     let mut line = format!(
-        "name={name},url=http://{host}:{http},events=tcp://{host}:{events},flavor={}",
+        "name={name},url=http://{host}:{},events=tcp://{host}:{events},flavor={}",
+        engine.http,
         defaults.flavor.as_str()
     );
     if let Some(replay) = replay {
@@ -182,7 +233,7 @@ fn endpoint(
     let role = label("kvroute.io/role").or_else(|| label("llm-d.ai/role"));
     for (key, value) in [
         ("flavor", label("kvroute.io/flavor")),
-        ("dp", label("kvroute.io/dp-size")),
+        ("dp", dp),
         ("role", role),
         ("bootstrap_port", label("kvroute.io/bootstrap-port")),
         ("block_size", label("kvroute.io/block-size")),

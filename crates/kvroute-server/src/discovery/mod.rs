@@ -1,24 +1,32 @@
-//! Workers found without being registered one by one: an endpoints file in
-//! llm-d's `endpoints.yaml` shape ([`endpoints`]), read at start and again
-//! whenever it changes, so that a deployment tool (or a Kubernetes
-//! ConfigMap) can add and remove engines with nothing but a file.
+//! Workers found without being registered one by one, from one of two
+//! sources:
 //!
-//! The watcher polls the file's size and modification time (a ConfigMap
-//! update swaps a symlink, which file-event watchers miss); a change is
-//! parsed off the runtime and applied as a difference: workers gone from
-//! the file are unregistered, new ones registered, changed ones registered
-//! again. A file that cannot be read or parsed changes nothing: the
-//! workers it gave before keep serving, the error is counted and logged
-//! once until it changes.
+//! * an endpoints file in llm-d's `endpoints.yaml` shape ([`endpoints`],
+//!   watched by [`mod@file`]), read at start and again whenever it changes, so
+//!   that a deployment tool (or a Kubernetes ConfigMap) can add and remove
+//!   engines with nothing but a file;
+//! * a Gateway API Inference Extension `InferencePool` (feature `kube`):
+//!   its ready pods, followed through the Kubernetes API's watches
+//!   (`kubernetes`), each read into workers by the pure [`pool`] and
+//!   gathered by the pure [`members`].
+//!
+//! Both hand their whole set of workers to one [`Applier`], which applies
+//! it as a difference: workers gone from the set are unregistered, new ones
+//! registered, changed ones registered again; then the proxy is refreshed
+//! and `kvroute_discovery_*` counted. A source that cannot be read changes
+//! nothing: the workers it gave before keep serving, and the problem is
+//! counted and logged once until it changes.
 
 pub mod endpoints;
+pub mod file;
+#[cfg(feature = "kube")]
+mod kubernetes;
+pub mod members;
+pub mod pool;
 
 use std::collections::BTreeMap;
-use std::io::Read as _;
-use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, SystemTime};
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
@@ -30,25 +38,52 @@ use crate::metrics::catalogue::{DISCOVERY_ENDPOINTS, DISCOVERY_ERRORS, DISCOVERY
 use crate::metrics::encode_single;
 use crate::proxy::Proxy;
 pub use endpoints::{EndpointDefaults, EndpointsError};
+pub use file::{spawn, FileDiscovery};
+pub use pool::{PoolDiscovery, PoolError, PoolRef};
 
-/// `--endpoints-file` and what completes its entries.
+/// Where discovered workers come from (`serve --endpoints-file` or
+/// `serve --inference-pool`).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct FileDiscovery {
-    /// The file.
-    pub path: PathBuf,
-    /// How often its size and modification time are checked.
-    pub every: Duration,
-    /// What an endpoint's labels do not say.
-    pub defaults: EndpointDefaults,
+pub enum Discovery {
+    /// An endpoints file.
+    File(FileDiscovery),
+    /// An InferencePool's pods, through the Kubernetes API.
+    #[cfg(feature = "kube")]
+    Pool(PoolDiscovery),
 }
 
-impl FileDiscovery {
-    /// How often the file is checked unless told otherwise.
-    pub const DEFAULT_EVERY: Duration = Duration::from_secs(1);
+impl From<FileDiscovery> for Discovery {
+    fn from(file: FileDiscovery) -> Self {
+        Discovery::File(file)
+    }
 }
 
-/// The file watcher's counts, shared with `/metrics`; clones count into
-/// the same figures.
+/// Why discovery could not start (for a pool: no way to reach the API
+/// server, or a kubeconfig that does not read).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct DiscoveryError(pub String);
+
+/// Starts following `source`; its workers are registered in the registry
+/// and routed to by the proxy of `watched` as they come and go, and
+/// counted in `counters`.
+pub async fn start(
+    source: Discovery,
+    watched: (Arc<Registry>, Arc<Proxy>),
+    default_block_size: Option<u32>,
+    counters: DiscoveryCounters,
+) -> Result<tokio::task::JoinHandle<()>, DiscoveryError> {
+    match source {
+        Discovery::File(file) => Ok(spawn(file, watched, default_block_size, counters)),
+        #[cfg(feature = "kube")]
+        Discovery::Pool(pool) => {
+            kubernetes::spawn(pool, watched, default_block_size, counters).await
+        }
+    }
+}
+
+/// The discovery source's counts, shared with `/metrics`; clones count
+/// into the same figures.
 #[derive(Debug, Clone, Default)]
 pub struct DiscoveryCounters {
     reloads: Arc<AtomicU64>,
@@ -70,95 +105,51 @@ impl Collector for DiscoveryCounters {
     }
 }
 
-/// The file's identity between two looks: a change in either is a change.
-type Stamp = (u64, Option<SystemTime>);
-
-/// Watches the file for as long as the task runs; the proxy routes to
-/// the file's workers from the moment they are registered.
-pub fn spawn(
-    config: FileDiscovery,
-    (registry, proxy): (Arc<Registry>, Arc<Proxy>),
-    default_block_size: Option<u32>,
-    counters: DiscoveryCounters,
-) -> tokio::task::JoinHandle<()> {
-    tokio::spawn(async move {
-        let mut watcher = Watcher {
-            config,
-            registry,
-            proxy,
-            default_block_size,
-            counters,
-            current: BTreeMap::new(),
-            seen: None,
-            last_error: None,
-        };
-        let mut tick = tokio::time::interval(watcher.config.every);
-        loop {
-            tick.tick().await;
-            watcher = match tokio::task::spawn_blocking(move || {
-                watcher.look();
-                watcher
-            })
-            .await
-            {
-                Ok(w) => w,
-                Err(e) => {
-                    warn!(error = %e, "the endpoints-file watcher stopped");
-                    return;
-                }
-            };
-        }
-    })
-}
-
-/// The watcher's state between looks.
-struct Watcher {
-    config: FileDiscovery,
+/// Makes the registered workers of one source the set it last gave: the
+/// part both sources share. Its calls may block (registering starts
+/// ingestion; unregistering drops a worker's blocks from the index): call
+/// them off the async runtime.
+pub struct Applier {
     registry: Arc<Registry>,
     proxy: Arc<Proxy>,
-    default_block_size: Option<u32>,
     counters: DiscoveryCounters,
-    /// The workers registered from the file, as registered.
+    /// The source, as logs name it ("the endpoints file").
+    source: &'static str,
+    /// The workers registered from the source, as registered.
     current: BTreeMap<String, WorkerSpec>,
-    /// The file as last read.
-    seen: Option<Stamp>,
     /// The last problem logged, so that it is logged once.
     last_error: Option<String>,
 }
 
-impl Watcher {
-    /// Reads and applies the file when it changed since the last look.
-    fn look(&mut self) {
-        let stamp = std::fs::metadata(&self.config.path)
-            .map(|m| (m.len(), m.modified().ok()))
-            .map_err(|e| format!("reading {}: {e}", self.config.path.display()));
-        let stamp = match stamp {
-            Ok(stamp) if Some(stamp) == self.seen => return,
-            Ok(stamp) => stamp,
-            Err(problem) => return self.failed(problem),
-        };
-        self.seen = Some(stamp);
-        match self.read() {
-            Ok(desired) => self.apply(desired),
-            Err(problem) => self.failed(problem),
+impl Applier {
+    /// An applier that has registered nothing yet; `source` names the
+    /// source in its logs.
+    pub fn new(
+        registry: Arc<Registry>,
+        proxy: Arc<Proxy>,
+        counters: DiscoveryCounters,
+        source: &'static str,
+    ) -> Self {
+        Applier {
+            registry,
+            proxy,
+            counters,
+            source,
+            current: BTreeMap::new(),
+            last_error: None,
         }
     }
 
-    /// The file's workers.
-    fn read(&self) -> Result<BTreeMap<String, WorkerSpec>, String> {
-        let path = &self.config.path;
-        let file =
-            std::fs::File::open(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
-        let mut text = String::new();
-        file.take(endpoints::MAX_FILE_BYTES as u64 + 1)
-            .read_to_string(&mut text)
-            .map_err(|e| format!("reading {}: {e}", path.display()))?;
-        endpoints::parse_endpoints(&text, &self.config.defaults, self.default_block_size)
-            .map_err(|e| format!("{}: {e}", path.display()))
+    /// The workers registered from the source now.
+    pub fn current(&self) -> &BTreeMap<String, WorkerSpec> {
+        &self.current
     }
 
-    /// Makes the registered workers the file's.
-    fn apply(&mut self, desired: BTreeMap<String, WorkerSpec>) {
+    /// Makes the registered workers `desired`: unregisters those gone,
+    /// registers new and changed ones (a refused one is counted as an
+    /// error), refreshes the proxy and counts a reload.
+    pub fn apply(&mut self, desired: BTreeMap<String, WorkerSpec>) {
+        let source = self.source;
         let gone: Vec<String> = self
             .current
             .keys()
@@ -168,7 +159,7 @@ impl Watcher {
         for name in gone {
             self.registry.unregister(&name);
             self.current.remove(&name);
-            info!(worker = %name, "removed: no longer in the endpoints file");
+            info!(worker = %name, "removed: no longer in {source}");
         }
         let mut refused = 0;
         for (name, spec) in desired {
@@ -180,12 +171,12 @@ impl Watcher {
             }
             match self.registry.register(spec.clone()) {
                 Ok(_) => {
-                    info!(worker = %name, url = %spec.url, "registered from the endpoints file");
+                    info!(worker = %name, url = %spec.url, "registered from {source}");
                     self.current.insert(name, spec);
                 }
                 Err(e) => {
                     refused += 1;
-                    warn!(worker = %name, error = %e, "an endpoint of the endpoints file was refused");
+                    warn!(worker = %name, error = %e, "a worker of {source} was refused");
                 }
             }
         }
@@ -198,13 +189,14 @@ impl Watcher {
         self.last_error = None;
     }
 
-    /// Counts a failed read; logs it unless it is the one logged last.
-    fn failed(&mut self, problem: String) {
+    /// Counts a problem that changed nothing; logs it unless it is the one
+    /// logged last.
+    pub fn failed(&mut self, problem: String) {
         if self.last_error.as_ref() == Some(&problem) {
             return;
         }
         self.counters.errors.fetch_add(1, Ordering::Relaxed);
-        warn!(problem = %problem, workers = self.current.len(), "the endpoints file was not applied; its workers so far stay");
+        warn!(problem = %problem, workers = self.current.len(), "{} was not applied; its workers so far stay", self.source);
         self.last_error = Some(problem);
     }
 }

@@ -12,6 +12,8 @@ const RANK_STATE_ONLY: &[&str] = &["rank_state"];
 const NONE: &[&str] = &[];
 const KIND: &[&str] = &["kind"];
 const WORKER_ROLE: &[&str] = &["worker", "role"];
+const STATUS: &[&str] = &["status"];
+const REASON: &[&str] = &["reason"];
 
 /// Declares each metric as a constant (documented by its help text) and
 /// lists them all, in exposition order, as [`CATALOGUE`].
@@ -114,11 +116,18 @@ catalogue! {
     REPLICA_SPEEDS_DROPPED:       kvroute_replica_speed_observations_dropped_total  Counter NONE "Speed observations not published: NATS was down or too slow.";
     REPLICA_PEER_DELAY:           kvroute_replica_peer_delay_seconds           Histogram NONE "Delay from a peer's admission of a request to this replica applying it.";
     REPLICA_PUBLISH_COST:         kvroute_replica_publish_seconds              Histogram NONE "Time a request spends handing an event to the outbox.";
+    EPP_STREAMS:                  kvroute_epp_streams_total                    Counter   NONE "ext_proc streams the endpoint picker opened (one per request through the gateway; --epp-port).";
+    EPP_STREAMS_OPEN:             kvroute_epp_streams_open                     Gauge     NONE "ext_proc streams open now.";
+    EPP_PICKS:                    kvroute_epp_picks_total                      Counter   NONE "Requests the endpoint picker sent to a worker (x-gateway-destination-endpoint set).";
+    EPP_IMMEDIATE:                kvroute_epp_immediate_responses_total        Counter   STATUS "Requests the endpoint picker answered itself, by HTTP status (503 no eligible endpoint, 429 shed, 400, 413, ...).";
+    EPP_REFUSED_STREAMS:          kvroute_epp_refused_streams_total            Counter   REASON "ext_proc streams closed with a gRPC error: processing_mode (not FULL_DUPLEX_STREAMED) or out_of_order.";
+    EPP_SERVED_MISMATCH:          kvroute_epp_served_mismatch_total            Counter   NONE "Answers the gateway says another endpoint served than the one picked.";
+    EPP_DECISION:                 kvroute_epp_decision_seconds                 Histogram NONE "From a request body's last chunk to the headers answer naming its endpoint.";
     STATE_SNAPSHOTS_WRITTEN:      kvroute_state_snapshots_written_total        Counter   NONE "Router state snapshots written to --state-dir (every --snapshot-secs and at shutdown).";
     STATE_SNAPSHOT_FAILURES:      kvroute_state_snapshot_failures_total        Counter   NONE "Router state snapshots that could not be written to --state-dir.";
-    DISCOVERY_RELOADS:            kvroute_discovery_reloads_total              Counter   NONE "Times the --endpoints-file was read and its workers applied.";
-    DISCOVERY_ERRORS:             kvroute_discovery_errors_total               Counter   NONE "Problems applying the --endpoints-file, each new one once (the workers it gave before stay), and its workers the registry refused.";
-    DISCOVERY_ENDPOINTS:          kvroute_discovery_endpoints                  Gauge     NONE "Workers registered from the --endpoints-file.";
+    DISCOVERY_RELOADS:            kvroute_discovery_reloads_total              Counter   NONE "Times the --endpoints-file was read, or a change of the --inference-pool's pods seen, and the workers applied.";
+    DISCOVERY_ERRORS:             kvroute_discovery_errors_total               Counter   NONE "Problems applying the --endpoints-file or following the --inference-pool, each new one once (the workers found before stay), and workers the registry refused.";
+    DISCOVERY_ENDPOINTS:          kvroute_discovery_endpoints                  Gauge     NONE "Workers registered from the --endpoints-file or the --inference-pool's pods.";
 }
 
 /// The catalogue as the Markdown table of `docs/metrics.md`.

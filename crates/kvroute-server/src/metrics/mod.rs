@@ -12,7 +12,8 @@
 //!
 //! By area: [`catalogue`] declares every metric and writes the docs' table;
 //! [`ingest`] reads the workers' streams and the index; [`proxy`] holds the
-//! counters of requests; [`replicas`] reads the replica sync. This module
+//! counters of requests; [`replicas`] reads the replica sync; [`epp`]
+//! holds the endpoint picker's counters. This module
 //! holds what they share: the kinds, the label sets, the encoding helpers
 //! and the registry.
 
@@ -29,6 +30,7 @@ use crate::ingest::stats::RankState;
 use crate::listen::ConnectionMetrics;
 
 pub mod catalogue;
+pub mod epp;
 pub mod ingest;
 pub mod proxy;
 pub mod replicas;

@@ -69,27 +69,34 @@ pub async fn admit(
     req: &Arc<RoutingRequest>,
     large: bool,
 ) -> Result<Admitted, ProxyError> {
+    admit_among(proxy, req, large, None).await
+}
+
+/// Which workers a request may go to (the endpoint picker's subset hint);
+/// `None`: any.
+pub(crate) type Eligible = Option<Arc<dyn Fn(&Target) -> bool + Send + Sync>>;
+
+/// [`admit`] among the workers `eligible` keeps: none of them available is
+/// [`ProxyError::NoWorkers`], all of them busy the queue or its 503.
+pub(crate) async fn admit_among(
+    proxy: &Arc<Proxy>,
+    req: &Arc<RoutingRequest>,
+    large: bool,
+    eligible: Eligible,
+) -> Result<Admitted, ProxyError> {
     let mut wait = QueueWait::new(proxy);
     loop {
-        let Admitted {
-            candidates,
-            ordered,
-            first,
-        } = {
-            let (proxy, req) = (proxy.clone(), req.clone());
-            on_cpu(large, move || place(&proxy, &req)).await?
+        let (admitted, count) = {
+            let (proxy, req, eligible) = (proxy.clone(), req.clone(), eligible.clone());
+            on_cpu(large, move || place(&proxy, &req, eligible.as_deref())).await?
         };
-        if candidates.scored.is_empty() {
+        if count == 0 {
             return Err(ProxyError::NoWorkers);
         }
-        if !ordered.is_empty() {
-            return Ok(Admitted {
-                candidates,
-                ordered,
-                first,
-            });
+        if !admitted.ordered.is_empty() {
+            return Ok(admitted);
         }
-        wait.busy(candidates.scored.len()).await?;
+        wait.busy(count).await?;
     }
 }
 
@@ -139,28 +146,113 @@ impl<'a> QueueWait<'a> {
 /// arriving together are placed one after another, each against the load
 /// of those placed before it (a request of a cold burst sees its group's
 /// prefix in flight).
-fn place(proxy: &Arc<Proxy>, req: &RoutingRequest) -> Admitted {
+fn place(
+    proxy: &Arc<Proxy>,
+    req: &RoutingRequest,
+    eligible: Option<&(dyn Fn(&Target) -> bool + Send + Sync)>,
+) -> (Admitted, usize) {
     let config = proxy.config();
-    let (candidates, (ordered, first)) = proxy.candidates_for(req, |candidates, ranks| {
+    let (candidates, (ordered, first, count)) = proxy.candidates_for(req, |candidates, ranks| {
         let turn = proxy
             .turn
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let scored = &candidates.scored;
+        let kept: Option<Vec<usize>> = eligible.map(|keep| {
+            (0..scored.len())
+                .filter(|&i| candidates.targets.get(scored[i].worker).is_some_and(keep))
+                .collect()
+        });
+        let sub: Option<Vec<Scored>> = kept
+            .as_ref()
+            .map(|kept| kept.iter().map(|&i| scored[i].clone()).collect());
+        let among = sub.as_deref().unwrap_or(scored);
         let ordered = order(
-            &candidates.scored,
+            among,
             config.policy,
             config.temperature,
             proxy.random(),
             turn,
         );
+        let ordered: Vec<usize> = match &kept {
+            Some(kept) => ordered.into_iter().map(|j| kept[j]).collect(),
+            None => ordered,
+        };
         let first = ordered
             .first()
             .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
-        (ordered, first)
+        (ordered, first, among.len())
     });
-    Admitted {
+    let admitted = Admitted {
         candidates,
         ordered,
         first,
+    };
+    (admitted, count)
+}
+
+/// The candidate the endpoint picker names for a request: charged with it
+/// (the guard holds its place in the rank's load until the answer ends),
+/// with what the answer's `cached_tokens` will be compared against.
+pub(crate) struct Picked {
+    /// Its worker.
+    pub target: Target,
+    /// Its score.
+    pub scored: Scored,
+    /// The request's place in the rank's load.
+    pub guard: ActiveGuard,
+    /// The prediction to compare the engine's report with (requests with
+    /// token ids only).
+    pub prediction: Option<Prediction>,
+}
+
+impl Admitted {
+    /// The first candidate that can be charged, with the decision recorded
+    /// as [`forward`] records a sent attempt (the dashboard's ring, the
+    /// routed totals, the approximate index); `None` when every worker
+    /// left meanwhile. Nothing is sent: the gateway sends the request.
+    pub(crate) fn pick(
+        self,
+        proxy: &Arc<Proxy>,
+        req: &RoutingRequest,
+        request_id: &str,
+    ) -> Option<Picked> {
+        let Admitted {
+            candidates,
+            ordered,
+            first,
+        } = self;
+        let (index, guard) = first.or_else(|| {
+            let mut ranks = proxy.active.lock();
+            ordered
+                .iter()
+                .find_map(|&i| Some((i, charge(proxy, &mut ranks, &candidates, req, i)?)))
+        })?;
+        let s = candidates.scored.get(index)?;
+        let target = candidates.targets.get(s.worker)?;
+        let (locals, _) = hashes_for(&candidates, req, s);
+        if proxy.config().policy == Policy::Approx && !locals.is_empty() {
+            let now = proxy.now_ms();
+            proxy.index().record_routing_decision(s.key, &locals, now);
+        }
+        let chosen = Chosen {
+            candidates: &candidates,
+            ordered: &ordered,
+            index,
+            retries: 0,
+        };
+        proxy
+            .observed
+            .routed(decision(proxy, req, request_id, target, chosen));
+        let prediction = req
+            .tokens
+            .as_ref()
+            .map(|t| prediction(s, target, t.len() as u64, &locals));
+        Some(Picked {
+            target: target.clone(),
+            scored: s.clone(),
+            guard,
+            prediction,
+        })
     }
 }
 

@@ -3,6 +3,7 @@
 pub mod bench;
 pub mod demo;
 pub mod endpoints;
+pub mod epp;
 pub mod inspect;
 pub mod load;
 pub mod mocker;

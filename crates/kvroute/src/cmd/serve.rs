@@ -21,7 +21,7 @@ use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits
 use kvroute_server::proxy::ProxyConfig;
 use kvroute_server::query::QueryLimits;
 use kvroute_server::replica::ReplicaConfig;
-use kvroute_server::{serve, ServeConfig, StateConfig};
+use kvroute_server::{serve_with_epp, ServeConfig, StateConfig};
 use std::sync::Arc;
 
 /// Arguments of `kvroute serve`.
@@ -279,6 +279,8 @@ pub struct ServeArgs {
     log: tracing::Level,
     #[command(flatten)]
     endpoints: super::endpoints::EndpointsArgs,
+    #[command(flatten)]
+    epp: super::epp::EppArgs,
 }
 
 /// Builds the runtime and serves until Ctrl-C or SIGTERM.
@@ -336,8 +338,9 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
             "kvroute serve: listening on http://{addr} with {} worker(s)",
             workers.len()
         );
+        let picker = args.epp.bind(&args.host).await?;
         let config = serve_config(args, workers, fd_limit, addr.port())?;
-        serve(config, listener, stop).await?;
+        serve_with_epp(config, listener, picker, stop).await?;
         Ok(())
     })?;
     Ok(ExitCode::SUCCESS)
@@ -359,7 +362,7 @@ fn serve_config(
     Ok(ServeConfig {
         block_size: args.block_size,
         workers,
-        discovery: args.endpoints.discovery(),
+        discovery: args.endpoints.discovery()?,
         access: Access {
             admin_token,
             public_introspection: args.public_introspection,
@@ -393,6 +396,7 @@ fn serve_config(
             idle_timeout: Duration::from_secs(args.idle_timeout_secs),
             ..HttpLimits::default()
         },
+        epp: args.epp.config(&args.host),
         // The operator's own flags: say what the admin API accepts.
         announce_access: true,
     })

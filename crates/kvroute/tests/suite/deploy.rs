@@ -1,9 +1,12 @@
-//! `deploy/`: the Grafana dashboard and the Prometheus alert rules name only
-//! metrics that a running router exposes (one with `--nats`, so the replica
+//! `deploy/`: the Kubernetes manifests ([`kubernetes`]), and the Grafana
+//! dashboard and the Prometheus alert rules: these name only metrics that
+//! a running router exposes (one with `--nats`, so the replica
 //! families exist, after a routed request, so the per-request ones have
 //! samples), and every panel and rule has the fields Grafana and Prometheus
 //! need. promtool is not available here: the rules are parsed as YAML and
 //! checked field by field.
+
+mod kubernetes;
 
 use serde_json::{json, Value};
 use yaml_rust2::{Yaml, YamlLoader};

@@ -9,6 +9,7 @@ mod deploy;
 mod disagg;
 mod discovery;
 mod engine_load;
+mod epp;
 mod ingest;
 mod inspect;
 mod metrics;

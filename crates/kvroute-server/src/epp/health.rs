@@ -1,0 +1,68 @@
+//! `grpc.health.v1.Health` for the picker, as GIE's pickers answer it:
+//! `liveness` is always SERVING; `readiness`, `""` and the ext_proc
+//! service's own name are SERVING while at least one worker can be routed
+//! to, and NOT_SERVING from shutdown on (so Envoy stops sending while the
+//! streams under way finish). Any other name is unknown (`NOT_FOUND`, the
+//! health protocol's answer to `Check`). The same statuses are served on
+//! the health port and on the ext_proc port, where Envoy's cluster health
+//! check asks for the ext_proc service.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::watch;
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+use crate::proxy::Proxy;
+
+/// The ext_proc service's name, which Envoy's health check asks for.
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+/// The names that follow readiness.
+pub const READY_NAMES: [&str; 3] = ["", "readiness", EXT_PROC_SERVICE];
+
+/// How often readiness is re-read from the workers.
+const EVERY: Duration = Duration::from_secs(1);
+
+/// Whether the picker can route: some worker is known.
+fn ready(proxy: &Proxy) -> bool {
+    !proxy.targets().is_empty()
+}
+
+async fn set_ready(reporter: &HealthReporter, serving: bool) {
+    let status = if serving {
+        ServingStatus::Serving
+    } else {
+        ServingStatus::NotServing
+    };
+    for name in READY_NAMES {
+        reporter.set_service_status(name, status).await;
+    }
+}
+
+/// Keeps the statuses up to date until `stop` turns true, then reports
+/// NOT_SERVING for all but `liveness`.
+pub async fn keep_reporting(
+    reporter: HealthReporter,
+    proxy: Arc<Proxy>,
+    mut stop: watch::Receiver<bool>,
+) {
+    reporter
+        .set_service_status("liveness", ServingStatus::Serving)
+        .await;
+    let mut last = None;
+    let mut tick = tokio::time::interval(EVERY);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.wait_for(|s| *s) => break,
+        }
+        let now = ready(&proxy);
+        if last != Some(now) {
+            set_ready(&reporter, now).await;
+            last = Some(now);
+        }
+    }
+    set_ready(&reporter, false).await;
+}

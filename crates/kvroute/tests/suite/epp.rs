@@ -1,0 +1,419 @@
+//! `kvroute serve --epp-port`: the Gateway API Inference Extension endpoint
+//! picker, driven over real gRPC by a client kvroute does not share code
+//! with: `tests/epp/client.py`, Envoy's ext_proc v3 messages from PyPI's
+//! `envoy-data-plane` over `grpcio`, and `grpcio-health-checking`.
+//!
+//! The Python comes from `KVROUTE_EPP_PYTHON`, or the virtual environment
+//! `scripts/test` makes under `~/.cache/kvroute/epp`; without it these
+//! tests fail naming the command that installs it (never skip).
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::support::http::{count, metric, metric_where, request};
+use crate::support::{eventually, kvroute, lines_of, start_mocker_with, Proc};
+
+/// The packages the client imports.
+const PACKAGES: &str = "envoy-data-plane grpcio grpcio-health-checking";
+
+/// The Python with the client's packages (see the module docs).
+fn python() -> PathBuf {
+    let python = std::env::var_os("KVROUTE_EPP_PYTHON").map_or_else(
+        || {
+            let cache = std::env::var_os("XDG_CACHE_HOME").map_or_else(
+                || PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"),
+                PathBuf::from,
+            );
+            cache.join("kvroute/epp/bin/python")
+        },
+        PathBuf::from,
+    );
+    let imports = Command::new(&python)
+        .args(["-c", "import envoy_data_plane, grpc, grpc_health"])
+        .output();
+    let ok = imports.as_ref().is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "the endpoint-picker tests need a Python with {PACKAGES} at {} (or KVROUTE_EPP_PYTHON): \
+         run scripts/test, or `python3 -m venv ~/.cache/kvroute/epp && \
+         ~/.cache/kvroute/epp/bin/pip install {PACKAGES}` ({:?})",
+        python.display(),
+        imports.map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+    );
+    python
+}
+
+/// The client script.
+fn script() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/epp/client.py")
+}
+
+/// A file holding `body`, removed when dropped.
+struct BodyFile(PathBuf);
+
+impl BodyFile {
+    fn new(body: &[u8]) -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let name = format!(
+            "kvroute-epp-{}-{}.json",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        );
+        let path = std::env::temp_dir().join(name);
+        std::fs::write(&path, body).expect("write the body file");
+        BodyFile(path)
+    }
+
+    fn arg(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temp path")
+    }
+}
+
+impl Drop for BodyFile {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Runs the client with `args` (at most 60 s) and returns the JSON it printed.
+fn client(args: &[&str]) -> Value {
+    let mut child = Command::new(python())
+        .arg(script())
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python runs");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while child.try_wait().expect("wait").is_none() {
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("the ext_proc client ran over 60 s: {args:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let out = child.wait_with_output().expect("output");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let line = stdout.lines().last().unwrap_or_default();
+    serde_json::from_str(line).unwrap_or_else(|_| {
+        panic!(
+            "the client printed no JSON ({args:?}): {stdout}\n{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// Starts the client in the background (killed when dropped).
+fn client_in_background(args: &[&str]) -> Proc {
+    let child = Command::new(python())
+        .arg(script())
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("python runs");
+    Proc(child)
+}
+
+/// A router with the picker on: its HTTP, ext_proc and health addresses.
+struct Picker {
+    _proc: Proc,
+    http: String,
+    ext_proc: String,
+    health: String,
+}
+
+/// `kvroute serve` on ephemeral ports with the picker on (`--epp-port 0
+/// --epp-health-port 0`), the `workers` and `extra` flags; waits until it
+/// printed both listening lines and every worker's rank is connected.
+fn start_picker(workers: &[String], extra: &[&str]) -> Picker {
+    let mut command = kvroute();
+    command.args(["serve", "--port", "0", "--log", "warn"]);
+    command.args(["--epp-port", "0", "--epp-health-port", "0"]);
+    for w in workers {
+        command.arg("--worker").arg(w);
+    }
+    let mut child = command
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("kvroute serve runs");
+    let lines = lines_of(child.stderr.take().expect("stderr"));
+    let proc = Proc(child);
+    let (mut http, mut picker) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while http.is_none() || picker.is_none() {
+        let wait = deadline.saturating_duration_since(Instant::now());
+        let line = lines
+            .recv_timeout(wait)
+            .expect("serve prints its listening lines within 30 s");
+        if let Some((_, rest)) = line.split_once("listening on http://") {
+            http = rest.split_whitespace().next().map(str::to_owned);
+        }
+        if let Some((_, rest)) = line.split_once("endpoint picker (ext_proc) listening on ") {
+            picker = Some(rest.to_owned());
+        }
+    }
+    let picker = picker.unwrap_or_default();
+    let after_scheme = |s: &str| s.split_once("://").map(|(_, a)| a.to_owned());
+    let ext_proc = picker
+        .split(',')
+        .next()
+        .and_then(after_scheme)
+        .expect("the ext_proc address");
+    let health = picker
+        .split_once("gRPC health on ")
+        .and_then(|(_, h)| after_scheme(h.trim()))
+        .expect("the health address");
+    let http = http.unwrap_or_default();
+    eventually("every worker's rank connected", || {
+        let doc = request(&http, "GET", "/workers", "").json();
+        let list = doc["workers"].as_array().cloned().unwrap_or_default();
+        list.len() == workers.len()
+            && list.iter().all(|w| {
+                w["ranks"]
+                    .as_array()
+                    .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
+            })
+    });
+    Picker {
+        _proc: proc,
+        http,
+        ext_proc,
+        health,
+    }
+}
+
+/// `ip:port` of a mocker's `--worker` line (its `url=`).
+fn endpoint_of(line: &str) -> String {
+    line.split(',')
+        .find_map(|kv| kv.strip_prefix("url=http://"))
+        .expect("a url")
+        .trim_end_matches('/')
+        .to_owned()
+}
+
+/// Runs the client's `process` against the picker with `extra` arguments.
+fn process(picker: &Picker, body: &BodyFile, extra: &[&str]) -> Value {
+    let mut args = vec![
+        "process",
+        "--target",
+        &picker.ext_proc,
+        "--body",
+        body.arg(),
+    ];
+    args.extend_from_slice(extra);
+    client(&args)
+}
+
+/// The endpoint a routed answer names, after checking that the header and
+/// the metadata agree, that the route cache is cleared and that a client
+/// cannot append a destination of its own.
+fn routed_to(answer: &Value) -> String {
+    assert_eq!(answer["kind"], "routed", "{answer}");
+    let header = answer["headers"]["x-gateway-destination-endpoint"]
+        .as_str()
+        .expect("the destination header");
+    assert_eq!(answer["metadata_endpoint"], header, "{answer}");
+    assert_eq!(answer["clear_route_cache"], true, "{answer}");
+    // OVERWRITE_IF_EXISTS_OR_ADD.
+    assert_eq!(
+        answer["headers"]["x-gateway-destination-endpoint:append_action"],
+        2
+    );
+    header.to_owned()
+}
+
+#[test]
+fn the_picker_routes_a_chunked_body_on_the_index_and_echoes_it_byte_for_byte() {
+    let (_mocker, workers) = start_mocker_with(2, &["--speedup", "100"]);
+    let endpoints: Vec<String> = workers.iter().map(|w| endpoint_of(w)).collect();
+    let picker = start_picker(&workers, &["--epp-plaintext", "--tokenizer", "builtin"]);
+    // A text prompt of about 130 kB, sent in three uneven chunks, comes
+    // back whole in pieces of 62 000 bytes, the last one ending the body,
+    // and the response phase passes through unchanged.
+    let words: Vec<String> = (0..28_000).map(|i| format!("w{}", i % 997)).collect();
+    let big =
+        json!({"model": "mock-model", "prompt": words.join(" "), "max_tokens": 4, "stream": true});
+    let big = BodyFile::new(big.to_string().as_bytes());
+    let size = std::fs::metadata(&big.0).expect("the body").len() as usize;
+    assert!(size > 124_000, "{size}");
+    let answer = process(&picker, &big, &["--chunks", "7,65536", "--response", "sse"]);
+    assert!(endpoints.contains(&routed_to(&answer)), "{answer}");
+    let sizes: Vec<u64> = answer["echo_sizes"]
+        .as_array()
+        .expect("sizes")
+        .iter()
+        .filter_map(Value::as_u64)
+        .collect();
+    assert_eq!(sizes, [62_000, 62_000, size as u64 - 124_000], "{answer}");
+    assert_eq!(answer["echo_ends"], json!([false, false, true]));
+    assert_eq!(answer["echo_equal"], true, "byte for byte: {answer}");
+    assert_eq!(answer["response_echo_equal"], true, "{answer}");
+    assert_eq!(answer["stream_ended"], true, "{answer}");
+
+    // The index decides: once an engine has cached a prompt (the test plays
+    // the data plane and sends the request where the picker said), the
+    // picker sends the same prompt there again, unless the subset hint
+    // leaves only the other endpoint.
+    let prompt: Vec<u32> = (1..=160).collect();
+    let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": 1});
+    let ids = BodyFile::new(body.to_string().as_bytes());
+    let first = routed_to(&process(&picker, &ids, &["--chunks", "20"]));
+    let sent = request(&first, "POST", "/v1/completions", &body.to_string());
+    assert_eq!(sent.status, 200, "{}", sent.body);
+    let query = json!({"token_ids": prompt}).to_string();
+    eventually(
+        "the index holds the prompt on the engine that served it",
+        || {
+            let doc = request(&picker.http, "POST", "/query", &query).json();
+            doc["scores"].as_object().is_some_and(|s| !s.is_empty())
+        },
+    );
+    let again = process(
+        &picker,
+        &ids,
+        &["--response", "sse", "--cached-tokens", "144"],
+    );
+    assert_eq!(routed_to(&again), first, "the prefix's engine: {again}");
+    let other = endpoints
+        .iter()
+        .find(|e| **e != first)
+        .expect("two engines")
+        .clone();
+    let hinted = process(&picker, &ids, &["--subset", &other]);
+    assert_eq!(routed_to(&hinted), other, "the hint's only endpoint");
+    let both = format!("{other},{first}");
+    let listed = process(&picker, &ids, &["--subset", &both, "--subset-list"]);
+    assert_eq!(routed_to(&listed), first, "the cache within the hint");
+    let listed_one = process(&picker, &ids, &["--subset", &other, "--subset-list"]);
+    assert_eq!(routed_to(&listed_one), other);
+    // The whole address, any port: a bare IP admits both, and the cache decides.
+    let bare = process(&picker, &ids, &["--subset", "127.0.0.1"]);
+    assert_eq!(routed_to(&bare), first);
+
+    // No eligible endpoint (an address no worker has, or an empty hint):
+    // the picker answers 503 itself.
+    for hint in ["10.255.0.1:8000", ""] {
+        let refused = process(&picker, &ids, &["--subset", hint]);
+        assert_eq!(refused["kind"], "immediate", "{refused}");
+        assert_eq!(refused["status"], 503, "{refused}");
+        let error: Value = serde_json::from_str(refused["body"].as_str().unwrap_or_default())
+            .expect("an OpenAI error body");
+        assert_eq!(error["error"]["code"], 503);
+        assert!(
+            error["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("subset hint")),
+            "{error}"
+        );
+    }
+
+    // Envoy in another body mode would deadlock: refused at once.
+    let buffered = process(&picker, &ids, &["--mode", "buffered"]);
+    assert_eq!(buffered["kind"], "grpc_error", "{buffered}");
+    assert_eq!(buffered["code"], "FAILED_PRECONDITION", "{buffered}");
+    assert!(
+        buffered["details"]
+            .as_str()
+            .is_some_and(|d| d.contains("FULL_DUPLEX_STREAMED")),
+        "{buffered}"
+    );
+
+    // Health, as GIE's pickers answer it, on both ports.
+    let names = [
+        "",
+        "liveness",
+        "readiness",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+        "other",
+    ];
+    let mut args = vec!["health", "--target", picker.health.as_str()];
+    for name in names {
+        args.extend(["--service", name]);
+    }
+    let statuses = client(&args);
+    for name in &names[..4] {
+        assert_eq!(statuses[*name], "SERVING", "{name}: {statuses}");
+    }
+    assert_eq!(statuses["other"], "NOT_FOUND", "{statuses}");
+    args[2] = picker.ext_proc.as_str();
+    assert_eq!(client(&args)[names[3]], "SERVING");
+
+    // The same metrics as serve's, and the picker's own.
+    let http = &picker.http;
+    assert_eq!(count(http, "kvroute_epp_picks_total"), 7);
+    assert_eq!(count(http, "kvroute_epp_streams_total"), 10);
+    assert_eq!(metric(http, "kvroute_epp_streams_open"), Some(0.0));
+    let refused = |label| metric_where(http, "kvroute_epp_immediate_responses_total", label);
+    assert_eq!(refused("status=\"503\""), Some(2.0));
+    let mode = metric_where(http, "kvroute_epp_refused_streams_total", "processing_mode");
+    assert_eq!(mode, Some(1.0));
+    assert_eq!(count(http, "kvroute_proxy_routed_total"), 7);
+    assert_eq!(count(http, "kvroute_accuracy_comparisons_total"), 2);
+    assert_eq!(count(http, "kvroute_epp_decision_seconds_count"), 7);
+    eventually("no request left in flight", || {
+        metric(http, "kvroute_active_requests") == Some(0.0)
+    });
+}
+
+#[test]
+fn a_busy_fleet_sheds_with_429_and_a_closed_stream_frees_its_load_over_tls() {
+    let (_mocker, workers) = start_mocker_with(1, &["--speedup", "100"]);
+    // TLS is the default: a self-signed certificate made at start.
+    let picker = start_picker(&workers, &["--busy-requests", "1"]);
+    let body =
+        json!({"model": "mock-model", "prompt": (1..=64).collect::<Vec<u32>>(), "max_tokens": 1});
+    let body = BodyFile::new(body.to_string().as_bytes());
+    let (target, file) = (picker.ext_proc.as_str(), body.arg());
+    // A request whose answer has not ended holds its place in the load...
+    let holder = client_in_background(&[
+        "process",
+        "--target",
+        target,
+        "--tls",
+        "--body",
+        file,
+        "--hold-secs",
+        "30",
+    ]);
+    let http = &picker.http;
+    eventually("the held request is in flight", || {
+        metric(http, "kvroute_active_requests") == Some(1.0)
+    });
+    // ...so the only rank is busy, and the next request is shed.
+    let shed = client(&["process", "--target", target, "--tls", "--body", file]);
+    assert_eq!(shed["kind"], "immediate", "{shed}");
+    assert_eq!(shed["status"], 429, "{shed}");
+    assert_eq!(shed["headers"]["retry-after"], "1", "{shed}");
+    let error: Value =
+        serde_json::from_str(shed["body"].as_str().unwrap_or_default()).expect("an error body");
+    assert_eq!(error["error"]["type"], "overloaded", "{error}");
+    // The stream closing ends the request, whatever stage it was at.
+    drop(holder);
+    eventually("the closed stream's load is freed", || {
+        metric(http, "kvroute_active_requests") == Some(0.0)
+    });
+    let routed = client(&["process", "--target", target, "--tls", "--body", file]);
+    assert_eq!(routed_to(&routed), endpoint_of(&workers[0]));
+    let statuses = client(&[
+        "health",
+        "--target",
+        target,
+        "--tls",
+        "--service",
+        "envoy.service.ext_proc.v3.ExternalProcessor",
+    ]);
+    assert_eq!(
+        statuses["envoy.service.ext_proc.v3.ExternalProcessor"],
+        "SERVING"
+    );
+    let shed_count = metric_where(http, "kvroute_epp_immediate_responses_total", "429");
+    assert_eq!(shed_count, Some(1.0));
+    assert_eq!(count(http, "kvroute_proxy_overloaded_total"), 1);
+}
