@@ -61,6 +61,9 @@ pub struct RoutingRequest {
     /// prompt's log-probabilities, which a disaggregated request must
     /// gather from its prefill leg too.
     pub input_logprobs: bool,
+    /// The session the client named in its header (`x-session-id`), set by
+    /// the proxy: its turns go back to the same rank while the cost agrees.
+    pub session: Option<String>,
 }
 
 pub(crate) fn token_list(items: &[Value], key: &str) -> Result<Vec<u32>, ParseError> {

@@ -15,6 +15,7 @@ pub mod cost;
 pub mod disagg;
 pub mod fleet;
 pub mod policy;
+pub mod session;
 pub mod speed;
 
 pub use active::{ActiveRequest, ActiveSequences};

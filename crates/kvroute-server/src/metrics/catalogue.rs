@@ -76,6 +76,8 @@ catalogue! {
     PROXY_LOAD_ONLY:              kvroute_proxy_load_only_total                Counter   NONE "Text requests routed on load alone (no tokenizer).";
     PROXY_ENGINE_SCRAPES:         kvroute_proxy_engine_scrapes_total           Counter   NONE "Workers' /metrics read for their own load (--engine-metrics-ms).";
     PROXY_ENGINE_SCRAPE_FAILURES: kvroute_proxy_engine_scrape_failures_total   Counter   NONE "Workers' /metrics that could not be read (their last report ages out).";
+    PROXY_SESSION_KEPT:           kvroute_proxy_session_kept_total             Counter   NONE "Requests of a known session sent back to its rank.";
+    PROXY_SESSION_MOVED:          kvroute_proxy_session_moved_total            Counter   NONE "Requests of a known session sent elsewhere: its rank's queue cost more than its cached history saves, or it is gone or busy.";
     PROXY_DISAGG_SPLIT:           kvroute_proxy_disagg_split_total             Counter   NONE "Disaggregated requests split: prefill on a prefill worker, decode on a decode worker.";
     PROXY_DISAGG_LOCAL:           kvroute_proxy_disagg_local_total             Counter   NONE "Disaggregated requests prefilled on their decode rank (conditional disaggregation, or no prefill worker).";
     PROXY_ROUTED:                 kvroute_proxy_routed_total                   Counter   RANK "Requests forwarded per (worker, rank).";

@@ -43,6 +43,10 @@ pub struct ProxyMetrics {
     pub engine_scrapes: Counter,
     /// [`PROXY_ENGINE_SCRAPE_FAILURES`].
     pub engine_scrape_failures: Counter,
+    /// [`PROXY_SESSION_KEPT`].
+    pub session_kept: Counter,
+    /// [`PROXY_SESSION_MOVED`].
+    pub session_moved: Counter,
     /// [`PROXY_DISAGG_SPLIT`].
     pub disagg_split: Counter,
     /// [`PROXY_DISAGG_LOCAL`].
@@ -75,6 +79,8 @@ impl Default for ProxyMetrics {
             load_only: Counter::default(),
             engine_scrapes: Counter::default(),
             engine_scrape_failures: Counter::default(),
+            session_kept: Counter::default(),
+            session_moved: Counter::default(),
             disagg_split: Counter::default(),
             disagg_local: Counter::default(),
             errors: {
@@ -137,6 +143,8 @@ impl ProxyMetrics {
             (PROXY_LOAD_ONLY, &self.load_only),
             (PROXY_ENGINE_SCRAPES, &self.engine_scrapes),
             (PROXY_ENGINE_SCRAPE_FAILURES, &self.engine_scrape_failures),
+            (PROXY_SESSION_KEPT, &self.session_kept),
+            (PROXY_SESSION_MOVED, &self.session_moved),
             (PROXY_DISAGG_SPLIT, &self.disagg_split),
             (PROXY_DISAGG_LOCAL, &self.disagg_local),
         ];

@@ -177,9 +177,13 @@ fn place(
             Some(kept) => ordered.into_iter().map(|j| kept[j]).collect(),
             None => ordered,
         };
+        let ordered = proxy.order_for_session(req, candidates, ordered);
         let first = ordered
             .first()
             .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
+        if let Some((i, _)) = &first {
+            proxy.record_session(req, candidates, *i);
+        }
         (ordered, first, among.len())
     });
     let admitted = Admitted {

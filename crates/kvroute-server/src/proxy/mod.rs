@@ -32,6 +32,7 @@ pub mod outcome;
 pub mod relay;
 pub mod reported;
 pub mod rewrite;
+pub mod sessions;
 pub mod shared;
 pub mod speeds;
 
@@ -112,6 +113,9 @@ pub struct ProxyConfig {
     /// How often each worker's `/metrics` is read for the load it reports
     /// ([`reported`]; `None`: the router's own accounting alone).
     pub engine_metrics_every: Option<Duration>,
+    /// Which header names a request's session, and how many sessions are
+    /// remembered for how long ([`sessions`]).
+    pub sessions: sessions::SessionConfig,
 }
 
 impl Default for ProxyConfig {
@@ -137,6 +141,7 @@ impl Default for ProxyConfig {
             local_prefill: LocalPrefillRule::default(),
             prefill_timeout: Duration::from_secs(120),
             engine_metrics_every: None,
+            sessions: sessions::SessionConfig::default(),
         }
     }
 }
@@ -172,6 +177,8 @@ pub struct Proxy {
     speed_share: OnceLock<Arc<SpeedShare>>,
     /// The load each rank's engine reports (`--engine-metrics-ms`).
     reported: reported::ReportBook,
+    /// Where each session's last turn went.
+    sessions: sessions::Sessions,
 }
 
 impl Proxy {
@@ -181,6 +188,7 @@ impl Proxy {
             .connect_timeout(config.connect_timeout)
             .pool_max_idle_per_host(256)
             .build()?;
+        let sessions = sessions::Sessions::new(&config.sessions);
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
@@ -204,6 +212,7 @@ impl Proxy {
             outbox: OnceLock::new(),
             speed_share: OnceLock::new(),
             reported: reported::ReportBook::default(),
+            sessions,
         })
     }
 
@@ -454,6 +463,7 @@ async fn route(
     (request_id, arrived): (&str, Instant),
 ) -> Result<Response, ProxyError> {
     let large = body.len() > LARGE_BODY;
+    let session = proxy.session_of(headers)?;
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
@@ -464,6 +474,7 @@ async fn route(
                 }
             };
             let mut req = parsed.map_err(|e| ProxyError::bad_request(e.0))?;
+            req.session = session;
             proxy.tokenize(&mut req);
             // A LoRA adapter named as the model is hashed into the engine's
             // blocks: the request's must be too.

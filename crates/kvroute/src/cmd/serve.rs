@@ -18,6 +18,7 @@ use kvroute_server::ingest::rank::Timing;
 use kvroute_server::ingest::registry::{default_max_ranks, IngestConfig, RankLimitSource};
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
+use kvroute_server::proxy::sessions::SessionConfig;
 use kvroute_server::proxy::ProxyConfig;
 use kvroute_server::query::QueryLimits;
 use kvroute_server::replica::ReplicaConfig;
@@ -274,6 +275,16 @@ pub struct ServeArgs {
     /// or clients also reach. Off by default (docs/serving.md)
     #[arg(long, value_name = "MS", value_parser = clap::value_parser!(u64).range(50..=600_000), env = "KVROUTE_ENGINE_METRICS_MS")]
     engine_metrics_ms: Option<u64>,
+    /// The header naming a request's session: its turns go back to the rank
+    /// the last one went to while the cost agrees (docs/serving.md)
+    #[arg(long, default_value_t = SessionConfig::default().header, env = "KVROUTE_SESSION_HEADER", value_parser = parse_header_name)]
+    session_header: String,
+    /// Sessions remembered at most (the oldest forgotten first).
+    #[arg(long, default_value_t = SessionConfig::default().capacity, value_parser = clap::value_parser!(usize), env = "KVROUTE_SESSION_CAPACITY")]
+    session_capacity: usize,
+    /// Seconds a session is remembered after its last turn.
+    #[arg(long, default_value_t = SessionConfig::default().ttl.as_secs(), value_parser = clap::value_parser!(u64).range(1..=604_800), env = "KVROUTE_SESSION_TTL_SECS")]
+    session_ttl_secs: u64,
     /// Log level: error, warn, info, debug or trace.
     #[arg(long, default_value = "info", env = "KVROUTE_LOG")]
     log: tracing::Level,
@@ -417,6 +428,22 @@ pub fn renderer(tokenizer: Tokenizer, mm_tokens_per_image: usize) -> Arc<Rendere
     ))
 }
 
+/// `--session-header`'s value: a valid header name, in lower case.
+fn parse_header_name(value: &str) -> Result<String, String> {
+    let valid = !value.is_empty()
+        && value.len() <= 64
+        && value
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    if valid {
+        Ok(value.to_ascii_lowercase())
+    } else {
+        Err(format!(
+            "`{value}` is not a header name (letters, digits, - and _)"
+        ))
+    }
+}
+
 /// `--model`'s value: `NAME=FILE` or `NAME=builtin`.
 fn parse_model_tokenizer(value: &str) -> Result<(String, PathBuf), String> {
     match value.split_once('=') {
@@ -479,6 +506,11 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         },
         prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
         engine_metrics_every: args.engine_metrics_ms.map(Duration::from_millis),
+        sessions: SessionConfig {
+            header: args.session_header.clone(),
+            capacity: args.session_capacity,
+            ttl: Duration::from_secs(args.session_ttl_secs),
+        },
         renderer,
         model_renderers,
     })

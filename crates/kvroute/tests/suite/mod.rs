@@ -23,4 +23,5 @@ mod routing;
 mod safety;
 mod scale;
 mod serve;
+mod sessions;
 mod warm_restart;

@@ -1,0 +1,142 @@
+//! Sessions at the proxy: the session a request names in its header
+//! (`--session-header`, default `x-session-id`), looked up before its
+//! candidates are ordered and recorded once it is placed
+//! (`kvroute_core::scheduler::session`).
+
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use kvroute_core::scheduler::session::{prefer_session, SessionTable};
+
+use super::candidates::Candidates;
+use super::Proxy;
+use crate::api::ProxyError;
+use kvroute_prompt::body::RoutingRequest;
+
+/// The longest session id taken.
+pub const MAX_SESSION_ID: usize = 256;
+
+/// `--session-header`, `--session-capacity` and `--session-ttl-secs`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionConfig {
+    /// The header naming a request's session (lower case).
+    pub header: String,
+    /// Sessions remembered at most.
+    pub capacity: usize,
+    /// How long a session is remembered after its last turn.
+    pub ttl: Duration,
+}
+
+impl Default for SessionConfig {
+    fn default() -> Self {
+        SessionConfig {
+            header: "x-session-id".to_owned(),
+            capacity: 100_000,
+            ttl: Duration::from_secs(3_600),
+        }
+    }
+}
+
+/// The proxy's session table.
+#[derive(Debug)]
+pub struct Sessions {
+    table: Mutex<SessionTable>,
+}
+
+impl Sessions {
+    /// An empty table sized by `config`.
+    pub fn new(config: &SessionConfig) -> Self {
+        let ttl_ms = u64::try_from(config.ttl.as_millis()).unwrap_or(u64::MAX);
+        Sessions {
+            table: Mutex::new(SessionTable::new(config.capacity, ttl_ms)),
+        }
+    }
+
+    /// Sessions remembered now.
+    pub fn len(&self) -> usize {
+        self.table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Proxy {
+    /// The session a request's headers name: `None` without the header; a
+    /// 400 when it is not printable ASCII of 1 to [`MAX_SESSION_ID`] bytes.
+    pub fn session_of(&self, headers: &HeaderMap) -> Result<Option<String>, ProxyError> {
+        let Some(value) = headers.get(self.config.sessions.header.as_str()) else {
+            return Ok(None);
+        };
+        match value.to_str() {
+            Ok(id)
+                if (1..=MAX_SESSION_ID).contains(&id.len())
+                    && id.bytes().all(|b| b.is_ascii_graphic()) =>
+            {
+                Ok(Some(id.to_owned()))
+            }
+            _ => Err(ProxyError::bad_request(format!(
+                "`{}` must be 1 to {MAX_SESSION_ID} printable ASCII characters",
+                self.config.sessions.header
+            ))),
+        }
+    }
+
+    /// `ordered` with the request's session rank first where the cost keeps
+    /// it there ([`prefer_session`]); counts the session kept or moved.
+    pub(super) fn order_for_session(
+        &self,
+        req: &RoutingRequest,
+        candidates: &Candidates,
+        ordered: Vec<usize>,
+    ) -> Vec<usize> {
+        let Some(id) = req.session.as_deref() else {
+            return ordered;
+        };
+        let entry = self
+            .sessions
+            .table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(id, self.now_ms());
+        let Some(entry) = entry else {
+            return ordered;
+        };
+        let tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
+        let weights = &self.config.weights;
+        let ordered = prefer_session(&candidates.scored, ordered, &entry, tokens, weights);
+        let kept = ordered
+            .first()
+            .is_some_and(|&i| candidates.scored[i].key == entry.rank);
+        if kept {
+            self.metrics.session_kept.inc();
+        } else {
+            self.metrics.session_moved.inc();
+        }
+        ordered
+    }
+
+    /// Records where the request's session went: candidate `chosen`.
+    pub(super) fn record_session(
+        &self,
+        req: &RoutingRequest,
+        candidates: &Candidates,
+        chosen: usize,
+    ) {
+        let (Some(id), Some(s)) = (req.session.as_deref(), candidates.scored.get(chosen)) else {
+            return;
+        };
+        let tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
+        self.sessions
+            .table
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .put(id, s.key, tokens, self.now_ms());
+    }
+}
