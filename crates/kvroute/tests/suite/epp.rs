@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::http::{count, metric, metric_where, request};
-use crate::support::{eventually, kvroute, lines_of, start_mocker_with, Proc};
+use crate::support::{eventually, free_port, kvroute, lines_of, start_mocker_with, Proc};
 
 /// The packages the client imports.
 const PACKAGES: &str = "envoy-data-plane grpcio grpcio-health-checking";
@@ -133,7 +133,10 @@ struct Picker {
 fn start_picker(workers: &[String], extra: &[&str]) -> Picker {
     let mut command = kvroute();
     command.args(["serve", "--port", "0", "--log", "warn"]);
-    command.args(["--epp-port", "0", "--epp-health-port", "0"]);
+    if !extra.contains(&"--epp-port") {
+        command.args(["--epp-port", "0"]);
+    }
+    command.args(["--epp-health-port", "0"]);
     for w in workers {
         command.arg("--worker").arg(w);
     }
@@ -416,4 +419,120 @@ fn a_busy_fleet_sheds_with_429_and_a_closed_stream_frees_its_load_over_tls() {
     let shed_count = metric_where(http, "kvroute_epp_immediate_responses_total", "429");
     assert_eq!(shed_count, Some(1.0));
     assert_eq!(count(http, "kvroute_proxy_overloaded_total"), 1);
+}
+
+/// The data plane (`tests/epp/dataplane.py`) in front of the picker at
+/// `ext_proc`, falling open to `fail_open` when given: its `host:port`.
+fn start_dataplane(ext_proc: &str, fail_open: &[String]) -> (Proc, String) {
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/epp/dataplane.py");
+    let mut child = Command::new(python())
+        .arg(script)
+        .args(["--epp", ext_proc, "--fail-open", &fail_open.join(",")])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("python runs");
+    let lines = lines_of(child.stdout.take().expect("stdout"));
+    let proc = Proc(child);
+    let line = lines
+        .recv_timeout(Duration::from_secs(30))
+        .expect("the data plane says where it listens");
+    let port = line.trim().strip_prefix("listening on ").expect("its port");
+    (proc, format!("127.0.0.1:{port}"))
+}
+
+/// `kvroute bench` at `host:port` on a shared-prefix workload whose groups
+/// do not fit every engine: its report of the run, checked complete.
+fn bench_at(host_port: &str, requests: u32) -> Value {
+    let out = kvroute()
+        .args(["bench", "--url", &format!("http://{host_port}")])
+        .args([
+            "--workload",
+            "shared-prefix",
+            "--groups",
+            "8",
+            "--scale",
+            "0.1",
+        ])
+        .args(["--requests", &requests.to_string(), "--concurrency", "4"])
+        .args([
+            "--max-tokens",
+            "4",
+            "--seed",
+            "3",
+            "--json",
+            "--no-progress",
+        ])
+        .output()
+        .expect("kvroute bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let run = doc["policies"]["target"].clone();
+    assert_eq!(run["failed"], 0, "{run}");
+    run
+}
+
+/// Routing through the picker is as good as `serve`'s own: the same seeded
+/// workload through a data plane that asks the picker reaches the hit rate
+/// it reaches through `serve` on the same fleet, each on emptied caches.
+#[test]
+fn routing_through_the_picker_hits_the_cache_as_serve_does() {
+    let (_mocker, lines) = start_mocker_with(3, &["--num-gpu-blocks", "256", "--speedup", "20"]);
+    let picker = start_picker(&lines, &["--epp-plaintext"]);
+    let reset = || {
+        for line in &lines {
+            let reply = request(&endpoint_of(line), "POST", "/reset_prefix_cache", "");
+            assert_eq!(reply.status, 200, "{}", reply.body);
+        }
+    };
+    reset();
+    let direct = bench_at(&picker.http, 240);
+    reset();
+    let (_plane, plane) = start_dataplane(&picker.ext_proc, &[]);
+    let through = bench_at(&plane, 240);
+    let hit = |run: &Value| run["hit_rate"].as_f64().unwrap_or(0.0);
+    assert!(hit(&direct) > 0.5, "serve's hit rate {}", hit(&direct));
+    assert!(
+        hit(&through) >= hit(&direct) - 0.03,
+        "through the picker {} against serve's {}",
+        hit(&through),
+        hit(&direct)
+    );
+    let picks = metric(&picker.http, "kvroute_epp_picks_total").unwrap_or(0.0);
+    assert_eq!(
+        picks as u64, 240,
+        "every request through the data plane was picked"
+    );
+}
+
+/// Envoy's FailOpen through a restart of the picker: while it is down the
+/// data plane sends requests on by itself, then asks the new picker again,
+/// and not one request of the run is lost.
+#[test]
+fn no_request_is_lost_while_the_picker_restarts_under_fail_open() {
+    let (_mocker, lines) = start_mocker_with(2, &["--speedup", "20"]);
+    let port = free_port().to_string();
+    let flags = ["--epp-plaintext", "--epp-port", port.as_str()];
+    let first = start_picker(&lines, &flags);
+    let endpoints: Vec<String> = lines.iter().map(|l| endpoint_of(l)).collect();
+    let (_plane, plane) = start_dataplane(&first.ext_proc, &endpoints);
+    let run = {
+        let plane = plane.clone();
+        std::thread::spawn(move || bench_at(&plane, 600))
+    };
+    eventually("the first picker routes", || {
+        metric(&first.http, "kvroute_epp_picks_total").unwrap_or(0.0) >= 20.0
+    });
+    drop(first);
+    std::thread::sleep(Duration::from_millis(300));
+    let second = start_picker(&lines, &flags);
+    let run = run.join().expect("the bench's thread");
+    assert_eq!(run["requests"], 600, "{run}");
+    assert_eq!(run["failed"], 0, "{run}");
+    let picked = metric(&second.http, "kvroute_epp_picks_total").unwrap_or(0.0);
+    assert!(picked > 0.0, "the data plane came back to the new picker");
 }
