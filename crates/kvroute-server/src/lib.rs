@@ -212,10 +212,11 @@ pub async fn serve_with_epp(
         Box::new(ObservedCollector::new(proxy.clone())),
         Box::new(saved.clone()),
     ];
+    // Exported whether or not a source is followed (at 0 without one).
+    let counters = discovery::DiscoveryCounters::default();
+    collectors.push(Box::new(counters.clone()));
     let discovered = match config.discovery.clone() {
         Some(source) => {
-            let counters = discovery::DiscoveryCounters::default();
-            collectors.push(Box::new(counters.clone()));
             let watched = (registry.clone(), proxy.clone());
             Some(discovery::start(source, watched, config.block_size, counters).await?)
         }
@@ -295,8 +296,8 @@ pub async fn serve_with_epp(
 }
 
 /// Starts the endpoint picker when there are listeners and a config for
-/// it (its metrics joining `collectors`); its tasks, and the sender that
-/// stops it when set to true.
+/// it (its metrics join `collectors` either way); its tasks, and the
+/// sender that stops it when set to true.
 fn start_epp(
     config: &ServeConfig,
     listeners: Option<epp::EppListeners>,
@@ -310,11 +311,13 @@ fn start_epp(
     ServeError,
 > {
     let (stopping, stop) = tokio::sync::watch::channel(false);
+    // Exported whether or not the picker runs (at 0 without it), as every
+    // metric of the catalogue is.
+    let metrics = Arc::new(metrics::epp::EppMetrics::default());
+    collectors.push(Box::new(metrics::epp::EppCollector(metrics.clone())));
     let (Some(listeners), Some(epp_config)) = (listeners, &config.epp) else {
         return Ok((Vec::new(), stopping));
     };
-    let metrics = Arc::new(metrics::epp::EppMetrics::default());
-    collectors.push(Box::new(metrics::epp::EppCollector(metrics.clone())));
     let shared = epp::EppShared {
         proxy: proxy.clone(),
         metrics,

@@ -65,11 +65,16 @@ impl Default for EppMetrics {
         for reason in ["processing_mode", "out_of_order"] {
             let _ = refused.get_or_create(&EppLabel::Reason(reason));
         }
+        // The picker's own answers, exported from the start at 0.
+        let immediate = Family::<EppLabel, Counter>::default();
+        for status in [400, 413, 429, 503] {
+            let _ = immediate.get_or_create(&EppLabel::Status(status));
+        }
         EppMetrics {
             streams: Counter::default(),
             open: Gauge::default(),
             picks: Counter::default(),
-            immediate: Family::default(),
+            immediate,
             refused,
             served_mismatch: Counter::default(),
             decision: Histogram::new(DECISION_BUCKETS),
@@ -86,7 +91,7 @@ impl EppMetrics {
     }
 }
 
-/// Reads [`EppMetrics`] into `/metrics` (registered only when the picker runs).
+/// Reads [`EppMetrics`] into `/metrics` (at 0 when the picker does not run).
 #[derive(Debug)]
 pub struct EppCollector(pub Arc<EppMetrics>);
 

@@ -174,7 +174,7 @@ pub struct ServeArgs {
     /// A model's own tokenizer (and chat template beside it), for requests
     /// naming that model; repeat for each model (`--model a=/m/a/tokenizer.json
     /// --model b=builtin`). Others use `--tokenizer`
-    #[arg(long = "model", value_name = "NAME=FILE|builtin", value_parser = parse_model_tokenizer)]
+    #[arg(long = "model", value_name = "NAME=FILE|builtin", value_parser = parse_model_tokenizer, value_delimiter = ',', env = "KVROUTE_MODELS")]
     models: Vec<(String, PathBuf)>,
     /// Prompt positions each image takes (the model's image token count; the
     /// same setting as `kvroute mocker --mm-tokens-per-image`).
