@@ -234,10 +234,7 @@ impl Admitted {
         let s = candidates.scored.get(index)?;
         let target = candidates.targets.get(s.worker)?;
         let (locals, _) = hashes_for(&candidates, req, s);
-        if proxy.config().policy == Policy::Approx && !locals.is_empty() {
-            let now = proxy.now_ms();
-            proxy.index().record_routing_decision(s.key, &locals, now);
-        }
+        remember_for_approx(proxy, s, &locals);
         let chosen = Chosen {
             candidates: &candidates,
             ordered: &ordered,
@@ -296,6 +293,15 @@ pub(super) fn charge_as(
         &seqs,
         prefill,
     ))
+}
+
+/// Under `--policy approx`, records that the request's blocks went to
+/// `s`'s rank: the index's stand-in for the events the engine does not send.
+fn remember_for_approx(proxy: &Proxy, s: &Scored, locals: &[LocalBlockHash]) {
+    if proxy.config().policy == Policy::Approx && !locals.is_empty() {
+        let now = proxy.now_ms();
+        proxy.index().record_routing_decision(s.key, locals, now);
+    }
 }
 
 /// The 503 for a request no rank can take (`queued`: after its wait in the queue).
@@ -446,10 +452,7 @@ pub async fn forward(
             }
             Sent::Failed(error) => return Err(error),
         };
-        if proxy.config().policy == Policy::Approx && !locals.is_empty() {
-            let now = proxy.now_ms();
-            proxy.index().record_routing_decision(s.key, &locals, now);
-        }
+        remember_for_approx(proxy, s, &locals);
         let chosen = Chosen {
             candidates: &candidates,
             ordered: &ordered,

@@ -5,7 +5,7 @@
 use serde_json::{json, Value};
 
 use crate::support::http::{count, request};
-use crate::support::{eventually, spawn_mocker, spawn_serve};
+use crate::support::{eventually, spawn_serve, start_mocker_with};
 
 /// `key=value` of a mocker's `--worker` line.
 fn field<'a>(line: &'a str, key: &str) -> &'a str {
@@ -48,19 +48,7 @@ fn workers(serve: &str) -> Vec<(String, bool)> {
 
 #[test]
 fn workers_follow_the_endpoints_file_and_survive_a_broken_one() {
-    let (_mocker, lines) = spawn_mocker(
-        &[
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--kv-events-port",
-            "0",
-            "--replay-port",
-            "0",
-        ],
-        2,
-    );
+    let (_mocker, lines) = start_mocker_with(2, &[]);
     let dir = std::env::temp_dir().join(format!("kvroute-endpoints-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).expect("a temp dir");

@@ -6,7 +6,7 @@
 use serde_json::{json, Value};
 
 use crate::support::http::{count, request};
-use crate::support::{eventually, spawn_mocker, start_serve};
+use crate::support::{eventually, start_mocker, start_serve};
 
 /// A prompt of 256 ids, its own for each `seed`.
 fn prompt(seed: u32) -> Vec<u32> {
@@ -33,21 +33,7 @@ fn overloaded(serve: &str, tokens: &[u32], worker: &str) -> bool {
 
 #[test]
 fn requests_an_engine_reports_count_though_they_never_passed_through_the_router() {
-    let (_mocker, lines) = spawn_mocker(
-        &[
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--kv-events-port",
-            "0",
-            "--replay-port",
-            "0",
-            "--speedup",
-            "1",
-        ],
-        2,
-    );
+    let (_mocker, lines) = start_mocker(2, "1");
     let busy = ["--busy-requests", "3", "--public-introspection"];
     let mut scraping = busy.to_vec();
     scraping.extend(["--engine-metrics-ms", "100"]);

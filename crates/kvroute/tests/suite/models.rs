@@ -6,26 +6,15 @@
 use serde_json::{json, Value};
 
 use crate::support::http::{count, request};
-use crate::support::{eventually, spawn_mocker, start_serve};
+use crate::support::{eventually, start_mocker_with, start_serve};
 
 /// One mock engine serving `model` (and `adapters`), its `--worker` line named `name`.
 fn engine(model: &str, adapters: &str, name: &str) -> (crate::support::Proc, String) {
-    let mut args = vec![
-        "--workers",
-        "1",
-        "--port",
-        "0",
-        "--kv-events-port",
-        "0",
-        "--replay-port",
-        "0",
-        "--model",
-        model,
-    ];
+    let mut args = vec!["--model", model];
     if !adapters.is_empty() {
         args.extend(["--lora-adapters", adapters]);
     }
-    let (proc, mut lines) = spawn_mocker(&args, 1);
+    let (proc, mut lines) = start_mocker_with(1, &args);
     let line = lines
         .remove(0)
         .replacen("name=w0", &format!("name={name}"), 1);

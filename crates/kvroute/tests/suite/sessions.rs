@@ -4,7 +4,7 @@
 use serde_json::json;
 
 use crate::support::http::{count, request_with};
-use crate::support::{spawn_mocker, start_serve};
+use crate::support::{start_mocker, start_serve};
 
 /// Turn `k` of a conversation: its history and a new question.
 fn turn(k: u32) -> Vec<u32> {
@@ -27,21 +27,7 @@ fn send(serve: &str, session: Option<&str>, tokens: &[u32], max_tokens: u32) -> 
 
 #[test]
 fn a_sessions_turns_stay_on_its_rank_until_it_is_busy() {
-    let (_mocker, lines) = spawn_mocker(
-        &[
-            "--workers",
-            "2",
-            "--port",
-            "0",
-            "--kv-events-port",
-            "0",
-            "--replay-port",
-            "0",
-            "--speedup",
-            "1",
-        ],
-        2,
-    );
+    let (_mocker, lines) = start_mocker(2, "1");
     // Round-robin alternates requests that name no session: the session
     // alone keeps a conversation in place.
     let (_serve, serve) = start_serve(&lines, &["--policy", "round-robin", "--busy-requests", "1"]);
