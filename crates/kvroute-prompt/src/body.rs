@@ -64,6 +64,9 @@ pub struct RoutingRequest {
     /// The session the client named in its header (`x-session-id`), set by
     /// the proxy: its turns go back to the same rank while the cost agrees.
     pub session: Option<String>,
+    /// Its place in the overload queue (`x-priority`, set by the proxy):
+    /// lower is served first; 0 by default.
+    pub priority: i64,
 }
 
 pub(crate) fn token_list(items: &[Value], key: &str) -> Result<Vec<u32>, ParseError> {

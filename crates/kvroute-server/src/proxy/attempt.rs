@@ -14,7 +14,7 @@
 
 use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap, HeaderValue};
@@ -27,6 +27,7 @@ use super::active::{ActiveGuard, ActiveRanks};
 use super::candidates::{request_hashes, Candidates, Target};
 use super::observe::{CandidateView, Decision, CANDIDATES_KEPT};
 use super::outcome::{self, Ending, Next};
+use super::queue::QueueWait;
 use super::relay::{reported_cached_tokens, Learn, Passthrough, Prediction, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
 use super::{on_cpu, Endpoint, Proxy};
@@ -84,60 +85,23 @@ pub(crate) async fn admit_among(
     large: bool,
     eligible: Eligible,
 ) -> Result<Admitted, ProxyError> {
-    let mut wait = QueueWait::new(proxy);
+    let mut wait = QueueWait::new(proxy, req.priority);
+    let mut count = 0;
     loop {
-        let (admitted, count) = {
-            let (proxy, req, eligible) = (proxy.clone(), req.clone(), eligible.clone());
-            on_cpu(large, move || place(&proxy, &req, eligible.as_deref())).await?
-        };
-        if count == 0 {
-            return Err(ProxyError::NoWorkers);
-        }
-        if !admitted.ordered.is_empty() {
-            return Ok(admitted);
+        if wait.may_try() {
+            let (admitted, ranks) = {
+                let (proxy, req, eligible) = (proxy.clone(), req.clone(), eligible.clone());
+                on_cpu(large, move || place(&proxy, &req, eligible.as_deref())).await?
+            };
+            if ranks == 0 {
+                return Err(ProxyError::NoWorkers);
+            }
+            if !admitted.ordered.is_empty() {
+                return Ok(admitted);
+            }
+            count = ranks;
         }
         wait.busy(count).await?;
-    }
-}
-
-/// A request's wait in the bounded overload queue while every rank it
-/// could go to is busy, for as long as `--queue-timeout-ms` allows.
-pub(super) struct QueueWait<'a> {
-    proxy: &'a Proxy,
-    until: tokio::time::Instant,
-    place: Option<tokio::sync::SemaphorePermit<'a>>,
-}
-
-impl<'a> QueueWait<'a> {
-    /// A wait that has not started: no place in the queue taken yet.
-    pub(super) fn new(proxy: &'a Proxy) -> Self {
-        QueueWait {
-            proxy,
-            until: tokio::time::Instant::now() + proxy.config().queue_timeout,
-            place: None,
-        }
-    }
-
-    /// After a placement found all `ranks` busy: takes a place in the queue
-    /// (once), then waits until load drops, for the caller to place again;
-    /// the 503 when the queue is full or off, or the wait is over.
-    pub(super) async fn busy(&mut self, ranks: usize) -> Result<(), ProxyError> {
-        let proxy = self.proxy;
-        if self.place.is_none() {
-            self.place = proxy.queue.try_acquire().ok();
-            if self.place.is_some() {
-                proxy.metrics.queued.inc();
-            }
-        }
-        let queued = self.place.is_some();
-        if !queued || tokio::time::Instant::now() >= self.until {
-            return Err(overloaded(proxy, ranks, queued));
-        }
-        // Woken when a prefill or a request ends; re-checked at least every
-        // 100 ms in case a wake-up came between scoring and waiting.
-        let recheck = (tokio::time::Instant::now() + Duration::from_millis(100)).min(self.until);
-        let _ = tokio::time::timeout_at(recheck, proxy.load_dropped.notified()).await;
-        Ok(())
     }
 }
 
@@ -301,30 +265,6 @@ fn remember_for_approx(proxy: &Proxy, s: &Scored, locals: &[LocalBlockHash]) {
     if proxy.config().policy == Policy::Approx && !locals.is_empty() {
         let now = proxy.now_ms();
         proxy.index().record_routing_decision(s.key, locals, now);
-    }
-}
-
-/// The 503 for a request no rank can take (`queued`: after its wait in the queue).
-fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ProxyError {
-    let config = proxy.config();
-    let wait = if queued {
-        format!(
-            " after {} ms in the queue",
-            config.queue_timeout.as_millis()
-        )
-    } else if config.queue_capacity > 0 {
-        " and the queue is full".to_owned()
-    } else {
-        String::new()
-    };
-    let message = format!(
-        "all {ranks} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}, requests {:?}){wait}; retry later",
-        config.busy.prefill_tokens, config.busy.decode_blocks, config.busy.requests,
-    );
-    if queued {
-        ProxyError::QueueTimeout(message)
-    } else {
-        ProxyError::Overloaded(message)
     }
 }
 

@@ -29,13 +29,13 @@ use serde_json::Value;
 
 use super::active::ActiveGuard;
 use super::attempt::{
-    self, charge, charge_as, open_candidate, outgoing, send, Admitted, Outgoing, QueueWait,
-    Request, Sent,
+    self, charge, charge_as, open_candidate, outgoing, send, Admitted, Outgoing, Request, Sent,
 };
 use super::candidates::{Candidates, Target};
 use super::handoff::{self, Bootstrap};
 use super::merge;
 use super::outcome::{self, Ending};
+use super::queue::QueueWait;
 use super::{on_cpu, Proxy};
 use crate::api::{ErrorKind, ProxyError};
 use kvroute_prompt::body::RoutingRequest;
@@ -67,24 +67,28 @@ pub async fn route(
     req: &Arc<RoutingRequest>,
     request: Request<'_>,
 ) -> Result<Response, ProxyError> {
-    let mut wait = QueueWait::new(proxy);
+    let mut wait = QueueWait::new(proxy, req.priority);
+    let mut ranks = 0;
     let (candidates, placed) = loop {
-        let (candidates, placed) = {
-            let (proxy, req) = (proxy.clone(), req.clone());
-            on_cpu(request.large, move || place(&proxy, &req)).await?
-        };
-        match placed {
-            Some(placed) => break (candidates, placed),
-            // No rank may take a phase now: busy ranks wait in the queue
-            // as an aggregated request does, when it is on.
-            None if !candidates.scored.is_empty() && proxy.config().queue_capacity > 0 => {
-                wait.busy(candidates.scored.len()).await?;
-            }
-            None => {
-                proxy.metrics.no_workers.inc();
-                return Err(ProxyError::NoWorkers);
+        if wait.may_try() {
+            let (candidates, placed) = {
+                let (proxy, req) = (proxy.clone(), req.clone());
+                on_cpu(request.large, move || place(&proxy, &req)).await?
+            };
+            match placed {
+                Some(placed) => break (candidates, placed),
+                // No rank may take a phase now: busy ranks wait in the queue
+                // as an aggregated request does, when it is on.
+                None if !candidates.scored.is_empty() && proxy.config().queue_capacity > 0 => {
+                    ranks = candidates.scored.len();
+                }
+                None => {
+                    proxy.metrics.no_workers.inc();
+                    return Err(ProxyError::NoWorkers);
+                }
             }
         }
+        wait.busy(ranks).await?;
     };
     tracing::debug!(request_id = request.request_id, placement = %placed.why, "disaggregated");
     if placed.prefill.is_empty() {

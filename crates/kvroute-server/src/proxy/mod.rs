@@ -29,6 +29,7 @@ pub mod handoff;
 pub mod merge;
 pub mod observe;
 pub mod outcome;
+pub mod queue;
 pub mod relay;
 pub mod reported;
 pub mod rewrite;
@@ -179,6 +180,8 @@ pub struct Proxy {
     reported: reported::ReportBook,
     /// Where each session's last turn went.
     sessions: sessions::Sessions,
+    /// The requests waiting in the queue, in the order they take ranks.
+    waiting: queue::Waiting,
 }
 
 impl Proxy {
@@ -213,6 +216,7 @@ impl Proxy {
             speed_share: OnceLock::new(),
             reported: reported::ReportBook::default(),
             sessions,
+            waiting: queue::Waiting::default(),
         })
     }
 
@@ -464,6 +468,7 @@ async fn route(
 ) -> Result<Response, ProxyError> {
     let large = body.len() > LARGE_BODY;
     let session = proxy.session_of(headers)?;
+    let priority = priority_of(headers)?;
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
@@ -475,6 +480,7 @@ async fn route(
             };
             let mut req = parsed.map_err(|e| ProxyError::bad_request(e.0))?;
             req.session = session;
+            req.priority = priority;
             proxy.tokenize(&mut req);
             // A LoRA adapter named as the model is hashed into the engine's
             // blocks: the request's must be too.
@@ -512,6 +518,23 @@ async fn route(
     }
     let admitted = attempt::admit(proxy, &req, large).await?;
     attempt::forward(proxy, admitted, request).await
+}
+
+/// A request's `x-priority`: an integer, lower served first from the
+/// queue (vLLM's sense of `priority`); 0 without the header, a 400 when it
+/// is not one.
+fn priority_of(headers: &HeaderMap) -> Result<i64, ProxyError> {
+    let Some(value) = headers.get("x-priority") else {
+        return Ok(0);
+    };
+    value
+        .to_str()
+        .ok()
+        .and_then(|v| v.trim().parse::<i32>().ok())
+        .map(i64::from)
+        .ok_or_else(|| {
+            ProxyError::bad_request("`x-priority` must be an integer (lower is served first)")
+        })
 }
 
 /// Bodies longer than this (bytes) are read, tokenized, hashed and

@@ -16,6 +16,7 @@ mod metrics;
 mod mocker;
 mod models;
 mod multimodal;
+mod priority;
 mod proxy;
 mod replicas;
 mod restarts;

@@ -1,0 +1,77 @@
+//! Priorities in the overload queue: while every rank is busy, the waiting
+//! requests take a freed rank in `x-priority` order (lower first), then in
+//! arrival order, whatever order they came in.
+
+use std::sync::{Arc, Mutex};
+
+use serde_json::json;
+
+use crate::support::http::{count, request_with};
+use crate::support::{eventually, start_mocker, start_serve};
+
+fn complete(serve: &str, priority: Option<&str>, seed: u32, max_tokens: u32) -> u16 {
+    let prompt: Vec<u32> = (0..32).map(|i| 30_000 + seed * 100 + i).collect();
+    let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": max_tokens});
+    let headers: Vec<(&str, &str)> = priority.map(|p| ("x-priority", p)).into_iter().collect();
+    request_with(
+        serve,
+        "POST",
+        "/v1/completions",
+        &headers,
+        &body.to_string(),
+    )
+    .status
+}
+
+#[test]
+fn queued_requests_take_a_freed_rank_by_priority_then_arrival() {
+    let (_mocker, lines) = start_mocker(1, "1");
+    let flags = [
+        "--busy-requests",
+        "1",
+        "--queue-capacity",
+        "8",
+        "--queue-timeout-ms",
+        "60000",
+    ];
+    let (_serve, serve) = start_serve(&lines, &flags);
+    // One long request holds the only rank.
+    let holder = {
+        let serve = serve.clone();
+        std::thread::spawn(move || complete(&serve, None, 0, 400))
+    };
+    eventually("the long request runs", || {
+        count(&serve, "kvroute_proxy_requests_total") == 1
+    });
+    let done: Arc<Mutex<Vec<&'static str>>> = Arc::default();
+    let mut waiting = Vec::new();
+    for (k, (name, priority)) in [
+        ("high", "0"),
+        ("low", "5"),
+        ("urgent", "-1"),
+        ("high-later", "0"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (router, done) = (serve.clone(), done.clone());
+        waiting.push(std::thread::spawn(move || {
+            let status = complete(&router, Some(priority), 1 + k as u32, 1);
+            done.lock().expect("the list").push(name);
+            status
+        }));
+        eventually("it queued", || {
+            count(&serve, "kvroute_proxy_queued_total") == k as u64 + 1
+        });
+    }
+    assert_eq!(holder.join().expect("the long request"), 200);
+    for w in waiting {
+        assert_eq!(w.join().expect("a queued request"), 200);
+    }
+    assert_eq!(
+        *done.lock().expect("the list"),
+        ["urgent", "high", "high-later", "low"]
+    );
+    // A priority that is not an integer is the client's error.
+    assert_eq!(complete(&serve, Some("soon"), 9, 1), 400);
+}
