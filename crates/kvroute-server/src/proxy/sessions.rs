@@ -12,7 +12,7 @@ use kvroute_core::scheduler::session::{prefer_session, SessionTable};
 use super::candidates::Candidates;
 use super::Proxy;
 use crate::api::ProxyError;
-use kvroute_prompt::body::RoutingRequest;
+use kvroute_prompt::body::{RoutingRequest, TextPrompt};
 
 /// The longest session id taken.
 pub const MAX_SESSION_ID: usize = 256;
@@ -65,6 +65,21 @@ impl Sessions {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+}
+
+/// The tokens a request leaves in its rank's cache: its prompt's, or for a
+/// prompt routed on load alone (text without `--tokenizer`) an estimate of
+/// four bytes of its JSON text a token, so that its session's next turn is
+/// still priced with the history its rank holds.
+fn history_tokens(req: &RoutingRequest) -> u64 {
+    if let Some(tokens) = &req.tokens {
+        return tokens.len() as u64;
+    }
+    let text = match &req.text {
+        Some(TextPrompt::Completion(v) | TextPrompt::Chat(v)) => v,
+        None => return 0,
+    };
+    serde_json::to_vec(text).map_or(0, |b| b.len() as u64 / 4)
 }
 
 impl Proxy {
@@ -132,11 +147,34 @@ impl Proxy {
         let (Some(id), Some(s)) = (req.session.as_deref(), candidates.scored.get(chosen)) else {
             return;
         };
-        let tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
         self.sessions
             .table
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .put(id, s.key, tokens, self.now_ms());
+            .put(id, s.key, history_tokens(req), self.now_ms());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_turns_history_is_its_tokens_or_an_estimate_of_its_text() {
+        let ids = RoutingRequest {
+            tokens: Some(vec![1; 300]),
+            ..RoutingRequest::default()
+        };
+        assert_eq!(history_tokens(&ids), 300);
+        let chat = RoutingRequest {
+            text: Some(TextPrompt::Chat(
+                json!([{"role": "user", "content": "x".repeat(400)}]),
+            )),
+            ..RoutingRequest::default()
+        };
+        let estimate = history_tokens(&chat);
+        assert!((100..=115).contains(&estimate), "{estimate}");
+        assert_eq!(history_tokens(&RoutingRequest::default()), 0);
     }
 }
