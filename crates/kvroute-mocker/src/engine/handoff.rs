@@ -64,24 +64,10 @@ impl Engine {
 mod tests {
     use super::*;
 
-    fn engine(flavor: WorkerFlavor, blocks: usize) -> Engine {
-        Engine::new(EngineConfig {
-            flavor,
-            block_size: 4,
-            num_gpu_blocks: blocks,
-            max_num_seqs: 8,
-            max_num_batched_tokens: 64,
-            timing: TimingModel::default(),
-        })
-    }
+    use super::super::tests::{config, request};
 
-    fn request(prompt: impl IntoIterator<Item = u64>, max_tokens: usize) -> NewRequest {
-        NewRequest {
-            prompt: prompt.into_iter().collect(),
-            output: (0..max_tokens as u64).map(|i| 900_000 + i).collect(),
-            mm_items: Vec::new(),
-            lora_name: None,
-        }
+    fn engine(flavor: WorkerFlavor, blocks: usize) -> Engine {
+        Engine::new(config(flavor, blocks))
     }
 
     /// Steps until idle, checking invariants; every event and output.

@@ -4,7 +4,8 @@ use super::*;
 use crate::hashing::{sglang_page_digest, sglang_published, vllm_block_digest, vllm_none_hash};
 use kvroute_core::rng::SplitMix64;
 
-fn config(flavor: WorkerFlavor, blocks: usize) -> EngineConfig {
+/// A small engine's configuration: blocks of 4 tokens, 8 sequences, 64 tokens a step.
+pub(super) fn config(flavor: WorkerFlavor, blocks: usize) -> EngineConfig {
     EngineConfig {
         flavor,
         block_size: 4,
@@ -15,7 +16,8 @@ fn config(flavor: WorkerFlavor, blocks: usize) -> EngineConfig {
     }
 }
 
-fn request(prompt: impl IntoIterator<Item = u64>, max_tokens: usize) -> NewRequest {
+/// A request of `prompt` generating `max_tokens` ids from 900 000.
+pub(super) fn request(prompt: impl IntoIterator<Item = u64>, max_tokens: usize) -> NewRequest {
     NewRequest {
         prompt: prompt.into_iter().collect(),
         output: (0..max_tokens as u64).map(|i| 900_000 + i).collect(),

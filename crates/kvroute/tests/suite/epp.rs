@@ -444,33 +444,26 @@ fn start_dataplane(ext_proc: &str, fail_open: &[String]) -> (Proc, String) {
 /// `kvroute bench` at `host:port` on a shared-prefix workload whose groups
 /// do not fit every engine: its report of the run, checked complete.
 fn bench_at(host_port: &str, requests: u32) -> Value {
-    let out = kvroute()
-        .args(["bench", "--url", &format!("http://{host_port}")])
-        .args([
+    let requests = requests.to_string();
+    let doc = crate::support::bench_report(
+        host_port,
+        &[
             "--workload",
             "shared-prefix",
             "--groups",
             "8",
             "--scale",
             "0.1",
-        ])
-        .args(["--requests", &requests.to_string(), "--concurrency", "4"])
-        .args([
+            "--requests",
+            &requests,
+            "--concurrency",
+            "4",
             "--max-tokens",
             "4",
             "--seed",
             "3",
-            "--json",
-            "--no-progress",
-        ])
-        .output()
-        .expect("kvroute bench runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     let run = doc["policies"]["target"].clone();
     assert_eq!(run["failed"], 0, "{run}");
     run

@@ -120,27 +120,28 @@ fn a_real_router_on_the_long_workload_keeps_each_prefix_where_it_is_cached() {
 /// (6 000 × 0.341333) and a 64-token question, 16 in flight, 16 output
 /// tokens, seed 1; the run's report, checked complete.
 pub(crate) fn bench_long(serve: &str, requests: u32) -> Value {
-    let out = kvroute()
-        .args(["bench", "--url", &format!("http://{serve}")])
-        .args(["--workload", "shared-prefix", "--groups", "32"])
-        .args(["--scale", "0.341333", "--question-tokens", "64"])
-        .args(["--requests", &requests.to_string(), "--concurrency", "16"])
-        .args([
+    let n = requests.to_string();
+    let doc = crate::support::bench_report(
+        serve,
+        &[
+            "--workload",
+            "shared-prefix",
+            "--groups",
+            "32",
+            "--scale",
+            "0.341333",
+            "--question-tokens",
+            "64",
+            "--requests",
+            &n,
+            "--concurrency",
+            "16",
             "--max-tokens",
             "16",
             "--seed",
             "1",
-            "--json",
-            "--no-progress",
-        ])
-        .output()
-        .expect("kvroute bench runs");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    let doc: Value = serde_json::from_slice(&out.stdout).expect("JSON");
     assert_eq!(doc["workload"]["sizes"]["prefix_tokens"], 2_048);
     let run = doc["policies"]["target"].clone();
     assert_eq!(

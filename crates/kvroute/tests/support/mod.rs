@@ -244,3 +244,21 @@ pub fn start_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
     });
     (proc, serve)
 }
+
+/// Runs `kvroute bench --json --no-progress` at `host_port` with `args` (the
+/// workload and its bounds) and returns its report, the run checked to have
+/// succeeded.
+pub fn bench_report(host_port: &str, args: &[&str]) -> serde_json::Value {
+    let out = kvroute()
+        .args(["bench", "--url", &format!("http://{host_port}")])
+        .args(args)
+        .args(["--json", "--no-progress"])
+        .output()
+        .expect("kvroute bench runs");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("JSON")
+}
