@@ -194,8 +194,11 @@ impl Proxy {
         let reports = self
             .config
             .engine_metrics_every
-            .map(|every| self.reported.fresh(every * 3));
-        let report = |key: &WorkerRank| reports.as_ref().and_then(|r| r.get(key));
+            .map(|every| (self.reported.latest(), every * 3));
+        let report = |key: &WorkerRank| {
+            let (reports, max_age) = reports.as_ref()?;
+            reports.fresh(key, *max_age)
+        };
         let mut ranks = self.active.lock();
         let pricing = Pricing {
             request_tokens,

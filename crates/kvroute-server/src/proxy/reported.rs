@@ -158,17 +158,35 @@ impl ReportBook {
         *guard = Arc::new(next);
     }
 
-    /// Every report younger than `max_age`.
-    pub fn fresh(&self, max_age: Duration) -> HashMap<WorkerRank, EngineReport> {
+    /// The reports as they stand: shared, not copied, by each request.
+    pub fn latest(&self) -> Reports {
         let reports = match self.reports.read() {
             Ok(g) => g.clone(),
             Err(poisoned) => poisoned.into_inner().clone(),
         };
-        reports
-            .iter()
-            .filter(|(_, (_, at))| at.elapsed() <= max_age)
-            .map(|(k, (r, _))| (*k, *r))
-            .collect()
+        Reports(reports)
+    }
+}
+
+/// Every rank's latest report, as [`ReportBook::latest`] found them.
+#[derive(Debug, Clone)]
+pub struct Reports(Arc<HashMap<WorkerRank, (EngineReport, Instant)>>);
+
+impl Reports {
+    /// `key`'s report, unless it is older than `max_age`.
+    pub fn fresh(&self, key: &WorkerRank, max_age: Duration) -> Option<&EngineReport> {
+        self.0
+            .get(key)
+            .filter(|(_, at)| at.elapsed() <= max_age)
+            .map(|(r, _)| r)
+    }
+
+    /// How many ranks have a report younger than `max_age`.
+    pub fn count_fresh(&self, max_age: Duration) -> usize {
+        self.0
+            .values()
+            .filter(|(_, at)| at.elapsed() <= max_age)
+            .count()
     }
 }
 
@@ -265,11 +283,27 @@ vllm:prefix_cache_hits_total{engine="0"} 99
         let book = ReportBook::default();
         let w = kvroute_core::index::WorkerId(3);
         book.record(w, parse_engine_metrics(VLLM, WorkerFlavor::Vllm));
-        assert_eq!(book.fresh(Duration::from_secs(60)).len(), 2);
+        assert_eq!(book.latest().count_fresh(Duration::from_secs(60)), 2);
         book.record(w, BTreeMap::from([(DpRank(0), EngineReport::default())]));
-        let fresh = book.fresh(Duration::from_secs(60));
-        assert_eq!(fresh.len(), 1, "the worker's older ranks are replaced");
+        let latest = book.latest();
+        assert_eq!(
+            latest.count_fresh(Duration::from_secs(60)),
+            1,
+            "the worker's older ranks are replaced"
+        );
+        let rank0 = WorkerRank {
+            worker: w,
+            rank: DpRank(0),
+        };
+        assert_eq!(
+            latest.fresh(&rank0, Duration::from_secs(60)),
+            Some(&EngineReport::default())
+        );
         std::thread::sleep(Duration::from_millis(5));
-        assert!(book.fresh(Duration::from_millis(1)).is_empty(), "stale");
+        assert_eq!(
+            book.latest().fresh(&rank0, Duration::from_millis(1)),
+            None,
+            "stale"
+        );
     }
 }
