@@ -67,6 +67,10 @@ pub struct RoutingRequest {
     /// Its place in the overload queue (`x-priority`, set by the proxy):
     /// lower is served first; 0 by default.
     pub priority: i64,
+    /// A Responses API continuation's `previous_response_id`: the
+    /// conversation so far lives only on the worker that produced that
+    /// response, so the router sends it to that worker.
+    pub previous_response_id: Option<String>,
 }
 
 pub(crate) fn token_list(items: &[Value], key: &str) -> Result<Vec<u32>, ParseError> {

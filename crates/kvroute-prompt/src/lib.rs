@@ -34,6 +34,11 @@
 //!   repeated system prompt, an earlier chat turn or a shared document prefix
 //!   costs a hash lookup. New byte-level pieces skip `tokenizers`' offset
 //!   bookkeeping ([`Tokenizer::text_path`] tells which steps apply).
+//! * **Other APIs' bodies**: OpenAI's Responses API ([`responses`]) and
+//!   Anthropic's Messages API ([`messages`]) are converted into chat
+//!   messages the way engines convert them, then rendered exactly as a chat
+//!   is; the router and the mock engine share the conversion, as they share
+//!   the rendering. SGLang's native `/generate` is read by [`generate`].
 //! * **Pure and synchronous**: no runtime, sockets or I/O besides loading the
 //!   tokenizer files. Tokenizing a long prompt is CPU work: async callers run
 //!   it off their executor.
@@ -60,8 +65,10 @@ pub mod chat_template;
 pub mod error;
 pub mod fields;
 pub mod generate;
+pub mod messages;
 pub mod prompt;
 pub mod render;
+pub mod responses;
 pub mod sampling;
 pub mod tokenizer;
 
