@@ -3,11 +3,15 @@
 //! one-pass scan is an optimisation, never a second opinion), and a body it
 //! accepts keeps its token ids folded and its output budget within what it
 //! read. SGLang's native `/generate` reader gets the same bytes: it never
-//! panics, and a body it accepts holds ids or text, never both. Seeds:
+//! panics, and a body it accepts holds ids or text, never both. So do the
+//! Responses and Anthropic Messages readers, and the chat messages they
+//! convert a body into always pass the chat prompt's own checks (what the
+//! router reads, the mock engine renders). Seeds:
 //! `fuzz/corpus/scan_request_body` (see docs/fuzzing.md).
 #![no_main]
 
-use kvroute_prompt::body::{parse_query, parse_request, parse_request_by_serde};
+use kvroute_prompt::body::{parse_query, parse_request, parse_request_by_serde, TextPrompt};
+use kvroute_prompt::Prompt;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
@@ -16,7 +20,10 @@ fuzz_target!(|data: &[u8]| {
         let reference = parse_request_by_serde(data, chat);
         assert_eq!(scanned, reference, "the scan and serde disagree");
         if let Ok(req) = &scanned {
-            assert!(req.tokens.is_none() || req.text.is_none(), "ids or text, not both");
+            assert!(
+                req.tokens.is_none() || req.text.is_none(),
+                "ids or text, not both"
+            );
             if let Some(tokens) = &req.tokens {
                 assert!(!tokens.is_empty() || chat, "an empty prompt is refused");
             }
@@ -24,6 +31,23 @@ fuzz_target!(|data: &[u8]| {
     }
     let _ = parse_query(data);
     if let Ok(req) = kvroute_prompt::generate::parse_generate(data) {
-        assert!(req.tokens.is_none() || req.text.is_none(), "ids or text, not both");
+        assert!(
+            req.tokens.is_none() || req.text.is_none(),
+            "ids or text, not both"
+        );
+    }
+    for parse in [
+        kvroute_prompt::responses::parse_responses,
+        kvroute_prompt::messages::parse_messages,
+    ] {
+        if let Ok(req) = parse(data) {
+            assert!(req.tokens.is_none(), "converted bodies are text");
+            if let Some(TextPrompt::Chat(messages)) = &req.text {
+                assert!(
+                    Prompt::chat(Some(messages)).is_ok(),
+                    "converted messages render"
+                );
+            }
+        }
     }
 });
