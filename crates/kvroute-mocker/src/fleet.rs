@@ -265,6 +265,7 @@ impl Fleet {
             },
             counter: AtomicU64::new(0),
             pd: pd_state(config, &name, &host, http_addr.port(), rooms.clone()),
+            responses: http::ResponseStore::default(),
         });
         let bootstrap = match (bootstrap_listener, rooms) {
             (Some(listener), Some(rooms)) => {

@@ -4,6 +4,8 @@
 //! | --- | --- |
 //! | `POST /v1/completions` | text or token-id prompt; JSON or SSE (`stream`, `stream_options.include_usage`) |
 //! | `POST /v1/chat/completions` | messages with text and `image_url` parts; JSON or SSE |
+//! | `POST /v1/responses` | OpenAI's Responses API, rendered as a chat; stored conversations continued by `previous_response_id` ([`responses`]) |
+//! | `POST /v1/messages` | Anthropic's Messages API, rendered as a chat, answered and failed in Anthropic's shapes ([`anthropic`]) |
 //! | `GET /v1/models` | the served model |
 //! | `GET /health` | 200 with an empty body |
 //! | `GET /metrics` | the engine's gauges and counters per rank: Prometheus text, or OpenMetrics when `Accept` asks for it |
@@ -17,12 +19,17 @@
 //! to rank `bootstrap_room % dp`, else to the rank with the fewest requests
 //! in flight. Every error is an OpenAI-style JSON body `{"error": {"message",
 //! "type", "param", "code"}}`, except the disaggregation errors of SGLang
-//! roles ([`ErrorShape::Sglang`]); bodies up to [`BODY_LIMIT`] are accepted.
+//! roles ([`ErrorShape::Sglang`]) and every error of `/v1/messages`
+//! ([`ErrorShape::Anthropic`]); bodies up to [`BODY_LIMIT`] are accepted.
 
+pub mod anthropic;
+mod events;
 pub mod handoff;
 mod metrics;
 pub mod native;
 pub mod openai;
+pub mod response_store;
+pub mod responses;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -41,12 +48,13 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
 use crate::driver::RankHandle;
-use crate::engine::{Update, Usage};
+use crate::engine::{RequestId, Update, Usage};
 use crate::faults::FailureDice;
 use crate::filler::{Filler, FillerToken};
 use kvroute_core::event::WorkerFlavor;
 use kvroute_prompt::Renderer;
 use openai::{ChunkPiece, Endpoint, ParsedRequest, PromptSettings, ResponseMeta};
+pub use response_store::ResponseStore;
 
 /// Largest request body accepted (images arrive inline as data URLs).
 pub const BODY_LIMIT: usize = 64 * 1024 * 1024;
@@ -60,6 +68,10 @@ pub enum ErrorShape {
     /// `{"object": "error", "message", "type", "param", "code"}`: SGLang's
     /// `ErrorResponse`, used for the errors of its disaggregation roles.
     Sglang,
+    /// `{"type": "error", "error": {"type", "message"}}`: Anthropic's, for
+    /// every error of `/v1/messages`; the type follows from the status
+    /// (`invalid_request_error`, `not_found_error`, `overloaded_error`, …).
+    Anthropic,
 }
 
 /// An HTTP error with an OpenAI-style JSON body.
@@ -69,6 +81,7 @@ pub struct ApiError {
     kind: &'static str,
     message: String,
     shape: ErrorShape,
+    param: Option<&'static str>,
 }
 
 impl ApiError {
@@ -102,7 +115,14 @@ impl ApiError {
             kind,
             message: message.into(),
             shape: ErrorShape::OpenAi,
+            param: None,
         }
+    }
+
+    /// The same error naming the request field at fault (`param`).
+    pub fn with_param(mut self, param: &'static str) -> Self {
+        self.param = Some(param);
+        self
     }
 
     /// The same error with its body laid out as `shape` says.
@@ -126,15 +146,19 @@ impl ApiError {
             ErrorShape::OpenAi => json!({"error": {
                 "message": self.message,
                 "type": self.kind,
-                "param": null,
+                "param": self.param,
                 "code": self.status.as_u16(),
             }}),
             ErrorShape::Sglang => json!({
                 "object": "error",
                 "message": self.message,
                 "type": self.kind,
-                "param": null,
+                "param": self.param,
                 "code": self.status.as_u16(),
+            }),
+            ErrorShape::Anthropic => json!({
+                "type": "error",
+                "error": {"type": anthropic::error_type(self.status), "message": self.message},
             }),
         }
     }
@@ -190,6 +214,8 @@ pub struct EngineState {
     pub counter: AtomicU64,
     /// The prefill/decode role and what it needs.
     pub pd: handoff::PdState,
+    /// The Responses API's stored conversations, by response id.
+    pub responses: ResponseStore,
 }
 
 /// The router of one engine.
@@ -204,6 +230,8 @@ pub fn app(state: Arc<EngineState>) -> Router {
     router
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat_completions))
+        .route("/v1/responses", post(responses::create))
+        .route("/v1/messages", post(anthropic::create))
         .route("/v1/models", get(models))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -334,7 +362,7 @@ async fn chat_completions(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// The shared path of both inference endpoints.
+/// The shared path of the OpenAI and SGLang inference endpoints.
 async fn generate(
     state: Arc<EngineState>,
     headers: HeaderMap,
@@ -342,7 +370,65 @@ async fn generate(
     endpoint: Endpoint,
 ) -> Result<Response, ApiError> {
     let body = body.map_err(|e| ApiError::new(e.status(), "BadRequestError", e.body_text()))?;
-    let mut parsed = openai::parse(endpoint, &body)?;
+    let parsed = openai::parse(endpoint, &body)?;
+    let run = admit(&state, &headers, parsed).await?;
+    let meta = ResponseMeta {
+        id: match endpoint {
+            Endpoint::Completions => format!("cmpl-{}-{}", state.name, run.n),
+            Endpoint::Chat => format!("chatcmpl-{}-{}", state.name, run.n),
+            Endpoint::Generate => format!("gen-{}-{}", state.name, run.n),
+        },
+        created: unix_now(),
+        model: state.model.clone(),
+        endpoint,
+        input_logprobs: run.input_logprobs,
+    };
+    if run.parsed.stream {
+        let include_usage = run.parsed.include_usage;
+        return Ok(stream_response(
+            meta,
+            include_usage,
+            run.filler,
+            run.updates,
+        ));
+    }
+    let mut answer = full_body(meta, run.filler, run.updates).await?;
+    if let Some(params) = run.leg.transfer_params(&state, run.rank, run.id).await {
+        answer["kv_transfer_params"] = params;
+    }
+    Ok(Json(answer).into_response())
+}
+
+/// A request running on one rank, with what its answer needs.
+struct Admitted<'a> {
+    /// The request as parsed (`max_tokens` as the leg set it).
+    parsed: ParsedRequest,
+    /// Its leg of a disaggregated request.
+    leg: handoff::Leg,
+    /// The rank running it.
+    rank: &'a RankHandle,
+    /// The engine's id of it.
+    id: RequestId,
+    /// Its tokens and its end, as the engine produces them.
+    updates: mpsc::UnboundedReceiver<Update>,
+    /// The text of each token it will generate.
+    filler: Vec<FillerToken>,
+    /// `/generate`'s `input_token_logprobs`, when asked.
+    input_logprobs: Option<Value>,
+    /// Its prompt's length in tokens.
+    prompt_tokens: usize,
+    /// Its number among the engine's answers (for response ids).
+    n: u64,
+}
+
+/// Runs a parsed request the way every inference endpoint does: the model
+/// (or LoRA adapter) checked, its leg planned, a rank picked, the prompt
+/// rendered off the async workers, and the request submitted.
+async fn admit<'a>(
+    state: &'a EngineState,
+    headers: &HeaderMap,
+    mut parsed: ParsedRequest,
+) -> Result<Admitted<'a>, ApiError> {
     if let Some(model) = &parsed.prompt.model {
         if state.lora_adapters.contains(model) {
             parsed.lora = Some(model.clone());
@@ -354,8 +440,8 @@ async fn generate(
             ));
         }
     }
-    let leg = handoff::Leg::plan(&state, &mut parsed)?;
-    let rank = pick_rank(&state, &headers, &parsed, leg.room())?;
+    let leg = handoff::Leg::plan(state, &mut parsed)?;
+    let rank = pick_rank(state, headers, &parsed, leg.room())?;
     let failed = match state.dice.lock() {
         Ok(mut dice) => dice.roll(),
         Err(poisoned) => poisoned.into_inner().roll(),
@@ -376,28 +462,20 @@ async fn generate(
         handoff::Leg::SglangDecode { .. } => Value::Array(Vec::new()),
         _ => native::input_token_logprobs(&request.prompt),
     });
-    let prepared = leg.prepare(&state, rank, &request).await?;
-    let (id, updates) = leg.submit(&state, rank, request, prepared).await?;
-    let n = state.counter.fetch_add(1, Ordering::Relaxed);
-    let meta = ResponseMeta {
-        id: match endpoint {
-            Endpoint::Completions => format!("cmpl-{}-{n}", state.name),
-            Endpoint::Chat => format!("chatcmpl-{}-{n}", state.name),
-            Endpoint::Generate => format!("gen-{}-{n}", state.name),
-        },
-        created: unix_now(),
-        model: state.model.clone(),
-        endpoint,
+    let prompt_tokens = request.prompt.len();
+    let prepared = leg.prepare(state, rank, &request).await?;
+    let (id, updates) = leg.submit(state, rank, request, prepared).await?;
+    Ok(Admitted {
+        parsed,
+        leg,
+        rank,
+        id,
+        updates,
+        filler,
         input_logprobs,
-    };
-    if parsed.stream {
-        return Ok(stream_response(meta, parsed.include_usage, filler, updates));
-    }
-    let mut answer = full_body(meta, filler, updates).await?;
-    if let Some(params) = leg.transfer_params(&state, rank, id).await {
-        answer["kv_transfer_params"] = params;
-    }
-    Ok(Json(answer).into_response())
+        prompt_tokens,
+        n: state.counter.fetch_add(1, Ordering::Relaxed),
+    })
 }
 
 /// A request body and its JSON: the extractor's refusal (too large, …) or
@@ -412,36 +490,38 @@ pub(super) fn json_body(body: Result<Bytes, BytesRejection>) -> Result<(Bytes, V
 /// `POST /internal/cache_match`: how many prompt tokens of a request each
 /// rank's prefix cache holds right now, without running or changing anything.
 ///
-/// The body is a `/v1/completions` or `/v1/chat/completions` body, optionally
-/// with `"endpoint": "completions" | "chat"` (without it, a body with
-/// `messages` is a chat request). The prompt is built exactly as the real
-/// request would build it (chat template, images), and the answer is
-/// `{"ranks": [{"rank", "matched_tokens"}], "prompt_tokens"}`, where
-/// `matched_tokens` is the `cached_tokens` the request would report if that
-/// rank admitted it now. Internal: it exists so a benchmark can compute the
-/// best achievable routing (an oracle); no real engine has it.
+/// The body is a `/v1/completions`, `/v1/chat/completions`, `/v1/responses`
+/// or `/v1/messages` body, optionally with `"endpoint": "completions" |
+/// "chat" | "responses" | "messages"` (without it, a body with `messages` is
+/// a chat request, else a completion). The prompt is built exactly as the
+/// real request would build it (chat template, images, a stored
+/// conversation), and the answer is `{"ranks": [{"rank", "matched_tokens"}],
+/// "prompt_tokens"}`, where `matched_tokens` is the `cached_tokens` the
+/// request would report if that rank admitted it now. Internal: it exists so
+/// a benchmark can compute the best achievable routing (an oracle); no real
+/// engine has it.
 async fn cache_match(
     State(state): State<Arc<EngineState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
     let (body, value) = json_body(body)?;
     let endpoint = match value.get("endpoint") {
-        None | Some(Value::Null) => {
-            if value.get("messages").is_some() {
-                Endpoint::Chat
-            } else {
-                Endpoint::Completions
-            }
-        }
-        Some(Value::String(s)) if s == "completions" => Endpoint::Completions,
-        Some(Value::String(s)) if s == "chat" => Endpoint::Chat,
-        Some(_) => {
+        None | Some(Value::Null) if value.get("messages").is_some() => "chat".to_owned(),
+        None | Some(Value::Null) => "completions".to_owned(),
+        Some(Value::String(s)) => s.clone(),
+        Some(_) => String::new(),
+    };
+    let parsed = match (endpoint.as_str(), value) {
+        ("completions", _) => openai::parse(Endpoint::Completions, &body)?,
+        ("chat", _) => openai::parse(Endpoint::Chat, &body)?,
+        ("responses", Value::Object(obj)) => responses::parse(&state, body.len(), obj)?.0,
+        ("messages", Value::Object(obj)) => anthropic::parse(obj)?,
+        _ => {
             return Err(ApiError::bad_request(
-                "`endpoint` must be \"completions\" or \"chat\"",
+                "`endpoint` must be \"completions\", \"chat\", \"responses\" or \"messages\"",
             ))
         }
     };
-    let parsed = openai::parse(endpoint, &body)?;
     let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
     let (settings, capacity) = (state.prompt, state.capacity_tokens());
     let (request, _) = tokio::task::spawn_blocking(move || {

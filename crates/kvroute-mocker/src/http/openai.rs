@@ -119,18 +119,8 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         Some(_) => return Err(bad("`stream_options` must be an object")),
     };
     prompt.mm_hashes = fields::mm_hashes(obj.get("mm_hashes"))?;
-    let dp_rank = match obj.get("data_parallel_rank") {
-        None | Some(Value::Null) => None,
-        Some(v) => Some(
-            u32::try_from(field_u64(v, "data_parallel_rank")?)
-                .map_err(|_| bad("`data_parallel_rank` is out of range"))?,
-        ),
-    };
-    prompt.model = match obj.get("model") {
-        None | Some(Value::Null) => None,
-        Some(Value::String(s)) => Some(s.clone()),
-        Some(_) => return Err(bad("`model` must be a string")),
-    };
+    let dp_rank = dp_rank(&obj)?;
+    prompt.model = model(&obj)?;
     Ok(ParsedRequest {
         endpoint,
         prompt,
@@ -142,6 +132,53 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         input_logprobs,
         lora: None,
     })
+}
+
+/// A chat request whose `messages` were converted from another API's body
+/// (OpenAI's Responses, Anthropic's Messages): rendered exactly as
+/// `/v1/chat/completions` renders `messages`. The fields it shares with a
+/// chat body are read from `obj` as [`parse`] reads them: `mm_hashes`,
+/// `data_parallel_rank`, `model` and the disaggregation fields.
+pub fn converted_chat(
+    mut obj: Map<String, Value>,
+    messages: &Value,
+    max_tokens: usize,
+    stream: bool,
+) -> Result<ParsedRequest, ApiError> {
+    let transfer = TransferFields::take(&mut obj);
+    let mut prompt = Prompt::chat(Some(messages))?;
+    prompt.mm_hashes = fields::mm_hashes(obj.get("mm_hashes"))?;
+    prompt.model = model(&obj)?;
+    Ok(ParsedRequest {
+        endpoint: Endpoint::Chat,
+        prompt,
+        max_tokens,
+        stream,
+        include_usage: stream,
+        dp_rank: dp_rank(&obj)?,
+        transfer,
+        input_logprobs: false,
+        lora: None,
+    })
+}
+
+/// `data_parallel_rank`, if given.
+fn dp_rank(obj: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
+    match obj.get("data_parallel_rank") {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => u32::try_from(field_u64(v, "data_parallel_rank")?)
+            .map(Some)
+            .map_err(|_| bad("`data_parallel_rank` is out of range")),
+    }
+}
+
+/// `model`, if given.
+fn model(obj: &Map<String, Value>) -> Result<Option<String>, ApiError> {
+    match obj.get("model") {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        Some(_) => Err(bad("`model` must be a string")),
+    }
 }
 
 fn max_tokens(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<usize, ApiError> {
