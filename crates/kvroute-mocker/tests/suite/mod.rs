@@ -9,6 +9,7 @@ mod golden;
 mod http_api;
 mod msgpack;
 mod multimodal;
+mod other_apis;
 mod pd_sglang;
 mod pd_vllm;
 mod transport;
