@@ -3,8 +3,8 @@
 //! ([`candidates`]), a request hashed and every rank of a fleet priced
 //! ([`fleet`]), the order they are tried in under each routing policy
 //! ([`policy`]), where a disaggregated fleet sends each phase
-//! ([`disagg`]), and the workers' speeds learned from their responses
-//! ([`speed`]).
+//! ([`disagg`]), the workers' speeds learned from their responses
+//! ([`speed`]), and other routers' policies as baselines ([`peers`]).
 //!
 //! Pure: the caller passes the index, the active-sequence state and a
 //! random number; nothing here reads a clock or a socket.
@@ -14,6 +14,7 @@ pub mod candidates;
 pub mod cost;
 pub mod disagg;
 pub mod fleet;
+pub mod peers;
 pub mod policy;
 pub mod session;
 pub mod speed;
@@ -25,5 +26,5 @@ pub use candidates::{
 pub use cost::{Candidate, CostBreakdown, CostWeights};
 pub use disagg::{DecodeCost, LocalPrefillRule, WorkerRole};
 pub use fleet::{score, FleetView, MatchedHashes, RequestHashes, RouteTarget};
-pub use policy::{order, pick, Policy};
+pub use policy::{deal_new_prefix, order, order_from, pick, Policy};
 pub use speed::{SpeedConfig, SpeedLearner};

@@ -1,8 +1,16 @@
 //! The routing policies and the order in which a request's candidates are
 //! tried: the first is the choice, the rest are retried in turn; and
 //! [`pick`], the cost-based policies' choice among costs.
+//!
+//! Two policies are other routers' ([`super::peers`]), kept as baselines:
+//! `dynamo` orders by Dynamo's logit and needs nothing else; `sglang-cache-aware`
+//! needs its tree, which the caller keeps: it chooses with
+//! [`CacheAware::choose`](super::peers::CacheAware::choose) and orders with
+//! [`order_from`]. Without the tree, [`order`] takes its load fallback (the
+//! fewest requests in flight).
 
 use super::candidates::Scored;
+use super::peers::dynamo::{logit, DynamoConfig, DynamoInputs};
 
 /// How the next (worker, rank) is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,6 +25,10 @@ pub enum Policy {
     Random,
     /// Fewest active blocks, then fewest prefill tokens.
     LeastLoaded,
+    /// SGLang router's `cache_aware` ([`super::peers::sglang_cache_aware`]).
+    SglangCacheAware,
+    /// Dynamo's KV router ([`super::peers::dynamo`]).
+    Dynamo,
 }
 
 impl Policy {
@@ -28,6 +40,8 @@ impl Policy {
             Policy::RoundRobin => "round-robin",
             Policy::Random => "random",
             Policy::LeastLoaded => "least-loaded",
+            Policy::SglangCacheAware => "sglang-cache-aware",
+            Policy::Dynamo => "dynamo",
         }
     }
 }
@@ -47,9 +61,12 @@ impl std::str::FromStr for Policy {
             "round-robin" => Policy::RoundRobin,
             "random" => Policy::Random,
             "least-loaded" => Policy::LeastLoaded,
+            "sglang-cache-aware" => Policy::SglangCacheAware,
+            "dynamo" => Policy::Dynamo,
             _ => {
                 return Err(format!(
-                    "unknown policy `{s}` (kv, approx, round-robin, random, least-loaded)"
+                    "unknown policy `{s}` (kv, approx, round-robin, random, least-loaded, \
+                     sglang-cache-aware, dynamo)"
                 ))
             }
         })
@@ -94,11 +111,81 @@ pub fn order(
             let ties: Vec<usize> = usable.iter().copied().filter(|&i| load(i) == min).collect();
             ties[pick_among(ties.len())]
         }
+        Policy::Dynamo => {
+            let logits: Vec<f64> = usable.iter().map(|&i| dynamo_logit(&scored[i])).collect();
+            pick(&logits, temperature, random).map_or(usable[0], |p| usable[p])
+        }
+        Policy::SglangCacheAware => {
+            // Without the caller's tree: sglang's shortest queue.
+            let min = usable
+                .iter()
+                .map(|&i| scored[i].candidate.active_requests)
+                .min();
+            usable
+                .iter()
+                .copied()
+                .find(|&i| Some(scored[i].candidate.active_requests) == min)
+                .unwrap_or(usable[0])
+        }
     };
+    rest_after(scored, usable, first, policy)
+}
+
+/// Dynamo's logit for a scored candidate, with its default weight.
+fn dynamo_logit(s: &Scored) -> f64 {
+    logit(&DynamoConfig::default(), &DynamoInputs::of(s))
+}
+
+/// `first`, then the other usable candidates cheapest first (by Dynamo's
+/// logit under `dynamo`, by kvroute's cost otherwise).
+fn rest_after(scored: &[Scored], usable: Vec<usize>, first: usize, policy: Policy) -> Vec<usize> {
     let mut rest: Vec<usize> = usable.into_iter().filter(|&i| i != first).collect();
-    rest.sort_by(|&a, &b| scored[a].cost.total.total_cmp(&scored[b].cost.total));
+    if policy == Policy::Dynamo {
+        rest.sort_by(|&a, &b| dynamo_logit(&scored[a]).total_cmp(&dynamo_logit(&scored[b])));
+    } else {
+        rest.sort_by(|&a, &b| scored[a].cost.total.total_cmp(&scored[b].cost.total));
+    }
     rest.insert(0, first);
     rest
+}
+
+/// Where a request whose prefix no rank holds (none caches a block of it,
+/// none has a request in flight that holds one) goes when new prefixes are
+/// dealt: the usable candidate that `dealt` says received the fewest new
+/// prefixes so far, the cheapest of equals. `None` when some rank holds a
+/// part of it (the cost decides) or none is usable.
+///
+/// A new prefix's first request brings the load of every request of its
+/// group that follows it: placing it on the rank least loaded *now* (what
+/// the cost does) can pile groups onto one rank; dealing them evenly is
+/// what SGLang's `cache_aware` does by sending a miss to its smallest tree.
+pub fn deal_new_prefix(scored: &[Scored], dealt: &dyn Fn(usize) -> u64) -> Option<usize> {
+    let held = scored
+        .iter()
+        .any(|s| s.candidate.device_blocks > 0 || s.candidate.active_prefix_blocks > 0);
+    if held {
+        return None;
+    }
+    (0..scored.len())
+        .filter(|&i| !scored[i].overloaded)
+        .min_by(|&a, &b| {
+            dealt(a)
+                .cmp(&dealt(b))
+                .then(scored[a].cost.total.total_cmp(&scored[b].cost.total))
+        })
+}
+
+/// The order when the caller chose `first` itself (a policy whose state it
+/// keeps: `sglang-cache-aware`): `first`, then the other candidates that
+/// are not overloaded, cheapest first. Empty when `first` is out of range.
+pub fn order_from(scored: &[Scored], first: usize) -> Vec<usize> {
+    if first >= scored.len() {
+        return Vec::new();
+    }
+    let usable: Vec<usize> = (0..scored.len())
+        .filter(|&i| i == first || !scored[i].overloaded)
+        .collect();
+    rest_after(scored, usable, first, Policy::SglangCacheAware)
 }
 
 /// Picks the index of the cheapest cost, or samples one when `temperature > 0`.
@@ -176,6 +263,40 @@ mod tests {
         assert_eq!(order(&s, Policy::RoundRobin, 0.0, 0.0, 2), [3, 1, 0]);
         assert_eq!(order(&s, Policy::Random, 0.0, 0.99, 0), [3, 1, 0]);
         assert_eq!(order(&s, Policy::Random, 0.0, 0.0, 0), [0, 1, 3]);
+        // Without its tree, sglang's policy takes the fewest requests.
+        assert_eq!(order(&s, Policy::SglangCacheAware, 0.0, 0.0, 0), [0, 1, 3]);
+        assert_eq!(order_from(&s, 3), [3, 1, 0]);
+        assert!(order_from(&s, 9).is_empty());
+    }
+
+    #[test]
+    fn a_new_prefix_is_dealt_to_the_rank_dealt_fewest_and_a_held_one_is_not() {
+        let s = [
+            scored(1.0, 0, false),
+            scored(3.0, 0, false),
+            scored(2.0, 0, false),
+            scored(0.5, 0, true),
+        ];
+        let dealt = [2, 1, 1, 0];
+        assert_eq!(deal_new_prefix(&s, &|i| dealt[i]), Some(2));
+        let mut held = s.clone();
+        held[1].candidate.active_prefix_blocks = 3;
+        assert_eq!(deal_new_prefix(&held, &|i| dealt[i]), None);
+        held[1].candidate.active_prefix_blocks = 0;
+        held[0].candidate.device_blocks = 1;
+        assert_eq!(deal_new_prefix(&held, &|i| dealt[i]), None);
+    }
+
+    #[test]
+    fn dynamo_orders_by_its_own_logit_not_kvroutes_cost() {
+        let mut s = [scored(1.0, 30, false), scored(9.0, 2, false)];
+        for c in &mut s {
+            c.block_size = 16;
+            c.cost.prefill_blocks = 4.0;
+        }
+        // Equal prefill, 30 active blocks against 2: Dynamo takes the second.
+        assert_eq!(order(&s, Policy::Dynamo, 0.0, 0.0, 0), [1, 0]);
+        assert_eq!(order(&s, Policy::Kv, 0.0, 0.0, 0), [0, 1]);
     }
 
     #[test]
@@ -186,6 +307,8 @@ mod tests {
             Policy::RoundRobin,
             Policy::Random,
             Policy::LeastLoaded,
+            Policy::SglangCacheAware,
+            Policy::Dynamo,
         ] {
             assert_eq!(p.as_str().parse::<Policy>(), Ok(p));
         }
