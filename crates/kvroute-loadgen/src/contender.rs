@@ -7,8 +7,17 @@ use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Pol
 use crate::error::Error;
 use crate::report::ORACLE;
 
-/// The name of kvroute's KV policy run with Dynamo's cost weights.
+/// The name of Dynamo's KV router re-implemented ([`Policy::Dynamo`]).
 pub const DYNAMO: &str = "dynamo";
+
+/// The name of kvroute's `kv` policy run with Dynamo's cost weights
+/// ([`CostWeights::DYNAMO`]): kvroute's accounting and retries, Dynamo's
+/// weights (what `dynamo` meant before the policy itself was re-implemented).
+pub const KV_DYNAMO_WEIGHTS: &str = "kv-dynamo-weights";
+
+/// The name of SGLang router's `cache_aware` re-implemented
+/// ([`Policy::SglangCacheAware`]).
+pub const SGLANG: &str = "sglang-cache-aware";
 
 /// The name of the `kv` policy that always transfers a disaggregated
 /// request's KV ([`Disagg::AlwaysSplit`]).
@@ -57,6 +66,10 @@ pub struct Routing {
     pub busy: BusyThresholds,
     /// How prefill and decode engines are used, where the fleet has them.
     pub disagg: Disagg,
+    /// Under `kv`: a request whose prefix no rank holds goes to the rank
+    /// dealt the fewest such prefixes ([`kvroute_core::scheduler::deal_new_prefix`];
+    /// simulator only for now).
+    pub deal_new_prefixes: bool,
 }
 
 impl Routing {
@@ -68,6 +81,7 @@ impl Routing {
             temperature: 0.0,
             busy: BusyThresholds::default(),
             disagg: Disagg::Conditional,
+            deal_new_prefixes: false,
         }
     }
 }
@@ -84,9 +98,10 @@ pub enum Contender {
 impl std::str::FromStr for Contender {
     type Err = Error;
 
-    /// `oracle`, `dynamo` (the `kv` policy with [`CostWeights::DYNAMO`]),
-    /// `kv-split` and `aggregated` (the `kv` policy with [`Disagg`]'s other
-    /// settings), or a router policy's name (`kv`, `round-robin`, …) with
+    /// `oracle`, `kv-dynamo-weights` (the `kv` policy with
+    /// [`CostWeights::DYNAMO`]), `kv-split` and `aggregated` (the `kv`
+    /// policy with [`Disagg`]'s other settings), or a router policy's name
+    /// (`kv`, `round-robin`, `dynamo`, `sglang-cache-aware`, …) with
     /// kvroute's weights.
     fn from_str(name: &str) -> Result<Self, Error> {
         if name == ORACLE {
@@ -103,7 +118,7 @@ impl std::str::FromStr for Contender {
                 ..Routing::new(Policy::Kv)
             }));
         }
-        if name == DYNAMO {
+        if name == KV_DYNAMO_WEIGHTS {
             return Ok(Contender::Router(Routing {
                 weights: CostWeights::DYNAMO,
                 ..Routing::new(Policy::Kv)
@@ -111,7 +126,11 @@ impl std::str::FromStr for Contender {
         }
         name.parse::<Policy>()
             .map(|p| Contender::Router(Routing::new(p)))
-            .map_err(|e| Error::Invalid(format!("{e}, dynamo, kv-split, aggregated or oracle")))
+            .map_err(|e| {
+                Error::Invalid(format!(
+                    "{e}, kv-dynamo-weights, kv-split, aggregated or oracle"
+                ))
+            })
     }
 }
 
@@ -121,11 +140,17 @@ mod tests {
 
     #[test]
     fn names_parse_to_their_settings() {
-        let dynamo: Contender = "dynamo".parse().expect("known");
-        let Contender::Router(r) = dynamo else {
+        let weights: Contender = "kv-dynamo-weights".parse().expect("known");
+        let Contender::Router(r) = weights else {
             panic!("a router");
         };
         assert_eq!((r.policy, r.weights), (Policy::Kv, CostWeights::DYNAMO));
+        for (name, policy) in [(DYNAMO, Policy::Dynamo), (SGLANG, Policy::SglangCacheAware)] {
+            assert_eq!(
+                name.parse::<Contender>().ok(),
+                Some(Contender::Router(Routing::new(policy)))
+            );
+        }
         assert_eq!("oracle".parse::<Contender>().ok(), Some(Contender::Oracle));
         assert_eq!(
             "least-loaded".parse::<Contender>().ok(),

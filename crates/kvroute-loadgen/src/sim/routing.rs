@@ -17,9 +17,10 @@ use std::sync::Arc;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::rng::SplitMix64;
+use kvroute_core::scheduler::peers::{tenant_of, CacheAware, CacheAwareConfig};
 use kvroute_core::scheduler::{
-    order, score, ActiveSequences, FleetView, Load, Policy, Pricing, RequestHashes, RouteTarget,
-    Scored, SpeedConfig, SpeedLearner, WorkerRole,
+    deal_new_prefix, order, order_from, score, ActiveSequences, FleetView, Load, Policy, Pricing,
+    RequestHashes, RouteTarget, Scored, SpeedConfig, SpeedLearner, WorkerRole,
 };
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use kvroute_mocker::engine::{Engine, NewRequest};
@@ -67,6 +68,10 @@ pub struct SimRouter {
     /// Each engine's role (all [`WorkerRole::Both`] unless the fleet is
     /// disaggregated: [`SimRouter::with_roles`]).
     roles: Vec<WorkerRole>,
+    /// SGLang's tree, under `sglang-cache-aware`.
+    sglang: Option<CacheAware>,
+    /// New prefixes dealt to each engine ([`Routing::deal_new_prefixes`]).
+    dealt: Vec<u64>,
 }
 
 /// A request scored against every rank: what the policy orders, and the
@@ -179,6 +184,15 @@ impl SimRouter {
             decoding: HashMap::new(),
             pins: None,
             roles: vec![WorkerRole::Both; engines],
+            sglang: matches!(
+                policy,
+                Contender::Router(Routing {
+                    policy: Policy::SglangCacheAware,
+                    ..
+                })
+            )
+            .then(|| CacheAware::new(CacheAwareConfig::default())),
+            dealt: vec![0; engines],
         }
     }
 
@@ -248,10 +262,31 @@ impl SimRouter {
         } = self.score_request(tokens, &routing);
         let by_policy =
             |scored: &[Scored]| order(scored, routing.policy, routing.temperature, random, turn);
+        let sglang = self.sglang.as_mut().and_then(|tree| {
+            let loads: Vec<(u32, u64)> = scored
+                .iter()
+                .map(|s| (tenant_of(s.key), s.candidate.active_requests))
+                .collect();
+            let (first, _) = tree.choose(tokens, &loads, now_ms)?;
+            order_from(&scored, first).first().copied()
+        });
+        let dealt = &mut self.dealt;
+        let sglang = sglang.or_else(|| {
+            if !(routing.deal_new_prefixes && routing.policy == Policy::Kv) {
+                return None;
+            }
+            let i = deal_new_prefix(&scored, &|i| {
+                dealt.get(scored[i].worker).copied().unwrap_or(0)
+            })?;
+            if let Some(n) = dealt.get_mut(scored[i].worker) {
+                *n += 1;
+            }
+            Some(i)
+        });
         // Every rank busy: `kvroute serve` would queue the request; here it
         // goes where the policy sends it with the thresholds ignored.
-        let chosen = match by_policy(&scored).first() {
-            Some(&i) => i,
+        let chosen = match sglang.or_else(|| by_policy(&scored).first().copied()) {
+            Some(i) => i,
             None => {
                 relax(&mut scored);
                 by_policy(&scored).first().copied().unwrap_or(0)

@@ -411,3 +411,39 @@ fn what_a_pd_fleet_cannot_be_simulated_with_is_refused() {
     sglang.engine.flavor = kvroute_core::event::WorkerFlavor::Sglang;
     assert!(simulate(&sglang, &load).is_err());
 }
+
+#[test]
+fn the_peers_policies_run_on_the_virtual_clock() {
+    let load = preset_load(Preset::Short, 400);
+    let run = |policy: Contender| simulate(&config(policy, 256), &load).expect("runs");
+    let sglang = run("sglang-cache-aware".parse().expect("known"));
+    let dynamo = run("dynamo".parse().expect("known"));
+    let weights = run("kv-dynamo-weights".parse().expect("known"));
+    let rr = run(kv(Policy::RoundRobin));
+    assert_eq!(sglang.report.requests, 400);
+    // Its tree keeps each group where it went first.
+    assert!(
+        sglang.report.hit_rate > rr.report.hit_rate + 0.2,
+        "sglang {} round-robin {}",
+        sglang.report.hit_rate,
+        rr.report.hit_rate
+    );
+    // With Dynamo's defaults its logit orders ranks as kvroute's cost with
+    // Dynamo's weights does: the same placements, the same figures.
+    assert_eq!(dynamo.per_engine, weights.per_engine);
+    assert_eq!(dynamo.report.hit_rate, weights.report.hit_rate);
+}
+
+#[test]
+fn dealing_new_prefixes_spreads_the_groups_first_requests() {
+    let load = preset_load(Preset::Long, 200);
+    let dealt = Contender::Router(Routing {
+        deal_new_prefixes: true,
+        ..Routing::new(Policy::Kv)
+    });
+    let r = simulate(&config(dealt, 2_048), &load).expect("runs");
+    assert_eq!((r.report.requests, r.report.failed), (200, 0));
+    // Every engine got a share of the 32 groups, and each group stayed put.
+    assert!(r.per_engine.iter().all(|&n| n > 20), "{:?}", r.per_engine);
+    assert!(r.report.hit_rate > 0.8, "{}", r.report.hit_rate);
+}
