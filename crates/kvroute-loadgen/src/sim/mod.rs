@@ -29,6 +29,7 @@
 
 pub mod bound;
 mod clock;
+pub mod frontier;
 pub mod routing;
 
 use kvroute_mocker::engine::EngineConfig;

@@ -103,9 +103,10 @@ pub struct SimArgs {
     /// Weight an engine's earlier responses keep at each new one.
     #[arg(long, default_value_t = SpeedConfig::default().forget)]
     speed_forget: f64,
-    /// What routes, in order: router policies, `dynamo` (kv with Dynamo's
-    /// weights), `kv-split` and `aggregated` (kv always splitting, or
-    /// ignoring the roles, on a P/D fleet) and `oracle` (not on a P/D
+    /// What routes, in order: router policies (with the peers' re-implemented
+    /// `sglang-cache-aware` and `dynamo`), `kv-dynamo-weights` (kv with
+    /// Dynamo's weights), `kv-split` and `aggregated` (kv always splitting,
+    /// or ignoring the roles, on a P/D fleet) and `oracle` (not on a P/D
     /// fleet). Default: kv,dynamo,least-loaded,round-robin,oracle; on a
     /// P/D fleet kv,kv-split,round-robin,aggregated.
     #[arg(long, value_delimiter = ',')]
@@ -140,6 +141,15 @@ pub struct SimArgs {
     /// `--pin-search` prints its best).
     #[arg(long, value_delimiter = ',', conflicts_with_all = ["trace", "pin_search"])]
     pins: Vec<usize>,
+    /// Instead of `--policies`: the `kv` policy's knobs swept on `long`,
+    /// `short` and the Mooncake trace (or `--preset` / `--trace` alone), per
+    /// seed: each (hit, TTFT p99, latency p99) Pareto frontier, with
+    /// `sglang-cache-aware` and `dynamo` beside it.
+    #[arg(long, conflicts_with_all = ["pin_search", "pins", "pd"])]
+    frontier: bool,
+    /// With `--frontier`: also draw it as an SVG here.
+    #[arg(long, value_name = "FILE", requires = "frontier")]
+    frontier_svg: Option<PathBuf>,
     /// With `--pin-search`: placements below this hit rate do not count.
     #[arg(long, requires = "pin_search")]
     pin_min_hit: Option<f64>,
@@ -176,6 +186,10 @@ struct SweepArgs {
     /// Requests in flight at which a rank is skipped (busy).
     #[arg(long, value_delimiter = ',')]
     busy_requests: Vec<f64>,
+    /// 1: a request whose prefix no rank holds goes to the rank dealt the
+    /// fewest such prefixes (0: to the cheapest, the default).
+    #[arg(long, value_delimiter = ',')]
+    deal_new_prefixes: Vec<f64>,
 }
 
 /// One axis of the sweep: its short name, its values, and how it sets a routing.
@@ -183,7 +197,7 @@ type Axis<'a> = (&'static str, &'a [f64], fn(&mut Routing, f64));
 
 impl SweepArgs {
     fn axes(&self) -> Vec<Axis<'_>> {
-        let all: [Axis<'_>; 8] = [
+        let all: [Axis<'_>; 9] = [
             ("pls", &self.prefill_load_scale, |r, v| {
                 r.weights.prefill_load_scale = v
             }),
@@ -205,6 +219,9 @@ impl SweepArgs {
             ("t", &self.temperature, |r, v| r.temperature = v),
             ("busy", &self.busy_requests, |r, v| {
                 r.busy.requests = Some(v as u64)
+            }),
+            ("deal", &self.deal_new_prefixes, |r, v| {
+                r.deal_new_prefixes = v > 0.0
             }),
         ];
         all.into_iter().filter(|a| !a.1.is_empty()).collect()
@@ -424,6 +441,22 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
     };
     if let Some(evaluations) = a.pin_search {
         return pin_search(a, evaluations, &config);
+    }
+    if a.frontier {
+        use kvroute_loadgen::sim::frontier::{command, Options};
+        let kv: Contender = "kv".parse()?;
+        let options = Options {
+            preset: a.preset,
+            trace: a.trace.as_deref(),
+            gpu_blocks: a.gpu_blocks,
+            seeds: &a.seeds,
+            speedup: a.speedup,
+            requests: a.requests,
+            json: a.json,
+            svg: a.frontier_svg.as_deref(),
+        };
+        print!("{}", command(&options, &|seed| config(kv, seed))?);
+        return Ok(ExitCode::SUCCESS);
     }
     let contenders = if a.pins.is_empty() {
         contenders(a)?
