@@ -3,7 +3,8 @@
 //! ([`candidates`]), a request hashed and every rank of a fleet priced
 //! ([`fleet`]), the order they are tried in under each routing policy
 //! ([`policy`]), where a disaggregated fleet sends each phase
-//! ([`disagg`]), the workers' speeds learned from their responses
+//! ([`disagg`]), the order requests wait in the overload queue ([`fair`]),
+//! the workers' speeds learned from their responses
 //! ([`speed`]), and other routers' policies as baselines ([`peers`]).
 //!
 //! Pure: the caller passes the index, the active-sequence state and a
@@ -13,6 +14,7 @@ pub mod active;
 pub mod candidates;
 pub mod cost;
 pub mod disagg;
+pub mod fair;
 pub mod fleet;
 pub mod peers;
 pub mod policy;
