@@ -67,6 +67,10 @@ pub struct RoutingRequest {
     /// Its place in the overload queue (`x-priority`, set by the proxy):
     /// lower is served first; 0 by default.
     pub priority: i64,
+    /// Its tenant (set by the proxy: its tenant header, else its API key's
+    /// fingerprint): the overload queue shares the fleet fairly among
+    /// tenants; `None`: the anonymous tenant.
+    pub tenant: Option<String>,
     /// A Responses API continuation's `previous_response_id`: the
     /// conversation so far lives only on the worker that produced that
     /// response, so the router sends it to that worker.

@@ -32,7 +32,8 @@ pub enum ErrorKind {
     MethodNotAllowed,
     /// The change conflicts with the fleet (a worker registered twice).
     Conflict,
-    /// Too many queries at once.
+    /// Too many queries at once, or (a completion request) its tenant is
+    /// the most over its share of the full overload queue.
     RateLimited,
     /// No worker can be routed to (none registered, or all failing).
     NoWorkers,
@@ -55,12 +56,13 @@ pub enum ErrorKind {
 impl ErrorKind {
     /// The kinds a completion request can be answered with: the label
     /// values of `kvroute_proxy_errors_total`, each exported from the start.
-    pub const PROXY: [ErrorKind; 11] = [
+    pub const PROXY: [ErrorKind; 12] = [
         ErrorKind::BadRequest,
         ErrorKind::ContextTooLong,
         ErrorKind::TooLarge,
         ErrorKind::NoWorkers,
         ErrorKind::ModelNotFound,
+        ErrorKind::RateLimited,
         ErrorKind::Overloaded,
         ErrorKind::QueueTimeout,
         ErrorKind::UpstreamUnreachable,

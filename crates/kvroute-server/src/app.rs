@@ -82,6 +82,8 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/completions", post(proxy::completions))
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/generate", post(proxy::generate))
+        .route("/v1/responses", post(proxy::responses))
+        .route("/v1/messages", post(proxy::messages))
         .route("/v1/models", get(proxy::models))
         .merge(introspection)
         .route("/health", get(admin::health))

@@ -19,6 +19,7 @@ pub mod admin;
 pub mod api;
 pub mod app;
 pub mod dashboard;
+pub mod dialect;
 pub mod discovery;
 pub mod epp;
 pub mod ingest;
@@ -228,11 +229,19 @@ pub async fn serve_with_epp(
             proxy.share_speeds_with(r.speeds.clone());
             proxy.clone() as Arc<dyn SharedSpeeds>
         });
+        let pins = Arc::new(replica::pins::PinShare::new(
+            &r.config().prefix,
+            config.proxy.sessions.ttl,
+        ));
         collectors.push(Box::new(ReplicaCollector::new(
             r.sync.clone(),
             r.speeds.clone(),
+            pins.clone(),
         )));
-        r.run(proxy.clone(), registry.clone(), speeds)
+        proxy.share_pins_with(pins.clone());
+        let mut tasks = r.run(proxy.clone(), registry.clone(), speeds);
+        tasks.extend(pins.run(r.client().clone(), proxy.clone()));
+        tasks
     });
     let (epp_tasks, stopping) = start_epp(&config, epp, &proxy, &mut collectors)?;
     let connections = ConnectionMetrics::default();

@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::http::{HeaderMap, HeaderValue};
-use kvroute_prompt::body::{self, RoutingRequest};
+use kvroute_prompt::body::RoutingRequest;
 
 use super::exchange::{RequestHead, ResponseHead};
 use super::subset::Endpoint;
@@ -23,7 +23,7 @@ use crate::proxy::active::ActiveGuard;
 use crate::proxy::attempt::{self, Eligible, REQUEST_ID};
 use crate::proxy::candidates::Target;
 use crate::proxy::relay::Prediction;
-use crate::proxy::{on_cpu, Proxy, LARGE_BODY};
+use crate::proxy::{on_cpu, Endpoint as ApiEndpoint, Proxy, LARGE_BODY};
 
 /// The header naming a multi-rank worker's rank, as vLLM reads it.
 pub const RANK_HEADER: &str = "x-data-parallel-rank";
@@ -41,19 +41,6 @@ pub struct Pick {
     pub accounting: Accounting,
 }
 
-/// Which OpenAI endpoint a path names: `Some(true)` chat, `Some(false)`
-/// completions, `None` another (routed on load alone).
-fn openai_endpoint(path: &str) -> Option<bool> {
-    let path = path.trim_end_matches('/');
-    if path.ends_with("/chat/completions") {
-        Some(true)
-    } else if path.ends_with("/completions") {
-        Some(false)
-    } else {
-        None
-    }
-}
-
 /// What routing reads of a request: for a completion or chat body, what
 /// `kvroute serve` reads and tokenizes (on the blocking pool when large);
 /// for any other request, nothing (it is routed on load alone).
@@ -63,14 +50,16 @@ async fn read(
     body: &Bytes,
     has_body: bool,
 ) -> Result<RoutingRequest, ProxyError> {
-    let chat = match openai_endpoint(&head.path) {
-        Some(chat) if has_body => chat,
+    let endpoint = match ApiEndpoint::of_path(&head.path) {
+        Some(endpoint) if has_body => endpoint,
         _ => return Ok(RoutingRequest::default()),
     };
     let large = body.len() > LARGE_BODY;
     let (proxy, body) = (proxy.clone(), body.clone());
     on_cpu(large, move || {
-        let mut req = body::parse_request(&body, chat).map_err(|e| ProxyError::bad_request(e.0))?;
+        let mut req = endpoint
+            .parse(&body)
+            .map_err(|e| ProxyError::bad_request(e.0))?;
         proxy.tokenize(&mut req);
         Ok(req)
     })
@@ -225,13 +214,17 @@ mod tests {
     use super::*;
 
     #[test]
-    fn completion_and_chat_paths_are_read_and_others_routed_on_load() {
-        assert_eq!(openai_endpoint("/v1/chat/completions"), Some(true));
-        assert_eq!(openai_endpoint("/v1/chat/completions/"), Some(true));
-        assert_eq!(openai_endpoint("/v1/completions"), Some(false));
-        assert_eq!(openai_endpoint("/openai/v1/completions"), Some(false));
-        assert_eq!(openai_endpoint("/v1/models"), None);
-        assert_eq!(openai_endpoint("/v1/embeddings"), None);
-        assert_eq!(openai_endpoint(""), None);
+    fn the_apis_paths_are_read_and_others_routed_on_load() {
+        let of = ApiEndpoint::of_path;
+        assert_eq!(of("/v1/chat/completions"), Some(ApiEndpoint::Chat));
+        assert_eq!(of("/v1/chat/completions/"), Some(ApiEndpoint::Chat));
+        assert_eq!(of("/v1/completions"), Some(ApiEndpoint::Completions));
+        assert_eq!(of("/openai/v1/completions?x=1"), Some(ApiEndpoint::Completions));
+        assert_eq!(of("/v1/responses"), Some(ApiEndpoint::Responses));
+        assert_eq!(of("/v1/messages"), Some(ApiEndpoint::Messages));
+        assert_eq!(of("/generate"), Some(ApiEndpoint::Generate));
+        assert_eq!(of("/v1/models"), None);
+        assert_eq!(of("/v1/embeddings"), None);
+        assert_eq!(of(""), None);
     }
 }

@@ -14,6 +14,10 @@ const KIND: &[&str] = &["kind"];
 const WORKER_ROLE: &[&str] = &["worker", "role"];
 const STATUS: &[&str] = &["status"];
 const REASON: &[&str] = &["reason"];
+/// A tenant `--tenant-weight` names, or `other`: bounded by the flags.
+const TENANT: &[&str] = &["tenant"];
+/// `high` (`x-priority` below 0), `normal` (0) or `low` (above 0).
+const PRIORITY: &[&str] = &["priority"];
 
 /// Declares each metric as a constant (documented by its help text) and
 /// lists them all, in exposition order, as [`CATALOGUE`].
@@ -78,8 +82,15 @@ catalogue! {
     PROXY_ENGINE_SCRAPE_FAILURES: kvroute_proxy_engine_scrape_failures_total   Counter   NONE "Workers' /metrics that could not be read (their last report ages out).";
     PROXY_SESSION_KEPT:           kvroute_proxy_session_kept_total             Counter   NONE "Requests of a known session sent back to its rank.";
     PROXY_SESSION_MOVED:          kvroute_proxy_session_moved_total            Counter   NONE "Requests of a known session sent elsewhere: its rank's queue cost more than its cached history saves, or it is gone or busy.";
+    PROXY_CONTINUATION_KEPT:      kvroute_proxy_continuation_kept_total        Counter   NONE "Responses API continuations (previous_response_id) sent to the rank that produced the previous response.";
+    PROXY_CONTINUATION_UNKNOWN:   kvroute_proxy_continuation_unknown_total     Counter   NONE "Responses API continuations whose previous response's rank is unknown (expired, from before every replica) or gone: routed by cost.";
     PROXY_DISAGG_SPLIT:           kvroute_proxy_disagg_split_total             Counter   NONE "Disaggregated requests split: prefill on a prefill worker, decode on a decode worker.";
     PROXY_DISAGG_LOCAL:           kvroute_proxy_disagg_local_total             Counter   NONE "Disaggregated requests prefilled on their decode rank (conditional disaggregation, or no prefill worker).";
+    TENANT_REQUESTS:              kvroute_tenant_requests_total                Counter   TENANT "Completion requests that reached admission, by tenant (--tenant-header, else the API key's fingerprint; a tenant --tenant-weight does not name counts as other).";
+    TENANT_QUEUED:                kvroute_tenant_queued_total                  Counter   TENANT "Requests that waited in the overload queue, by tenant.";
+    TENANT_REFUSED_OVER_SHARE:    kvroute_tenant_refused_over_share_total      Counter   TENANT "Requests refused with 429 at a full overload queue because their tenant had the most requests waiting for its weight (a newcomer, or a waiting request making room for another tenant's).";
+    TENANT_WAITING:               kvroute_tenant_queue_waiting                 Gauge     TENANT "Requests waiting in the overload queue now, by tenant.";
+    PRIORITY_QUEUE_WAIT:          kvroute_priority_queue_wait_seconds          Histogram PRIORITY "Time from a request's admission to its placement or refusal spent in the overload queue (0: not queued), by priority class.";
     PROXY_ROUTED:                 kvroute_proxy_routed_total                   Counter   RANK "Requests forwarded per (worker, rank).";
     PROXY_ROUTED_ON_LOAD:         kvroute_proxy_routed_on_load_total           Counter   NONE "Requests forwarded without cache knowledge: no tokens, a load-only policy, or a rank whose history is incomplete.";
     QUALITY_PROMPT_TOKENS:        kvroute_quality_prompt_tokens_total          Counter   NONE "Prompt tokens of responses whose cached_tokens the engine reported.";
@@ -116,6 +127,10 @@ catalogue! {
     REPLICA_SPEEDS_SENT:          kvroute_replica_speed_observations_sent_total     Counter NONE "Speed observations (one per streamed response) published to the peers (--learn-speeds).";
     REPLICA_SPEEDS_RECEIVED:      kvroute_replica_speed_observations_received_total Counter NONE "Peers' speed observations fed to this replica's learner.";
     REPLICA_SPEEDS_DROPPED:       kvroute_replica_speed_observations_dropped_total  Counter NONE "Speed observations not published: NATS was down or too slow.";
+    REPLICA_PINS_SENT:            kvroute_replica_pins_sent_total              Counter   NONE "Session and response pins put in the shared JetStream bucket.";
+    REPLICA_PINS_RECEIVED:        kvroute_replica_pins_received_total          Counter   NONE "Peers' session and response pins applied here (watched or fetched).";
+    REPLICA_PINS_DROPPED:         kvroute_replica_pins_dropped_total           Counter   NONE "Pins not put in the bucket: NATS was down or too slow.";
+    REPLICA_PINS_SKIPPED:         kvroute_replica_pins_skipped_total           Counter   NONE "Pins skipped: undecodable, or naming a worker or rank this replica does not have.";
     REPLICA_PEER_DELAY:           kvroute_replica_peer_delay_seconds           Histogram NONE "Delay from a peer's admission of a request to this replica applying it.";
     REPLICA_PUBLISH_COST:         kvroute_replica_publish_seconds              Histogram NONE "Time a request spends handing an event to the outbox.";
     EPP_STREAMS:                  kvroute_epp_streams_total                    Counter   NONE "ext_proc streams the endpoint picker opened (one per request through the gateway; --epp-port).";

@@ -13,7 +13,8 @@
 //! By area: [`catalogue`] declares every metric and writes the docs' table;
 //! [`ingest`] reads the workers' streams and the index; [`proxy`] holds the
 //! counters of requests; [`replicas`] reads the replica sync; [`epp`]
-//! holds the endpoint picker's counters. This module
+//! holds the endpoint picker's counters; [`tenants`] the overload queue's by
+//! tenant and priority class. This module
 //! holds what they share: the kinds, the label sets, the encoding helpers
 //! and the registry.
 
@@ -34,6 +35,7 @@ pub mod epp;
 pub mod ingest;
 pub mod proxy;
 pub mod replicas;
+pub mod tenants;
 #[cfg(test)]
 mod tests;
 

@@ -47,6 +47,10 @@ pub struct ProxyMetrics {
     pub session_kept: Counter,
     /// [`PROXY_SESSION_MOVED`].
     pub session_moved: Counter,
+    /// [`PROXY_CONTINUATION_KEPT`].
+    pub continuation_kept: Counter,
+    /// [`PROXY_CONTINUATION_UNKNOWN`].
+    pub continuation_unknown: Counter,
     /// [`PROXY_DISAGG_SPLIT`].
     pub disagg_split: Counter,
     /// [`PROXY_DISAGG_LOCAL`].
@@ -63,6 +67,8 @@ pub struct ProxyMetrics {
     pub exact: Family<StateLabel, Counter>,
     /// [`ACCURACY_DIFFERENCE`].
     pub difference: Family<StateLabel, Histogram>,
+    /// The overload queue's, by tenant and priority class.
+    pub tenants: super::tenants::TenantMetrics,
 }
 
 impl Default for ProxyMetrics {
@@ -81,6 +87,8 @@ impl Default for ProxyMetrics {
             engine_scrape_failures: Counter::default(),
             session_kept: Counter::default(),
             session_moved: Counter::default(),
+            continuation_kept: Counter::default(),
+            continuation_unknown: Counter::default(),
             disagg_split: Counter::default(),
             disagg_local: Counter::default(),
             errors: {
@@ -96,6 +104,7 @@ impl Default for ProxyMetrics {
             comparisons: Family::default(),
             exact: Family::default(),
             difference: Family::new_with_constructor(|| Histogram::new(ACCURACY_BUCKETS)),
+            tenants: super::tenants::TenantMetrics::default(),
         }
     }
 }
@@ -120,7 +129,7 @@ impl ProxyMetrics {
         let older: &[&Counter] = match kind {
             ErrorKind::BadRequest | ErrorKind::ContextTooLong => &[&self.bad_requests],
             ErrorKind::NoWorkers => &[&self.no_workers],
-            ErrorKind::Overloaded => &[&self.overloaded],
+            ErrorKind::Overloaded | ErrorKind::RateLimited => &[&self.overloaded],
             ErrorKind::QueueTimeout => &[&self.overloaded, &self.queue_timeouts],
             _ => &[],
         };
@@ -145,6 +154,8 @@ impl ProxyMetrics {
             (PROXY_ENGINE_SCRAPE_FAILURES, &self.engine_scrape_failures),
             (PROXY_SESSION_KEPT, &self.session_kept),
             (PROXY_SESSION_MOVED, &self.session_moved),
+            (PROXY_CONTINUATION_KEPT, &self.continuation_kept),
+            (PROXY_CONTINUATION_UNKNOWN, &self.continuation_unknown),
             (PROXY_DISAGG_SPLIT, &self.disagg_split),
             (PROXY_DISAGG_LOCAL, &self.disagg_local),
         ];
@@ -170,5 +181,6 @@ impl ProxyMetrics {
             ACCURACY_DIFFERENCE.help,
             self.difference.clone(),
         );
+        self.tenants.register(registry);
     }
 }

@@ -8,6 +8,7 @@ use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use super::catalogue::*;
 use super::encode_single;
 use crate::replica::bus::ReplicaSync;
+use crate::replica::pins::PinShare;
 use crate::replica::speeds::SpeedShare;
 
 /// The replica sync's metrics (`kvroute_replica_*`), read at scrape time.
@@ -15,12 +16,13 @@ use crate::replica::speeds::SpeedShare;
 pub struct ReplicaCollector {
     sync: Arc<ReplicaSync>,
     speeds: Arc<SpeedShare>,
+    pins: Arc<PinShare>,
 }
 
 impl ReplicaCollector {
-    /// A collector over `sync` and the sharing of `speeds`.
-    pub fn new(sync: Arc<ReplicaSync>, speeds: Arc<SpeedShare>) -> Self {
-        ReplicaCollector { sync, speeds }
+    /// A collector over `sync` and the sharing of `speeds` and `pins`.
+    pub fn new(sync: Arc<ReplicaSync>, speeds: Arc<SpeedShare>, pins: Arc<PinShare>) -> Self {
+        ReplicaCollector { sync, speeds, pins }
     }
 }
 
@@ -29,6 +31,7 @@ impl Collector for ReplicaCollector {
         use std::sync::atomic::Ordering::Relaxed;
         let c = &self.sync.counters;
         let s = &self.speeds.counters;
+        let p = &self.pins.counters;
         let view = self.sync.view();
         let singles = [
             (REPLICA_NATS_CONNECTED, u64::from(view.connected)),
@@ -55,6 +58,10 @@ impl Collector for ReplicaCollector {
             (REPLICA_SPEEDS_SENT, s.sent.load(Relaxed)),
             (REPLICA_SPEEDS_RECEIVED, s.received.load(Relaxed)),
             (REPLICA_SPEEDS_DROPPED, s.dropped.load(Relaxed)),
+            (REPLICA_PINS_SENT, p.sent.load(Relaxed)),
+            (REPLICA_PINS_RECEIVED, p.received.load(Relaxed)),
+            (REPLICA_PINS_DROPPED, p.dropped.load(Relaxed)),
+            (REPLICA_PINS_SKIPPED, p.skipped.load(Relaxed)),
         ];
         for (info, value) in singles {
             encode_single(&mut encoder, &info, value)?;

@@ -25,6 +25,7 @@ use kvroute_core::scheduler::{order, Policy, Scored};
 
 use super::active::{ActiveGuard, ActiveRanks};
 use super::candidates::{request_hashes, Candidates, Target};
+use super::continuations::response_id_in_body;
 use super::observe::{CandidateView, Decision, CANDIDATES_KEPT};
 use super::outcome::{self, Ending, Next};
 use super::queue::QueueWait;
@@ -85,7 +86,7 @@ pub(crate) async fn admit_among(
     large: bool,
     eligible: Eligible,
 ) -> Result<Admitted, ProxyError> {
-    let mut wait = QueueWait::new(proxy, req.priority);
+    let mut wait = QueueWait::new(proxy, req);
     let mut count = 0;
     loop {
         if wait.may_try() {
@@ -137,11 +138,13 @@ fn place(
             proxy.random(),
             turn,
         );
+        let ordered = super::candidates::peer_order(proxy, req, among).unwrap_or(ordered);
         let ordered: Vec<usize> = match &kept {
             Some(kept) => ordered.into_iter().map(|j| kept[j]).collect(),
             None => ordered,
         };
         let ordered = proxy.order_for_session(req, candidates, ordered);
+        let ordered = proxy.order_for_continuation(req, candidates, ordered);
         let first = ordered
             .first()
             .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
@@ -409,6 +412,7 @@ pub async fn forward(
             locals: &locals,
             arrived,
             predict: true,
+            endpoint,
         };
         return respond(proxy, req, s, target, resp, relay).await;
     }
@@ -462,6 +466,9 @@ pub(super) struct Relay<'a> {
     /// Compare the engine's `cached_tokens` with the index's prediction
     /// (not for a decode leg, whose blocks came from a prefill worker).
     pub predict: bool,
+    /// The endpoint the request came in on (its stream's conventions, and
+    /// whether the answer names a response to remember).
+    pub endpoint: Endpoint,
 }
 
 /// The candidate a request was sent to, among those it was scored against.
@@ -559,6 +566,16 @@ pub(super) enum Sent {
     Failed(ProxyError),
 }
 
+/// The client's headers passed on to the worker: its credentials (OpenAI's
+/// bearer token, Anthropic's `x-api-key`) and the Anthropic API version
+/// and betas the engine may check.
+const FORWARDED_HEADERS: [&str; 4] = [
+    "authorization",
+    "x-api-key",
+    "anthropic-version",
+    "anthropic-beta",
+];
+
 /// Sends one attempt and sorts out how it ended (see the module docs).
 pub(super) async fn send(
     proxy: &Proxy,
@@ -578,8 +595,10 @@ pub(super) async fn send(
     if let Some(rank) = out.rank_header {
         upstream = upstream.header("X-data-parallel-rank", rank.to_string());
     }
-    if let Some(auth) = headers.get(header::AUTHORIZATION) {
-        upstream = upstream.header(header::AUTHORIZATION, auth.clone());
+    for name in FORWARDED_HEADERS {
+        if let Some(value) = headers.get(name) {
+            upstream = upstream.header(name, value.clone());
+        }
     }
     let sent = upstream.send().await;
     let ending = match &sent {
@@ -626,12 +645,16 @@ pub(super) async fn respond(
         locals,
         arrived,
         predict,
+        endpoint,
     } = relay;
     let status = resp.status();
+    // A continuation's prompt holds turns the router never saw.
+    let continues = req.previous_response_id.is_some();
+    let remembers = endpoint == Endpoint::Responses && status.is_success();
     let prediction = req
         .tokens
         .as_ref()
-        .filter(|_| predict && status.is_success())
+        .filter(|_| predict && !continues && status.is_success())
         .map(|t| prediction(s, target, t.len() as u64, locals));
     let mut builder = Response::builder()
         .status(status.as_u16())
@@ -649,14 +672,19 @@ pub(super) async fn respond(
             request_id: request_id.to_owned(),
             sse,
             status,
+            dialect: endpoint.dialect(),
         };
-        Body::from_stream(Passthrough::new(
+        let relayed = Passthrough::new(
             Box::pin(resp.bytes_stream()),
             guard,
             prediction,
             strip,
             (origin, arrived),
-        ))
+        );
+        Body::from_stream(match remembers {
+            true => relayed.remembering_response(s.key),
+            false => relayed,
+        })
     } else {
         guard.prefill_done();
         let read = resp.bytes().await;
@@ -677,6 +705,9 @@ pub(super) async fn respond(
             }
         };
         drop(guard);
+        if let Some(id) = remembers.then(|| response_id_in_body(&bytes)).flatten() {
+            proxy.record_response(&id, s.key);
+        }
         if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
             p.settle(proxy, reported);
         }

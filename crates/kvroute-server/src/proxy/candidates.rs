@@ -12,9 +12,11 @@ use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{namespace_seed, LocalBlockHash};
 use kvroute_core::index::{DpRank, WorkerRank};
 use kvroute_core::multimodal::prompt_local_hashes;
+use kvroute_core::scheduler::peers::tenant_of;
 use kvroute_core::scheduler::{
-    score, FleetView, Load, Pricing, RequestHashes, RouteTarget, Scored,
+    order_from, score, FleetView, Load, Policy, Pricing, RequestHashes, RouteTarget, Scored,
 };
+use kvroute_prompt::body::TextPrompt;
 
 use super::active::ActiveRanks;
 use super::Proxy;
@@ -225,6 +227,46 @@ impl Proxy {
     }
 }
 
+/// The symbols SGLang's `cache_aware` tree keys a request by: its token ids
+/// when the router has them (sglang's gRPC path), else the characters of
+/// its prompt as the body gives it (its HTTP path keys by text).
+pub fn sglang_symbols(req: &RoutingRequest) -> Vec<u32> {
+    if let Some(tokens) = &req.tokens {
+        return tokens.clone();
+    }
+    let chars = |s: &str| s.chars().map(u32::from).collect();
+    match &req.text {
+        Some(TextPrompt::Completion(serde_json::Value::String(s))) => chars(s),
+        Some(TextPrompt::Completion(v) | TextPrompt::Chat(v)) => chars(&v.to_string()),
+        None => Vec::new(),
+    }
+}
+
+/// The order of a policy whose state the proxy keeps (`--policy
+/// sglang-cache-aware`: its tree chooses among `among`, loaded with the
+/// requests this router has in flight on each); `None` under the others,
+/// which the core orders alone.
+pub(super) fn peer_order(
+    proxy: &Proxy,
+    req: &RoutingRequest,
+    among: &[Scored],
+) -> Option<Vec<usize>> {
+    if proxy.config().policy != Policy::SglangCacheAware {
+        return None;
+    }
+    let loads: Vec<(u32, u64)> = among
+        .iter()
+        .map(|s| (tenant_of(s.key), s.candidate.active_requests))
+        .collect();
+    let now = proxy.now_ms();
+    let mut tree = proxy
+        .sglang
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let (first, _) = tree.choose(&sglang_symbols(req), &loads, now)?;
+    Some(order_from(among, first))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -259,5 +301,26 @@ mod tests {
         assert_eq!(vllm[0], sglang[0], "the text block is the same");
         assert_ne!(vllm[1..], sglang[1..], "the image blocks differ");
         assert_ne!(vllm[1], local_block_hashes(&tokens, 4, HASH_SEED, 0)[1]);
+    }
+
+    #[test]
+    fn sglang_keys_a_request_by_its_tokens_else_by_its_text() {
+        let tokens = RoutingRequest {
+            tokens: Some(vec![7, 8, 9]),
+            text: Some(TextPrompt::Completion(serde_json::json!("ab"))),
+            ..RoutingRequest::default()
+        };
+        assert_eq!(sglang_symbols(&tokens), [7, 8, 9]);
+        let text = RoutingRequest {
+            text: Some(TextPrompt::Completion(serde_json::json!("hé"))),
+            ..RoutingRequest::default()
+        };
+        assert_eq!(sglang_symbols(&text), [u32::from('h'), u32::from('é')]);
+        let chat = RoutingRequest {
+            text: Some(TextPrompt::Chat(serde_json::json!([{"content": "x"}]))),
+            ..RoutingRequest::default()
+        };
+        assert_eq!(sglang_symbols(&chat).len(), r#"[{"content":"x"}]"#.len());
+        assert!(sglang_symbols(&RoutingRequest::default()).is_empty());
     }
 }

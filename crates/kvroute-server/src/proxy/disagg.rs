@@ -67,7 +67,7 @@ pub async fn route(
     req: &Arc<RoutingRequest>,
     request: Request<'_>,
 ) -> Result<Response, ProxyError> {
-    let mut wait = QueueWait::new(proxy, req.priority);
+    let mut wait = QueueWait::new(proxy, req);
     let mut ranks = 0;
     let (candidates, placed) = loop {
         if wait.may_try() {
@@ -463,6 +463,7 @@ async fn relay_decode(
         locals: &[],
         arrived: request.arrived,
         predict: false,
+        endpoint: request.endpoint,
     };
     attempt::respond(proxy, request.req, s, target, resp, relay).await
 }
@@ -609,6 +610,7 @@ async fn sglang(
         locals: &[],
         arrived: request.arrived,
         predict: false,
+        endpoint: request.endpoint,
     };
     let s = &candidates.scored[decode];
     attempt::respond(proxy, request.req, s, decode_target, decode_resp, relay).await

@@ -24,6 +24,7 @@ pub mod attempt;
 pub mod breaker;
 pub mod candidates;
 pub mod context;
+pub mod continuations;
 pub mod disagg;
 pub mod handoff;
 pub mod merge;
@@ -36,6 +37,7 @@ pub mod rewrite;
 pub mod sessions;
 pub mod shared;
 pub mod speeds;
+pub mod tenants;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -52,9 +54,11 @@ use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Pol
 use serde_json::{json, Map, Value};
 
 use crate::api::{Body, ProxyError};
+use crate::dialect::Dialect;
 use crate::ingest::registry::Registry;
 use crate::metrics::ProxyMetrics;
 use crate::replica::outbox::Outbox;
+use crate::replica::pins::PinShare;
 use crate::replica::speeds::SpeedShare;
 use active::ActiveTable;
 use breaker::Breakers;
@@ -117,6 +121,9 @@ pub struct ProxyConfig {
     /// Which header names a request's session, and how many sessions are
     /// remembered for how long ([`sessions`]).
     pub sessions: sessions::SessionConfig,
+    /// Which header names a request's tenant, and what each tenant weighs
+    /// in the queue's fair order ([`tenants`]).
+    pub tenants: tenants::TenantConfig,
 }
 
 impl Default for ProxyConfig {
@@ -143,6 +150,7 @@ impl Default for ProxyConfig {
             prefill_timeout: Duration::from_secs(120),
             engine_metrics_every: None,
             sessions: sessions::SessionConfig::default(),
+            tenants: tenants::TenantConfig::default(),
         }
     }
 }
@@ -166,8 +174,6 @@ pub struct Proxy {
     turn: AtomicU64,
     rng: AtomicU64,
     started: Instant,
-    /// Places in the overload queue.
-    queue: tokio::sync::Semaphore,
     /// Woken whenever a rank's load drops (a prefill ends or a request ends).
     load_dropped: tokio::sync::Notify,
     /// Where requests tell peer replicas of themselves (`--nats`).
@@ -182,6 +188,12 @@ pub struct Proxy {
     sessions: sessions::Sessions,
     /// The requests waiting in the queue, in the order they take ranks.
     waiting: queue::Waiting,
+    /// The rank that produced each recent Responses API answer.
+    continuations: continuations::Continuations,
+    /// Where sessions and responses are pinned for peer replicas (`--nats`).
+    pin_share: OnceLock<Arc<PinShare>>,
+    /// SGLang's `cache_aware` tree (`--policy sglang-cache-aware`).
+    sglang: std::sync::Mutex<kvroute_core::scheduler::peers::CacheAware>,
 }
 
 impl Proxy {
@@ -192,12 +204,18 @@ impl Proxy {
             .pool_max_idle_per_host(256)
             .build()?;
         let sessions = sessions::Sessions::new(&config.sessions);
+        let waiting = queue::Waiting::new(config.queue_capacity, &config.tenants);
+        let metrics = ProxyMetrics::default();
+        metrics.tenants.export(config.tenants.names());
+        let continuations = continuations::Continuations::new(
+            config.sessions.capacity,
+            u64::try_from(config.sessions.ttl.as_millis()).unwrap_or(u64::MAX),
+        );
         let seed = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
         Ok(Proxy {
             speeds: config.learn_speeds.map(speeds::SpeedBook::new),
-            queue: tokio::sync::Semaphore::new(config.queue_capacity),
             load_dropped: tokio::sync::Notify::new(),
             breakers: Breakers::new(config.breaker_failures, config.breaker_open),
             context: ContextLengths::default(),
@@ -206,7 +224,7 @@ impl Proxy {
             client,
             targets: RwLock::new(Arc::new(Vec::new())),
             active: ActiveTable::default(),
-            metrics: ProxyMetrics::default(),
+            metrics,
             observed: observe::Observed::default(),
             next_id: AtomicU64::new(1),
             turn: AtomicU64::new(0),
@@ -216,7 +234,10 @@ impl Proxy {
             speed_share: OnceLock::new(),
             reported: reported::ReportBook::default(),
             sessions,
-            waiting: queue::Waiting::default(),
+            waiting,
+            continuations,
+            pin_share: OnceLock::new(),
+            sglang: std::sync::Mutex::default(),
         })
     }
 
@@ -235,6 +256,13 @@ impl Proxy {
     /// through `share` (once; later calls are ignored).
     pub fn share_speeds_with(&self, share: Arc<SpeedShare>) {
         let _ = self.speed_share.set(share);
+    }
+
+    /// Pins sessions and responses for peer replicas in `share`, and
+    /// looks up there the ones it does not have (once; later calls are
+    /// ignored).
+    pub fn share_pins_with(&self, share: Arc<PinShare>) {
+        let _ = self.pin_share.set(share);
     }
 
     /// Whether the proxy learns speeds (`--learn-speeds`).
@@ -394,6 +422,10 @@ pub enum Endpoint {
     Chat,
     /// SGLang's native `/generate`.
     Generate,
+    /// OpenAI's Responses API.
+    Responses,
+    /// Anthropic's Messages API.
+    Messages,
 }
 
 impl Endpoint {
@@ -403,8 +435,73 @@ impl Endpoint {
             Endpoint::Completions => "/v1/completions",
             Endpoint::Chat => "/v1/chat/completions",
             Endpoint::Generate => "/generate",
+            Endpoint::Responses => "/v1/responses",
+            Endpoint::Messages => "/v1/messages",
         }
     }
+
+    /// The endpoint a request path names (as a gateway passes it on, with
+    /// any prefix before `/v1`), if kvroute reads its body.
+    pub fn of_path(path: &str) -> Option<Endpoint> {
+        let path = path.split('?').next().unwrap_or(path).trim_end_matches('/');
+        [
+            Endpoint::Chat,
+            Endpoint::Completions,
+            Endpoint::Responses,
+            Endpoint::Messages,
+            Endpoint::Generate,
+        ]
+        .into_iter()
+        .find(|e| path.ends_with(e.path()))
+    }
+
+    /// Reads a body sent to this endpoint for routing.
+    pub fn parse(self, body: &[u8]) -> Result<RoutingRequest, body::ParseError> {
+        match self {
+            Endpoint::Generate => kvroute_prompt::generate::parse_generate(body),
+            Endpoint::Responses => kvroute_prompt::responses::parse_responses(body),
+            Endpoint::Messages => kvroute_prompt::messages::parse_messages(body),
+            Endpoint::Completions | Endpoint::Chat => {
+                body::parse_request(body, self == Endpoint::Chat)
+            }
+        }
+    }
+
+    /// The API conventions its answers and errors follow.
+    pub fn dialect(self) -> Dialect {
+        match self {
+            Endpoint::Completions | Endpoint::Chat | Endpoint::Generate => Dialect::OpenAi,
+            Endpoint::Responses => Dialect::Responses,
+            Endpoint::Messages => Dialect::Anthropic,
+        }
+    }
+
+    /// Whether a disaggregated fleet splits its requests: the Responses
+    /// and Messages APIs are served whole, by a rank that decodes.
+    pub fn splits(self) -> bool {
+        matches!(
+            self,
+            Endpoint::Completions | Endpoint::Chat | Endpoint::Generate
+        )
+    }
+}
+
+/// `POST /v1/responses`: OpenAI's Responses API.
+pub async fn responses(
+    State(proxy): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    body: Result<Body, ProxyError>,
+) -> Response {
+    handle(proxy, headers, body, Endpoint::Responses).await
+}
+
+/// `POST /v1/messages`: Anthropic's Messages API.
+pub async fn messages(
+    State(proxy): State<Arc<Proxy>>,
+    headers: HeaderMap,
+    body: Result<Body, ProxyError>,
+) -> Response {
+    handle(proxy, headers, body, Endpoint::Messages).await
 }
 
 /// `POST /generate`: SGLang's native endpoint, for SGLang workers.
@@ -451,7 +548,16 @@ async fn handle(
     };
     let mut response = routed.unwrap_or_else(|e| {
         proxy.metrics.answered(e.kind());
-        e.into_response()
+        let shed = e.kind() == crate::api::ErrorKind::RateLimited;
+        let mut response = e.into_response_in(endpoint.dialect());
+        if shed {
+            // Refused by the queue for its tenant's share: retry in a second.
+            let retry = HeaderValue::from_static("1");
+            response
+                .headers_mut()
+                .insert(axum::http::header::RETRY_AFTER, retry);
+        }
+        response
     });
     if let Ok(id) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(attempt::REQUEST_ID, id);
@@ -469,18 +575,16 @@ async fn route(
     let large = body.len() > LARGE_BODY;
     let session = proxy.session_of(headers)?;
     let priority = priority_of(headers)?;
+    let tenant = proxy.tenant_of(headers)?;
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
-            let parsed = match endpoint {
-                Endpoint::Generate => kvroute_prompt::generate::parse_generate(&body),
-                Endpoint::Completions | Endpoint::Chat => {
-                    body::parse_request(&body, endpoint == Endpoint::Chat)
-                }
-            };
-            let mut req = parsed.map_err(|e| ProxyError::bad_request(e.0))?;
+            let mut req = endpoint
+                .parse(&body)
+                .map_err(|e| ProxyError::bad_request(e.0))?;
             req.session = session;
             req.priority = priority;
+            req.tenant = Some(tenant);
             proxy.tokenize(&mut req);
             // A LoRA adapter named as the model is hashed into the engine's
             // blocks: the request's must be too.
@@ -494,7 +598,9 @@ async fn route(
         })
         .await
     };
-    let req = Arc::new(read??);
+    let req = read??;
+    proxy.fetch_pins(&req).await;
+    let req = Arc::new(req);
     if let Some(model) = req.model.as_deref() {
         if !proxy.targets().is_empty() && !proxy.model_served(model) {
             return Err(ProxyError::ModelNotFound(model.to_owned()));
@@ -513,10 +619,15 @@ async fn route(
         arrived,
         disagg: None,
     };
-    if disagg::splits(&proxy.targets()) {
-        return disagg::route(proxy, &req, request).await;
-    }
-    let admitted = attempt::admit(proxy, &req, large).await?;
+    let admitted = if disagg::splits(&proxy.targets()) {
+        if endpoint.splits() {
+            return disagg::route(proxy, &req, request).await;
+        }
+        let decodes: attempt::Eligible = Some(Arc::new(|t: &Target| t.role.decodes()));
+        attempt::admit_among(proxy, &req, large, decodes).await?
+    } else {
+        attempt::admit(proxy, &req, large).await?
+    };
     attempt::forward(proxy, admitted, request).await
 }
 

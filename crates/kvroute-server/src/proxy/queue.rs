@@ -1,51 +1,89 @@
 //! The bounded overload queue: where a request waits while every rank it
 //! could go to is over its busy thresholds (`--queue-capacity`,
-//! `--queue-timeout-ms`), and in what order the waiting requests take a rank
-//! that frees up.
+//! `--queue-timeout-ms`), in what order the waiting requests take a rank
+//! that frees up, and whom a full queue refuses.
 //!
 //! Order: by priority (`x-priority`, lower first, as vLLM's `priority`
-//! field; 0 by default), then by arrival. A queued request tries for a
-//! rank only while no request ahead of it waits, so a freed rank goes to
-//! the most urgent request, not to whichever woke first. A request that
-//! leaves the queue (placed, timed out, or dropped by its client) wakes the
-//! others.
+//! field; 0 by default), then by weighted fair queueing among the tenants
+//! ([`super::tenants`]) waiting at that priority, then by arrival
+//! (`kvroute_core::scheduler::fair`, which also holds the proofs). A
+//! request tries for a rank only while no request ahead of it waits: a
+//! newcomer goes straight to the ranks only when nothing waits, and a
+//! queued one once it is first. So a freed rank goes to the most urgent
+//! request of the tenant furthest below its share, not to whichever woke
+//! or arrived first. Only the first waits for load to drop; each other
+//! request sleeps until it becomes first (rung by whichever request left or
+//! arrived to make it so) or is refused, so a freed rank wakes one task,
+//! not the whole queue.
+//!
+//! A full queue answers 429 (`rate_limited`, with `retry-after`) to a
+//! request of the tenant with the most requests waiting for its weight: the
+//! newcomer, or that tenant's request that would be served last, which
+//! leaves the queue so that the newcomer takes its place. A tenant may fill
+//! the places others leave empty, and gives them back as others arrive: no
+//! place stands empty while a request is refused.
 
-use std::collections::BTreeSet;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, PoisonError};
+use std::collections::{HashMap, HashSet};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use kvroute_core::scheduler::fair::{Admission, FairQueue, Place};
+use tokio::sync::futures::Notified;
+
+use super::tenants::{TenantConfig, Tenants, ANONYMOUS};
 use super::Proxy;
 use crate::api::ProxyError;
-
-/// A place in the waiting order: (priority, arrival).
-type Ticket = (i64, u64);
+use crate::metrics::tenants::{PriorityClass, TenantLabel};
+use kvroute_prompt::body::RoutingRequest;
 
 /// The requests waiting in the queue, in the order they take ranks.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Waiting {
-    tickets: Mutex<BTreeSet<Ticket>>,
-    arrivals: AtomicU64,
+    state: Mutex<State>,
+    capacity: usize,
+    tenants: Tenants,
+}
+
+/// The queue under its lock.
+#[derive(Debug, Default)]
+struct State {
+    queue: FairQueue<Arc<str>>,
+    /// Places refused to make room for another tenant's request, until
+    /// their requests see it and answer 429; at most the queue's capacity.
+    evicted: HashSet<Place>,
+    /// Each waiting request's bell: rung when it becomes first or is refused.
+    bells: HashMap<Place, Arc<tokio::sync::Notify>>,
+    /// The first place when a bell was last rung for it.
+    rung: Option<Place>,
+}
+
+impl State {
+    /// Rings the first request's bell if it changed since the last ring.
+    fn ring_first(&mut self) {
+        let first = self.queue.first();
+        if first != self.rung {
+            self.rung = first;
+            if let Some(bell) = first.and_then(|p| self.bells.get(&p)) {
+                bell.notify_one();
+            }
+        }
+    }
 }
 
 impl Waiting {
-    fn enter(&self, priority: i64) -> Ticket {
-        let ticket = (priority, self.arrivals.fetch_add(1, Ordering::Relaxed));
-        self.lock().insert(ticket);
-        ticket
-    }
-
-    fn leave(&self, ticket: Ticket) {
-        self.lock().remove(&ticket);
-    }
-
-    fn is_first(&self, ticket: Ticket) -> bool {
-        self.lock().first() == Some(&ticket)
+    /// An empty queue of `capacity` places shared among `tenants`.
+    pub fn new(capacity: usize, tenants: &TenantConfig) -> Self {
+        Waiting {
+            state: Mutex::default(),
+            capacity,
+            tenants: Tenants::new(tenants),
+        }
     }
 
     /// Requests waiting now.
     pub fn len(&self) -> usize {
-        self.lock().len()
+        self.lock().queue.len()
     }
 
     /// Whether none is.
@@ -53,8 +91,17 @@ impl Waiting {
         self.len() == 0
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeSet<Ticket>> {
-        self.tickets.lock().unwrap_or_else(PoisonError::into_inner)
+    fn is_first(&self, place: Place) -> bool {
+        self.lock().queue.first() == Some(place)
+    }
+
+    /// Whether `place` was refused to make room, forgetting it.
+    fn take_evicted(&self, place: Place) -> bool {
+        self.lock().evicted.remove(&place)
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -62,63 +109,196 @@ impl Waiting {
 /// allows; leaving it (dropping it) gives its turn to the next.
 pub(super) struct QueueWait<'a> {
     proxy: &'a Proxy,
+    tenant: Arc<str>,
+    label: TenantLabel,
+    weight: f64,
     priority: i64,
+    /// Its prompt tokens (the cost fair queueing charges its tenant).
+    cost: u64,
     until: tokio::time::Instant,
-    place: Option<tokio::sync::SemaphorePermit<'a>>,
-    ticket: Option<Ticket>,
+    /// Its place and when it took it, once queued.
+    place: Option<(Place, tokio::time::Instant)>,
+    /// Rung when it becomes first or is refused.
+    bell: Arc<tokio::sync::Notify>,
+    /// Listening for load to drop since before its last try, so that a
+    /// rank freed while it was being scored still wakes it.
+    armed: Option<Pin<Box<Notified<'a>>>>,
+    /// It left the queue without a rank: timed out or refused.
+    refused: bool,
 }
 
 impl<'a> QueueWait<'a> {
-    /// A wait that has not started: no place in the queue taken yet.
-    pub(super) fn new(proxy: &'a Proxy, priority: i64) -> Self {
+    /// A wait that has not started for `req`: no place in the queue taken
+    /// yet; counts the request under its tenant.
+    pub(super) fn new(proxy: &'a Proxy, req: &RoutingRequest) -> Self {
+        let tenants = &proxy.waiting.tenants;
+        let tenant: Arc<str> = Arc::from(req.tenant.as_deref().unwrap_or(ANONYMOUS));
+        let label = tenants.label(&tenant).clone();
+        proxy.metrics.tenants.requests.get_or_create(&label).inc();
         QueueWait {
             proxy,
-            priority,
+            weight: tenants.weight(&tenant),
+            tenant,
+            label,
+            priority: req.priority,
+            cost: super::sessions::history_tokens(req).max(1),
             until: tokio::time::Instant::now() + proxy.config().queue_timeout,
             place: None,
-            ticket: None,
+            bell: Arc::default(),
+            armed: None,
+            refused: false,
         }
     }
 
-    /// Whether the request may try for a rank now: before it queued, or
-    /// once it is first in the waiting order.
-    pub(super) fn may_try(&self) -> bool {
-        self.ticket
-            .is_none_or(|ticket| self.proxy.waiting.is_first(ticket))
+    /// Whether the request may try for a rank now: when nothing waits
+    /// before it queued, or once it is first in the waiting order. When it
+    /// may, it listens for load to drop from now on (see [`Self::busy`]).
+    pub(super) fn may_try(&mut self) -> bool {
+        let may = self.is_first();
+        if may {
+            let mut listen = Box::pin(self.proxy.load_dropped.notified());
+            listen.as_mut().enable();
+            self.armed = Some(listen);
+        }
+        may
+    }
+
+    fn is_first(&self) -> bool {
+        match self.place {
+            None => self.proxy.waiting.is_empty(),
+            Some((place, _)) => self.proxy.waiting.is_first(place),
+        }
     }
 
     /// After a placement found all `ranks` busy (or while others are ahead
     /// of it): takes a place in the queue (once), then waits until load
     /// drops or the order moves, for the caller to try again; the 503 when
-    /// the queue is full or off, or the wait is over.
+    /// the queue is off or the wait is over, the 429 when a full queue
+    /// refuses it (see the module docs).
     pub(super) async fn busy(&mut self, ranks: usize) -> Result<(), ProxyError> {
         let proxy = self.proxy;
-        if self.place.is_none() {
-            self.place = proxy.queue.try_acquire().ok();
-            if self.place.is_some() {
-                proxy.metrics.queued.inc();
-                self.ticket = Some(proxy.waiting.enter(self.priority));
+        match self.place {
+            None => {
+                let place = self.enter(ranks)?;
+                if proxy.waiting.is_first(place) {
+                    return Ok(());
+                }
             }
+            Some((place, _)) if proxy.waiting.take_evicted(place) => {
+                self.place = None;
+                return Err(self.refuse(true));
+            }
+            Some(_) => {}
         }
-        let queued = self.place.is_some();
-        if !queued || tokio::time::Instant::now() >= self.until {
-            return Err(overloaded(proxy, ranks, queued));
+        if tokio::time::Instant::now() >= self.until {
+            self.refused = true;
+            return Err(overloaded(proxy, ranks, true));
         }
-        // Woken when a prefill or a request ends, or a request leaves the
-        // queue; re-checked at least every 100 ms in case a wake-up came
-        // between scoring and waiting.
-        let recheck = (tokio::time::Instant::now() + Duration::from_millis(100)).min(self.until);
-        let _ = tokio::time::timeout_at(recheck, proxy.load_dropped.notified()).await;
+        if self.is_first() {
+            // First: woken when a prefill or a request ends since it was
+            // last scored (or now, if it was not); re-checked at least every
+            // 100 ms as a safety net.
+            let recheck =
+                (tokio::time::Instant::now() + Duration::from_millis(100)).min(self.until);
+            let listen = match self.armed.take() {
+                Some(listen) => listen,
+                None => Box::pin(proxy.load_dropped.notified()),
+            };
+            let _ = tokio::time::timeout_at(recheck, listen).await;
+        } else {
+            // Behind others: woken by its bell (a ring while it was busy
+            // is kept), and at least every second as a safety net.
+            let recheck = (tokio::time::Instant::now() + Duration::from_secs(1)).min(self.until);
+            let _ = tokio::time::timeout_at(recheck, self.bell.notified()).await;
+        }
         Ok(())
+    }
+
+    /// Takes a place in the queue, perhaps in the room made by refusing
+    /// another tenant's request (woken to answer); the 503 when the queue
+    /// is off, the 429 when this request is the one refused.
+    fn enter(&mut self, ranks: usize) -> Result<Place, ProxyError> {
+        let proxy = self.proxy;
+        if self.proxy.waiting.capacity == 0 {
+            return Err(overloaded(proxy, ranks, false));
+        }
+        let admission = {
+            let mut state = proxy.waiting.lock();
+            let admission = state.queue.admit(
+                proxy.waiting.capacity,
+                &self.tenant,
+                self.weight,
+                self.priority,
+                self.cost,
+            );
+            match admission {
+                Admission::Queued(place) => {
+                    state.bells.insert(place, self.bell.clone());
+                }
+                Admission::Evicting(place, evicted) => {
+                    state.bells.insert(place, self.bell.clone());
+                    state.evicted.insert(evicted);
+                    if let Some(bell) = state.bells.remove(&evicted) {
+                        bell.notify_one();
+                    }
+                }
+                Admission::Refused => {}
+            }
+            state.ring_first();
+            admission
+        };
+        let place = match admission {
+            Admission::Queued(place) | Admission::Evicting(place, _) => place,
+            Admission::Refused => return Err(self.refuse(false)),
+        };
+        proxy.metrics.queued.inc();
+        let tenants = &proxy.metrics.tenants;
+        tenants.queued.get_or_create(&self.label).inc();
+        tenants.waiting.get_or_create(&self.label).inc();
+        self.place = Some((place, tokio::time::Instant::now()));
+        Ok(place)
+    }
+
+    /// The 429 for a request of the tenant most over its share of the full
+    /// queue (`waited`: refused after queueing, to make room).
+    fn refuse(&mut self, waited: bool) -> ProxyError {
+        self.refused = true;
+        let proxy = self.proxy;
+        let tenants = &proxy.metrics.tenants;
+        tenants.refused.get_or_create(&self.label).inc();
+        if waited {
+            tenants.waiting.get_or_create(&self.label).dec();
+        }
+        let when = if waited {
+            "this request left the queue to make room for another tenant's"
+        } else {
+            "this request was not queued"
+        };
+        ProxyError::RateLimited(format!(
+            "tenant `{}` has the most requests waiting for its weight ({}) in the full overload \
+             queue ({} places): {when}; retry later",
+            self.tenant, self.weight, proxy.waiting.capacity,
+        ))
     }
 }
 
 impl Drop for QueueWait<'_> {
     fn drop(&mut self) {
-        if let Some(ticket) = self.ticket.take() {
-            self.proxy.waiting.leave(ticket);
-            self.proxy.load_dropped.notify_waiters();
-        }
+        let proxy = self.proxy;
+        let class = PriorityClass::of(self.priority);
+        let waited = self.place.map_or(0.0, |(_, at)| at.elapsed().as_secs_f64());
+        let tenants = &proxy.metrics.tenants;
+        tenants.queue_wait.get_or_create(&class).observe(waited);
+        let Some((place, _)) = self.place.take() else {
+            return;
+        };
+        tenants.waiting.get_or_create(&self.label).dec();
+        let mut state = proxy.waiting.lock();
+        // Refused to make room but placed meanwhile: nothing to answer.
+        state.evicted.remove(&place);
+        state.bells.remove(&place);
+        state.queue.leave(place, !self.refused);
+        state.ring_first();
     }
 }
 
@@ -130,13 +310,15 @@ fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ProxyError {
             " after {} ms in the queue",
             config.queue_timeout.as_millis()
         )
-    } else if config.queue_capacity > 0 {
-        " and the queue is full".to_owned()
     } else {
         String::new()
     };
+    let all = match ranks {
+        0 => "all worker ranks are".to_owned(),
+        n => format!("all {n} worker rank(s) are"),
+    };
     let message = format!(
-        "all {ranks} worker rank(s) are over their busy thresholds (prefill tokens {:?}, decode blocks {:?}, requests {:?}){wait}; retry later",
+        "{all} over their busy thresholds (prefill tokens {:?}, decode blocks {:?}, requests {:?}){wait}; retry later",
         config.busy.prefill_tokens, config.busy.decode_blocks, config.busy.requests,
     );
     if queued {

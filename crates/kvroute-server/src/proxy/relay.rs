@@ -20,9 +20,11 @@ use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::WorkerRank;
 
 use super::active::ActiveGuard;
+use super::continuations::ResponseIdScanner;
 use super::outcome::{self, Ending};
 use super::Proxy;
 use crate::api::{error_chain, ErrorKind, ProxyError};
+use crate::dialect::Dialect;
 use crate::ingest::stats::{RankState, RankStats};
 
 /// What the accuracy check needs after the response.
@@ -93,22 +95,33 @@ pub struct Usage {
     pub completion: Option<u64>,
 }
 
-/// The `usage` of a JSON document, or the `meta_info` of SGLang's native
-/// `/generate` answers.
+/// The `usage` of a JSON document in any of the dialects — chat's
+/// `prompt_tokens_details.cached_tokens` and `completion_tokens`, the
+/// Responses API's `input_tokens_details.cached_tokens` and
+/// `output_tokens` (also inside a stream's `response`), Anthropic's
+/// `cache_read_input_tokens` and `output_tokens` (also inside a stream's
+/// `message`) — or the `meta_info` of SGLang's native `/generate` answers.
 fn usage_of(doc: &Value) -> Usage {
-    let usage = doc.get("usage");
+    let usage = doc
+        .get("usage")
+        .filter(|u| u.is_object())
+        .or_else(|| doc.get("response")?.get("usage"))
+        .or_else(|| doc.get("message")?.get("usage"))
+        .filter(|u| u.is_object());
     let meta = doc.get("meta_info");
     let meta_u64 = |key: &str| meta.and_then(|m| m.get(key)?.as_u64());
+    let in_usage = |path: &[&str]| {
+        path.iter()
+            .try_fold(usage?, |v, key| v.get(key))
+            .and_then(Value::as_u64)
+    };
     Usage {
-        cached: usage
-            .and_then(|u| {
-                u.get("prompt_tokens_details")?
-                    .get("cached_tokens")?
-                    .as_u64()
-            })
+        cached: in_usage(&["prompt_tokens_details", "cached_tokens"])
+            .or_else(|| in_usage(&["input_tokens_details", "cached_tokens"]))
+            .or_else(|| in_usage(&["cache_read_input_tokens"]))
             .or_else(|| meta_u64("cached_tokens")),
-        completion: usage
-            .and_then(|u| u.get("completion_tokens")?.as_u64())
+        completion: in_usage(&["completion_tokens"])
+            .or_else(|| in_usage(&["output_tokens"]))
             .or_else(|| meta_u64("completion_tokens")),
     }
 }
@@ -122,6 +135,8 @@ struct UsageDoc {
 #[derive(serde::Deserialize)]
 struct UsageOnly {
     prompt_tokens_details: Option<Details>,
+    input_tokens_details: Option<Details>,
+    cache_read_input_tokens: Option<u64>,
 }
 
 #[derive(serde::Deserialize)]
@@ -129,13 +144,18 @@ struct Details {
     cached_tokens: Option<u64>,
 }
 
-/// `usage.prompt_tokens_details.cached_tokens` of a response body (or
-/// `meta_info.cached_tokens` of a native `/generate` answer), read without
-/// building the rest of the document.
+/// The cached tokens a whole answer reports (`usage` in any dialect, see
+/// [`usage_of`], or `meta_info.cached_tokens` of a native `/generate`
+/// answer), read without building the rest of the document.
 pub fn reported_cached_tokens(body: &[u8]) -> Option<u64> {
     let doc = serde_json::from_slice::<UsageDoc>(body).ok()?;
     doc.usage
-        .and_then(|u| u.prompt_tokens_details?.cached_tokens)
+        .and_then(|u| {
+            u.prompt_tokens_details
+                .and_then(|d| d.cached_tokens)
+                .or(u.input_tokens_details.and_then(|d| d.cached_tokens))
+                .or(u.cache_read_input_tokens)
+        })
         .or_else(|| doc.meta_info?.cached_tokens)
 }
 
@@ -145,14 +165,23 @@ fn usage_in_sse(chunk: &[u8]) -> Option<Usage> {
     let text = std::str::from_utf8(chunk).ok()?;
     text.lines()
         .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| d.contains("cached_tokens") || d.contains("completion_tokens"))
+        .filter(|d| {
+            [
+                "cached_tokens",
+                "completion_tokens",
+                "output_tokens",
+                "cache_read_input_tokens",
+            ]
+            .iter()
+            .any(|key| d.contains(key))
+        })
         .filter_map(|d| serde_json::from_str::<Value>(d).ok())
         .map(|d| usage_of(&d))
         .find(|u| u.cached.is_some() || u.completion.is_some())
 }
 
 /// The end of the first complete SSE event in `buf` (after its blank line).
-fn sse_event_end(buf: &[u8]) -> Option<usize> {
+pub(super) fn sse_event_end(buf: &[u8]) -> Option<usize> {
     let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
     let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
     match (lf, crlf) {
@@ -244,6 +273,8 @@ pub struct StreamOrigin {
     pub sse: bool,
     /// The status of the answer (relayed before the stream).
     pub status: StatusCode,
+    /// The API whose conventions the stream follows (how a failure ends it).
+    pub dialect: Dialect,
 }
 
 /// The upstream body, passed through chunk by chunk; holds the active entry.
@@ -265,6 +296,9 @@ pub struct Passthrough<S> {
     /// What was passed on so far ends an SSE event (or nothing was).
     at_boundary: bool,
     done: bool,
+    /// A Responses API stream: finds its response id, to remember which
+    /// rank produced it.
+    response: Option<(ResponseIdScanner, WorkerRank)>,
 }
 
 impl<S> Passthrough<S> {
@@ -292,7 +326,15 @@ impl<S> Passthrough<S> {
             completion_tokens: None,
             at_boundary: true,
             done: false,
+            response: None,
         }
+    }
+
+    /// The same relay, remembering that `rank` produced the response the
+    /// stream names (for a later `previous_response_id`).
+    pub fn remembering_response(mut self, rank: WorkerRank) -> Self {
+        self.response = Some((ResponseIdScanner::default(), rank));
+        self
     }
 
     /// The worker cut the stream off: the retry rule's verdict (its breaker
@@ -312,11 +354,10 @@ impl<S> Passthrough<S> {
             return None;
         }
         let detail = format!("mid-stream: {}", error_chain(error));
-        let event = ProxyError::lost(kind, &origin.worker, &origin.request_id, detail).body();
-        let lead = if self.at_boundary { "" } else { "\n\n" };
-        Some(Bytes::from(format!(
-            "{lead}data: {event}\n\ndata: [DONE]\n\n"
-        )))
+        let lost = ProxyError::lost(kind, &origin.worker, &origin.request_id, detail);
+        Some(Bytes::from(
+            lost.stream_end(origin.dialect, self.at_boundary),
+        ))
     }
 }
 
@@ -329,6 +370,16 @@ impl<S> Passthrough<S> {
         if let (Some(p), Some(g), Some(cached)) = (&self.prediction, &self.guard, usage.cached) {
             p.settle(g.proxy(), cached);
             self.prediction = None;
+        }
+    }
+
+    /// Reads the response id off a Responses API stream's first event.
+    fn remember(&mut self, out: &[u8]) {
+        let Some((scanner, rank)) = &mut self.response else {
+            return;
+        };
+        if let (Some(id), Some(g)) = (scanner.feed(out), &self.guard) {
+            g.proxy().record_response(&id, *rank);
         }
     }
 
@@ -385,6 +436,7 @@ where
                         }
                     };
                     this.report(reported);
+                    this.remember(&out);
                     if out.is_empty() {
                         continue;
                     }
@@ -414,6 +466,45 @@ where
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn usage_is_read_in_the_responses_and_messages_dialects() {
+        let responses = json!({"object": "response", "usage": {
+            "input_tokens": 80, "input_tokens_details": {"cached_tokens": 64}, "output_tokens": 9}});
+        assert_eq!(
+            reported_cached_tokens(responses.to_string().as_bytes()),
+            Some(64)
+        );
+        let anthropic = json!({"type": "message", "usage": {
+            "input_tokens": 16, "cache_read_input_tokens": 48, "output_tokens": 5}});
+        assert_eq!(
+            reported_cached_tokens(anthropic.to_string().as_bytes()),
+            Some(48)
+        );
+        let completed = "event: response.completed\ndata: {\"type\":\"response.completed\",\"response\":{\"usage\":{\"input_tokens_details\":{\"cached_tokens\":32},\"output_tokens\":7}}}\n\n";
+        assert_eq!(
+            usage_in_sse(completed.as_bytes()),
+            Some(Usage {
+                cached: Some(32),
+                completion: Some(7)
+            })
+        );
+        let created = "event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"usage\":null}}\n\n";
+        assert_eq!(usage_in_sse(created.as_bytes()), None);
+        let start = "event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":3,\"cache_read_input_tokens\":16,\"output_tokens\":0}}}\n\n";
+        assert_eq!(
+            usage_in_sse(start.as_bytes()).and_then(|u| u.cached),
+            Some(16)
+        );
+        let delta = "event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":12}}\n\n";
+        assert_eq!(
+            usage_in_sse(delta.as_bytes()),
+            Some(Usage {
+                cached: None,
+                completion: Some(12)
+            })
+        );
+    }
 
     #[test]
     fn usage_is_found_in_documents_and_sse_chunks() {

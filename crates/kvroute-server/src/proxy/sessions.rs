@@ -7,11 +7,13 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::http::HeaderMap;
+use kvroute_core::index::WorkerRank;
 use kvroute_core::scheduler::session::{prefer_session, SessionTable};
 
 use super::candidates::Candidates;
 use super::Proxy;
 use crate::api::ProxyError;
+use crate::replica::pins::PinKind;
 use kvroute_prompt::body::{RoutingRequest, TextPrompt};
 
 /// The longest session id taken.
@@ -65,13 +67,27 @@ impl Sessions {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// Whether session `id` is remembered and not expired.
+    pub fn contains(&self, id: &str, now_ms: u64) -> bool {
+        self.lock().get(id, now_ms).is_some()
+    }
+
+    /// Records that session `id`'s turn of `tokens` went to `rank`.
+    pub fn put(&self, id: &str, rank: WorkerRank, tokens: u64, now_ms: u64) {
+        self.lock().put(id, rank, tokens, now_ms);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, SessionTable> {
+        self.table.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 /// The tokens a request leaves in its rank's cache: its prompt's, or for a
 /// prompt routed on load alone (text without `--tokenizer`) an estimate of
 /// four bytes of its JSON text a token, so that its session's next turn is
 /// still priced with the history its rank holds.
-fn history_tokens(req: &RoutingRequest) -> u64 {
+pub(super) fn history_tokens(req: &RoutingRequest) -> u64 {
     if let Some(tokens) = &req.tokens {
         return tokens.len() as u64;
     }
@@ -147,11 +163,9 @@ impl Proxy {
         let (Some(id), Some(s)) = (req.session.as_deref(), candidates.scored.get(chosen)) else {
             return;
         };
-        self.sessions
-            .table
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .put(id, s.key, history_tokens(req), self.now_ms());
+        let tokens = history_tokens(req);
+        self.sessions.put(id, s.key, tokens, self.now_ms());
+        self.share_pin(PinKind::Session, id, s.key, tokens);
     }
 }
 

@@ -42,6 +42,7 @@ pub mod delays;
 pub mod message;
 pub mod outbox;
 pub mod peers;
+pub mod pins;
 pub mod snapshots;
 pub mod speeds;
 
@@ -88,6 +89,11 @@ impl Replica {
     /// The configuration.
     pub fn config(&self) -> &ReplicaConfig {
         self.sync.config()
+    }
+
+    /// The NATS client the replica's sharing goes through.
+    pub fn client(&self) -> &async_nats::Client {
+        &self.client
     }
 
     /// Waits at most `within` for the connection; whether it is up.

@@ -9,6 +9,7 @@ pub mod load;
 pub mod mocker;
 pub mod serve;
 pub mod sim;
+pub mod tenancy;
 
 use tracing_subscriber::filter::{LevelFilter, Targets};
 

@@ -87,7 +87,8 @@ pub struct ServeArgs {
     #[arg(long, env = "KVROUTE_INDEX_SHARDS", value_parser = clap::value_parser!(u64).range(1..=64))]
     index_shards: Option<u64>,
     /// Routing policy: kv, approx (no events: the index learns from routing
-    /// decisions), round-robin, random or least-loaded.
+    /// decisions), round-robin, random, least-loaded, or a peer's as a
+    /// baseline: sglang-cache-aware or dynamo (docs/serving.md).
     #[arg(long, default_value_t = ProxyConfig::default().policy, env = "KVROUTE_POLICY")]
     policy: Policy,
     /// Multiplies the prefill term of the cost (Dynamo's default: 1;
@@ -292,6 +293,8 @@ pub struct ServeArgs {
     endpoints: super::endpoints::EndpointsArgs,
     #[command(flatten)]
     epp: super::epp::EppArgs,
+    #[command(flatten)]
+    tenancy: super::tenancy::TenancyArgs,
 }
 
 /// Builds the runtime and serves until Ctrl-C or SIGTERM.
@@ -429,7 +432,7 @@ pub fn renderer(tokenizer: Tokenizer, mm_tokens_per_image: usize) -> Arc<Rendere
 }
 
 /// `--session-header`'s value: a valid header name, in lower case.
-fn parse_header_name(value: &str) -> Result<String, String> {
+pub(super) fn parse_header_name(value: &str) -> Result<String, String> {
     let valid = !value.is_empty()
         && value.len() <= 64
         && value
@@ -511,6 +514,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             capacity: args.session_capacity,
             ttl: Duration::from_secs(args.session_ttl_secs),
         },
+        tenants: args.tenancy.config(),
         renderer,
         model_renderers,
     })
@@ -628,6 +632,7 @@ mod tests {
         assert_eq!(p.learn_speeds.is_some(), q.learn_speeds.is_some());
         assert_eq!(p.local_prefill, q.local_prefill);
         assert_eq!(p.prefill_timeout, q.prefill_timeout);
+        assert_eq!(p.tenants, q.tenants);
     }
 
     /// The text `--help` prints for one flag, up to the next flag.
