@@ -22,29 +22,12 @@ const PACKAGES: &str = "envoy-data-plane grpcio grpcio-health-checking";
 
 /// The Python with the client's packages (see the module docs).
 fn python() -> PathBuf {
-    let python = std::env::var_os("KVROUTE_EPP_PYTHON").map_or_else(
-        || {
-            let cache = std::env::var_os("XDG_CACHE_HOME").map_or_else(
-                || PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"),
-                PathBuf::from,
-            );
-            cache.join("kvroute/epp/bin/python")
-        },
-        PathBuf::from,
-    );
-    let imports = Command::new(&python)
-        .args(["-c", "import envoy_data_plane, grpc, grpc_health"])
-        .output();
-    let ok = imports.as_ref().is_ok_and(|o| o.status.success());
-    assert!(
-        ok,
-        "the endpoint-picker tests need a Python with {PACKAGES} at {} (or KVROUTE_EPP_PYTHON): \
-         run scripts/test, or `python3 -m venv ~/.cache/kvroute/epp && \
-         ~/.cache/kvroute/epp/bin/pip install {PACKAGES}` ({:?})",
-        python.display(),
-        imports.map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
-    );
-    python
+    crate::support::python_with(
+        "KVROUTE_EPP_PYTHON",
+        "epp",
+        PACKAGES,
+        "import envoy_data_plane, grpc, grpc_health",
+    )
 }
 
 /// The client script.

@@ -1,5 +1,6 @@
 //! One module per subject; helpers are in `crate::support`.
 
+mod apis;
 mod bench;
 mod block_size;
 mod config;

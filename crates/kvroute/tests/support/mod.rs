@@ -262,3 +262,31 @@ pub fn bench_report(host_port: &str, args: &[&str]) -> serde_json::Value {
     );
     serde_json::from_slice(&out.stdout).expect("JSON")
 }
+
+/// A Python with `packages` for a client test: `$var`, or the virtual
+/// environment `scripts/test` makes under `~/.cache/kvroute/{dir}`. Fails,
+/// naming the command that installs it, when `imports` do not import there
+/// (never skips).
+pub fn python_with(var: &str, dir: &str, packages: &str, imports: &str) -> std::path::PathBuf {
+    use std::path::PathBuf;
+    let python = std::env::var_os(var).map_or_else(
+        || {
+            let cache = std::env::var_os("XDG_CACHE_HOME").map_or_else(
+                || PathBuf::from(std::env::var_os("HOME").unwrap_or_default()).join(".cache"),
+                PathBuf::from,
+            );
+            cache.join("kvroute").join(dir).join("bin/python")
+        },
+        PathBuf::from,
+    );
+    let imported = Command::new(&python).args(["-c", imports]).output();
+    let ok = imported.as_ref().is_ok_and(|o| o.status.success());
+    assert!(
+        ok,
+        "this test needs a Python with {packages} at {} (or {var}): run scripts/test, or \
+         `python3 -m venv ~/.cache/kvroute/{dir} && ~/.cache/kvroute/{dir}/bin/pip install {packages}` ({:?})",
+        python.display(),
+        imported.map(|o| String::from_utf8_lossy(&o.stderr).into_owned())
+    );
+    python
+}
