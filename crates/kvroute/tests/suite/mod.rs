@@ -26,4 +26,5 @@ mod safety;
 mod scale;
 mod serve;
 mod sessions;
+mod tenants;
 mod warm_restart;

@@ -262,15 +262,21 @@ fn a_bounded_queue_holds_requests_until_a_rank_has_room() {
     eventually("the request waits in the queue", || {
         count(&serve, "kvroute_proxy_queued_total") == 1
     });
-    // The queue's one place is taken: the next request is refused at once.
+    // The queue's one place is taken: the next request (of the same,
+    // anonymous tenant) is refused at once, with a 429 and `retry-after`.
     let full = request(
         &serve,
         "POST",
         "/v1/completions",
         &completion(&[4, 5, 6], 1, false),
     );
-    assert_eq!(full.status, 503, "{}", full.body);
-    assert!(full.body.contains("the queue is full"), "{}", full.body);
+    assert_eq!(full.status, 429, "{}", full.body);
+    assert!(
+        full.body.contains("the full overload queue"),
+        "{}",
+        full.body
+    );
+    assert_eq!(full.header("retry-after").as_deref(), Some("1"));
     // The stream ends: the queued request goes through.
     drop(socket);
     let answer = waiting.join().expect("the waiting client");
