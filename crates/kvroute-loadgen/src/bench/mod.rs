@@ -3,10 +3,12 @@
 //! [`index_floor`]), a router process ingesting thousands of event streams
 //! ([`ingest`]), the latency and CPU the router adds to a request
 //! ([`proxy`]), the time a router takes to be ready on a saved index
-//! ([`restore`]), and what router replicas cost and buy ([`replicas`]).
+//! ([`restore`]), what router replicas cost and buy ([`replicas`]), and
+//! how the overload queue shares a saturated fleet ([`fairness`]).
 //! All but the first run the router as a child process.
 
 mod child;
+pub mod fairness;
 pub mod index;
 pub mod index_floor;
 pub mod index_trace;

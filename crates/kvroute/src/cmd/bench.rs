@@ -13,7 +13,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
 use kvroute_loadgen as load;
-use kvroute_loadgen::bench::{self, index, ingest, proxy, replicas, restore};
+use kvroute_loadgen::bench::{self, fairness, index, ingest, proxy, replicas, restore};
 
 /// Arguments of `kvroute bench`.
 #[derive(Debug, Args)]
@@ -41,6 +41,10 @@ enum BenchCommand {
     /// Time to ready of a `kvroute serve` that starts on a saved index
     /// (`--state-dir`, or its peers' snapshot over `--nats`).
     Restore(RestoreArgs),
+    /// Tenants and priorities in the overload queue, in real time: a small
+    /// tenant's and a high priority's TTFT alone vs beside ten times the
+    /// load (docs/serving.md, "Tenants and priorities").
+    Fairness(FairnessArgs),
     /// Routing quality on a virtual clock: the mocker's engines and
     /// kvroute's scheduler with no sockets and no sleeping, per policy,
     /// seed and cost weights (a sweep in seconds).
@@ -320,6 +324,7 @@ pub fn run(args: &BenchArgs) -> Result<ExitCode> {
         Some(BenchCommand::Ingest(a)) => run_ingest(a),
         Some(BenchCommand::Proxy(a)) => run_proxy(a),
         Some(BenchCommand::Restore(a)) => run_restore(a),
+        Some(BenchCommand::Fairness(a)) => run_fairness(a),
         Some(BenchCommand::Replicas(a)) => run_replicas(a),
         Some(BenchCommand::Sim(a)) => super::sim::run(a),
         Some(BenchCommand::SynthTrace(a)) => super::sim::synth_trace(a),
@@ -618,4 +623,85 @@ mod tests {
         let cli = Cli::try_parse_from(["bench", "--requests", "0"]).expect("parses");
         assert!(load_options(&cli.bench.load).is_err());
     }
+}
+
+/// Arguments of `kvroute bench fairness` (the fields of
+/// [`fairness::FairnessBenchConfig`]).
+#[derive(Debug, Args)]
+struct FairnessArgs {
+    /// Mock engines behind the router.
+    #[arg(long, default_value_t = 24, value_parser = clap::value_parser!(u16).range(1..))]
+    workers: u16,
+    /// Prompt tokens of every request.
+    #[arg(long, default_value_t = 1024)]
+    prompt_tokens: u32,
+    /// Tokens each answer streams (1: a rank is free again at its first
+    /// token, with no decode step to wait behind).
+    #[arg(long, default_value_t = 1)]
+    max_tokens: u32,
+    /// Divides the engines' simulated time (below 1: slower engines).
+    #[arg(long, default_value_t = 0.1)]
+    speedup: f64,
+    /// Requests per second of the small tenant (and of the high priority).
+    #[arg(long, default_value_t = 8.0)]
+    rate: f64,
+    /// The big tenant's (and the low priority's) rate over --rate.
+    #[arg(long, default_value_t = 10.0)]
+    ratio: f64,
+    /// Seconds of each phase.
+    #[arg(long, default_value_t = 24.0)]
+    secs: f64,
+    /// Requests scheduled in a phase's first seconds are not counted.
+    #[arg(long, default_value_t = 4.0)]
+    warmup_secs: f64,
+    /// Runs of the four phases (the table gives medians).
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// The router's --busy-requests.
+    #[arg(long, default_value_t = 16)]
+    busy_requests: u64,
+    /// The router's --busy-prefill-tokens (1: one prefill per rank at a time).
+    #[arg(long, default_value_t = 1)]
+    busy_prefill_tokens: u64,
+    /// The router's --queue-capacity.
+    #[arg(long, default_value_t = 256)]
+    queue_capacity: usize,
+    /// Seed of the arrivals and prompts.
+    #[arg(long, default_value_t = 7)]
+    seed: u64,
+    /// The `kvroute` executable to measure (default: this one).
+    #[arg(long, value_name = "PATH")]
+    router_exe: Option<std::path::PathBuf>,
+    /// Print the settings, every run and the medians as one JSON object.
+    #[arg(long)]
+    json: bool,
+}
+
+fn run_fairness(a: &FairnessArgs) -> Result<ExitCode> {
+    let config = fairness::FairnessBenchConfig {
+        router_exe: match &a.router_exe {
+            Some(path) => path.clone(),
+            None => std::env::current_exe().context("the path of this kvroute executable")?,
+        },
+        workers: a.workers,
+        prompt_tokens: a.prompt_tokens,
+        max_tokens: a.max_tokens,
+        speedup: a.speedup,
+        rate: a.rate,
+        ratio: a.ratio,
+        secs: a.secs,
+        warmup_secs: a.warmup_secs,
+        runs: a.runs,
+        busy_requests: a.busy_requests,
+        busy_prefill_tokens: a.busy_prefill_tokens,
+        queue_capacity: a.queue_capacity,
+        seed: a.seed,
+    };
+    let report = super::runtime()?.block_on(fairness::run(&config))?;
+    if a.json {
+        println!("{}", report.to_json());
+    } else {
+        print!("{report}");
+    }
+    Ok(ExitCode::SUCCESS)
 }
