@@ -219,7 +219,10 @@ mod tests {
         assert_eq!(of("/v1/chat/completions"), Some(ApiEndpoint::Chat));
         assert_eq!(of("/v1/chat/completions/"), Some(ApiEndpoint::Chat));
         assert_eq!(of("/v1/completions"), Some(ApiEndpoint::Completions));
-        assert_eq!(of("/openai/v1/completions?x=1"), Some(ApiEndpoint::Completions));
+        assert_eq!(
+            of("/openai/v1/completions?x=1"),
+            Some(ApiEndpoint::Completions)
+        );
         assert_eq!(of("/v1/responses"), Some(ApiEndpoint::Responses));
         assert_eq!(of("/v1/messages"), Some(ApiEndpoint::Messages));
         assert_eq!(of("/generate"), Some(ApiEndpoint::Generate));
