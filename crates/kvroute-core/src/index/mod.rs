@@ -39,6 +39,7 @@ mod nodes;
 mod regroup;
 mod shared;
 mod snapshot;
+mod table;
 mod walk;
 
 use std::collections::VecDeque;
@@ -47,7 +48,7 @@ use rustc_hash::FxHashMap;
 
 use crate::event::{KvEvent, Removed, Stored, Tier};
 use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
-use nodes::{Bind, NodeId, NodeStore, SlotId};
+use nodes::{map_heap_bytes, Bind, NodeId, NodeStore, SlotId};
 
 pub use shared::{Frozen, SharedIndex, MAX_SHARDS};
 pub use snapshot::SnapshotError;
@@ -634,10 +635,10 @@ impl Index {
             .iter()
             .flatten()
             .map(|s| {
-                s.private_ext.capacity() * 25
-                    + s.private_name.capacity() * 29
-                    + s.approx_deadline.capacity() * 13
-                    + s.approx_queue.capacity() * 16
+                map_heap_bytes::<u64, (NodeId, u64)>(s.private_ext.capacity())
+                    + map_heap_bytes::<NodeId, (u64, u64)>(s.private_name.capacity())
+                    + map_heap_bytes::<NodeId, u64>(s.approx_deadline.capacity())
+                    + s.approx_queue.capacity() * std::mem::size_of::<(u64, NodeId)>()
             })
             .sum();
         IndexStats {
