@@ -6,6 +6,7 @@
 use serde_json::{Map, Value};
 
 use crate::body::{bad, token_list, ParseError, RoutingRequest, TextPrompt};
+use crate::responses::flag;
 
 /// Reads a `/generate` body. Its answers carry their usage in every
 /// `meta_info`, so nothing is asked of a stream (`include_usage` is set).
@@ -40,14 +41,6 @@ pub fn parse_generate(body: &[u8]) -> Result<RoutingRequest, ParseError> {
         (None, None) => return Err(bad("`text` or `input_ids` is required")),
     }
     Ok(req)
-}
-
-fn flag(obj: &Map<String, Value>, key: &str) -> Result<bool, ParseError> {
-    match obj.get(key) {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(_) => Err(bad(format!("`{key}` must be a boolean"))),
-    }
 }
 
 fn max_new_tokens(obj: &Map<String, Value>) -> Result<Option<u64>, ParseError> {

@@ -32,7 +32,7 @@
 use serde_json::{json, Map, Value};
 
 use crate::body::{bad, ParseError, RoutingRequest, TextPrompt};
-use crate::responses::{client_mm_hashes, flag, object, opt_string};
+use crate::responses::{client_mm_hashes, flag, object, opt_string, string_at};
 
 /// Reads a `/v1/messages` body: `model`, `max_tokens` (required, as
 /// Anthropic requires it), `stream`, the client's `mm_hashes`, and the
@@ -242,13 +242,6 @@ fn kind<'a>(b: &'a Map<String, Value>, at: &str) -> Result<&'a str, ParseError> 
     b.get("type")
         .and_then(Value::as_str)
         .ok_or_else(|| bad(format!("`{at}.type` must be a string")))
-}
-
-fn string_at(b: &Map<String, Value>, key: &str, at: &str) -> Result<String, ParseError> {
-    match b.get(key) {
-        Some(Value::String(s)) => Ok(s.clone()),
-        _ => Err(bad(format!("`{at}.{key}` must be a string"))),
-    }
 }
 
 /// A string field that may be absent (then empty, as vLLM fills it).

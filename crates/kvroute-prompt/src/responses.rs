@@ -224,7 +224,7 @@ pub(crate) fn object(body: &[u8]) -> Result<Map<String, Value>, ParseError> {
 }
 
 /// A string field of an item, named in the error as `{at}.{key}`.
-fn string_at(o: &Map<String, Value>, key: &str, at: &str) -> Result<String, ParseError> {
+pub(crate) fn string_at(o: &Map<String, Value>, key: &str, at: &str) -> Result<String, ParseError> {
     match o.get(key) {
         Some(Value::String(s)) => Ok(s.clone()),
         _ => Err(bad(format!("`{at}.{key}` must be a string"))),
