@@ -83,14 +83,7 @@ pub(super) fn event_stream<W: EventWriter>(
             }
         }
     });
-    let mut response = Response::new(Body::from_stream(stream));
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    sse_response(Body::from_stream(stream))
 }
 
 /// The whole generated text and the usage, once the request finished.
@@ -124,6 +117,18 @@ pub(super) fn unique_id(prefix: &str, engine: &str, n: u64) -> String {
     seed.extend_from_slice(&n.to_le_bytes());
     seed.extend_from_slice(&nanos.to_le_bytes());
     format!("{prefix}{:032x}", xxhash_rust::xxh3::xxh3_128(&seed))
+}
+
+/// An SSE answer streaming `body` (`text/event-stream`, not cached).
+pub(super) fn sse_response(body: Body) -> Response {
+    let mut response = Response::new(body);
+    let headers = response.headers_mut();
+    headers.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("text/event-stream"),
+    );
+    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    response
 }
 
 #[cfg(test)]

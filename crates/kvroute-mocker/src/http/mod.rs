@@ -692,14 +692,7 @@ fn stream_response(
             }
         }
     });
-    let mut response = Response::new(Body::from_stream(stream));
-    let headers = response.headers_mut();
-    headers.insert(
-        header::CONTENT_TYPE,
-        HeaderValue::from_static("text/event-stream"),
-    );
-    headers.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
-    response
+    events::sse_response(Body::from_stream(stream))
 }
 
 fn unix_now() -> u64 {
