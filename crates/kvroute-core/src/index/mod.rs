@@ -39,7 +39,6 @@ mod nodes;
 mod regroup;
 mod shared;
 mod snapshot;
-mod table;
 mod walk;
 
 use std::collections::VecDeque;

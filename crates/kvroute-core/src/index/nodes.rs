@@ -4,14 +4,13 @@
 //! A record is 24 bytes, `{seq, ext, meta, holder}`, whatever the size of the
 //! fleet: the ranks holding the block are a sorted holder list (see
 //! [`super::holders`]), inline when one rank holds it. The two hash tables hold
-//! only 4-byte node ids (the keys are in the records) and a displacement
-//! byte, and grow by a quarter: about 6.3 bytes an entry (see [`super::table`]).
+//! only 4-byte node ids (the keys are in the records), about 5 bytes an entry.
 
+use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
 
 use super::dense::{DenseArena, DenseView};
 use super::holders::{self, Entry, HolderArena, ListRef};
-use super::table::IdTable;
 use crate::event::Tier;
 
 /// Index of a node record.
@@ -57,7 +56,8 @@ impl Record {
     }
 }
 
-/// A well-mixed 64-bit hash of a key, for the tables' home slots. Engine hashes can be small or structured (test ids, other engines), so they
+/// A well-mixed 64-bit hash of a key, for hashbrown's bucket and tag bits.
+/// Engine hashes can be small or structured (test ids, other engines), so they
 /// are mixed rather than used as they are.
 #[inline]
 fn mix(key: u64) -> u64 {
@@ -83,8 +83,8 @@ pub(super) struct NodeStore {
     records: Vec<Record>,
     free: Vec<NodeId>,
     live: usize,
-    by_seq: IdTable,
-    by_ext: IdTable,
+    by_seq: HashTable<NodeId>,
+    by_ext: HashTable<NodeId>,
     aliases: FxHashMap<u64, NodeId>,
     holders: HolderArena,
     dense: DenseArena,
@@ -213,11 +213,9 @@ impl NodeStore {
     #[inline]
     pub(super) fn find_seq(&self, seq: u64) -> Option<NodeId> {
         let records = &self.records;
-        self.by_seq.find(
-            mix(seq),
-            |id| records.get(id as usize).is_some_and(|r| r.seq == seq),
-            seq_hash(records),
-        )
+        self.by_seq
+            .find(mix(seq), |&id| records[id as usize].seq == seq)
+            .copied()
     }
 
     /// `node` when it is the live node of `seq`: a guess checked with one
@@ -263,28 +261,32 @@ impl NodeStore {
     /// The node whose shared name (first engine hash) `ext` is.
     pub(super) fn find_primary(&self, ext: u64) -> Option<NodeId> {
         let records = &self.records;
-        self.by_ext.find(
-            mix(ext),
-            |id| records.get(id as usize).is_some_and(|r| r.ext == ext),
-            ext_hash(records),
-        )
+        self.by_ext
+            .find(mix(ext), |&id| records[id as usize].ext == ext)
+            .copied()
     }
 
     /// The node of a sequence hash, created empty when new.
     pub(super) fn insert_seq(&mut self, seq: u64) -> NodeId {
-        if let Some(id) = self.find_seq(seq) {
-            return id;
-        }
-        if self.by_seq.is_full() {
-            // Before the new record is written: the live records are the entries.
-            let records = &self.records;
-            let entries = live_entries(records, LIVE, |r| r.seq);
-            self.by_seq.regrow(entries, seq_hash(records));
-        }
+        // The id a new node would get; the table learns it before its record
+        // is written, which is safe because inserting into a vacant entry
+        // never rehashes (`entry` reserves room first).
         let next = match self.free.last() {
             Some(&id) => id,
             None => NodeId::try_from(self.records.len()).unwrap_or(NodeId::MAX),
         };
+        let records = &self.records;
+        let entry = self.by_seq.entry(
+            mix(seq),
+            |&id| records[id as usize].seq == seq,
+            |&id| mix(records[id as usize].seq),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(e) => return *e.get(),
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                v.insert(next);
+            }
+        }
         let record = Record {
             seq,
             ext: 0,
@@ -298,9 +300,6 @@ impl NodeStore {
             grow_gently(&mut self.records, 1);
             self.records.push(record);
         }
-        // The record is written first: growing the table reads its key.
-        let records = &self.records;
-        self.by_seq.insert(mix(seq), next, seq_hash(records));
         self.live += 1;
         next
     }
@@ -313,25 +312,32 @@ impl NodeStore {
             // Already the shared name: the table says so too, no need to probe it.
             return Bind::Primary;
         }
-        if let Some(named) = self.find_primary(ext) {
-            return if named == node {
-                Bind::Primary
-            } else {
-                Bind::Conflict
-            };
-        }
-        if let Some(&existing) = self.aliases.get(&ext) {
-            return if existing == node {
-                Bind::Alias
-            } else {
-                Bind::Conflict
-            };
-        }
-        if !has_primary && self.by_ext.is_full() {
-            // Before this record is named: the named live records are the entries.
-            let records = &self.records;
-            let entries = live_entries(records, LIVE | HAS_EXT, |r| r.ext);
-            self.by_ext.regrow(entries, ext_hash(records));
+        let records = &self.records;
+        let entry = self.by_ext.entry(
+            mix(ext),
+            |&id| records[id as usize].ext == ext,
+            |&id| mix(records[id as usize].ext),
+        );
+        match entry {
+            hashbrown::hash_table::Entry::Occupied(e) => {
+                return if *e.get() == node {
+                    Bind::Primary
+                } else {
+                    Bind::Conflict
+                };
+            }
+            hashbrown::hash_table::Entry::Vacant(v) => {
+                if let Some(&existing) = self.aliases.get(&ext) {
+                    return if existing == node {
+                        Bind::Alias
+                    } else {
+                        Bind::Conflict
+                    };
+                }
+                if !has_primary {
+                    v.insert(node);
+                }
+            }
         }
         let Some(record) = self.records.get_mut(node as usize) else {
             return Bind::Conflict;
@@ -341,11 +347,8 @@ impl NodeStore {
             record.meta |= HAS_ALIAS;
             Bind::Alias
         } else {
-            // The record is written first: growing the table reads its key.
             record.ext = ext;
             record.meta |= HAS_EXT;
-            let records = &self.records;
-            self.by_ext.insert(mix(ext), node, ext_hash(records));
             Bind::Primary
         }
     }
@@ -502,10 +505,13 @@ impl NodeStore {
         if record.meta & LIVE == 0 || record.list().len != 0 {
             return false;
         }
-        let records = &self.records;
-        self.by_seq.remove(mix(record.seq), node, seq_hash(records));
+        if let Ok(entry) = self.by_seq.find_entry(mix(record.seq), |&id| id == node) {
+            entry.remove();
+        }
         if record.meta & HAS_EXT != 0 {
-            self.by_ext.remove(mix(record.ext), node, ext_hash(records));
+            if let Ok(entry) = self.by_ext.find_entry(mix(record.ext), |&id| id == node) {
+                entry.remove();
+            }
         }
         if record.meta & HAS_ALIAS != 0 {
             self.aliases.retain(|_, &mut id| id != node);
@@ -539,41 +545,19 @@ impl NodeStore {
     /// Heap bytes held, from capacities.
     pub(super) fn heap_bytes(&self) -> usize {
         self.records.capacity() * std::mem::size_of::<Record>()
-            + self.free.capacity() * std::mem::size_of::<NodeId>()
-            + self.by_seq.heap_bytes()
-            + self.by_ext.heap_bytes()
+            + self.free.capacity() * 4
+            + map_heap_bytes::<NodeId, ()>(self.by_seq.capacity())
+            + map_heap_bytes::<NodeId, ()>(self.by_ext.capacity())
             + map_heap_bytes::<u64, NodeId>(self.aliases.capacity())
             + self.holders.heap_bytes()
             + self.dense.heap_bytes()
     }
 }
 
-/// `(table hash of key, id)` of every record with all of `flags`, in id order.
-fn live_entries(
-    records: &[Record],
-    flags: u32,
-    key: fn(&Record) -> u64,
-) -> impl Iterator<Item = (u64, NodeId)> + '_ {
-    records
-        .iter()
-        .enumerate()
-        .filter(move |(_, r)| r.meta & flags == flags)
-        .map(move |(id, r)| (mix(key(r)), id as NodeId))
-}
-
-/// The table hash of a record's sequence hash, by node id.
-fn seq_hash(records: &[Record]) -> impl Fn(NodeId) -> u64 + '_ {
-    |id| records.get(id as usize).map_or(0, |r| mix(r.seq))
-}
-
-/// The table hash of a record's shared engine hash, by node id.
-fn ext_hash(records: &[Record]) -> impl Fn(NodeId) -> u64 + '_ {
-    |id| records.get(id as usize).map_or(0, |r| mix(r.ext))
-}
-
-/// Heap bytes of a `std` (hashbrown) map of `capacity` entries: a power of
-/// two of buckets at most 7/8 full, each an entry and a control byte, plus
-/// one group of control bytes.
+/// Heap bytes of a hashbrown table (or a `std` map, which is one) of
+/// `capacity` entries as allocated: a power of two of buckets at most 7/8
+/// full, each an entry and a control byte, plus one group of control bytes.
+/// Counting the entries alone under-reports by about 2 B per residency.
 pub(super) fn map_heap_bytes<K, V>(capacity: usize) -> usize {
     if capacity == 0 {
         return 0;
