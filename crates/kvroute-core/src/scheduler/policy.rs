@@ -175,6 +175,64 @@ pub fn deal_new_prefix(scored: &[Scored], dealt: &dyn Fn(usize) -> u64) -> Optio
         })
 }
 
+/// What [`PrefixDealer`] tallies per worker to deal new prefixes by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DealBy {
+    /// New prefixes dealt to it: groups evenly by count.
+    Prefixes,
+    /// Prompt tokens it was sent and did not hold (nor had in flight): the
+    /// prefill work it was given, which is how SGLang's `cache_aware` tree
+    /// grows per worker (a miss goes to its smallest tree), in kvroute's terms.
+    Work,
+    /// Requests it was sent.
+    Requests,
+}
+
+/// Deals requests whose prefix no rank holds ([`deal_new_prefix`]) by a
+/// running tally per worker, which [`PrefixDealer::record`] keeps for every
+/// request the caller routes. Work (`DealBy::Work`) balances what sticky
+/// routing cannot move later: a group's first request brings its later
+/// requests' prefill, so the worker given the least work so far takes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixDealer {
+    by: DealBy,
+    tally: std::collections::BTreeMap<usize, u64>,
+}
+
+impl PrefixDealer {
+    /// A dealer with every tally at 0.
+    pub fn new(by: DealBy) -> Self {
+        PrefixDealer {
+            by,
+            tally: std::collections::BTreeMap::new(),
+        }
+    }
+
+    /// Where a new prefix goes ([`deal_new_prefix`] by this dealer's
+    /// tallies); `None` when some rank holds a part of it.
+    pub fn choose(&self, scored: &[Scored]) -> Option<usize> {
+        deal_new_prefix(scored, &|i| self.tally(scored[i].worker))
+    }
+
+    /// Records a `request_tokens`-token request sent to `s`; `dealt` says
+    /// whether [`PrefixDealer::choose`] placed it (a new prefix).
+    pub fn record(&mut self, s: &Scored, request_tokens: u64, dealt: bool) {
+        let add = match self.by {
+            DealBy::Prefixes => u64::from(dealt),
+            DealBy::Work => {
+                request_tokens.saturating_sub(s.predicted_cached_tokens(request_tokens))
+            }
+            DealBy::Requests => 1,
+        };
+        *self.tally.entry(s.worker).or_default() += add;
+    }
+
+    /// The tally of `worker`.
+    pub fn tally(&self, worker: usize) -> u64 {
+        self.tally.get(&worker).copied().unwrap_or(0)
+    }
+}
+
 /// The order when the caller chose `first` itself (a policy whose state it
 /// keeps: `sglang-cache-aware`): `first`, then the other candidates that
 /// are not overloaded, cheapest first. Empty when `first` is out of range.
@@ -285,6 +343,42 @@ mod tests {
         held[1].candidate.active_prefix_blocks = 0;
         held[0].candidate.device_blocks = 1;
         assert_eq!(deal_new_prefix(&held, &|i| dealt[i]), None);
+    }
+
+    #[test]
+    fn the_dealer_sends_a_new_prefix_to_the_worker_given_the_least_work() {
+        let mut s = [
+            scored(1.0, 0, false),
+            scored(2.0, 0, false),
+            scored(3.0, 0, false),
+        ];
+        for (i, c) in s.iter_mut().enumerate() {
+            c.worker = i;
+        }
+        let mut work = PrefixDealer::new(DealBy::Work);
+        let mut prefixes = PrefixDealer::new(DealBy::Prefixes);
+        // Worker 0 takes a new 160-token prefix; worker 1 a request of 160
+        // tokens of which 8 blocks (128) are cached there: 32 uncached.
+        assert_eq!(work.choose(&s), Some(0));
+        work.record(&s[0], 160, true);
+        prefixes.record(&s[0], 160, true);
+        s[1].candidate.device_blocks = 8;
+        work.record(&s[1], 160, false);
+        prefixes.record(&s[1], 160, false);
+        assert_eq!((work.tally(0), work.tally(1), work.tally(2)), (160, 32, 0));
+        assert_eq!((prefixes.tally(0), prefixes.tally(1)), (1, 0));
+        s[1].candidate.device_blocks = 0;
+        assert_eq!(work.choose(&s), Some(2));
+        work.record(&s[2], 160, true);
+        // The least work, not the fewest prefixes: worker 1 (32 tokens).
+        assert_eq!(work.choose(&s), Some(1));
+        assert_eq!(prefixes.choose(&s), Some(1));
+        // A prefix in flight on a worker is held: the cost decides.
+        s[2].candidate.active_prefix_blocks = 4;
+        assert_eq!(work.choose(&s), None);
+        let mut requests = PrefixDealer::new(DealBy::Requests);
+        requests.record(&s[2], 160, false);
+        assert_eq!(requests.tally(2), 1);
     }
 
     #[test]
