@@ -2,6 +2,7 @@
 //! weights and temperature, or the oracle. The same names mean the same
 //! thing in `kvroute demo` (real time) and `kvroute bench sim` (virtual time).
 
+use kvroute_core::scheduler::policy::DealBy;
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Policy};
 
 use crate::error::Error;
@@ -53,6 +54,18 @@ impl Disagg {
     }
 }
 
+/// The [`DealBy`] a numeric sweep value names (`--deal-new-prefixes`): 0
+/// none (a new prefix goes to the cheapest rank, the default), 1 prefixes,
+/// 2 work, 3 requests (anything else: none).
+pub fn deal_from_value(v: f64) -> Option<DealBy> {
+    match v as i64 {
+        1 => Some(DealBy::Prefixes),
+        2 => Some(DealBy::Work),
+        3 => Some(DealBy::Requests),
+        _ => None,
+    }
+}
+
 /// A kvroute router's routing settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Routing {
@@ -67,9 +80,10 @@ pub struct Routing {
     /// How prefill and decode engines are used, where the fleet has them.
     pub disagg: Disagg,
     /// Under `kv`: a request whose prefix no rank holds goes to the rank
-    /// dealt the fewest such prefixes ([`kvroute_core::scheduler::deal_new_prefix`];
-    /// simulator only for now).
-    pub deal_new_prefixes: bool,
+    /// with the lowest tally of this
+    /// ([`kvroute_core::scheduler::policy::PrefixDealer`]; `None`: to the
+    /// cheapest, the default; simulator only for now).
+    pub deal_new_prefixes: Option<DealBy>,
 }
 
 impl Routing {
@@ -81,7 +95,7 @@ impl Routing {
             temperature: 0.0,
             busy: BusyThresholds::default(),
             disagg: Disagg::Conditional,
-            deal_new_prefixes: false,
+            deal_new_prefixes: None,
         }
     }
 }
@@ -168,6 +182,21 @@ mod tests {
             assert_eq!((r.policy, r.disagg), (Policy::Kv, disagg));
         }
         assert_eq!(Disagg::AlwaysSplit.local_prefill(), LocalPrefillRule::NEVER);
+        assert_eq!(Routing::new(Policy::Kv).deal_new_prefixes, None);
+        let dealt: Vec<Option<DealBy>> = [0.0, 1.0, 2.0, 3.0, 4.0]
+            .into_iter()
+            .map(deal_from_value)
+            .collect();
+        assert_eq!(
+            dealt,
+            [
+                None,
+                Some(DealBy::Prefixes),
+                Some(DealBy::Work),
+                Some(DealBy::Requests),
+                None
+            ]
+        );
         let e = "best".parse::<Contender>().expect_err("unknown");
         assert!(e.to_string().contains("aggregated or oracle"), "{e}");
     }

@@ -13,7 +13,7 @@ use std::sync::Mutex;
 use kvroute_core::scheduler::Policy;
 
 use super::{simulate, SimConfig, SimLoad, SimReport};
-use crate::contender::{Contender, Routing};
+use crate::contender::{deal_from_value, Contender, Routing};
 use crate::driver::Arrival;
 use crate::error::{Error, Result};
 use crate::mooncake::Trace;
@@ -277,7 +277,9 @@ const AXES: [Axis; 6] = [
     ("busy", &[0.0, 8.0], |r, v| {
         r.busy.requests = (v > 0.0).then_some(v as u64)
     }),
-    ("deal", &[0.0, 1.0], |r, v| r.deal_new_prefixes = v > 0.0),
+    ("deal", &[0.0, 1.0], |r, v| {
+        r.deal_new_prefixes = deal_from_value(v)
+    }),
 ];
 
 /// kvroute's `kv` policy at every combination of [`AXES`]; the first is

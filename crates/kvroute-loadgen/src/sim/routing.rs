@@ -18,9 +18,10 @@ use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::rng::SplitMix64;
 use kvroute_core::scheduler::peers::{tenant_of, CacheAware, CacheAwareConfig};
+use kvroute_core::scheduler::policy::PrefixDealer;
 use kvroute_core::scheduler::{
-    deal_new_prefix, order, order_from, score, ActiveSequences, FleetView, Load, Policy, Pricing,
-    RequestHashes, RouteTarget, Scored, SpeedConfig, SpeedLearner, WorkerRole,
+    order, order_from, score, ActiveSequences, FleetView, Load, Policy, Pricing, RequestHashes,
+    RouteTarget, Scored, SpeedConfig, SpeedLearner, WorkerRole,
 };
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use kvroute_mocker::engine::{Engine, NewRequest};
@@ -70,8 +71,8 @@ pub struct SimRouter {
     roles: Vec<WorkerRole>,
     /// SGLang's tree, under `sglang-cache-aware`.
     sglang: Option<CacheAware>,
-    /// New prefixes dealt to each engine ([`Routing::deal_new_prefixes`]).
-    dealt: Vec<u64>,
+    /// Deals new prefixes under `kv` ([`Routing::deal_new_prefixes`]).
+    dealer: Option<PrefixDealer>,
 }
 
 /// A request scored against every rank: what the policy orders, and the
@@ -192,7 +193,14 @@ impl SimRouter {
                 })
             )
             .then(|| CacheAware::new(CacheAwareConfig::default())),
-            dealt: vec![0; engines],
+            dealer: match policy {
+                Contender::Router(Routing {
+                    policy: Policy::Kv,
+                    deal_new_prefixes: Some(by),
+                    ..
+                }) => Some(PrefixDealer::new(by)),
+                _ => None,
+            },
         }
     }
 
@@ -270,22 +278,14 @@ impl SimRouter {
             let (first, _) = tree.choose(tokens, &loads, now_ms)?;
             order_from(&scored, first).first().copied()
         });
-        let dealt = &mut self.dealt;
-        let sglang = sglang.or_else(|| {
-            if !(routing.deal_new_prefixes && routing.policy == Policy::Kv) {
-                return None;
-            }
-            let i = deal_new_prefix(&scored, &|i| {
-                dealt.get(scored[i].worker).copied().unwrap_or(0)
-            })?;
-            if let Some(n) = dealt.get_mut(scored[i].worker) {
-                *n += 1;
-            }
-            Some(i)
-        });
+        let dealt = match (&self.dealer, sglang) {
+            (Some(dealer), None) => dealer.choose(&scored),
+            _ => None,
+        };
+        let first = sglang.or(dealt);
         // Every rank busy: `kvroute serve` would queue the request; here it
         // goes where the policy sends it with the thresholds ignored.
-        let chosen = match sglang.or_else(|| by_policy(&scored).first().copied()) {
+        let chosen = match first.or_else(|| by_policy(&scored).first().copied()) {
             Some(i) => i,
             None => {
                 relax(&mut scored);
@@ -294,6 +294,9 @@ impl SimRouter {
         };
         let s = &scored[chosen];
         let request_tokens = tokens.len() as u64;
+        if let Some(dealer) = &mut self.dealer {
+            dealer.record(s, request_tokens, dealt.is_some());
+        }
         let id = self.charge(
             s,
             &hashes,

@@ -5,6 +5,7 @@ use super::*;
 use crate::mooncake::{synthesize, SynthesisConfig};
 use crate::preset::Preset;
 use crate::workload::WorkloadKind;
+use kvroute_core::scheduler::policy::DealBy;
 
 fn config(policy: Contender, gpu_blocks: usize) -> SimConfig {
     let mocker = MockerConfig {
@@ -437,13 +438,19 @@ fn the_peers_policies_run_on_the_virtual_clock() {
 #[test]
 fn dealing_new_prefixes_spreads_the_groups_first_requests() {
     let load = preset_load(Preset::Long, 200);
-    let dealt = Contender::Router(Routing {
-        deal_new_prefixes: true,
-        ..Routing::new(Policy::Kv)
-    });
-    let r = simulate(&config(dealt, 2_048), &load).expect("runs");
-    assert_eq!((r.report.requests, r.report.failed), (200, 0));
-    // Every engine got a share of the 32 groups, and each group stayed put.
-    assert!(r.per_engine.iter().all(|&n| n > 20), "{:?}", r.per_engine);
-    assert!(r.report.hit_rate > 0.8, "{}", r.report.hit_rate);
+    for by in [DealBy::Prefixes, DealBy::Work] {
+        let dealt = Contender::Router(Routing {
+            deal_new_prefixes: Some(by),
+            ..Routing::new(Policy::Kv)
+        });
+        let r = simulate(&config(dealt, 2_048), &load).expect("runs");
+        assert_eq!((r.report.requests, r.report.failed), (200, 0));
+        // Every engine got a share of the 32 groups, and each group stayed put.
+        assert!(
+            r.per_engine.iter().all(|&n| n > 20),
+            "{by:?} {:?}",
+            r.per_engine
+        );
+        assert!(r.report.hit_rate > 0.8, "{by:?} {}", r.report.hit_rate);
+    }
 }

@@ -13,7 +13,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::scheduler::{CostWeights, Policy, SpeedConfig};
 use kvroute_loadgen as load;
-use kvroute_loadgen::contender::{Contender, Routing};
+use kvroute_loadgen::contender::{deal_from_value, Contender, Routing};
 use kvroute_loadgen::mooncake::Trace;
 use kvroute_loadgen::sim::bound::{search_pins, PinSearch, Targets};
 use kvroute_loadgen::sim::{
@@ -186,8 +186,8 @@ struct SweepArgs {
     /// Requests in flight at which a rank is skipped (busy).
     #[arg(long, value_delimiter = ',')]
     busy_requests: Vec<f64>,
-    /// 1: a request whose prefix no rank holds goes to the rank dealt the
-    /// fewest such prefixes (0: to the cheapest, the default).
+    /// Where a request whose prefix no rank holds goes: 0 the cheapest (the
+    /// default); the rank dealt the fewest 1 new prefixes, 2 uncached tokens, 3 requests.
     #[arg(long, value_delimiter = ',')]
     deal_new_prefixes: Vec<f64>,
 }
@@ -221,7 +221,7 @@ impl SweepArgs {
                 r.busy.requests = Some(v as u64)
             }),
             ("deal", &self.deal_new_prefixes, |r, v| {
-                r.deal_new_prefixes = v > 0.0
+                r.deal_new_prefixes = deal_from_value(v)
             }),
         ];
         all.into_iter().filter(|a| !a.1.is_empty()).collect()
