@@ -282,7 +282,7 @@ const AXES: [Axis; 6] = [
     }),
 ];
 
-/// kvroute's `kv` policy at every combination of [`AXES`]; the first is
+/// kvroute's `kv` policy at every combination of the swept axes; the first is
 /// the default (`kv`).
 pub fn kv_grid() -> Vec<(String, Routing)> {
     let mut out = vec![(Vec::<String>::new(), Routing::new(Policy::Kv))];

@@ -87,7 +87,7 @@ pub fn response_id_in_body(body: &[u8]) -> Option<String> {
 }
 
 /// Finds a Responses stream's id in its `response.created` event, reading
-/// no more than the stream's first [`SCAN_LIMIT`] bytes.
+/// no more than the stream's first 64 KiB.
 #[derive(Debug, Default)]
 pub struct ResponseIdScanner {
     pending: Vec<u8>,

@@ -144,9 +144,9 @@ struct Details {
     cached_tokens: Option<u64>,
 }
 
-/// The cached tokens a whole answer reports (`usage` in any dialect, see
-/// [`usage_of`], or `meta_info.cached_tokens` of a native `/generate`
-/// answer), read without building the rest of the document.
+/// The cached tokens a whole answer reports (`usage` in any of the three
+/// APIs, or `meta_info.cached_tokens` of a native `/generate` answer), read
+/// without building the rest of the document.
 pub fn reported_cached_tokens(body: &[u8]) -> Option<u64> {
     let doc = serde_json::from_slice::<UsageDoc>(body).ok()?;
     doc.usage

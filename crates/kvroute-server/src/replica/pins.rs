@@ -144,7 +144,7 @@ impl PinShare {
     }
 
     /// The bucket's pin of `kind` for `id`, asked for at most
-    /// [`FETCH_WITHIN`]; `None` when it has none, or NATS is not there.
+    /// 150 ms; `None` when it has none, or NATS is not there.
     pub async fn fetch(&self, kind: PinKind, id: &str) -> Option<Pin> {
         let store = self.store.get()?;
         let got = tokio::time::timeout(FETCH_WITHIN, store.get(key_of(kind, id))).await;
