@@ -83,7 +83,10 @@ pub fn app(state: AppState) -> axum::Router {
         .route("/v1/chat/completions", post(proxy::chat_completions))
         .route("/generate", post(proxy::generate))
         .route("/v1/responses", post(proxy::responses))
-        .route("/v1/messages", post(proxy::messages))
+        .route(
+            "/v1/messages",
+            post(proxy::messages).fallback(anthropic_method_not_allowed),
+        )
         .route("/v1/models", get(proxy::models))
         .merge(introspection)
         .route("/health", get(admin::health))
@@ -95,6 +98,11 @@ pub fn app(state: AppState) -> axum::Router {
         .method_not_allowed_fallback(api::method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// 405 on `/v1/messages`, in Anthropic's error shape as every answer there.
+async fn anthropic_method_not_allowed() -> axum::response::Response {
+    api::ProxyError::MethodNotAllowed.into_response_in(crate::dialect::Dialect::Anthropic)
 }
 
 /// `GET /metrics`: the Prometheus text format, or OpenMetrics when asked.

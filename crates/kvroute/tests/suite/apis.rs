@@ -404,6 +404,11 @@ fn refusals_are_in_each_apis_error_shape() {
     let messages = |body: &str| request(&serve, "POST", "/v1/messages", body);
     anthropic(&messages("{not json"), 400, "invalid_request_error");
     anthropic(
+        &request(&serve, "GET", "/v1/messages", ""),
+        405,
+        "invalid_request_error",
+    );
+    anthropic(
         &messages(r#"{"model":"mock-model","messages":[{"role":"user","content":"hi"}]}"#),
         400,
         "invalid_request_error",
