@@ -6,13 +6,19 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::json;
 
-use crate::support::http::{count, request_with};
+use crate::support::http::{count, request_with, Reply};
 use crate::support::{eventually, start_mocker, start_serve};
 
-fn complete(serve: &str, priority: Option<&str>, seed: u32, max_tokens: u32) -> u16 {
-    let prompt: Vec<u32> = (0..32).map(|i| 30_000 + seed * 100 + i).collect();
+/// A completion of 32 token ids from `base + 100 × seed`, with `header`.
+pub(super) fn complete_with(
+    serve: &str,
+    header: Option<(&str, &str)>,
+    (base, seed): (u32, u32),
+    max_tokens: u32,
+) -> Reply {
+    let prompt: Vec<u32> = (0..32).map(|i| base + seed * 100 + i).collect();
     let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": max_tokens});
-    let headers: Vec<(&str, &str)> = priority.map(|p| ("x-priority", p)).into_iter().collect();
+    let headers: Vec<(&str, &str)> = header.into_iter().collect();
     request_with(
         serve,
         "POST",
@@ -20,7 +26,22 @@ fn complete(serve: &str, priority: Option<&str>, seed: u32, max_tokens: u32) -> 
         &headers,
         &body.to_string(),
     )
-    .status
+}
+
+/// Sends one long request (400 tokens) that holds the router's only rank,
+/// and waits until it runs; the thread gives its status.
+pub(super) fn hold_the_only_rank(serve: &str) -> std::thread::JoinHandle<u16> {
+    let router = serve.to_owned();
+    let holder = std::thread::spawn(move || complete_with(&router, None, (20_000, 0), 400).status);
+    eventually("the long request runs", || {
+        count(serve, "kvroute_proxy_requests_total") == 1
+    });
+    holder
+}
+
+fn complete(serve: &str, priority: Option<&str>, seed: u32, max_tokens: u32) -> u16 {
+    let header = priority.map(|p| ("x-priority", p));
+    complete_with(serve, header, (30_000, seed), max_tokens).status
 }
 
 #[test]
@@ -35,14 +56,7 @@ fn queued_requests_take_a_freed_rank_by_priority_then_arrival() {
         "60000",
     ];
     let (_serve, serve) = start_serve(&lines, &flags);
-    // One long request holds the only rank.
-    let holder = {
-        let serve = serve.clone();
-        std::thread::spawn(move || complete(&serve, None, 0, 400))
-    };
-    eventually("the long request runs", || {
-        count(&serve, "kvroute_proxy_requests_total") == 1
-    });
+    let holder = hold_the_only_rank(&serve);
     let done: Arc<Mutex<Vec<&'static str>>> = Arc::default();
     let mut waiting = Vec::new();
     for (k, (name, priority)) in [

@@ -6,21 +6,16 @@
 
 use std::sync::{Arc, Mutex};
 
-use serde_json::json;
-
-use crate::support::http::{count, metric_where, request_with, Reply};
+use super::priority::{complete_with, hold_the_only_rank};
+use crate::support::http::{count, metric_where, Reply};
 use crate::support::{eventually, start_mocker, start_serve};
 
 fn complete(serve: &str, tenant: &str, seed: u32, max_tokens: u32) -> Reply {
-    let prompt: Vec<u32> = (0..32).map(|i| 40_000 + seed * 100 + i).collect();
-    let body = json!({"model": "mock-model", "prompt": prompt, "max_tokens": max_tokens});
-    let headers = [("x-tenant", tenant)];
-    request_with(
+    complete_with(
         serve,
-        "POST",
-        "/v1/completions",
-        &headers,
-        &body.to_string(),
+        Some(("x-tenant", tenant)),
+        (40_000, seed),
+        max_tokens,
     )
 }
 
@@ -40,14 +35,7 @@ fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_b
         "small=1",
     ];
     let (_serve, serve) = start_serve(&lines, &flags);
-    // One long request holds the only rank.
-    let holder = {
-        let serve = serve.clone();
-        std::thread::spawn(move || complete(&serve, "holder", 0, 400).status)
-    };
-    eventually("the long request runs", || {
-        count(&serve, "kvroute_proxy_requests_total") == 1
-    });
+    let holder = hold_the_only_rank(&serve);
     let done: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut waiting = Vec::new();
     let mut send = |name: &'static str, tenant: &'static str, seed: u32| {
