@@ -300,11 +300,12 @@ fn relay_one(mut client: TcpStream, upstream: &str, kept: &Recorded) {
     let _ = engine.write_all(&request[head_end..]);
     let mut answer = Vec::new();
     let _ = engine.read_to_end(&mut answer);
-    let _ = client.write_all(&answer);
+    // Recorded before it is forwarded, so the client cannot finish first.
     let line = head.lines().next().unwrap_or_default().to_owned();
     kept.lock()
         .unwrap_or_else(PoisonError::into_inner)
-        .push((line, answer));
+        .push((line, answer.clone()));
+    let _ = client.write_all(&answer);
 }
 
 /// The body of a raw HTTP answer, without chunked framing.
