@@ -2,7 +2,7 @@
 //! weights and temperature, or the oracle. The same names mean the same
 //! thing in `kvroute demo` (real time) and `kvroute bench sim` (virtual time).
 
-use kvroute_core::scheduler::policy::DealBy;
+use kvroute_core::scheduler::policy::{DealBy, DEFAULT_STICKINESS};
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Policy};
 
 use crate::error::Error;
@@ -15,6 +15,10 @@ pub const DYNAMO: &str = "dynamo";
 /// ([`CostWeights::DYNAMO`]): kvroute's accounting and retries, Dynamo's
 /// weights (what `dynamo` meant before the policy itself was re-implemented).
 pub const KV_DYNAMO_WEIGHTS: &str = "kv-dynamo-weights";
+
+/// The name of kvroute's `kv` policy set for the latency tail
+/// ([`Routing::tail`]): the documented setting that dominates `dynamo`.
+pub const KV_TAIL: &str = "kv-tail";
 
 /// The name of SGLang router's `cache_aware` re-implemented
 /// ([`Policy::SglangCacheAware`]).
@@ -81,9 +85,13 @@ pub struct Routing {
     pub disagg: Disagg,
     /// Under `kv`: a request whose prefix no rank holds goes to the rank
     /// with the lowest tally of this
-    /// ([`kvroute_core::scheduler::policy::PrefixDealer`]; `None`: to the
-    /// cheapest, the default; simulator only for now).
+    /// ([`kvroute_core::scheduler::policy::PrefixDealer`]; by default the
+    /// work dealt; `None`: to the cheapest).
     pub deal_new_prefixes: Option<DealBy>,
+    /// Under `kv`: how much dearer than the cheapest the rank holding most
+    /// of a request's prefix may be and still take it
+    /// ([`kvroute_core::scheduler::policy::keep_on_holder`]; below 1: off).
+    pub stickiness: f64,
 }
 
 impl Routing {
@@ -95,8 +103,25 @@ impl Routing {
             temperature: 0.0,
             busy: BusyThresholds::default(),
             disagg: Disagg::Conditional,
-            deal_new_prefixes: None,
+            deal_new_prefixes: Some(DealBy::Work),
+            stickiness: DEFAULT_STICKINESS,
         }
+    }
+}
+
+impl Routing {
+    /// `kv` set for the latency tail: `--prefill-load-scale 4
+    /// --request-kv-weight 2 --deal-new-prefixes off --holder-stickiness 0`.
+    /// Prefill is priced low and decode load high, and every request goes to
+    /// the cheapest rank: a lower hit rate than the default, Dynamo's tails
+    /// or better (docs/serving.md, "Against the peers").
+    pub fn tail() -> Self {
+        let mut r = Routing::new(Policy::Kv);
+        r.weights.prefill_load_scale = 4.0;
+        r.weights.request_kv_weight = 2.0;
+        r.deal_new_prefixes = None;
+        r.stickiness = 0.0;
+        r
     }
 }
 
@@ -132,9 +157,14 @@ impl std::str::FromStr for Contender {
                 ..Routing::new(Policy::Kv)
             }));
         }
+        if name == KV_TAIL {
+            return Ok(Contender::Router(Routing::tail()));
+        }
         if name == KV_DYNAMO_WEIGHTS {
             return Ok(Contender::Router(Routing {
                 weights: CostWeights::DYNAMO,
+                deal_new_prefixes: None,
+                stickiness: 0.0,
                 ..Routing::new(Policy::Kv)
             }));
         }
@@ -142,7 +172,7 @@ impl std::str::FromStr for Contender {
             .map(|p| Contender::Router(Routing::new(p)))
             .map_err(|e| {
                 Error::Invalid(format!(
-                    "{e}, kv-dynamo-weights, kv-split, aggregated or oracle"
+                    "{e}, kv-tail, kv-dynamo-weights, kv-split, aggregated or oracle"
                 ))
             })
     }
@@ -166,6 +196,8 @@ mod tests {
             );
         }
         assert_eq!("oracle".parse::<Contender>().ok(), Some(Contender::Oracle));
+        let tail: Contender = "kv-tail".parse().expect("known");
+        assert_eq!(tail, Contender::Router(Routing::tail()));
         assert_eq!(
             "least-loaded".parse::<Contender>().ok(),
             Some(Contender::Router(Routing::new(Policy::LeastLoaded)))
@@ -182,7 +214,10 @@ mod tests {
             assert_eq!((r.policy, r.disagg), (Policy::Kv, disagg));
         }
         assert_eq!(Disagg::AlwaysSplit.local_prefill(), LocalPrefillRule::NEVER);
-        assert_eq!(Routing::new(Policy::Kv).deal_new_prefixes, None);
+        assert_eq!(
+            Routing::new(Policy::Kv).deal_new_prefixes,
+            Some(DealBy::Work)
+        );
         let dealt: Vec<Option<DealBy>> = [0.0, 1.0, 2.0, 3.0, 4.0]
             .into_iter()
             .map(deal_from_value)

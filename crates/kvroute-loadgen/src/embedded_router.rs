@@ -86,6 +86,8 @@ impl RunningRouter {
             temperature: routing.temperature,
             busy: routing.busy,
             local_prefill: routing.disagg.local_prefill(),
+            deal_new_prefixes: routing.deal_new_prefixes,
+            holder_stickiness: routing.stickiness,
             renderer: Some(tokenizer),
             ..ProxyConfig::default()
         };

@@ -84,6 +84,7 @@ fn query_answer(
         proxy.random(),
         0,
     );
+    let (ordered, _) = crate::proxy::candidates::kv_rules(proxy, scored, ordered);
     let chosen = ordered.first().map_or(Value::Null, |&i| {
         let name = targets.get(scored[i].worker).map_or("", |t| &*t.name);
         json!({"name": name, "dp_rank": scored[i].key.rank})

@@ -197,12 +197,21 @@ impl Scored {
     /// heard of it yet; SGLang's radix tree takes a chunk only once it is
     /// computed, so there only the index counts.
     pub fn predicted_cached_tokens(&self, prompt_tokens: u64) -> u64 {
+        predicted_cached_tokens(
+            self.predicted_cached_blocks(),
+            self.block_size,
+            prompt_tokens,
+        )
+    }
+
+    /// The leading blocks of the request the engine will find cached if this
+    /// candidate is chosen ([`Scored::predicted_cached_tokens`] in blocks).
+    pub fn predicted_cached_blocks(&self) -> u32 {
         let c = &self.candidate;
-        let blocks = match self.flavor {
+        match self.flavor {
             WorkerFlavor::Vllm => c.device_blocks.max(c.active_prefix_blocks),
             WorkerFlavor::Sglang => c.device_blocks,
-        };
-        predicted_cached_tokens(blocks, self.block_size, prompt_tokens)
+        }
     }
 }
 

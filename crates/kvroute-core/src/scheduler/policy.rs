@@ -151,9 +151,10 @@ fn rest_after(scored: &[Scored], usable: Vec<usize>, first: usize, policy: Polic
 
 /// Where a request whose prefix no rank holds (none caches a block of it,
 /// none has a request in flight that holds one) goes when new prefixes are
-/// dealt: the usable candidate that `dealt` says received the fewest new
-/// prefixes so far, the cheapest of equals. `None` when some rank holds a
-/// part of it (the cost decides) or none is usable.
+/// dealt: the usable candidate that `dealt` says received the least so far,
+/// the first listed of equals (deterministic, as SGLang's smallest tree
+/// is). `None` when some rank holds a part of it (the cost decides) or none
+/// is usable.
 ///
 /// A new prefix's first request brings the load of every request of its
 /// group that follows it: placing it on the rank least loaded *now* (what
@@ -171,8 +172,55 @@ pub fn deal_new_prefix(scored: &[Scored], dealt: &dyn Fn(usize) -> u64) -> Optio
         .min_by(|&a, &b| {
             dealt(a)
                 .cmp(&dealt(b))
-                .then(scored[a].cost.total.total_cmp(&scored[b].cost.total))
+                .then(scored[a].worker.cmp(&scored[b].worker))
+                .then(scored[a].key.rank.cmp(&scored[b].key.rank))
         })
+}
+
+/// kvroute's default [`keep_on_holder`] factor: a request leaves the rank
+/// holding most of its prefix only for one that costs less than half as much.
+pub const DEFAULT_STICKINESS: f64 = 2.0;
+
+/// Puts first the rank that holds most of the request's prefix (more than
+/// half its blocks, the way SGLang's `cache_threshold` 0.5 reads a match)
+/// unless its cost is over `stickiness` × the cheapest usable rank's;
+/// `ordered` is [`order`]'s answer, and a `stickiness` below 1 leaves it
+/// unchanged.
+///
+/// The lowest cost alone moves a request off its holder as soon as the
+/// holder's queue outweighs a recompute elsewhere. That costs a whole
+/// prefix's prefill and starts a second copy, which pays off only if the
+/// queue lasts; measured on the `long` and `short` presets it lengthened
+/// the latency tail as often as it shortened it. A margin keeps requests
+/// where their prefix is until the holder is clearly the worse choice,
+/// which is SGLang's behaviour with kvroute's exact index and cost as the
+/// way out (SGLang's is a gap of 64 requests in flight).
+pub fn keep_on_holder(scored: &[Scored], mut ordered: Vec<usize>, stickiness: f64) -> Vec<usize> {
+    if stickiness < 1.0 || ordered.len() < 2 {
+        return ordered;
+    }
+    let cached = |i: usize| scored[i].predicted_cached_blocks();
+    // The most cached, the cheapest of equals, the first of those.
+    let Some(at) = (0..ordered.len()).min_by(|&a, &b| {
+        let (x, y) = (ordered[a], ordered[b]);
+        cached(y)
+            .cmp(&cached(x))
+            .then(scored[x].cost.total.total_cmp(&scored[y].cost.total))
+    }) else {
+        return ordered;
+    };
+    let holder = &scored[ordered[at]];
+    let cheapest = ordered
+        .iter()
+        .map(|&i| scored[i].cost.total)
+        .fold(f64::INFINITY, f64::min);
+    let holds_most =
+        u64::from(holder.predicted_cached_blocks()) * 2 > holder.candidate.request_blocks;
+    if at > 0 && holds_most && holder.cost.total <= stickiness * cheapest {
+        let chosen = ordered.remove(at);
+        ordered.insert(0, chosen);
+    }
+    ordered
 }
 
 /// What [`PrefixDealer`] tallies per worker to deal new prefixes by.
@@ -186,6 +234,20 @@ pub enum DealBy {
     Work,
     /// Requests it was sent.
     Requests,
+}
+
+impl std::str::FromStr for DealBy {
+    type Err = String;
+
+    /// `prefixes`, `work` or `requests`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "prefixes" => Ok(DealBy::Prefixes),
+            "work" => Ok(DealBy::Work),
+            "requests" => Ok(DealBy::Requests),
+            _ => Err(format!("unknown tally `{s}` (work, prefixes, requests)")),
+        }
+    }
 }
 
 /// Deals requests whose prefix no rank holds ([`deal_new_prefix`]) by a
@@ -335,8 +397,13 @@ mod tests {
             scored(2.0, 0, false),
             scored(0.5, 0, true),
         ];
+        let mut s = s;
+        for (i, c) in s.iter_mut().enumerate() {
+            c.worker = i;
+        }
         let dealt = [2, 1, 1, 0];
-        assert_eq!(deal_new_prefix(&s, &|i| dealt[i]), Some(2));
+        // 1 and 2 were dealt as little: the first listed, not the cheaper.
+        assert_eq!(deal_new_prefix(&s, &|i| dealt[i]), Some(1));
         let mut held = s.clone();
         held[1].candidate.active_prefix_blocks = 3;
         assert_eq!(deal_new_prefix(&held, &|i| dealt[i]), None);
@@ -379,6 +446,38 @@ mod tests {
         let mut requests = PrefixDealer::new(DealBy::Requests);
         requests.record(&s[2], 160, false);
         assert_eq!(requests.tally(2), 1);
+    }
+
+    #[test]
+    fn a_request_stays_on_its_holder_until_the_holder_costs_over_the_margin() {
+        // 10 blocks; rank 2 caches 8 of them but is busy.
+        let mut s = [
+            scored(40.0, 0, false),
+            scored(30.0, 0, false),
+            scored(50.0, 0, false),
+        ];
+        for c in &mut s {
+            c.candidate.request_blocks = 10;
+        }
+        s[2].candidate.device_blocks = 8;
+        let ordered = order(&s, Policy::Kv, 0.0, 0.0, 0);
+        assert_eq!(ordered, [1, 0, 2]);
+        assert_eq!(keep_on_holder(&s, ordered.clone(), 2.0), [2, 1, 0]);
+        // Over twice the cheapest: the cost decides.
+        s[2].cost.total = 61.0;
+        assert_eq!(keep_on_holder(&s, ordered.clone(), 2.0), [1, 0, 2]);
+        // Off below 1.
+        s[2].cost.total = 50.0;
+        assert_eq!(keep_on_holder(&s, ordered.clone(), 0.0), [1, 0, 2]);
+        // Half the blocks is not most of them.
+        s[2].candidate.device_blocks = 5;
+        assert_eq!(keep_on_holder(&s, ordered.clone(), 2.0), [1, 0, 2]);
+        // A vLLM rank computing the prefix holds it; an SGLang rank does not yet.
+        s[2].candidate.device_blocks = 0;
+        s[2].candidate.active_prefix_blocks = 8;
+        assert_eq!(keep_on_holder(&s, ordered.clone(), 2.0), [2, 1, 0]);
+        s[2].flavor = WorkerFlavor::Sglang;
+        assert_eq!(keep_on_holder(&s, ordered, 2.0), [1, 0, 2]);
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
+use kvroute_core::scheduler::policy::DEFAULT_STICKINESS;
 use kvroute_core::scheduler::Policy;
 
 use super::{simulate, SimConfig, SimLoad, SimReport};
@@ -263,7 +264,7 @@ pub fn pareto(points: &[Point]) -> Vec<usize> {
 type Axis = (&'static str, &'static [f64], fn(&mut Routing, f64));
 
 /// The knobs swept, each around kvroute's default (listed first).
-const AXES: [Axis; 6] = [
+const AXES: [Axis; 7] = [
     ("pls", &[12.0, 4.0, 24.0], |r, v| {
         r.weights.prefill_load_scale = v
     }),
@@ -277,9 +278,10 @@ const AXES: [Axis; 6] = [
     ("busy", &[0.0, 8.0], |r, v| {
         r.busy.requests = (v > 0.0).then_some(v as u64)
     }),
-    ("deal", &[0.0, 1.0], |r, v| {
+    ("deal", &[2.0, 0.0], |r, v| {
         r.deal_new_prefixes = deal_from_value(v)
     }),
+    ("stick", &[DEFAULT_STICKINESS, 0.0], |r, v| r.stickiness = v),
 ];
 
 /// kvroute's `kv` policy at every combination of the swept axes; the first is
@@ -567,7 +569,7 @@ mod tests {
     #[test]
     fn the_grid_starts_with_the_default_and_labels_what_differs() {
         let grid = kv_grid();
-        assert_eq!(grid.len(), 3 * 2 * 3 * 2 * 2 * 2);
+        assert_eq!(grid.len(), 3 * 2 * 3 * 2 * 2 * 2 * 2);
         assert_eq!(grid[0], ("kv".to_string(), Routing::new(Policy::Kv)));
         assert!(grid.iter().any(|(l, r)| l == "kv[kvw=1]"
             && r.weights.request_kv_weight == 1.0
@@ -575,5 +577,8 @@ mod tests {
         assert!(grid
             .iter()
             .any(|(l, r)| l == "kv[busy=8]" && r.busy.requests == Some(8)));
+        assert!(grid.iter().any(|(l, r)| l == "kv[deal=0,stick=0]"
+            && r.deal_new_prefixes.is_none()
+            && r.stickiness == 0.0));
     }
 }

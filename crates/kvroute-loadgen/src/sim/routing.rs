@@ -18,7 +18,7 @@ use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::rng::SplitMix64;
 use kvroute_core::scheduler::peers::{tenant_of, CacheAware, CacheAwareConfig};
-use kvroute_core::scheduler::policy::PrefixDealer;
+use kvroute_core::scheduler::policy::{keep_on_holder, PrefixDealer};
 use kvroute_core::scheduler::{
     order, order_from, score, ActiveSequences, FleetView, Load, Policy, Pricing, RequestHashes,
     RouteTarget, Scored, SpeedConfig, SpeedLearner, WorkerRole,
@@ -268,8 +268,13 @@ impl SimRouter {
             turn,
             random,
         } = self.score_request(tokens, &routing);
-        let by_policy =
-            |scored: &[Scored]| order(scored, routing.policy, routing.temperature, random, turn);
+        let by_policy = |scored: &[Scored]| {
+            let ordered = order(scored, routing.policy, routing.temperature, random, turn);
+            match routing.policy {
+                Policy::Kv => keep_on_holder(scored, ordered, routing.stickiness),
+                _ => ordered,
+            }
+        };
         let sglang = self.sglang.as_mut().and_then(|tree| {
             let loads: Vec<(u32, u64)> = scored
                 .iter()

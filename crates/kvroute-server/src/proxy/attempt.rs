@@ -138,6 +138,7 @@ fn place(
             proxy.random(),
             turn,
         );
+        let (ordered, dealt) = super::candidates::kv_rules(proxy, among, ordered);
         let ordered = super::candidates::peer_order(proxy, req, among).unwrap_or(ordered);
         let ordered: Vec<usize> = match &kept {
             Some(kept) => ordered.into_iter().map(|j| kept[j]).collect(),
@@ -150,6 +151,9 @@ fn place(
             .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
         if let Some((i, _)) = &first {
             proxy.record_session(req, candidates, *i);
+            let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
+            let s = &scored[*i];
+            super::candidates::record_dealt(proxy, s, request_tokens, dealt == Some(s.worker));
         }
         (ordered, first, among.len())
     });

@@ -13,6 +13,7 @@ use kvroute_core::hash::{namespace_seed, LocalBlockHash};
 use kvroute_core::index::{DpRank, WorkerRank};
 use kvroute_core::multimodal::prompt_local_hashes;
 use kvroute_core::scheduler::peers::tenant_of;
+use kvroute_core::scheduler::policy::keep_on_holder;
 use kvroute_core::scheduler::{
     order_from, score, FleetView, Load, Policy, Pricing, RequestHashes, RouteTarget, Scored,
 };
@@ -239,6 +240,46 @@ pub fn sglang_symbols(req: &RoutingRequest) -> Vec<u32> {
         Some(TextPrompt::Completion(serde_json::Value::String(s))) => chars(s),
         Some(TextPrompt::Completion(v) | TextPrompt::Chat(v)) => chars(&v.to_string()),
         None => Vec::new(),
+    }
+}
+
+/// The `kv` policy's placement rules over the cost's `ordered`
+/// (`--policy kv` only): a request whose prefix no rank holds is dealt
+/// (`--deal-new-prefixes`), else the rank holding most of its prefix keeps
+/// it within `--holder-stickiness` ([`keep_on_holder`]). Returns the order
+/// and the worker it was dealt to, if it was ([`record_dealt`] once placed).
+pub(crate) fn kv_rules(
+    proxy: &Proxy,
+    among: &[Scored],
+    ordered: Vec<usize>,
+) -> (Vec<usize>, Option<usize>) {
+    let config = proxy.config();
+    if config.policy != Policy::Kv {
+        return (ordered, None);
+    }
+    let dealt = proxy.dealer.as_ref().and_then(|dealer| {
+        dealer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .choose(among)
+    });
+    match dealt {
+        Some(first) => (order_from(among, first), Some(among[first].worker)),
+        None => (
+            keep_on_holder(among, ordered, config.holder_stickiness),
+            None,
+        ),
+    }
+}
+
+/// Counts what a `request_tokens`-token request placed on `s` gave its
+/// worker, for dealing the next new prefix.
+pub(super) fn record_dealt(proxy: &Proxy, s: &Scored, request_tokens: u64, dealt: bool) {
+    if let Some(dealer) = &proxy.dealer {
+        dealer
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .record(s, request_tokens, dealt);
     }
 }
 

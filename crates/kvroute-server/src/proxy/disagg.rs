@@ -24,6 +24,7 @@ use axum::body::Bytes;
 use axum::response::Response;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::scheduler::disagg::{pick_decode, prefill_order};
+use kvroute_core::scheduler::policy::keep_on_holder;
 use kvroute_core::scheduler::{order, DecodeCost, LocalPrefillRule, Policy, Scored, WorkerRole};
 use serde_json::Value;
 
@@ -153,8 +154,13 @@ pub fn plan(
             .map_or(WorkerRole::Both, |t| t.role)
     };
     let random = proxy.random();
-    let by_policy =
-        |subset: &[Scored]| order(subset, config.policy, config.temperature, random, turn);
+    let by_policy = |subset: &[Scored]| {
+        let ordered = order(subset, config.policy, config.temperature, random, turn);
+        match config.policy {
+            Policy::Kv => keep_on_holder(subset, ordered, config.holder_stickiness),
+            _ => ordered,
+        }
+    };
     let scored = &candidates.scored;
     let (decode, cost) = if kv {
         pick_decode(scored, |s| role(s).decodes(), tokens, &rule, random)?

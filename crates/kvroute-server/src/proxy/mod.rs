@@ -50,6 +50,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use kvroute_core::index::{SharedIndex, WorkerRank};
 use kvroute_core::rng::{mix, unit_f64, SplitMix64};
+use kvroute_core::scheduler::policy::{DealBy, PrefixDealer, DEFAULT_STICKINESS};
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Policy, SpeedConfig};
 use serde_json::{json, Map, Value};
 
@@ -124,6 +125,12 @@ pub struct ProxyConfig {
     /// Which header names a request's tenant, and what each tenant weighs
     /// in the queue's fair order ([`tenants`]).
     pub tenants: tenants::TenantConfig,
+    /// Under `kv`: a request whose prefix no rank holds goes to the rank
+    /// dealt the least of this so far (`None`: to the cheapest).
+    pub deal_new_prefixes: Option<DealBy>,
+    /// Under `kv`: how much dearer than the cheapest the rank holding most
+    /// of a request's prefix may be and still take it (below 1: off).
+    pub holder_stickiness: f64,
 }
 
 impl Default for ProxyConfig {
@@ -151,6 +158,8 @@ impl Default for ProxyConfig {
             engine_metrics_every: None,
             sessions: sessions::SessionConfig::default(),
             tenants: tenants::TenantConfig::default(),
+            deal_new_prefixes: Some(DealBy::Work),
+            holder_stickiness: DEFAULT_STICKINESS,
         }
     }
 }
@@ -194,6 +203,8 @@ pub struct Proxy {
     pin_share: OnceLock<Arc<PinShare>>,
     /// SGLang's `cache_aware` tree (`--policy sglang-cache-aware`).
     sglang: std::sync::Mutex<kvroute_core::scheduler::peers::CacheAware>,
+    /// What each worker was dealt (`--deal-new-prefixes`).
+    dealer: Option<std::sync::Mutex<PrefixDealer>>,
 }
 
 impl Proxy {
@@ -215,6 +226,9 @@ impl Proxy {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
         Ok(Proxy {
+            dealer: config
+                .deal_new_prefixes
+                .map(|by| std::sync::Mutex::new(PrefixDealer::new(by))),
             speeds: config.learn_speeds.map(speeds::SpeedBook::new),
             load_dropped: tokio::sync::Notify::new(),
             breakers: Breakers::new(config.breaker_failures, config.breaker_open),

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::index::IndexConfig;
 use kvroute_core::multimodal::ImageTokenRule;
+use kvroute_core::scheduler::policy::DealBy;
 use kvroute_core::scheduler::{BusyThresholds, Policy};
 use kvroute_core::scheduler::{CostWeights, LocalPrefillRule, SpeedConfig};
 use kvroute_prompt::{Renderer, Tokenizer};
@@ -124,6 +125,16 @@ pub struct ServeArgs {
     /// 0: lowest cost wins; > 0: softmax sampling over normalised costs.
     #[arg(long, default_value_t = ProxyConfig::default().temperature, env = "KVROUTE_TEMPERATURE")]
     temperature: f64,
+    /// Under `kv`, where a request whose prefix no rank holds goes: the
+    /// worker dealt the least `work` so far (prompt tokens it was sent
+    /// uncached, as SGLang's smallest tree), or the fewest `prefixes` or
+    /// `requests`; `off`: the cheapest rank.
+    #[arg(long, default_value = "work", value_parser = parse_deal, env = "KVROUTE_DEAL_NEW_PREFIXES")]
+    deal_new_prefixes: Deal,
+    /// Under `kv`, a request stays on the rank holding most of its prefix
+    /// unless that rank costs over this many times the cheapest (below 1: off).
+    #[arg(long, default_value_t = ProxyConfig::default().holder_stickiness, env = "KVROUTE_HOLDER_STICKINESS")]
+    holder_stickiness: f64,
     /// A rank with this many prompt tokens in prefill is skipped (busy).
     #[arg(long, value_name = "TOKENS", env = "KVROUTE_BUSY_PREFILL_TOKENS")]
     busy_prefill_tokens: Option<u64>,
@@ -447,6 +458,17 @@ pub(super) fn parse_header_name(value: &str) -> Result<String, String> {
     }
 }
 
+/// `--deal-new-prefixes`: a tally, or `off`.
+#[derive(Debug, Clone, Copy)]
+struct Deal(Option<DealBy>);
+
+fn parse_deal(value: &str) -> Result<Deal, String> {
+    match value {
+        "off" => Ok(Deal(None)),
+        _ => value.parse().map(|by| Deal(Some(by))),
+    }
+}
+
 /// `--model`'s value: `NAME=FILE` or `NAME=builtin`.
 fn parse_model_tokenizer(value: &str) -> Result<(String, PathBuf), String> {
     match value.split_once('=') {
@@ -487,6 +509,8 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             request_size_weight: args.request_size_weight,
         },
         temperature: args.temperature,
+        deal_new_prefixes: args.deal_new_prefixes.0,
+        holder_stickiness: args.holder_stickiness,
         busy: BusyThresholds {
             prefill_tokens: args.busy_prefill_tokens,
             decode_blocks: args.busy_decode_blocks,
@@ -618,6 +642,8 @@ mod tests {
         assert_eq!(p.policy, q.policy);
         assert_eq!(p.weights, q.weights);
         assert_eq!(p.temperature, q.temperature);
+        assert_eq!(p.deal_new_prefixes, q.deal_new_prefixes);
+        assert_eq!(p.holder_stickiness, q.holder_stickiness);
         assert_eq!(p.busy, q.busy);
         assert_eq!(p.max_attempts, q.max_attempts);
         assert_eq!(p.request_timeout, q.request_timeout);

@@ -103,9 +103,9 @@ pub struct SimArgs {
     /// Weight an engine's earlier responses keep at each new one.
     #[arg(long, default_value_t = SpeedConfig::default().forget)]
     speed_forget: f64,
-    /// What routes, in order: router policies (with the peers' re-implemented
-    /// `sglang-cache-aware` and `dynamo`), `kv-dynamo-weights` (kv with
-    /// Dynamo's weights), `kv-split` and `aggregated` (kv always splitting,
+    /// What routes, in order: router policies (with the peers' `sglang-cache-aware`
+    /// and `dynamo`), `kv-tail` (kv set for the latency tail), `kv-dynamo-weights`
+    /// (kv with Dynamo's weights), `kv-split` and `aggregated` (kv always splitting,
     /// or ignoring the roles, on a P/D fleet) and `oracle` (not on a P/D
     /// fleet). Default: kv,dynamo,least-loaded,round-robin,oracle; on a
     /// P/D fleet kv,kv-split,round-robin,aggregated.
@@ -186,10 +186,12 @@ struct SweepArgs {
     /// Requests in flight at which a rank is skipped (busy).
     #[arg(long, value_delimiter = ',')]
     busy_requests: Vec<f64>,
-    /// Where a request whose prefix no rank holds goes: 0 the cheapest (the
-    /// default); the rank dealt the fewest 1 new prefixes, 2 uncached tokens, 3 requests.
+    /// A new prefix goes to the rank dealt the least: 1 prefixes, 2 work (default), 3 requests; 0 cheapest.
     #[arg(long, value_delimiter = ',')]
     deal_new_prefixes: Vec<f64>,
+    /// A request stays on its prefix's holder up to this × the cheapest's cost (below 1: off).
+    #[arg(long, value_delimiter = ',')]
+    holder_stickiness: Vec<f64>,
 }
 
 /// One axis of the sweep: its short name, its values, and how it sets a routing.
@@ -197,7 +199,7 @@ type Axis<'a> = (&'static str, &'a [f64], fn(&mut Routing, f64));
 
 impl SweepArgs {
     fn axes(&self) -> Vec<Axis<'_>> {
-        let all: [Axis<'_>; 9] = [
+        let all: [Axis<'_>; 10] = [
             ("pls", &self.prefill_load_scale, |r, v| {
                 r.weights.prefill_load_scale = v
             }),
@@ -223,6 +225,7 @@ impl SweepArgs {
             ("deal", &self.deal_new_prefixes, |r, v| {
                 r.deal_new_prefixes = deal_from_value(v)
             }),
+            ("stick", &self.holder_stickiness, |r, v| r.stickiness = v),
         ];
         all.into_iter().filter(|a| !a.1.is_empty()).collect()
     }
