@@ -11,6 +11,7 @@
 
 use super::candidates::Scored;
 use super::peers::dynamo::{logit, DynamoConfig, DynamoInputs};
+use crate::index::WorkerRank;
 
 /// How the next (worker, rank) is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -161,10 +162,7 @@ fn rest_after(scored: &[Scored], usable: Vec<usize>, first: usize, policy: Polic
 /// the cost does) can pile groups onto one rank; dealing them evenly is
 /// what SGLang's `cache_aware` does by sending a miss to its smallest tree.
 pub fn deal_new_prefix(scored: &[Scored], dealt: &dyn Fn(usize) -> u64) -> Option<usize> {
-    let held = scored
-        .iter()
-        .any(|s| s.candidate.device_blocks > 0 || s.candidate.active_prefix_blocks > 0);
-    if held {
+    if holds_some(scored) {
         return None;
     }
     (0..scored.len())
@@ -177,15 +175,26 @@ pub fn deal_new_prefix(scored: &[Scored], dealt: &dyn Fn(usize) -> u64) -> Optio
         })
 }
 
+/// Whether some rank caches a block of the request or has one in flight.
+fn holds_some(scored: &[Scored]) -> bool {
+    scored
+        .iter()
+        .any(|s| s.candidate.device_blocks > 0 || s.candidate.active_prefix_blocks > 0)
+}
+
+/// The slowest speed a worker's work is divided by (a speed of 0 would
+/// make its tally infinite).
+const MIN_SPEED: f64 = 1e-3;
+
 /// kvroute's default [`keep_on_holder`] factor: a request leaves the rank
 /// holding most of its prefix only for one that costs less than half as much.
 pub const DEFAULT_STICKINESS: f64 = 2.0;
 
 /// Puts first the rank that holds most of the request's prefix (more than
 /// half its blocks, the way SGLang's `cache_threshold` 0.5 reads a match)
-/// unless its cost is over `stickiness` × the cheapest usable rank's;
-/// `ordered` is [`order`]'s answer, and a `stickiness` below 1 leaves it
-/// unchanged.
+/// unless its cost is over `stickiness` × the cheapest's or it is slower
+/// than the cheapest; `ordered` is [`order`]'s answer, and a `stickiness`
+/// below 1 leaves it unchanged.
 ///
 /// The lowest cost alone moves a request off its holder as soon as the
 /// holder's queue outweighs a recompute elsewhere. That costs a whole
@@ -210,27 +219,33 @@ pub fn keep_on_holder(scored: &[Scored], mut ordered: Vec<usize>, stickiness: f6
         return ordered;
     };
     let holder = &scored[ordered[at]];
-    let cheapest = ordered
+    let Some(cheapest) = ordered
         .iter()
-        .map(|&i| scored[i].cost.total)
-        .fold(f64::INFINITY, f64::min);
+        .map(|&i| &scored[i])
+        .min_by(|a, b| a.cost.total.total_cmp(&b.cost.total))
+    else {
+        return ordered;
+    };
     let holds_most =
         u64::from(holder.predicted_cached_blocks()) * 2 > holder.candidate.request_blocks;
-    if at > 0 && holds_most && holder.cost.total <= stickiness * cheapest {
+    // A slower holder gets no margin: its speed is not a queue that passes.
+    let as_fast = holder.speed >= cheapest.speed;
+    if at > 0 && holds_most && as_fast && holder.cost.total <= stickiness * cheapest.cost.total {
         let chosen = ordered.remove(at);
         ordered.insert(0, chosen);
     }
     ordered
 }
 
-/// What [`PrefixDealer`] tallies per worker to deal new prefixes by.
+/// What [`PrefixDealer`] tallies per rank to deal new prefixes by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum DealBy {
     /// New prefixes dealt to it: groups evenly by count.
     Prefixes,
-    /// Prompt tokens it was sent and did not hold (nor had in flight): the
-    /// prefill work it was given, which is how SGLang's `cache_aware` tree
-    /// grows per worker (a miss goes to its smallest tree), in kvroute's terms.
+    /// Prompt tokens it was sent and did not hold (nor had in flight),
+    /// divided by its speed: the prefill work it was given, which is how
+    /// SGLang's `cache_aware` tree grows per worker (a miss goes to its
+    /// smallest tree), in kvroute's terms.
     Work,
     /// Requests it was sent.
     Requests,
@@ -251,14 +266,14 @@ impl std::str::FromStr for DealBy {
 }
 
 /// Deals requests whose prefix no rank holds ([`deal_new_prefix`]) by a
-/// running tally per worker, which [`PrefixDealer::record`] keeps for every
+/// running tally per rank, which [`PrefixDealer::record`] keeps for every
 /// request the caller routes. Work (`DealBy::Work`) balances what sticky
 /// routing cannot move later: a group's first request brings its later
-/// requests' prefill, so the worker given the least work so far takes it.
+/// requests' prefill, so the rank given the least work so far takes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixDealer {
     by: DealBy,
-    tally: std::collections::BTreeMap<usize, u64>,
+    tally: std::collections::BTreeMap<WorkerRank, u64>,
 }
 
 impl PrefixDealer {
@@ -272,8 +287,19 @@ impl PrefixDealer {
 
     /// Where a new prefix goes ([`deal_new_prefix`] by this dealer's
     /// tallies); `None` when some rank holds a part of it.
-    pub fn choose(&self, scored: &[Scored]) -> Option<usize> {
-        deal_new_prefix(scored, &|i| self.tally(scored[i].worker))
+    ///
+    /// A rank met for the first time after others were dealt to (one that
+    /// joined a running fleet) starts level with the least dealt, not at 0,
+    /// or it would take every new prefix until it caught up.
+    pub fn choose(&mut self, scored: &[Scored]) -> Option<usize> {
+        if holds_some(scored) {
+            return None;
+        }
+        let floor = self.tally.values().copied().min().unwrap_or(0);
+        for s in scored {
+            self.tally.entry(s.key).or_insert(floor);
+        }
+        deal_new_prefix(scored, &|i| self.tally(scored[i].key))
     }
 
     /// Records a `request_tokens`-token request sent to `s`; `dealt` says
@@ -282,16 +308,20 @@ impl PrefixDealer {
         let add = match self.by {
             DealBy::Prefixes => u64::from(dealt),
             DealBy::Work => {
-                request_tokens.saturating_sub(s.predicted_cached_tokens(request_tokens))
+                // In the reference engine's time: a rank half as fast is
+                // dealt half as much.
+                let cached = s.predicted_cached_tokens(request_tokens);
+                (request_tokens.saturating_sub(cached) as f64 / s.speed.max(MIN_SPEED)) as u64
             }
             DealBy::Requests => 1,
         };
-        *self.tally.entry(s.worker).or_default() += add;
+        let floor = self.tally.values().copied().min().unwrap_or(0);
+        *self.tally.entry(s.key).or_insert(floor) += add;
     }
 
-    /// The tally of `worker`.
-    pub fn tally(&self, worker: usize) -> u64 {
-        self.tally.get(&worker).copied().unwrap_or(0)
+    /// The tally of `key`.
+    pub fn tally(&self, key: WorkerRank) -> u64 {
+        self.tally.get(&key).copied().unwrap_or(0)
     }
 }
 
@@ -413,7 +443,7 @@ mod tests {
     }
 
     #[test]
-    fn the_dealer_sends_a_new_prefix_to_the_worker_given_the_least_work() {
+    fn the_dealer_sends_a_new_prefix_to_the_rank_given_the_least_work() {
         let mut s = [
             scored(1.0, 0, false),
             scored(2.0, 0, false),
@@ -421,31 +451,61 @@ mod tests {
         ];
         for (i, c) in s.iter_mut().enumerate() {
             c.worker = i;
+            c.key = WorkerRank::new(i as u32, 0);
         }
+        let key = |i: u32| WorkerRank::new(i, 0);
         let mut work = PrefixDealer::new(DealBy::Work);
         let mut prefixes = PrefixDealer::new(DealBy::Prefixes);
-        // Worker 0 takes a new 160-token prefix; worker 1 a request of 160
+        // Rank 0 takes a new 160-token prefix; rank 1 a request of 160
         // tokens of which 8 blocks (128) are cached there: 32 uncached.
         assert_eq!(work.choose(&s), Some(0));
+        assert_eq!(prefixes.choose(&s), Some(0));
         work.record(&s[0], 160, true);
         prefixes.record(&s[0], 160, true);
         s[1].candidate.device_blocks = 8;
+        assert_eq!(work.choose(&s), None);
         work.record(&s[1], 160, false);
         prefixes.record(&s[1], 160, false);
-        assert_eq!((work.tally(0), work.tally(1), work.tally(2)), (160, 32, 0));
-        assert_eq!((prefixes.tally(0), prefixes.tally(1)), (1, 0));
+        assert_eq!(
+            (work.tally(key(0)), work.tally(key(1)), work.tally(key(2))),
+            (160, 32, 0)
+        );
+        assert_eq!((prefixes.tally(key(0)), prefixes.tally(key(1))), (1, 0));
         s[1].candidate.device_blocks = 0;
         assert_eq!(work.choose(&s), Some(2));
         work.record(&s[2], 160, true);
-        // The least work, not the fewest prefixes: worker 1 (32 tokens).
+        // The least work, not the fewest prefixes: rank 1 (32 tokens).
         assert_eq!(work.choose(&s), Some(1));
         assert_eq!(prefixes.choose(&s), Some(1));
-        // A prefix in flight on a worker is held: the cost decides.
+        // A prefix in flight on a rank is held: the cost decides.
         s[2].candidate.active_prefix_blocks = 4;
         assert_eq!(work.choose(&s), None);
+        s[2].candidate.active_prefix_blocks = 0;
+        // A rank that joins now starts level with the least dealt (32), so
+        // it does not take every new prefix until it catches up.
+        let mut joined = s.to_vec();
+        let mut late = s[2].clone();
+        (late.worker, late.key) = (3, key(7));
+        joined.push(late);
+        assert_eq!(work.choose(&joined), Some(1));
+        assert_eq!(work.tally(key(7)), 32);
+        // A rank a quarter as fast is dealt four times the work.
+        joined[0].speed = 0.25;
+        work.record(&joined[0], 160, true);
+        assert_eq!(work.tally(key(0)), 160 + 640);
         let mut requests = PrefixDealer::new(DealBy::Requests);
         requests.record(&s[2], 160, false);
-        assert_eq!(requests.tally(2), 1);
+        assert_eq!(requests.tally(key(2)), 1);
+    }
+
+    #[test]
+    fn dp_ranks_of_one_worker_are_dealt_as_separate_ranks() {
+        let mut s = [scored(1.0, 0, false), scored(1.0, 0, false)];
+        s[1].key = WorkerRank::new(0, 1);
+        let mut work = PrefixDealer::new(DealBy::Work);
+        assert_eq!(work.choose(&s), Some(0));
+        work.record(&s[0], 160, true);
+        assert_eq!(work.choose(&s), Some(1));
     }
 
     #[test]
@@ -472,6 +532,10 @@ mod tests {
         // Half the blocks is not most of them.
         s[2].candidate.device_blocks = 5;
         assert_eq!(keep_on_holder(&s, ordered.clone(), 2.0), [1, 0, 2]);
+        // A slower holder gets no margin.
+        s[2].speed = 0.5;
+        assert_eq!(keep_on_holder(&s, ordered.clone(), 2.0), [1, 0, 2]);
+        s[2].speed = 1.0;
         // A vLLM rank computing the prefix holds it; an SGLang rank does not yet.
         s[2].candidate.device_blocks = 0;
         s[2].candidate.active_prefix_blocks = 8;

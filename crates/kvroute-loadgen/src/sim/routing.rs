@@ -283,7 +283,7 @@ impl SimRouter {
             let (first, _) = tree.choose(tokens, &loads, now_ms)?;
             order_from(&scored, first).first().copied()
         });
-        let dealt = match (&self.dealer, sglang) {
+        let dealt = match (&mut self.dealer, sglang) {
             (Some(dealer), None) => dealer.choose(&scored),
             _ => None,
         };
