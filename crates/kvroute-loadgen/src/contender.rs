@@ -92,6 +92,11 @@ pub struct Routing {
     /// of a request's prefix may be and still take it
     /// ([`kvroute_core::scheduler::policy::keep_on_holder`]; below 1: off).
     pub stickiness: f64,
+    /// Per-rank caps on requests in flight, learned from time to first
+    /// token against this target in ms
+    /// ([`kvroute_core::scheduler::caps`]; `None`: no caps, the default;
+    /// simulator only).
+    pub cap_ttft_ms: Option<f64>,
 }
 
 impl Routing {
@@ -105,6 +110,7 @@ impl Routing {
             disagg: Disagg::Conditional,
             deal_new_prefixes: Some(DealBy::Work),
             stickiness: DEFAULT_STICKINESS,
+            cap_ttft_ms: None,
         }
     }
 }

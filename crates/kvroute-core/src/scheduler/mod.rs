@@ -5,13 +5,15 @@
 //! ([`policy`]), where a disaggregated fleet sends each phase
 //! ([`disagg`]), the order requests wait in the overload queue ([`fair`]),
 //! the workers' speeds learned from their responses
-//! ([`speed`]), and other routers' policies as baselines ([`peers`]).
+//! ([`speed`]), per-rank concurrency caps learned from time to first token
+//! ([`caps`]), and other routers' policies as baselines ([`peers`]).
 //!
 //! Pure: the caller passes the index, the active-sequence state and a
 //! random number; nothing here reads a clock or a socket.
 
 pub mod active;
 pub mod candidates;
+pub mod caps;
 pub mod cost;
 pub mod disagg;
 pub mod fair;

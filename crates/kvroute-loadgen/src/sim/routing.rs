@@ -17,6 +17,7 @@ use std::sync::Arc;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::rng::SplitMix64;
+use kvroute_core::scheduler::caps::{CapConfig, CapLearner};
 use kvroute_core::scheduler::peers::{tenant_of, CacheAware, CacheAwareConfig};
 use kvroute_core::scheduler::policy::{keep_on_holder, PrefixDealer};
 use kvroute_core::scheduler::{
@@ -73,6 +74,10 @@ pub struct SimRouter {
     sglang: Option<CacheAware>,
     /// Deals new prefixes under `kv` ([`Routing::deal_new_prefixes`]).
     dealer: Option<PrefixDealer>,
+    /// Per-rank caps learned from time to first token
+    /// ([`Routing::cap_ttft_ms`]), with each request's send time (ms) and
+    /// its rank's requests in flight then, until its first token.
+    caps: Option<(CapLearner, HashMap<u64, (u64, u64)>)>,
 }
 
 /// A request scored against every rank: what the policy orders, and the
@@ -201,6 +206,19 @@ impl SimRouter {
                 }) => Some(PrefixDealer::new(by)),
                 _ => None,
             },
+            caps: match policy {
+                Contender::Router(Routing {
+                    cap_ttft_ms: Some(ms),
+                    ..
+                }) => Some((
+                    CapLearner::new(CapConfig {
+                        ttft_target_ms: ms,
+                        ..CapConfig::default()
+                    }),
+                    HashMap::new(),
+                )),
+                _ => None,
+            },
         }
     }
 
@@ -268,6 +286,11 @@ impl SimRouter {
             turn,
             random,
         } = self.score_request(tokens, &routing);
+        if let Some((caps, _)) = &self.caps {
+            for s in &mut scored {
+                s.overloaded |= caps.at_cap(s.key, s.candidate.active_requests);
+            }
+        }
         let by_policy = |scored: &[Scored]| {
             let ordered = order(scored, routing.policy, routing.temperature, random, turn);
             match routing.policy {
@@ -302,6 +325,7 @@ impl SimRouter {
         if let Some(dealer) = &mut self.dealer {
             dealer.record(s, request_tokens, dealt.is_some());
         }
+        let in_flight = s.candidate.active_requests + 1;
         let id = self.charge(
             s,
             &hashes,
@@ -310,6 +334,9 @@ impl SimRouter {
         );
         if routing.policy == Policy::Approx {
             self.record_decision(s, &hashes, now_ms);
+        }
+        if let Some((_, sent)) = &mut self.caps {
+            sent.insert(id, (now_ms, in_flight));
         }
         Placement {
             engine: s.worker,
@@ -417,6 +444,12 @@ impl SimRouter {
     /// The request's first token reached the router at `now_us`: its
     /// prefill is over.
     pub fn first_token(&mut self, at: Placement, now_us: u64) {
+        if let Some((caps, sent)) = &mut self.caps {
+            if let Some((sent_ms, in_flight)) = sent.remove(&at.active_id) {
+                let ttft_ms = (now_us as f64 / 1e3 - sent_ms as f64).max(0.0);
+                caps.observe(key(at.engine), ttft_ms, in_flight);
+            }
+        }
         if let Some(a) = self.active.get_mut(&key(at.engine)) {
             a.prefill_done(at.active_id);
             if self.learner.is_some() {

@@ -454,3 +454,28 @@ fn dealing_new_prefixes_spreads_the_groups_first_requests() {
         assert!(r.report.hit_rate > 0.8, "{by:?} {}", r.report.hit_rate);
     }
 }
+
+#[test]
+fn caps_learned_from_a_tight_ttft_target_spread_requests_off_busy_holders() {
+    let load = preset_load(Preset::Long, 300);
+    let run = |cap_ttft_ms: Option<f64>| {
+        let routing = Routing {
+            cap_ttft_ms,
+            ..Routing::new(Policy::Kv)
+        };
+        simulate(&config(Contender::Router(routing), 2_048), &load).expect("runs")
+    };
+    let (free, capped) = (run(None), run(Some(40.0)));
+    assert_eq!((capped.report.requests, capped.report.failed), (300, 0));
+    // Holders at their caps are passed over: groups are recomputed elsewhere.
+    assert!(
+        capped.report.hit_rate < free.report.hit_rate - 0.05,
+        "capped {} free {}",
+        capped.report.hit_rate,
+        free.report.hit_rate
+    );
+    // A target no request misses never binds: the same run.
+    let loose = run(Some(1e9));
+    assert_eq!(loose.per_engine, free.per_engine);
+    assert_eq!(loose.report.hit_rate, free.report.hit_rate);
+}

@@ -1,0 +1,109 @@
+//! `kvroute bench sim`'s sweep: lists of the `kv` policy's knobs, every
+//! combination run.
+
+use anyhow::{bail, Result};
+use clap::Args;
+use kvroute_loadgen::contender::{deal_from_value, Routing};
+
+/// The `kv` policy's weights; each takes a list, and every combination runs.
+#[derive(Debug, Args)]
+pub(super) struct SweepArgs {
+    /// Multiplies the prefill term.
+    #[arg(long, value_delimiter = ',')]
+    prefill_load_scale: Vec<f64>,
+    /// Credit per cached device block.
+    #[arg(long, value_delimiter = ',')]
+    overlap_credit: Vec<f64>,
+    /// Credit per leading block held by a request in flight.
+    #[arg(long, value_delimiter = ',')]
+    active_prefix_weight: Vec<f64>,
+    /// Cost per request running on the rank.
+    #[arg(long, value_delimiter = ',')]
+    active_request_weight: Vec<f64>,
+    /// Cost per block the rank's decode steps read (the decode-load term).
+    #[arg(long, value_delimiter = ',')]
+    request_kv_weight: Vec<f64>,
+    /// Cost per block of the request itself (steers between speeds).
+    #[arg(long, value_delimiter = ',')]
+    request_size_weight: Vec<f64>,
+    /// Softmax temperature (0: lowest cost).
+    #[arg(long, value_delimiter = ',')]
+    temperature: Vec<f64>,
+    /// Requests in flight at which a rank is skipped (busy).
+    #[arg(long, value_delimiter = ',')]
+    busy_requests: Vec<f64>,
+    /// A new prefix goes to the rank dealt the least: 1 prefixes, 2 work (default), 3 requests; 0 cheapest.
+    #[arg(long, value_delimiter = ',')]
+    deal_new_prefixes: Vec<f64>,
+    /// A request stays on its prefix's holder up to this × the cheapest's cost (below 1: off).
+    #[arg(long, value_delimiter = ',')]
+    holder_stickiness: Vec<f64>,
+    /// Per-rank caps on requests in flight learned against this time to first token, ms (0: off).
+    #[arg(long, value_delimiter = ',')]
+    cap_ttft_ms: Vec<f64>,
+}
+
+/// One axis of the sweep: its short name, its values, and how it sets a routing.
+type Axis<'a> = (&'static str, &'a [f64], fn(&mut Routing, f64));
+
+impl SweepArgs {
+    pub(super) fn axes(&self) -> Vec<Axis<'_>> {
+        let all: [Axis<'_>; 11] = [
+            ("pls", &self.prefill_load_scale, |r, v| {
+                r.weights.prefill_load_scale = v
+            }),
+            ("oc", &self.overlap_credit, |r, v| {
+                r.weights.overlap_credit = v
+            }),
+            ("apw", &self.active_prefix_weight, |r, v| {
+                r.weights.active_prefix_weight = v
+            }),
+            ("arw", &self.active_request_weight, |r, v| {
+                r.weights.active_request_weight = v
+            }),
+            ("kvw", &self.request_kv_weight, |r, v| {
+                r.weights.request_kv_weight = v
+            }),
+            ("rsw", &self.request_size_weight, |r, v| {
+                r.weights.request_size_weight = v
+            }),
+            ("t", &self.temperature, |r, v| r.temperature = v),
+            ("busy", &self.busy_requests, |r, v| {
+                r.busy.requests = Some(v as u64)
+            }),
+            ("deal", &self.deal_new_prefixes, |r, v| {
+                r.deal_new_prefixes = deal_from_value(v)
+            }),
+            ("stick", &self.holder_stickiness, |r, v| r.stickiness = v),
+            ("cap", &self.cap_ttft_ms, |r, v| {
+                r.cap_ttft_ms = (v > 0.0).then_some(v)
+            }),
+        ];
+        all.into_iter().filter(|a| !a.1.is_empty()).collect()
+    }
+
+    /// Every combination of the listed values applied to `base`, with a
+    /// label each; an error past [`MAX_RUNS`] combinations.
+    pub(super) fn expand(&self, base: Routing) -> Result<Vec<(String, Routing)>> {
+        let mut out = vec![(String::new(), base)];
+        for (name, values, set) in self.axes() {
+            if out.len().saturating_mul(values.len()) > MAX_RUNS {
+                bail!("the sweep asks for more than {MAX_RUNS} runs; split it");
+            }
+            let mut next = Vec::with_capacity(out.len() * values.len());
+            for (label, routing) in &out {
+                for &v in values {
+                    let mut r = *routing;
+                    set(&mut r, v);
+                    let sep = if label.is_empty() { "" } else { "," };
+                    next.push((format!("{label}{sep}{name}={v}"), r));
+                }
+            }
+            out = next;
+        }
+        Ok(out)
+    }
+}
+
+/// The most runs one command makes (policies × sweep points × seeds).
+pub(super) const MAX_RUNS: usize = 100_000;
