@@ -47,6 +47,10 @@ pub struct Placement {
     pub predicted_cached: Option<u64>,
 }
 
+/// Each request's send time (ms) and its rank's requests in flight then,
+/// by its id in the load table.
+type SentAt = HashMap<u64, (u64, u64)>;
+
 /// The simulated router.
 #[derive(Debug)]
 pub struct SimRouter {
@@ -77,7 +81,7 @@ pub struct SimRouter {
     /// Per-rank caps learned from time to first token
     /// ([`Routing::cap_ttft_ms`]), with each request's send time (ms) and
     /// its rank's requests in flight then, until its first token.
-    caps: Option<(CapLearner, HashMap<u64, (u64, u64)>)>,
+    caps: Option<(CapLearner, SentAt)>,
 }
 
 /// A request scored against every rank: what the policy orders, and the
