@@ -126,9 +126,9 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = ProxyConfig::default().temperature, env = "KVROUTE_TEMPERATURE")]
     temperature: f64,
     /// Under `kv`, where a request whose prefix no rank holds goes: the
-    /// worker dealt the least `work` so far (prompt tokens it was sent
-    /// uncached, as SGLang's smallest tree), or the fewest `prefixes` or
-    /// `requests`; `off`: the cheapest rank.
+    /// rank dealt the least `work` so far (prompt tokens it was sent
+    /// uncached, over its speed: SGLang's smallest tree), or the fewest
+    /// `prefixes` or `requests`; `off`: the cheapest rank.
     #[arg(long, default_value = "work", value_parser = parse_deal, env = "KVROUTE_DEAL_NEW_PREFIXES")]
     deal_new_prefixes: Deal,
     /// Under `kv`, a request stays on the rank holding most of its prefix
