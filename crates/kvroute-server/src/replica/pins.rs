@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use super::message::{decode_message, encode_message};
-use super::outbox::unix_us;
+use super::outbox::sender_id;
 
 /// Pins waiting to be put while NATS is slow; more are dropped (counted).
 const MAX_PENDING: usize = 4_096;
@@ -123,7 +123,7 @@ impl PinShare {
         PinShare {
             bucket: format!("{prefix}-pins"),
             max_age,
-            sender: unix_us() ^ u64::from(std::process::id()).rotate_left(24),
+            sender: sender_id(),
             store: OnceLock::new(),
             pending: Mutex::new(Vec::new()),
             wake: tokio::sync::Notify::new(),

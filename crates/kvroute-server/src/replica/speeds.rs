@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use super::message::{decode_message, encode_message, MessageError};
-use super::outbox::unix_us;
+use super::outbox::sender_id;
 
 /// How often pending observations are published.
 const PUBLISH_EVERY: Duration = Duration::from_millis(200);
@@ -105,7 +105,7 @@ impl SpeedShare {
     pub fn new(prefix: &str) -> Self {
         SpeedShare {
             subject: format!("{prefix}.speeds"),
-            sender: unix_us() ^ u64::from(std::process::id()).rotate_left(40),
+            sender: sender_id(),
             pending: Mutex::new(Vec::new()),
             counters: SpeedCounters::default(),
         }
