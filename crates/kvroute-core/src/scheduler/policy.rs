@@ -315,8 +315,14 @@ impl PrefixDealer {
             }
             DealBy::Requests => 1,
         };
-        let floor = self.tally.values().copied().min().unwrap_or(0);
-        *self.tally.entry(s.key).or_insert(floor) += add;
+        match self.tally.get_mut(&s.key) {
+            Some(tally) => *tally += add,
+            None => {
+                // Met here first: level with the least dealt, as in `choose`.
+                let floor = self.tally.values().copied().min().unwrap_or(0);
+                self.tally.insert(s.key, floor + add);
+            }
+        }
     }
 
     /// The tally of `key`.
