@@ -28,6 +28,19 @@ pub fn unix_us() -> u64 {
         .map_or(0, |d| d.as_micros() as u64)
 }
 
+/// Queues `item` for peers unless `queue` already holds `max` (the bus is
+/// behind): then it is counted in `dropped` and let go, so a slow bus never
+/// grows a replica's memory. Whether it was queued.
+pub fn push_bounded<T>(queue: &Mutex<Vec<T>>, item: T, max: usize, dropped: &AtomicU64) -> bool {
+    let mut pending = queue.lock().unwrap_or_else(PoisonError::into_inner);
+    if pending.len() >= max {
+        dropped.fetch_add(1, Ordering::Relaxed);
+        return false;
+    }
+    pending.push(item);
+    true
+}
+
 /// An id for one sharer of notes on the bus (a pin or speed share): notes
 /// carrying it are its own and skipped. Unique within the process even for
 /// two made in the same microsecond (a counter in the top byte), and

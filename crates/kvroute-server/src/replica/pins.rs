@@ -25,7 +25,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use super::message::{decode_message, encode_message};
-use super::outbox::sender_id;
+use super::outbox::{push_bounded, sender_id};
 
 /// Pins waiting to be put while NATS is slow; more are dropped (counted).
 const MAX_PENDING: usize = 4_096;
@@ -133,14 +133,9 @@ impl PinShare {
 
     /// Queues one of this replica's pins for its peers.
     pub fn push(&self, pin: Pin) {
-        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-        if pending.len() >= MAX_PENDING {
-            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
+        if push_bounded(&self.pending, pin, MAX_PENDING, &self.counters.dropped) {
+            self.wake.notify_one();
         }
-        pending.push(pin);
-        drop(pending);
-        self.wake.notify_one();
     }
 
     /// The bucket's pin of `kind` for `id`, asked for at most

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 use super::message::{decode_message, encode_message, MessageError};
-use super::outbox::sender_id;
+use super::outbox::{push_bounded, sender_id};
 
 /// How often pending observations are published.
 const PUBLISH_EVERY: Duration = Duration::from_millis(200);
@@ -113,12 +113,12 @@ impl SpeedShare {
 
     /// Queues one of this replica's observations for its peers.
     pub fn push(&self, observation: SpeedObservation) {
-        let mut pending = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
-        if pending.len() >= MAX_PENDING {
-            self.counters.dropped.fetch_add(1, Ordering::Relaxed);
-            return;
-        }
-        pending.push(observation);
+        push_bounded(
+            &self.pending,
+            observation,
+            MAX_PENDING,
+            &self.counters.dropped,
+        );
     }
 
     fn take(&self) -> Vec<SpeedObservation> {
