@@ -7,7 +7,17 @@
 use super::holders::{self, Entry};
 use super::nodes::SlotId;
 
-const NO_LOWER: u64 = u64::MAX;
+/// A block's header word: the lower block's index in its low half
+/// (`NO_LOWER`: none), the set's holder count in its high half.
+const NO_LOWER: u64 = u32::MAX as u64;
+const LOWER_MASK: u64 = u32::MAX as u64;
+
+/// The lower block's index a header names, if any.
+#[inline]
+fn lower_of(header: u64) -> Option<usize> {
+    let lower = header & LOWER_MASK;
+    (lower != NO_LOWER).then_some(lower as usize)
+}
 
 /// The bitmaps of one dense set.
 #[derive(Debug, Clone, Copy)]
@@ -56,7 +66,7 @@ impl DenseView<'_> {
 #[derive(Debug, Clone, Default)]
 pub(super) struct DenseArena {
     words: usize,
-    /// Blocks of `1 + words`: the lower block's index (or `NO_LOWER`), then the device bitmap.
+    /// Blocks of `1 + words`: the header (lower block, holder count), then the device bitmap.
     blocks: Vec<u64>,
     free: Vec<u32>,
     lower: Vec<u64>,
@@ -73,17 +83,35 @@ impl DenseArena {
         1 + self.words
     }
 
-    /// A new, empty set.
-    pub(super) fn allocate(&mut self) -> u32 {
+    /// A new, empty set; `None` when a node's holder word could not name it.
+    pub(super) fn allocate(&mut self) -> Option<u32> {
         if let Some(at) = self.free.pop() {
-            return at;
+            return Some(at);
         }
         let stride = self.stride();
-        let at = self.blocks.len() / stride;
+        let at = u32::try_from(self.blocks.len() / stride)
+            .ok()
+            .filter(|&at| at < super::nodes::AT_LIMIT - 1)?;
         super::nodes::grow_gently(&mut self.blocks, stride);
         self.blocks.resize(self.blocks.len() + stride, 0);
-        self.blocks[at * stride] = NO_LOWER;
-        u32::try_from(at).unwrap_or(u32::MAX)
+        self.blocks[at as usize * stride] = NO_LOWER;
+        Some(at)
+    }
+
+    /// Ranks in a set, as last stored by [`DenseArena::set_len`].
+    #[inline]
+    pub(super) fn len(&self, at: u32) -> u32 {
+        self.blocks
+            .get(at as usize * self.stride())
+            .map_or(0, |&header| (header >> 32) as u32)
+    }
+
+    /// Stores the number of ranks in a set.
+    pub(super) fn set_len(&mut self, at: u32, len: u32) {
+        let start = at as usize * self.stride();
+        if let Some(header) = self.blocks.get_mut(start) {
+            *header = (*header & LOWER_MASK) | (u64::from(len) << 32);
+        }
     }
 
     /// Frees a set.
@@ -92,12 +120,12 @@ impl DenseArena {
         let Some(block) = self.blocks.get_mut(start..start + 1 + self.words) else {
             return;
         };
-        let lower = block[0];
+        let lower = lower_of(block[0]);
         block.fill(0);
         block[0] = NO_LOWER;
-        if lower != NO_LOWER {
+        if let Some(lower) = lower {
             let span = 3 * self.words;
-            let from = lower as usize * span;
+            let from = lower * span;
             self.lower[from..from + span].fill(0);
             self.lower_free.push(lower as u32);
         }
@@ -114,10 +142,9 @@ impl DenseArena {
                 lower: None,
             };
         };
-        let lower = (block[0] != NO_LOWER).then(|| {
+        let lower = lower_of(block[0]).map(|lower| {
             let span = 3 * self.words;
-            let from = block[0] as usize * span;
-            &self.lower[from..from + span]
+            &self.lower[lower * span..(lower + 1) * span]
         });
         DenseView {
             device: &block[1..],
@@ -157,10 +184,10 @@ impl DenseArena {
         if bits & 1 != 0 {
             self.blocks[start + 1 + w] &= !bit;
         }
-        let lower = self.blocks[start];
-        if lower != NO_LOWER && bits & 0b1110 != 0 {
+        let header = self.blocks[start];
+        if let Some(lower) = lower_of(header).filter(|_| bits & 0b1110 != 0) {
             let span = 3 * self.words;
-            let from = lower as usize * span;
+            let from = lower * span;
             for t in 0..3 {
                 if bits & (2 << t) != 0 {
                     self.lower[from + t * self.words + w] &= !bit;
@@ -168,7 +195,7 @@ impl DenseArena {
             }
             if self.lower[from..from + span].iter().all(|&x| x == 0) {
                 self.lower_free.push(lower as u32);
-                self.blocks[start] = NO_LOWER;
+                self.blocks[start] = (header & !LOWER_MASK) | NO_LOWER;
             }
         }
         before
@@ -176,9 +203,9 @@ impl DenseArena {
 
     fn ensure_lower(&mut self, at: u32) -> usize {
         let start = at as usize * self.stride();
-        let lower = self.blocks[start];
-        if lower != NO_LOWER {
-            return lower as usize;
+        let header = self.blocks[start];
+        if let Some(lower) = lower_of(header) {
+            return lower;
         }
         let span = 3 * self.words;
         let index = match self.lower_free.pop() {
@@ -190,7 +217,7 @@ impl DenseArena {
                 i
             }
         };
-        self.blocks[start] = index as u64;
+        self.blocks[start] = (header & !LOWER_MASK) | index as u64;
         index
     }
 

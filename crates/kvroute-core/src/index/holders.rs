@@ -4,9 +4,11 @@
 //! A list is sorted by slot; each entry is one `u32`, the slot shifted left by
 //! four with the tier mask (device, host, disk, external) in the low bits. Most
 //! blocks are held by one rank, so a one-entry list lives inside the node
-//! record itself; longer lists live in power-of-two size classes of one arena
-//! per class, found by a 32-bit block number. A node's cost therefore follows
-//! the ranks that hold it, never the size of the fleet.
+//! record itself (an entry always has a tier, so it is never 0, and 0 there
+//! means no holder); longer lists live in power-of-two size classes of one
+//! arena per class, found by a block number, their entries followed by
+//! [`PAD`]s to the end of the block, so no length is stored. A node's cost
+//! therefore follows the ranks that hold it, never the size of the fleet.
 
 use super::nodes::SlotId;
 
@@ -16,8 +18,8 @@ pub(super) type Entry = u32;
 const TIER_BITS: u32 = 4;
 const TIER_MASK: u32 = (1 << TIER_BITS) - 1;
 
-/// Slots an entry can name.
-pub(super) const MAX_SLOTS: u32 = 1 << (32 - TIER_BITS);
+/// Slots an entry can name: an entry leaves a node's holder word its top bit.
+pub(super) const MAX_SLOTS: u32 = 1 << (31 - TIER_BITS);
 
 /// The largest size class: lists of up to 2^24 holders.
 pub(super) const MAX_CLASS: u8 = 24;
@@ -40,13 +42,18 @@ pub(super) fn tiers_of(entry: Entry) -> u8 {
     (entry & TIER_MASK) as u8
 }
 
+/// An unused entry of a list's block. It sorts after every entry and names
+/// no slot ([`slot_of`] gives one beyond [`MAX_SLOTS`]), so a block's entries
+/// are its list followed by padding, and searches and merges by slot can
+/// read the whole block without knowing the list's length.
+pub(super) const PAD: Entry = u32::MAX;
+
 /// Where a node's holder list is. `class` 0 means the list (of at most one
-/// entry) is `at` itself; class `c` means block `at` of the arena whose
-/// blocks hold `2^c` entries.
+/// entry) is `at` itself, 0 when empty; class `c` means block `at` of the
+/// arena whose blocks hold `2^c` entries.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct ListRef {
     pub(super) class: u8,
-    pub(super) len: u32,
     pub(super) at: u32,
 }
 
@@ -59,6 +66,12 @@ pub(super) fn search(list: &[Entry], slot: SlotId) -> Result<usize, usize> {
         Some(&e) if slot_of(e) == slot => Ok(i),
         _ => Err(i),
     }
+}
+
+/// A list's entries without the padding after them.
+#[inline]
+pub(super) fn trimmed(list: &[Entry]) -> &[Entry] {
+    &list[..list.partition_point(|&e| e != PAD)]
 }
 
 #[derive(Debug, Clone, Default)]
@@ -82,16 +95,18 @@ fn capacity(class: u8) -> usize {
 }
 
 impl HolderArena {
-    /// The entries of a list.
+    /// The entries of a list: at most one for class 0; for the others the
+    /// whole block, its entries followed by [`PAD`]s.
     #[inline]
     pub(super) fn get<'a>(&'a self, list: &'a ListRef) -> &'a [Entry] {
         if list.class == 0 {
-            return &std::slice::from_ref(&list.at)[..list.len as usize];
+            return &std::slice::from_ref(&list.at)[..usize::from(list.at != 0)];
         }
         self.block(*list)
     }
 
-    /// The entries of a list kept in an arena (class above 0; empty otherwise).
+    /// The block of a list kept in an arena (class above 0; empty otherwise):
+    /// its entries followed by [`PAD`]s.
     #[inline]
     pub(super) fn block(&self, list: ListRef) -> &[Entry] {
         if list.class == 0 {
@@ -100,117 +115,157 @@ impl HolderArena {
         let start = (list.at as usize) << list.class;
         self.classes
             .get(usize::from(list.class))
-            .and_then(|c| c.entries.get(start..start + list.len as usize))
+            .and_then(|c| c.entries.get(start..start + capacity(list.class)))
             .unwrap_or(&[])
     }
 
-    fn get_mut<'a>(&'a mut self, list: &'a mut ListRef) -> &'a mut [Entry] {
-        if list.class == 0 {
-            return &mut std::slice::from_mut(&mut list.at)[..list.len as usize];
-        }
+    fn block_mut(&mut self, list: &ListRef) -> &mut [Entry] {
         let start = (list.at as usize) << list.class;
-        let end = start + list.len as usize;
-        &mut self.classes[usize::from(list.class)].entries[start..end]
+        self.classes
+            .get_mut(usize::from(list.class))
+            .and_then(|c| c.entries.get_mut(start..start + capacity(list.class)))
+            .unwrap_or(&mut [])
+    }
+
+    /// How many entries a list has (a search: for counts, not hot paths).
+    pub(super) fn len(&self, list: &ListRef) -> u32 {
+        trimmed(self.get(list)).len() as u32
+    }
+
+    /// Whether a list has at least `n` entries, from one read.
+    #[inline]
+    pub(super) fn holds_at_least(&self, list: &ListRef, n: usize) -> bool {
+        n == 0 || self.get(list).get(n - 1).is_some_and(|&e| e != PAD)
     }
 
     /// Sets entry `i` of a list.
     pub(super) fn set(&mut self, list: &mut ListRef, i: usize, value: Entry) {
-        if let Some(e) = self.get_mut(list).get_mut(i) {
+        if list.class == 0 {
+            if i == 0 && list.at != 0 {
+                list.at = value;
+            }
+        } else if let Some(e) = self.block_mut(list).get_mut(i) {
             *e = value;
         }
     }
 
-    /// Inserts `value` at position `i`; false when the list is at the largest class.
+    /// Inserts `value` at position `i`; false when the list is at the largest
+    /// class, or its class has no block number left.
     pub(super) fn insert(&mut self, list: &mut ListRef, i: usize, value: Entry) -> bool {
-        let len = list.len as usize;
-        if len == capacity(list.class) {
-            if list.class == MAX_CLASS {
-                return false;
-            }
-            self.move_to(list, list.class + 1);
+        if list.class == 0 && list.at == 0 {
+            list.at = value;
+            return true;
         }
-        list.len += 1;
-        let entries = self.get_mut(list);
-        entries.copy_within(i..len, i + 1);
-        entries[i] = value;
+        let full = self.get(list).last().is_some_and(|&e| e != PAD);
+        if full && (list.class == MAX_CLASS || !self.move_to(list, list.class + 1)) {
+            return false;
+        }
+        let block = self.block_mut(list);
+        if i >= block.len() {
+            return false;
+        }
+        let last = block.len() - 1;
+        block.copy_within(i..last, i + 1);
+        block[i] = value;
         true
     }
 
-    /// Removes entry `i`, moving the list to a smaller class when it is a quarter full.
+    /// Removes entry `i`, moving the list to a smaller class when it is a
+    /// quarter full, inline when one entry is left.
     pub(super) fn remove(&mut self, list: &mut ListRef, i: usize) {
-        let len = list.len as usize;
-        if i >= len {
+        if list.class == 0 {
+            if i == 0 {
+                list.at = 0;
+            }
             return;
         }
-        self.get_mut(list).copy_within(i + 1..len, i);
-        list.len -= 1;
-        let len = list.len as usize;
-        if list.class > 0 && len <= 1 {
+        let block = self.block_mut(list);
+        if i >= block.len() {
+            return;
+        }
+        let last = block.len() - 1;
+        block.copy_within(i + 1.., i);
+        block[last] = PAD;
+        let one_left = block.get(1) == Some(&PAD);
+        let quarter_full = block.get(block.len() / 4) == Some(&PAD);
+        if one_left {
             self.move_to(list, 0);
-        } else if list.class > 1 && len <= capacity(list.class) / 4 {
+        } else if list.class > 1 && quarter_full {
             self.move_to(list, list.class - 1);
         }
     }
 
-    /// Frees a list's block; the list becomes empty.
+    /// Frees a list's block, padded for its next list; the list becomes empty.
     pub(super) fn release(&mut self, list: &mut ListRef) {
         if list.class > 0 {
-            self.classes[usize::from(list.class)].free.push(list.at);
+            self.block_mut(list).fill(PAD);
+            if let Some(arena) = self.classes.get_mut(usize::from(list.class)) {
+                arena.free.push(list.at);
+            }
         }
         *list = ListRef::default();
     }
 
-    /// Moves a list into a block of another class that can hold it.
-    fn move_to(&mut self, list: &mut ListRef, class: u8) {
-        let len = list.len as usize;
-        let mut moved = ListRef {
-            class,
-            len: list.len,
-            at: 0,
-        };
+    /// Moves a list into a block of another class that can hold it; false
+    /// (the list unchanged) when that class has no block number left.
+    fn move_to(&mut self, list: &mut ListRef, class: u8) -> bool {
+        let mut moved = ListRef { class, at: 0 };
         if class > 0 {
-            moved.at = self.allocate(class);
+            match self.allocate(class) {
+                Some(at) => moved.at = at,
+                None => return false,
+            }
         }
-        if list.class == 0 || class == 0 {
-            let value = self.get(list).first().copied().unwrap_or(0);
-            if class == 0 {
-                moved.at = value;
-            } else if len > 0 {
-                self.get_mut(&mut moved)[0] = value;
+        if class == 0 {
+            moved.at = self
+                .get(list)
+                .first()
+                .copied()
+                .filter(|&e| e != PAD)
+                .unwrap_or(0);
+        } else if list.class == 0 {
+            let value = list.at;
+            if value != 0 {
+                self.block_mut(&moved)[0] = value;
             }
         } else {
+            // Both blocks hold every entry (a list shrinks a quarter full):
+            // copy the smaller block's worth through a small stack buffer.
+            let n = capacity(class).min(capacity(list.class));
             let from = (list.at as usize) << list.class;
             let to = (moved.at as usize) << class;
             let (src, dst) = (usize::from(list.class), usize::from(class));
-            // Two arenas: copy through a small stack buffer in chunks.
             let mut buf = [0u32; 64];
-            for start in (0..len).step_by(buf.len()) {
-                let n = (len - start).min(buf.len());
-                buf[..n]
-                    .copy_from_slice(&self.classes[src].entries[from + start..from + start + n]);
-                self.classes[dst].entries[to + start..to + start + n].copy_from_slice(&buf[..n]);
+            for start in (0..n).step_by(buf.len()) {
+                let k = (n - start).min(buf.len());
+                buf[..k]
+                    .copy_from_slice(&self.classes[src].entries[from + start..from + start + k]);
+                self.classes[dst].entries[to + start..to + start + k].copy_from_slice(&buf[..k]);
             }
         }
-        let mut old = *list;
-        old.len = 0;
-        self.release(&mut old);
+        self.release(list);
         *list = moved;
+        true
     }
 
-    fn allocate(&mut self, class: u8) -> u32 {
+    /// A padded block of a class; `None` when a node's holder word could not
+    /// name it.
+    fn allocate(&mut self, class: u8) -> Option<u32> {
         let c = usize::from(class);
         if self.classes.len() <= c {
             self.classes.resize_with(c + 1, Class::default);
         }
         let arena = &mut self.classes[c];
         if let Some(at) = arena.free.pop() {
-            return at;
+            return Some(at);
         }
         let block = capacity(class);
-        let at = arena.entries.len() / block;
+        let at = u32::try_from(arena.entries.len() / block)
+            .ok()
+            .filter(|&at| at < super::nodes::AT_LIMIT)?;
         super::nodes::grow_gently(&mut arena.entries, block);
-        arena.entries.resize(arena.entries.len() + block, 0);
-        u32::try_from(at).unwrap_or(u32::MAX)
+        arena.entries.resize(arena.entries.len() + block, PAD);
+        Some(at)
     }
 
     /// Heap bytes held, from capacities.
@@ -228,7 +283,10 @@ mod tests {
     use super::*;
 
     fn slots(arena: &HolderArena, list: &ListRef) -> Vec<u32> {
-        arena.get(list).iter().map(|&e| slot_of(e)).collect()
+        trimmed(arena.get(list))
+            .iter()
+            .map(|&e| slot_of(e))
+            .collect()
     }
 
     #[test]
@@ -240,6 +298,8 @@ mod tests {
             assert!(arena.insert(&mut list, at, entry(slot, 1)));
         }
         assert_eq!(list.class, 7);
+        assert_eq!(arena.len(&list), 100);
+        assert!(arena.holds_at_least(&list, 100) && !arena.holds_at_least(&list, 101));
         assert_eq!(slots(&arena, &list), (0..100).collect::<Vec<_>>());
         assert_eq!(search(arena.get(&list), 42), Ok(42));
         for slot in 0..99u32 {

@@ -35,6 +35,7 @@
 mod dense;
 mod feedback;
 mod holders;
+mod layout;
 mod nodes;
 mod regroup;
 mod shared;
@@ -49,6 +50,7 @@ use crate::event::{KvEvent, Removed, Stored, Tier};
 use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
 use nodes::{map_heap_bytes, Bind, NodeId, NodeStore, SlotId};
 
+pub use layout::IndexLayout;
 pub use shared::{Frozen, SharedIndex, MAX_SHARDS};
 pub use snapshot::SnapshotError;
 

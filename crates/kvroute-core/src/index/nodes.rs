@@ -1,10 +1,14 @@
 //! The node store: one record per distinct block prefix, found by its
 //! sequence hash or by any engine hash bound to it.
 //!
-//! A record is 24 bytes, `{seq, ext, meta, holder}`, whatever the size of the
+//! A record is 20 bytes, `{seq, ext, holder}`, whatever the size of the
 //! fleet: the ranks holding the block are a sorted holder list (see
-//! [`super::holders`]), inline when one rank holds it. The two hash tables hold
-//! only 4-byte node ids (the keys are in the records), about 5 bytes an entry.
+//! [`super::holders`]), inline when one rank holds it. The holder word is that
+//! one entry, or where the list or dense set is; a list's length is where its
+//! block's entries end (padding follows them), a dense set keeps its own, a
+//! free record has a reserved word and a node with no engine hash has `ext`
+//! 0, so no flags word is needed. The two hash tables hold only 4-byte node
+//! ids (the keys are in the records).
 
 use hashbrown::HashTable;
 use rustc_hash::FxHashMap;
@@ -19,40 +23,53 @@ pub(super) type NodeId = u32;
 /// Index of a (worker, rank) slot.
 pub(super) type SlotId = u32;
 
-const LIVE: u32 = 1 << 31;
-const HAS_EXT: u32 = 1 << 30;
-const HAS_ALIAS: u32 = 1 << 29;
-const CLASS_SHIFT: u32 = 24;
+/// The holder word's top bit: the rest is a list's class and block, not one
+/// holder entry (which, tiers never being empty, is never 0).
+const LIST: u32 = 1 << 31;
+const CLASS_SHIFT: u32 = 26;
 const CLASS_MASK: u32 = 0x1f;
-const LEN_MASK: u32 = (1 << CLASS_SHIFT) - 1;
+/// The block-number bits of a list's holder word: blocks beyond are refused.
+pub(super) const AT_LIMIT: u32 = 1 << CLASS_SHIFT;
 /// The class of a dense holder set (a bitmap block of [`DenseArena`]).
 const DENSE: u8 = 31;
+/// The holder word of a free record (a dense set's block number that is
+/// never allocated).
+const FREE: u32 = u32::MAX;
 
-/// One node: its sequence hash, its shared engine hash, flags with the
-/// holder list's class and length, and the list's block (or its one entry).
-#[derive(Debug, Clone, Copy, Default)]
+/// One node: its sequence hash, its shared engine hash (0 for none) and its
+/// holder word. Packed to 4-byte alignment: 20 bytes, not 24.
+#[derive(Debug, Clone, Copy)]
+#[repr(C, packed(4))]
 struct Record {
     seq: u64,
     ext: u64,
-    meta: u32,
     holder: u32,
+}
+
+const _: () = assert!(std::mem::size_of::<Record>() == 20);
+
+impl Default for Record {
+    /// A free record.
+    fn default() -> Self {
+        Record {
+            seq: 0,
+            ext: 0,
+            holder: FREE,
+        }
+    }
 }
 
 impl Record {
     #[inline]
-    fn list(&self) -> ListRef {
-        ListRef {
-            class: ((self.meta >> CLASS_SHIFT) & CLASS_MASK) as u8,
-            len: self.meta & LEN_MASK,
-            at: self.holder,
-        }
+    fn is_live(&self) -> bool {
+        self.holder != FREE
     }
 
+    /// The shared engine hash, when the node has one.
     #[inline]
-    fn set_list(&mut self, list: ListRef) {
-        let flags = self.meta & (LIVE | HAS_EXT | HAS_ALIAS);
-        self.meta = flags | (u32::from(list.class) << CLASS_SHIFT) | (list.len & LEN_MASK);
-        self.holder = list.at;
+    fn primary(&self) -> Option<u64> {
+        let ext = self.ext;
+        (ext != 0).then_some(ext)
     }
 }
 
@@ -81,6 +98,8 @@ pub(super) enum Bind {
 #[derive(Debug, Clone, Default)]
 pub(super) struct NodeStore {
     records: Vec<Record>,
+    /// One bit per record: it has second names in `aliases`.
+    has_alias: Vec<u64>,
     free: Vec<NodeId>,
     live: usize,
     by_seq: HashTable<NodeId>,
@@ -93,7 +112,9 @@ pub(super) struct NodeStore {
 /// The ranks holding a node: a sorted list, or bitmaps when many do.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Holders<'a> {
-    /// Entries sorted by slot.
+    /// Entries sorted by slot, possibly followed by [`holders::PAD`]s (which
+    /// sort last and name no slot: searches and merges by slot may read
+    /// them; anything that counts or lists entries trims them first).
     List(&'a [Entry]),
     /// One bit per slot and tier.
     Dense(DenseView<'a>),
@@ -114,7 +135,7 @@ impl Holders<'_> {
     /// Every holder as a list entry, in slot order.
     pub(super) fn for_each(&self, mut f: impl FnMut(Entry)) {
         match self {
-            Holders::List(list) => list.iter().for_each(|&e| f(e)),
+            Holders::List(list) => holders::trimmed(list).iter().for_each(|&e| f(e)),
             Holders::Dense(d) => d.for_each(f),
         }
     }
@@ -165,7 +186,7 @@ impl NodeStore {
     }
 
     pub(super) fn is_live(&self, node: NodeId) -> bool {
-        self.record(node).meta & LIVE != 0
+        self.record(node).is_live()
     }
 
     pub(super) fn seq(&self, node: NodeId) -> u64 {
@@ -174,23 +195,70 @@ impl NodeStore {
 
     /// The node's first bound engine hash, if any.
     pub(super) fn primary_ext(&self, node: NodeId) -> Option<u64> {
-        let r = self.record(node);
-        (r.meta & HAS_EXT != 0).then_some(r.ext)
+        self.record(node).primary()
     }
 
-    /// The ranks holding the node, with their tiers.
+    /// Where the holders of a record with this holder word are. A free
+    /// record's word reads as an empty inline list.
     #[inline]
+    fn list_of(holder: u32) -> ListRef {
+        if holder & LIST == 0 {
+            return ListRef {
+                class: 0,
+                at: holder,
+            };
+        }
+        if holder == FREE {
+            return ListRef::default();
+        }
+        ListRef {
+            class: ((holder >> CLASS_SHIFT) & CLASS_MASK) as u8,
+            at: holder & (AT_LIMIT - 1),
+        }
+    }
+
+    /// Stores where a node's holders are.
+    #[inline]
+    fn set_list(&mut self, node: NodeId, list: ListRef) {
+        let holder = match list.class {
+            0 => list.at,
+            class => LIST | (u32::from(class) << CLASS_SHIFT) | list.at,
+        };
+        if let Some(r) = self.records.get_mut(node as usize) {
+            r.holder = holder;
+        }
+    }
+
+    /// How many ranks hold a list (a count: not for hot paths).
+    fn len_of(&self, list: &ListRef) -> u32 {
+        match list.class {
+            DENSE => self.dense.len(list.at),
+            _ => self.holders.len(list),
+        }
+    }
+
+    /// The ranks holding the node, with their tiers. Inlined always: the
+    /// walk calls it once a block, and as a call it cost 20 instructions.
+    #[inline(always)]
     pub(super) fn holders(&self, node: NodeId) -> Holders<'_> {
-        match self.records.get(node as usize) {
-            Some(r) => match r.list() {
-                list if list.class == 0 => {
-                    let len = list.len.min(1) as usize;
-                    Holders::List(&std::slice::from_ref(&r.holder)[..len])
-                }
-                list if list.class == DENSE => Holders::Dense(self.dense.view(list.at)),
-                list => Holders::List(self.holders.block(list)),
-            },
-            None => Holders::List(&[]),
+        let Some(r) = self.records.get(node as usize) else {
+            return Holders::List(&[]);
+        };
+        if r.holder & LIST == 0 {
+            // One holder or none, in the record: the common case, kept small
+            // enough to inline into the walk.
+            let len = usize::from(r.holder != 0);
+            return Holders::List(&std::slice::from_ref(&r.holder)[..len]);
+        }
+        self.listed_holders(r.holder)
+    }
+
+    /// The holders of a node whose holder word names a list or dense set.
+    #[inline]
+    fn listed_holders(&self, holder: u32) -> Holders<'_> {
+        match Self::list_of(holder) {
+            list if list.class == DENSE => Holders::Dense(self.dense.view(list.at)),
+            list => Holders::List(self.holders.block(list)),
         }
     }
 
@@ -223,7 +291,7 @@ impl NodeStore {
     #[inline]
     pub(super) fn seq_at(&self, node: NodeId, seq: u64) -> Option<NodeId> {
         let r = self.records.get(node as usize)?;
-        (r.seq == seq && r.meta & LIVE != 0).then_some(node)
+        (r.seq == seq && r.is_live()).then_some(node)
     }
 
     /// [`NodeStore::insert_seq`], looking first in the record after `near`:
@@ -234,7 +302,7 @@ impl NodeStore {
     pub(super) fn insert_seq_near(&mut self, seq: u64, near: Option<NodeId>) -> NodeId {
         if let Some(next) = near.and_then(|n| n.checked_add(1)) {
             if let Some(r) = self.records.get(next as usize) {
-                if r.seq == seq && r.meta & LIVE != 0 {
+                if r.seq == seq && r.is_live() {
                     return next;
                 }
             }
@@ -249,7 +317,7 @@ impl NodeStore {
         if let Some(n) = near {
             for id in [n.checked_add(1), n.checked_sub(1)].into_iter().flatten() {
                 if let Some(r) = self.records.get(id as usize) {
-                    if r.ext == ext && r.meta & (LIVE | HAS_EXT) == LIVE | HAS_EXT {
+                    if r.ext == ext && ext != 0 && r.is_live() {
                         return Some(id);
                     }
                 }
@@ -260,6 +328,9 @@ impl NodeStore {
 
     /// The node whose shared name (first engine hash) `ext` is.
     pub(super) fn find_primary(&self, ext: u64) -> Option<NodeId> {
+        if ext == 0 {
+            return None;
+        }
         let records = &self.records;
         self.by_ext
             .find(mix(ext), |&id| records[id as usize].ext == ext)
@@ -290,7 +361,6 @@ impl NodeStore {
         let record = Record {
             seq,
             ext: 0,
-            meta: LIVE,
             holder: 0,
         };
         if self.free.last() == Some(&next) {
@@ -299,6 +369,11 @@ impl NodeStore {
         } else {
             grow_gently(&mut self.records, 1);
             self.records.push(record);
+            let words = self.records.len().div_ceil(64);
+            if self.has_alias.len() < words {
+                grow_gently(&mut self.has_alias, 1);
+                self.has_alias.push(0);
+            }
         }
         self.live += 1;
         next
@@ -307,7 +382,10 @@ impl NodeStore {
     /// Makes `ext` name `node`.
     pub(super) fn bind_ext(&mut self, node: NodeId, ext: u64) -> Bind {
         let record = self.record(node);
-        let has_primary = record.meta & HAS_EXT != 0;
+        let has_primary = record.primary().is_some();
+        // 0 means "no engine hash" in a record, so a hash of 0 is only ever
+        // a second name, kept private to the ranks that use it.
+        let second = has_primary || ext == 0;
         if has_primary && record.ext == ext {
             // Already the shared name: the table says so too, no need to probe it.
             return Bind::Primary;
@@ -334,7 +412,7 @@ impl NodeStore {
                         Bind::Conflict
                     };
                 }
-                if !has_primary {
+                if !second {
                     v.insert(node);
                 }
             }
@@ -342,20 +420,21 @@ impl NodeStore {
         let Some(record) = self.records.get_mut(node as usize) else {
             return Bind::Conflict;
         };
-        if has_primary {
+        if second {
             self.aliases.insert(ext, node);
-            record.meta |= HAS_ALIAS;
+            if let Some(word) = self.has_alias.get_mut(node as usize / 64) {
+                *word |= 1 << (node % 64);
+            }
             Bind::Alias
         } else {
             record.ext = ext;
-            record.meta |= HAS_EXT;
             Bind::Primary
         }
     }
 
     /// Ranks holding the node, on any tier.
     pub(super) fn holder_count(&self, node: NodeId) -> usize {
-        self.record(node).list().len as usize
+        self.len_of(&Self::list_of(self.record(node).holder)) as usize
     }
 
     /// The tier mask (bit 0 device … bit 3 external) of a slot on a node.
@@ -369,13 +448,13 @@ impl NodeStore {
         let Some(record) = self.records.get(node as usize).copied() else {
             return false;
         };
-        if record.meta & LIVE == 0 || slot >= holders::MAX_SLOTS {
+        if !record.is_live() || slot >= holders::MAX_SLOTS {
             return false;
         }
-        let mut list = record.list();
-        if list.class == 0 && (list.len == 0 || holders::slot_of(list.at) == slot) {
+        let mut list = Self::list_of(record.holder);
+        if list.class == 0 && (list.at == 0 || holders::slot_of(list.at) == slot) {
             // One holder or none, kept in the record: the common case.
-            let tiers = if list.len == 0 {
+            let tiers = if list.at == 0 {
                 0
             } else {
                 holders::tiers_of(list.at)
@@ -383,7 +462,6 @@ impl NodeStore {
             if tiers & bit != 0 {
                 return false;
             }
-            list.len = 1;
             list.at = holders::entry(slot, tiers | bit);
         } else if list.class == DENSE {
             if slot as usize >= self.dense.words() * 64 {
@@ -394,7 +472,7 @@ impl NodeStore {
                 return false;
             }
             if before == 0 {
-                list.len += 1;
+                self.dense.set_len(list.at, self.dense.len(list.at) + 1);
             }
         } else {
             let entries = self.holders.get(&list);
@@ -407,16 +485,17 @@ impl NodeStore {
                     self.holders.set(&mut list, i, e | u32::from(bit));
                 }
                 Err(i) => {
-                    if list.len >= self.dense_threshold() && self.make_dense(&mut list) {
+                    let threshold = self.dense_threshold() as usize;
+                    if self.holders.holds_at_least(&list, threshold) && self.make_dense(&mut list) {
                         self.dense.set(list.at, slot, bit);
-                        list.len += 1;
+                        self.dense.set_len(list.at, self.dense.len(list.at) + 1);
                     } else if !self.holders.insert(&mut list, i, holders::entry(slot, bit)) {
                         return false;
                     }
                 }
             }
         }
-        self.records[node as usize].set_list(list);
+        self.set_list(node, list);
         true
     }
 
@@ -426,18 +505,19 @@ impl NodeStore {
         let Some(record) = self.records.get(node as usize).copied() else {
             return false;
         };
-        if record.meta & LIVE == 0 {
+        if !record.is_live() {
             return false;
         }
-        let mut list = record.list();
+        let mut list = Self::list_of(record.holder);
         if list.class == DENSE {
             let before = self.dense.clear(list.at, slot, bit);
             if before & bit == 0 {
                 return false;
             }
             if before == bit {
-                list.len -= 1;
-                if list.len < self.dense_threshold() / 4 {
+                let len = self.dense.len(list.at).saturating_sub(1);
+                self.dense.set_len(list.at, len);
+                if len < self.dense_threshold() / 4 {
                     self.make_list(&mut list);
                 }
             }
@@ -456,7 +536,7 @@ impl NodeStore {
                 self.holders.set(&mut list, i, e & !u32::from(bit));
             }
         }
-        self.records[node as usize].set_list(list);
+        self.set_list(node, list);
         true
     }
 
@@ -464,7 +544,7 @@ impl NodeStore {
     /// every entry's slot (the list is left as it was).
     fn make_dense(&mut self, list: &mut ListRef) -> bool {
         let bits = self.dense.words() * 64;
-        let entries = self.holders.get(list);
+        let entries = holders::trimmed(self.holders.get(list));
         if entries
             .iter()
             .any(|&e| holders::slot_of(e) as usize >= bits)
@@ -472,24 +552,24 @@ impl NodeStore {
         {
             return false;
         }
-        let at = self.dense.allocate();
-        for &e in self.holders.get(list) {
+        let Some(at) = self.dense.allocate() else {
+            return false;
+        };
+        let entries = holders::trimmed(self.holders.get(list));
+        let len = entries.len() as u32;
+        for &e in entries {
             self.dense
                 .set(at, holders::slot_of(e), holders::tiers_of(e));
         }
-        let len = list.len;
+        self.dense.set_len(at, len);
         self.holders.release(list);
-        *list = ListRef {
-            class: DENSE,
-            len,
-            at,
-        };
+        *list = ListRef { class: DENSE, at };
         true
     }
 
     /// Moves a dense set back into a list.
     fn make_list(&mut self, list: &mut ListRef) {
-        let mut entries = Vec::with_capacity(list.len as usize);
+        let mut entries = Vec::with_capacity(self.dense.len(list.at) as usize);
         self.dense.view(list.at).for_each(|e| entries.push(e));
         self.dense.release(list.at);
         let mut fresh = ListRef::default();
@@ -502,21 +582,27 @@ impl NodeStore {
     /// Frees a node nobody holds any more.
     pub(super) fn free_if_empty(&mut self, node: NodeId) -> bool {
         let record = self.record(node);
-        if record.meta & LIVE == 0 || record.list().len != 0 {
+        let mut list = Self::list_of(record.holder);
+        // Lists and dense sets are never empty (one left moves inline, a
+        // dense set turns into a list well before), so any holder word but 0
+        // has holders.
+        if !record.is_live() || record.holder != 0 {
             return false;
         }
         if let Ok(entry) = self.by_seq.find_entry(mix(record.seq), |&id| id == node) {
             entry.remove();
         }
-        if record.meta & HAS_EXT != 0 {
-            if let Ok(entry) = self.by_ext.find_entry(mix(record.ext), |&id| id == node) {
+        if let Some(ext) = record.primary() {
+            if let Ok(entry) = self.by_ext.find_entry(mix(ext), |&id| id == node) {
                 entry.remove();
             }
         }
-        if record.meta & HAS_ALIAS != 0 {
-            self.aliases.retain(|_, &mut id| id != node);
+        if let Some(word) = self.has_alias.get_mut(node as usize / 64) {
+            if *word & (1 << (node % 64)) != 0 {
+                *word &= !(1 << (node % 64));
+                self.aliases.retain(|_, &mut id| id != node);
+            }
         }
-        let mut list = record.list();
         if list.class == DENSE {
             self.dense.release(list.at);
         } else {
@@ -533,7 +619,7 @@ impl NodeStore {
         self.records
             .iter()
             .enumerate()
-            .filter(|(_, r)| r.meta & LIVE != 0)
+            .filter(|(_, r)| r.is_live())
             .map(|(i, _)| i as NodeId)
     }
 
@@ -542,16 +628,50 @@ impl NodeStore {
         self.aliases.iter().map(|(&ext, &id)| (ext, id))
     }
 
-    /// Heap bytes held, from capacities.
-    pub(super) fn heap_bytes(&self) -> usize {
-        self.records.capacity() * std::mem::size_of::<Record>()
-            + self.free.capacity() * 4
+    /// Bytes by part, as allocated, and the holder entries of live nodes.
+    pub(super) fn parts(&self) -> NodeParts {
+        let holder_entries = self
+            .records
+            .iter()
+            .filter(|r| r.is_live())
+            .map(|r| u64::from(self.len_of(&Self::list_of(r.holder))))
+            .sum();
+        NodeParts {
+            records: (self.records.capacity() * std::mem::size_of::<Record>()) as u64,
+            tables: self.table_bytes() as u64,
+            lists: (self.holders.heap_bytes() + self.dense.heap_bytes()) as u64,
+            holder_entries,
+        }
+    }
+
+    /// Heap bytes of the node tables, second names and the free list.
+    fn table_bytes(&self) -> usize {
+        self.free.capacity() * 4
+            + self.has_alias.capacity() * 8
             + map_heap_bytes::<NodeId, ()>(self.by_seq.capacity())
             + map_heap_bytes::<NodeId, ()>(self.by_ext.capacity())
             + map_heap_bytes::<u64, NodeId>(self.aliases.capacity())
+    }
+
+    /// Heap bytes held, from capacities.
+    pub(super) fn heap_bytes(&self) -> usize {
+        self.records.capacity() * std::mem::size_of::<Record>()
+            + self.table_bytes()
             + self.holders.heap_bytes()
             + self.dense.heap_bytes()
     }
+}
+
+/// The node store's bytes by part (see [`NodeStore::parts`]).
+pub(super) struct NodeParts {
+    /// Records, spare capacity included.
+    pub(super) records: u64,
+    /// Both node tables, second names and the free list.
+    pub(super) tables: u64,
+    /// Holder lists and dense sets.
+    pub(super) lists: u64,
+    /// (node, rank) holder entries of live nodes.
+    pub(super) holder_entries: u64,
 }
 
 /// Heap bytes of a hashbrown table (or a `std` map, which is one) of

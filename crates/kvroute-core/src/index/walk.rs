@@ -230,6 +230,7 @@ pub(super) fn find_matches(
     let (mut active_heap, mut words_heap) = (Vec::new(), Vec::new());
     let walk = match holders {
         Holders::List(list) => {
+            let list = holders::trimmed(list);
             let active = stack_or_heap(&mut active, &mut active_heap, list.len());
             Walker::Sparse(Walk::new(list, key_of, active))
         }

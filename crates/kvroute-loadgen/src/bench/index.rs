@@ -108,8 +108,8 @@ fn generate(config: &IndexBenchConfig) -> Trace {
 }
 
 /// Builds the index three times from the trace; returns the last index, the
-/// median apply rate (block-ops/s) and the heap growth of the first build.
-fn build(config: &IndexBenchConfig, trace: &Trace) -> (Index, f64, Option<usize>) {
+/// apply rate (block-ops/s) of each run and the heap growth of the first build.
+fn build(config: &IndexBenchConfig, trace: &Trace) -> (Index, Vec<f64>, Option<usize>) {
     progress(&format!(
         "applying {} events ({} block ops), 3 runs",
         trace.build.len(),
@@ -137,11 +137,7 @@ fn build(config: &IndexBenchConfig, trace: &Trace) -> (Index, f64, Option<usize>
         apply_rates.push(trace.build_ops as f64 / elapsed.as_secs_f64());
         index = fresh;
     }
-    (
-        index,
-        stats::median(&stats::sorted(apply_rates)),
-        bytes_measured,
-    )
+    (index, apply_rates, bytes_measured)
 }
 
 /// Builds a [`SharedIndex`] of `threads` shards from the trace, each thread
@@ -202,6 +198,13 @@ fn best_device(matches: &[kvroute_core::index::RankMatch]) -> u32 {
     matches.iter().map(|m| m.device).max().unwrap_or(0)
 }
 
+/// The machine's 1-minute load average (Linux), to tell a quiet run from a
+/// busy one: rates measured beside other work are not the index's.
+fn load_average() -> Option<f64> {
+    let text = std::fs::read_to_string("/proc/loadavg").ok()?;
+    text.split_whitespace().next()?.parse().ok()
+}
+
 /// Block operations of one event.
 fn block_ops(event: &KvEvent) -> u64 {
     match event {
@@ -251,9 +254,12 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
     if config.workers == 0 {
         return Err(Error::Invalid("workers must be at least 1".into()));
     }
+    let load_before = load_average();
     let trace = generate(config);
-    let (index, apply_rate, bytes_measured) = build(config, &trace);
+    let (index, apply_rates, bytes_measured) = build(config, &trace);
+    let apply_rate = stats::median(&stats::sorted(apply_rates.clone()));
     let stats = index.stats();
+    let layout = index.layout();
     let residencies = stats.residencies.max(1);
 
     progress(&format!(
@@ -291,6 +297,9 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         time_queries(&trace.queries, |q| best_device(&sharded.find_matches(q)));
 
     let floor = IndexFloor::of(stats.nodes, stats.residencies, u64::from(config.workers));
+    let budget = 2.0 * floor.total() * residencies as f64;
+    let fill_needed = layout.table_fill_needed(budget);
+    let per_node = |bytes: u64| bytes as f64 / layout.nodes.max(1) as f64;
     Ok(json!({
         "workers": config.workers,
         "target_residencies": config.residencies,
@@ -299,6 +308,9 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         "events": trace.build.len(),
         "block_ops": trace.build_ops,
         "apply_block_ops_per_s": apply_rate.round(),
+        "apply_block_ops_per_s_runs": apply_rates.iter().map(|r| r.round()).collect::<Vec<_>>(),
+        "load_average_before": load_before,
+        "load_average_after": load_average(),
         "queries": trace.queries.len(),
         "query_blocks": config.query_blocks,
         "mean_matched_device_blocks": mean_depth,
@@ -314,6 +326,16 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         "bytes_per_residency": bytes_measured.map(|b| b as f64 / residencies as f64),
         "estimated_heap_bytes_per_residency": stats.heap_bytes as f64 / residencies as f64,
         "exact_floor_bytes_per_residency": floor.total(),
+        "two_times_floor_bytes_per_residency": 2.0 * floor.total(),
+        "layout": {
+            "record_bytes_per_node": per_node(layout.record_bytes),
+            "node_table_bytes_per_node": per_node(layout.node_table_bytes),
+            "holder_list_bytes_per_node": per_node(layout.holder_list_bytes),
+            "rank_bytes_per_node": per_node(layout.rank_bytes),
+            "holder_entries_per_node": layout.holder_entries as f64 / layout.nodes.max(1) as f64,
+            "least_bytes_per_residency_tables_full": layout.least_bytes(1.0) / residencies as f64,
+            "table_fill_needed_for_two_times_floor": fill_needed.is_finite().then_some(fill_needed),
+        },
         "threads": threads,
         "apply_block_ops_per_s_sharded": sharded_rate.round(),
         "sharded_apply_speedup": sharded_rate / apply_rate.max(1.0),
@@ -369,6 +391,23 @@ mod tests {
             .as_f64()
             .expect("floor");
         assert!(floor > 0.0 && floor < estimated, "{floor} {estimated}");
+        assert_eq!(
+            report["apply_block_ops_per_s_runs"]
+                .as_array()
+                .map(Vec::len),
+            Some(3)
+        );
+        let least = report["layout"]["least_bytes_per_residency_tables_full"]
+            .as_f64()
+            .expect("least");
+        assert!(
+            least > floor && least < estimated,
+            "{floor} {least} {estimated}"
+        );
+        let record = report["layout"]["record_bytes_per_node"]
+            .as_f64()
+            .expect("records");
+        assert!(record >= 20.0, "{record}");
         // A meter that reads a growing counter gives a number.
         static CALLS: AtomicU64 = AtomicU64::new(0);
         fn fake() -> usize {

@@ -308,6 +308,31 @@ fn conflicting_engine_hashes_stay_private_to_their_worker() {
 }
 
 #[test]
+fn an_engine_hash_of_zero_names_its_block_for_parents_removals_and_snapshots() {
+    // A record keeps 0 for "no engine hash", so 0 is held as a second name.
+    let mut index = Index::new(no_cap());
+    index.apply(wr(0, 0), &stored(None, &[(0, 1)], Tier::Device));
+    index.apply(wr(1, 0), &stored(None, &[(0, 1)], Tier::Device));
+    assert_eq!(index.counters().hash_conflicts, 0);
+    index.apply(wr(0, 0), &stored(Some(0), &[(5, 2)], Tier::Device));
+    assert_eq!(matches(&index, &[1, 2])[&wr(0, 0)].0, 2);
+    assert_eq!(index.counters().parent_missing, 0);
+    let restored = Index::restore(&index.dump()).expect("restores");
+    assert_eq!(matches(&restored, &[1, 2]), matches(&index, &[1, 2]));
+    // Another worker naming another block 0 is a conflict, kept private.
+    index.apply(wr(2, 0), &stored(None, &[(0, 9)], Tier::Device));
+    assert_eq!(index.counters().hash_conflicts, 1);
+    index.apply(wr(0, 0), &removed(&[5, 0], Tier::Device));
+    let after = matches(&index, &[1]);
+    assert!(!after.contains_key(&wr(0, 0)), "{after:?}");
+    assert_eq!(after[&wr(1, 0)].0, 1);
+    index.apply(wr(1, 0), &removed(&[0], Tier::Device));
+    assert!(matches(&index, &[1]).is_empty());
+    assert_eq!(matches(&index, &[9])[&wr(2, 0)].0, 1);
+    assert_eq!(index.stats().nodes, 1);
+}
+
+#[test]
 fn an_engine_hash_resolves_only_within_the_worker_that_published_it() {
     let mut index = Index::new(no_cap());
     let x = 5;
