@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use kvroute_core::event::KvEvent;
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
-use kvroute_core::index::{Index, IndexConfig, SharedIndex, WorkerRank};
+use kvroute_core::index::{Index, IndexConfig, IndexLayout, SharedIndex, WorkerRank};
 use serde_json::{json, Value};
 
 use super::index_floor::IndexFloor;
@@ -205,6 +205,23 @@ fn load_average() -> Option<f64> {
     text.split_whitespace().next()?.parse().ok()
 }
 
+/// The index's bytes by part per node, and this layout's least size and the
+/// node-table fill that twice the floor would need (see [`IndexLayout`]).
+fn layout_figures(layout: &IndexLayout, floor: &IndexFloor, residencies: u64) -> Value {
+    let budget = 2.0 * floor.total() * residencies as f64;
+    let fill_needed = layout.table_fill_needed(budget);
+    let per_node = |bytes: u64| bytes as f64 / layout.nodes.max(1) as f64;
+    json!({
+        "layout_record_bytes_per_node": per_node(layout.record_bytes),
+        "layout_node_table_bytes_per_node": per_node(layout.node_table_bytes),
+        "layout_holder_list_bytes_per_node": per_node(layout.holder_list_bytes),
+        "layout_rank_bytes_per_node": per_node(layout.rank_bytes),
+        "layout_holder_entries_per_node": layout.holder_entries as f64 / layout.nodes.max(1) as f64,
+        "layout_least_bytes_per_residency_tables_full": layout.least_bytes(1.0) / residencies as f64,
+        "layout_table_fill_needed_for_two_times_floor": fill_needed.is_finite().then_some(fill_needed),
+    })
+}
+
 /// Block operations of one event.
 fn block_ops(event: &KvEvent) -> u64 {
     match event {
@@ -297,10 +314,7 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         time_queries(&trace.queries, |q| best_device(&sharded.find_matches(q)));
 
     let floor = IndexFloor::of(stats.nodes, stats.residencies, u64::from(config.workers));
-    let budget = 2.0 * floor.total() * residencies as f64;
-    let fill_needed = layout.table_fill_needed(budget);
-    let per_node = |bytes: u64| bytes as f64 / layout.nodes.max(1) as f64;
-    Ok(json!({
+    let mut report = json!({
         "workers": config.workers,
         "target_residencies": config.residencies,
         "residencies": stats.residencies,
@@ -327,15 +341,6 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         "estimated_heap_bytes_per_residency": stats.heap_bytes as f64 / residencies as f64,
         "exact_floor_bytes_per_residency": floor.total(),
         "two_times_floor_bytes_per_residency": 2.0 * floor.total(),
-        "layout": {
-            "record_bytes_per_node": per_node(layout.record_bytes),
-            "node_table_bytes_per_node": per_node(layout.node_table_bytes),
-            "holder_list_bytes_per_node": per_node(layout.holder_list_bytes),
-            "rank_bytes_per_node": per_node(layout.rank_bytes),
-            "holder_entries_per_node": layout.holder_entries as f64 / layout.nodes.max(1) as f64,
-            "least_bytes_per_residency_tables_full": layout.least_bytes(1.0) / residencies as f64,
-            "table_fill_needed_for_two_times_floor": fill_needed.is_finite().then_some(fill_needed),
-        },
         "threads": threads,
         "apply_block_ops_per_s_sharded": sharded_rate.round(),
         "sharded_apply_speedup": sharded_rate / apply_rate.max(1.0),
@@ -346,7 +351,14 @@ pub fn run(config: &IndexBenchConfig) -> Result<Value> {
         "dump_bytes": snapshot.len(),
         "dump_s": dump_s,
         "restore_s": restore_s,
-    }))
+    });
+    if let (Some(report), Value::Object(layout)) = (
+        report.as_object_mut(),
+        layout_figures(&layout, &floor, residencies),
+    ) {
+        report.extend(layout);
+    }
+    Ok(report)
 }
 
 #[cfg(test)]
@@ -397,14 +409,14 @@ mod tests {
                 .map(Vec::len),
             Some(3)
         );
-        let least = report["layout"]["least_bytes_per_residency_tables_full"]
+        let least = report["layout_least_bytes_per_residency_tables_full"]
             .as_f64()
             .expect("least");
         assert!(
             least > floor && least < estimated,
             "{floor} {least} {estimated}"
         );
-        let record = report["layout"]["record_bytes_per_node"]
+        let record = report["layout_record_bytes_per_node"]
             .as_f64()
             .expect("records");
         assert!(record >= 20.0, "{record}");
