@@ -582,10 +582,9 @@ impl NodeStore {
     /// Frees a node nobody holds any more.
     pub(super) fn free_if_empty(&mut self, node: NodeId) -> bool {
         let record = self.record(node);
-        let mut list = Self::list_of(record.holder);
         // Lists and dense sets are never empty (one left moves inline, a
         // dense set turns into a list well before), so any holder word but 0
-        // has holders.
+        // has holders, and a word of 0 has no block to free.
         if !record.is_live() || record.holder != 0 {
             return false;
         }
@@ -602,11 +601,6 @@ impl NodeStore {
                 *word &= !(1 << (node % 64));
                 self.aliases.retain(|_, &mut id| id != node);
             }
-        }
-        if list.class == DENSE {
-            self.dense.release(list.at);
-        } else {
-            self.holders.release(&mut list);
         }
         self.records[node as usize] = Record::default();
         self.free.push(node);
