@@ -80,15 +80,13 @@ impl Index {
     /// for a metrics scrape.
     pub fn layout(&self) -> IndexLayout {
         let nodes = self.nodes.parts();
-        let stats_bytes = self.stats().heap_bytes;
-        let node_bytes = nodes.records + nodes.tables + nodes.lists;
         IndexLayout {
             nodes: self.nodes.live() as u64,
             holder_entries: nodes.holder_entries,
             record_bytes: nodes.records,
             node_table_bytes: nodes.tables,
             holder_list_bytes: nodes.lists,
-            rank_bytes: stats_bytes.saturating_sub(node_bytes),
+            rank_bytes: self.rank_heap_bytes() as u64,
         }
     }
 }
@@ -116,15 +114,29 @@ mod tests {
         let mut index = Index::default();
         store(&mut index, 0, 0..100);
         store(&mut index, 1, 0..40);
+        // Rank 2 names another block by rank 0's engine hash 1 000: a
+        // conflict, kept as a private binding in rank 2's bookkeeping.
+        let clash = Stored::plain(
+            None,
+            vec![StoredBlock {
+                external: ExternalHash(1_000),
+                local: LocalBlockHash(500),
+            }],
+            Tier::Device,
+            16,
+        );
+        index.apply(WorkerRank::new(2, 0), &KvEvent::Stored(clash));
         let layout = index.layout();
-        assert_eq!(layout.nodes, 100);
-        assert_eq!(layout.holder_entries, 140);
+        assert_eq!(layout.nodes, 101);
+        assert_eq!(layout.holder_entries, 141);
+        assert!(layout.rank_bytes > 0);
+        // The parts, counted one by one, are what the stats count in all.
         assert_eq!(layout.total_bytes(), index.stats().heap_bytes);
-        assert!(layout.record_bytes >= 100 * IndexLayout::RECORD_FIELD_BYTES);
+        assert!(layout.record_bytes >= 101 * IndexLayout::RECORD_FIELD_BYTES);
         assert!(layout.holder_list_bytes >= 40 * IndexLayout::HOLDER_ENTRY_BYTES);
         // Records at their fields, 40 extra entries, tables at 100 %.
         let least = layout.least_bytes(1.0) - layout.rank_bytes as f64;
-        assert_eq!(least, (100 * 20 + 40 * 4 + 2 * 100 * 4) as f64);
+        assert_eq!(least, (101 * 20 + 40 * 4 + 2 * 101 * 4) as f64);
     }
 
     #[test]

@@ -631,8 +631,17 @@ impl Index {
             .collect();
         per_rank.sort_by_key(|(k, _)| *k);
         let residencies = per_rank.iter().map(|(_, t)| t.iter().sum::<u64>()).sum();
-        let slot_bytes: usize = self
-            .slots
+        IndexStats {
+            nodes: self.nodes.live() as u64,
+            residencies,
+            per_rank,
+            heap_bytes: (self.nodes.heap_bytes() + self.rank_heap_bytes()) as u64,
+        }
+    }
+
+    /// Heap bytes of the per-rank bookkeeping (private bindings, guesses).
+    fn rank_heap_bytes(&self) -> usize {
+        self.slots
             .iter()
             .flatten()
             .map(|s| {
@@ -641,13 +650,7 @@ impl Index {
                     + map_heap_bytes::<NodeId, u64>(s.approx_deadline.capacity())
                     + s.approx_queue.capacity() * std::mem::size_of::<(u64, NodeId)>()
             })
-            .sum();
-        IndexStats {
-            nodes: self.nodes.live() as u64,
-            residencies,
-            per_rank,
-            heap_bytes: (self.nodes.heap_bytes() + slot_bytes) as u64,
-        }
+            .sum()
     }
 }
 
