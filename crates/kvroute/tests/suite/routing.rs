@@ -386,14 +386,14 @@ fn a_request_that_starts_beside_another_of_its_group_follows_it_and_shares_its_p
     for round in 0..32u32 {
         let (workers, cached) = send_pair(&serve, round, Duration::ZERO);
         assert_eq!(workers[0], workers[1], "round {round}");
-        assert_eq!(cached, 2_048, "round {round}");
+        assert_eq!(cached.iter().sum::<u64>(), 2_048, "round {round}");
     }
 }
 
 /// Sends two requests of a new group (a 2 048-token prefix, `round`'s own),
-/// the second `gap` after the first; the workers that answered and their
-/// cached tokens in all.
-fn send_pair(serve: &str, round: u32, gap: Duration) -> (Vec<String>, u64) {
+/// the second `gap` after the first; the workers that answered and each
+/// one's cached tokens.
+fn send_pair(serve: &str, round: u32, gap: Duration) -> (Vec<String>, Vec<u64>) {
     let prefix: Vec<u32> = (0..2_048).map(|i| 100_000 * (round + 1) + i).collect();
     let bodies: Vec<String> = (0..2u32)
         .map(|k| {
@@ -412,14 +412,16 @@ fn send_pair(serve: &str, round: u32, gap: Duration) -> (Vec<String>, u64) {
         write_request(s, serve, "POST", "/v1/completions", &[], body);
     }
     let mut workers = Vec::new();
-    let mut cached = 0;
+    let mut cached = Vec::new();
     for s in sent {
         let reply = read_reply(s);
         assert_eq!(reply.status, 200, "{}", reply.body);
         workers.push(reply.header("x-kvroute-worker").expect("the worker"));
-        cached += reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
-            .as_u64()
-            .expect("cached_tokens");
+        cached.push(
+            reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+                .as_u64()
+                .expect("cached_tokens"),
+        );
     }
     (workers, cached)
 }
@@ -431,20 +433,42 @@ fn send_pair(serve: &str, round: u32, gap: Duration) -> (Vec<String>, u64) {
 /// predicts that hit: predictions that counted only the index missed every
 /// follower's. The follower is sent 20 ms after the first request, well
 /// inside its ~50 ms prefill step, so the engine sees them in order.
+///
+/// On a starved machine the router's two forwards can still reach the
+/// engine the other way round: the follower computes the prefix and the
+/// first request hits it, so both predictions miss by design. Such a round
+/// shows in the engine's answers (the first request is the one cached) and
+/// is allowed to miss. Measured with eight busy loops beside the test on two
+/// cores: 12 to 16 of 16 rounds in order, and exactly the in-order rounds'
+/// predictions exact.
 #[test]
 fn a_request_that_follows_a_prefix_in_flight_is_predicted_to_hit_it() {
     let (_mocker, lines) = start_mocker_with(4, &["--num-gpu-blocks", "2048", "--speedup", "1"]);
     let (_serve, serve) = start_serve(&lines, &[]);
     let rounds = 16;
+    let mut in_order = 0u64;
     for round in 0..rounds {
         let (workers, cached) = send_pair(&serve, round, Duration::from_millis(20));
-        assert_eq!((&workers[0], cached), (&workers[1], 2_048), "round {round}");
+        assert_eq!(workers[0], workers[1], "round {round}");
+        assert_eq!(
+            cached.iter().sum::<u64>(),
+            2_048,
+            "round {round}: {cached:?}"
+        );
+        in_order += u64::from(cached[1] == 2_048);
     }
+    // More than half, so that predictions blind to the prefix in flight
+    // (exact for the first request of each round only: 16) cannot pass.
+    assert!(
+        2 * in_order > u64::from(rounds),
+        "{in_order} of {rounds} rounds reached the engine in order"
+    );
     let compared = count(&serve, "kvroute_accuracy_comparisons_total");
     let exact = count(&serve, "kvroute_accuracy_exact_total");
-    assert_eq!(
-        (exact, compared),
-        (u64::from(2 * rounds), u64::from(2 * rounds))
+    assert_eq!(compared, u64::from(2 * rounds));
+    assert!(
+        exact >= 2 * in_order,
+        "{exact} exact of {compared}; {in_order} rounds reached the engine in order"
     );
 }
 
