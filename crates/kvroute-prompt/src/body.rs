@@ -75,6 +75,29 @@ pub struct RoutingRequest {
     /// conversation so far lives only on the worker that produced that
     /// response, so the router sends it to that worker.
     pub previous_response_id: Option<String>,
+    /// The first prefill/decode hand-off field the client sent itself (one
+    /// of [`HANDOFF_FIELDS`]), if any: the router sets these for its own
+    /// hand-offs, and an engine obeys them (it would read KV from wherever
+    /// they point), so the router refuses a request that carries one.
+    pub handoff_field: Option<&'static str>,
+}
+
+/// The body fields with which a router tells engines to hand KV over
+/// between them: vLLM's `kv_transfer_params` and SGLang's bootstrap triple.
+/// An engine trusts them, so only the router may set them.
+pub const HANDOFF_FIELDS: [&str; 4] = [
+    "kv_transfer_params",
+    "bootstrap_host",
+    "bootstrap_port",
+    "bootstrap_room",
+];
+
+/// The first of [`HANDOFF_FIELDS`] a JSON object holds with a value other
+/// than `null` (which engines read as absent).
+pub(crate) fn handoff_field_in(obj: &serde_json::Map<String, Value>) -> Option<&'static str> {
+    HANDOFF_FIELDS
+        .into_iter()
+        .find(|key| obj.get(*key).is_some_and(|v| !v.is_null()))
 }
 
 pub(crate) fn token_list(items: &[Value], key: &str) -> Result<Vec<u32>, ParseError> {
@@ -142,6 +165,14 @@ struct RawFields<'a> {
     temperature: Option<&'a RawValue>,
     #[serde(borrow, default)]
     logprobs: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    kv_transfer_params: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    bootstrap_host: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    bootstrap_port: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    bootstrap_room: Option<&'a RawValue>,
 }
 
 impl<'a> RawFields<'a> {
@@ -153,6 +184,20 @@ impl<'a> RawFields<'a> {
             temperature: self.temperature,
             logprobs: self.logprobs,
         }
+    }
+
+    /// The first hand-off field present (see [`HANDOFF_FIELDS`]).
+    fn handoff_field(&self) -> Option<&'static str> {
+        let present = [
+            self.kv_transfer_params,
+            self.bootstrap_host,
+            self.bootstrap_port,
+            self.bootstrap_room,
+        ];
+        HANDOFF_FIELDS
+            .into_iter()
+            .zip(present)
+            .find_map(|(name, raw)| raw.map(|_| name))
     }
 }
 
@@ -317,7 +362,7 @@ fn scan_token_ids(body: &[u8], i: usize) -> Option<(Vec<u32>, usize)> {
 fn scan_fields(body: &[u8]) -> Option<(RawFields<'_>, Option<Vec<u32>>)> {
     let mut raw = RawFields::default();
     let mut ids = None;
-    let mut seen = 0u16;
+    let mut seen = 0u32;
     let mut i = skip_json_ws(body, 0);
     if body.get(i) != Some(&b'{') {
         return None;
@@ -359,6 +404,10 @@ fn scan_fields(body: &[u8]) -> Option<(RawFields<'_>, Option<Vec<u32>>)> {
                 b"n" => Some((11, &mut raw.n)),
                 b"temperature" => Some((12, &mut raw.temperature)),
                 b"logprobs" => Some((13, &mut raw.logprobs)),
+                b"kv_transfer_params" => Some((14, &mut raw.kv_transfer_params)),
+                b"bootstrap_host" => Some((15, &mut raw.bootstrap_host)),
+                b"bootstrap_port" => Some((16, &mut raw.bootstrap_port)),
+                b"bootstrap_room" => Some((17, &mut raw.bootstrap_room)),
                 _ => None,
             };
             if let Some((bit, _)) = slot {
@@ -447,6 +496,7 @@ fn request_of(
             .and_then(|r| serde_json::from_str(r.get()).ok()),
         include_usage: raw_include_usage(raw.stream_options),
         max_tokens: sampling::check(&raw.sampling(), chat).map_err(bad)?,
+        handoff_field: raw.handoff_field(),
         ..RoutingRequest::default()
     };
     if chat {

@@ -5,7 +5,7 @@
 
 use serde_json::{Map, Value};
 
-use crate::body::{bad, token_list, ParseError, RoutingRequest, TextPrompt};
+use crate::body::{bad, handoff_field_in, token_list, ParseError, RoutingRequest, TextPrompt};
 use crate::responses::flag;
 
 /// Reads a `/generate` body. Its answers carry their usage in every
@@ -21,6 +21,7 @@ pub fn parse_generate(body: &[u8]) -> Result<RoutingRequest, ParseError> {
         input_logprobs: flag(&obj, "return_logprob")?,
         include_usage: true,
         max_tokens: max_new_tokens(&obj)?,
+        handoff_field: handoff_field_in(&obj),
         lora_name: match obj.get("lora_path") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),

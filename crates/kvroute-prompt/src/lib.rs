@@ -70,6 +70,7 @@ pub mod prompt;
 pub mod render;
 pub mod responses;
 pub mod sampling;
+pub mod shape;
 pub mod tokenizer;
 
 pub use cache::CacheStats;

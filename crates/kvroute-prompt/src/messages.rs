@@ -60,6 +60,7 @@ pub fn read(obj: &Map<String, Value>) -> Result<RoutingRequest, ParseError> {
         mm_hashes: client_mm_hashes(obj),
         include_usage: true,
         text: Some(TextPrompt::Chat(messages)),
+        handoff_field: crate::body::handoff_field_in(obj),
         ..RoutingRequest::default()
     })
 }

@@ -57,6 +57,7 @@ pub fn parse_responses(body: &[u8]) -> Result<RoutingRequest, ParseError> {
         // A continuation with no new message renders only on its engine.
         text: (!messages.is_empty()).then(|| TextPrompt::Chat(Value::Array(messages))),
         previous_response_id,
+        handoff_field: crate::body::handoff_field_in(&obj),
         ..RoutingRequest::default()
     })
 }

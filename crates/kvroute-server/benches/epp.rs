@@ -228,7 +228,8 @@ async fn run() {
     for i in 0..WARMUP + MEASURED {
         let body = Bytes::from(bodies[i % bodies.len()].0.clone());
         let started = Instant::now();
-        let picked = pick(&proxy, &head, &body, true, started).await.unwrap();
+        let share = kvroute_server::budget::Share::unbounded();
+        let picked = pick(&proxy, &head, (&body, share), true, started).await.unwrap();
         let took = started.elapsed();
         drop(picked);
         if i >= WARMUP {

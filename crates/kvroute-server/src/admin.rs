@@ -313,7 +313,7 @@ fn speed_from_body(v: &Value) -> Result<Speed, ProxyError> {
 pub async fn register(
     State(state): State<AdminState>,
     headers: HeaderMap,
-    Body(body): Body,
+    Body(body, _share): Body,
 ) -> Result<Json<Value>, ProxyError> {
     state.access.admin(&headers)?;
     let body = parse_body(&body)?;
@@ -341,7 +341,7 @@ pub async fn register(
 pub async fn unregister(
     State(state): State<AdminState>,
     headers: HeaderMap,
-    Body(body): Body,
+    Body(body, _share): Body,
 ) -> Result<Json<Value>, ProxyError> {
     state.access.admin(&headers)?;
     let body = parse_body(&body)?;

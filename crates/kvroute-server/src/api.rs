@@ -11,6 +11,9 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use crate::bodies::BodyRules;
+use crate::budget::Share;
+
 /// What an error is, without its details: the bounded set that gives each
 /// [`ProxyError`] its HTTP status, OpenAI `type` and metric label, and that
 /// the retry rule (`proxy::outcome`) names as the client's error.
@@ -22,6 +25,8 @@ pub enum ErrorKind {
     ContextTooLong,
     /// The body is over the route's size limit.
     TooLarge,
+    /// The body did not arrive in time (slower than the body-read rule).
+    BodyTimeout,
     /// The admin bearer token is missing or wrong.
     Unauthorized,
     /// The admin API is disabled.
@@ -56,10 +61,11 @@ pub enum ErrorKind {
 impl ErrorKind {
     /// The kinds a completion request can be answered with: the label
     /// values of `kvroute_proxy_errors_total`, each exported from the start.
-    pub const PROXY: [ErrorKind; 12] = [
+    pub const PROXY: [ErrorKind; 13] = [
         ErrorKind::BadRequest,
         ErrorKind::ContextTooLong,
         ErrorKind::TooLarge,
+        ErrorKind::BodyTimeout,
         ErrorKind::NoWorkers,
         ErrorKind::ModelNotFound,
         ErrorKind::RateLimited,
@@ -76,6 +82,7 @@ impl ErrorKind {
         match self {
             ErrorKind::BadRequest | ErrorKind::ContextTooLong => StatusCode::BAD_REQUEST,
             ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ErrorKind::Unauthorized => StatusCode::UNAUTHORIZED,
             ErrorKind::Forbidden => StatusCode::FORBIDDEN,
             ErrorKind::NotFound | ErrorKind::ModelNotFound => StatusCode::NOT_FOUND,
@@ -101,6 +108,7 @@ impl ErrorKind {
                 "invalid_request_error"
             }
             ErrorKind::TooLarge => "request_too_large",
+            ErrorKind::BodyTimeout => "request_timeout",
             ErrorKind::RateLimited => "rate_limit_exceeded",
             ErrorKind::Overloaded | ErrorKind::QueueTimeout => "overloaded",
             ErrorKind::Internal => "internal_error",
@@ -114,6 +122,7 @@ impl ErrorKind {
             ErrorKind::BadRequest => "bad_request",
             ErrorKind::ContextTooLong => "context_too_long",
             ErrorKind::TooLarge => "too_large",
+            ErrorKind::BodyTimeout => "body_timeout",
             ErrorKind::Unauthorized => "unauthorized",
             ErrorKind::Forbidden => "forbidden",
             ErrorKind::NotFound => "not_found",
@@ -159,6 +168,9 @@ pub enum ProxyError {
     /// 413: the body is over the route's limit.
     #[error("{0}")]
     TooLarge(String),
+    /// 408: the body did not arrive in time.
+    #[error("{0}")]
+    BodyTimeout(String),
     /// 401: the admin bearer token is missing or wrong.
     #[error("a valid admin bearer token is required")]
     Unauthorized,
@@ -264,6 +276,7 @@ impl ProxyError {
             ProxyError::BadRequest(_) => ErrorKind::BadRequest,
             ProxyError::ContextTooLong(_) => ErrorKind::ContextTooLong,
             ProxyError::TooLarge(_) => ErrorKind::TooLarge,
+            ProxyError::BodyTimeout(_) => ErrorKind::BodyTimeout,
             ProxyError::Unauthorized => ErrorKind::Unauthorized,
             ProxyError::AdminDisabled => ErrorKind::Forbidden,
             ProxyError::NotFound(_) => ErrorKind::NotFound,
@@ -331,17 +344,33 @@ impl IntoResponse for ProxyError {
     }
 }
 
-/// A request body, read up to the server's size limit. A body over the
-/// limit is a 413 and a failed read a 400, both as [`ProxyError`]s.
-#[derive(Debug, Clone)]
-pub struct Body(pub Bytes);
+/// A request body, read to its end under the route's [`BodyRules`] (a
+/// request extension the app's layers set): over the size limit a 413,
+/// slower than the read rule a 408, past the memory budget a 503, a broken
+/// upload a 400, all as [`ProxyError`]s. The [`Share`] holds the body's part
+/// of the budget: keep it while the bytes are in use.
+///
+/// Without rules (an app built without them, as some tests build it) the
+/// body is read up to axum's `DefaultBodyLimit`, with no deadline or budget.
+#[derive(Debug)]
+pub struct Body(pub Bytes, pub Share);
 
 impl<S: Send + Sync> FromRequest<S> for Body {
     type Rejection = ProxyError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ProxyError> {
+        if let Some(rules) = req.extensions().get::<BodyRules>().cloned() {
+            let declared = req
+                .headers()
+                .get(axum::http::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<usize>().ok());
+            let (bytes, share) =
+                crate::bodies::read_body(req.into_body(), declared, &rules).await?;
+            return Ok(Body(bytes, share));
+        }
         match Bytes::from_request(req, state).await {
-            Ok(bytes) => Ok(Body(bytes)),
+            Ok(bytes) => Ok(Body(bytes, Share::unbounded())),
             Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => {
                 Err(ProxyError::TooLarge(rejection.body_text()))
             }

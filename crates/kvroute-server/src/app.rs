@@ -8,6 +8,7 @@ use axum::extract::{DefaultBodyLimit, FromRef, State};
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::Extension;
 
 use crate::admin::{self, AdminState};
 use crate::api;
@@ -58,10 +59,12 @@ pub fn app(state: AppState) -> axum::Router {
     // Outermost first: a body that says it is too long is refused before it
     // takes one of the query slots; one that is longer than it says is
     // refused while it is read.
+    let rules = state.proxy.body_rules(limit);
     let queries = axum::Router::new()
         .route("/query", post(query::query))
         .route("/query_by_hash", post(query::query_by_hash))
         .layer(DefaultBodyLimit::max(query_limit))
+        .layer(Extension(rules.with_max_bytes(query_limit)))
         .route_layer(axum::middleware::from_fn_with_state(
             query_slots,
             query::limit_concurrency,
@@ -97,6 +100,7 @@ pub fn app(state: AppState) -> axum::Router {
         .fallback(api::not_found)
         .method_not_allowed_fallback(api::method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
+        .layer(Extension(rules))
         .with_state(state)
 }
 
@@ -237,7 +241,7 @@ mod tests {
         for path in ["/v1/completions", "/query", "/register"] {
             let (status, body) = call(Method::POST, path, big.clone()).await;
             assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE, "{path}");
-            assert_openai_error(status, &body, "request_too_large", "length limit");
+            assert_openai_error(status, &body, "request_too_large", "bytes this route takes");
         }
     }
 

@@ -36,6 +36,7 @@ impl ErrorKind {
             ErrorKind::BadRequest
             | ErrorKind::ContextTooLong
             | ErrorKind::MethodNotAllowed
+            | ErrorKind::BodyTimeout
             | ErrorKind::Conflict => "invalid_request_error",
             ErrorKind::TooLarge => "request_too_large",
             ErrorKind::Unauthorized => "authentication_error",

@@ -18,6 +18,8 @@
 pub mod admin;
 pub mod api;
 pub mod app;
+pub mod bodies;
+pub mod budget;
 pub mod dashboard;
 pub mod dialect;
 pub mod discovery;
@@ -211,6 +213,7 @@ pub async fn serve_with_epp(
         Box::new(IngestCollector::new(registry.clone(), index.clone())),
         Box::new(ActiveCollector::new(proxy.clone())),
         Box::new(ObservedCollector::new(proxy.clone())),
+        Box::new(budget::BudgetCollector(proxy.body_budget().clone())),
         Box::new(saved.clone()),
     ];
     // Exported whether or not a source is followed (at 0 without one).

@@ -123,7 +123,7 @@ fn disagg_answer(proxy: &Proxy, candidates: &Candidates, tokens: u64) -> Value {
 /// on the blocking pool, so a large body never holds up other requests.
 pub async fn query(
     State(proxy): State<Arc<Proxy>>,
-    Body(body): Body,
+    Body(body, _share): Body,
 ) -> Result<Json<Value>, ProxyError> {
     off_runtime(move || {
         let mut req: RoutingRequest =
@@ -149,7 +149,7 @@ pub async fn query(
 /// `POST /query_by_hash`: `/query` for precomputed `local_hashes`.
 pub async fn query_by_hash(
     State(proxy): State<Arc<Proxy>>,
-    Body(body): Body,
+    Body(body, _share): Body,
 ) -> Result<Json<Value>, ProxyError> {
     off_runtime(move || {
         let locals = parse_hash_query(&body).map_err(|e| ProxyError::bad_request(e.0))?;

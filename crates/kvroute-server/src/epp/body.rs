@@ -1,5 +1,6 @@
-//! Bodies through the picker: a request body gathered from its chunks up
-//! to a bound, and any body cut into the pieces it goes back to Envoy in.
+//! Bodies through the picker, cut into the pieces they go back to Envoy in
+//! (a request body is gathered under the same rules as over HTTP:
+//! [`crate::bodies::Gathering`]).
 //!
 //! In `FULL_DUPLEX_STREAMED` mode whatever the picker does not send back
 //! does not reach the upstream, so every byte of a body is echoed, in
@@ -12,57 +13,6 @@ use envoy_types::pb::envoy::service::ext_proc::v3::StreamedBodyResponse;
 
 /// The largest piece of a body sent back in one message.
 pub const CHUNK_BYTES: usize = 62_000;
-
-/// A request body over the limit.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the request body is over {limit} bytes")]
-pub struct TooLarge {
-    /// The limit, in bytes.
-    pub limit: usize,
-}
-
-/// A request body as its chunks arrive, never more than its limit: the
-/// buffer grows with what arrived, never by what a header announced.
-#[derive(Debug, Default)]
-pub struct BodyBuffer {
-    bytes: Vec<u8>,
-    limit: usize,
-}
-
-impl BodyBuffer {
-    /// An empty body that may grow to `limit` bytes.
-    pub fn new(limit: usize) -> Self {
-        BodyBuffer {
-            bytes: Vec::new(),
-            limit,
-        }
-    }
-
-    /// Appends a chunk; refuses it (keeping what came before) when the
-    /// body would pass the limit.
-    pub fn push(&mut self, chunk: &[u8]) -> Result<(), TooLarge> {
-        if chunk.len() > self.limit.saturating_sub(self.bytes.len()) {
-            return Err(TooLarge { limit: self.limit });
-        }
-        self.bytes.extend_from_slice(chunk);
-        Ok(())
-    }
-
-    /// The bytes so far.
-    pub fn len(&self) -> usize {
-        self.bytes.len()
-    }
-
-    /// Whether nothing arrived.
-    pub fn is_empty(&self) -> bool {
-        self.bytes.is_empty()
-    }
-
-    /// The whole body, leaving the buffer empty.
-    pub fn take(&mut self) -> Vec<u8> {
-        std::mem::take(&mut self.bytes)
-    }
-}
 
 /// `body` cut into pieces of at most [`CHUNK_BYTES`], in order; the last
 /// carries `end_of_stream`. An empty body is one empty piece.
@@ -116,19 +66,5 @@ mod tests {
         let middle = pieces(&[7; 70_000], false);
         assert_eq!(middle.len(), 2);
         assert!(middle.iter().all(|p| !p.end_of_stream));
-    }
-
-    #[test]
-    fn the_buffer_keeps_to_its_limit() {
-        let mut body = BodyBuffer::new(10);
-        assert_eq!(body.push(b"hello"), Ok(()));
-        assert_eq!(body.push(b"world"), Ok(()));
-        assert_eq!(body.push(b"!"), Err(TooLarge { limit: 10 }));
-        assert_eq!(body.len(), 10);
-        assert_eq!(body.take(), b"helloworld");
-        assert!(body.is_empty());
-        let mut none = BodyBuffer::new(0);
-        assert_eq!(none.push(b""), Ok(()));
-        assert_eq!(none.push(b"x"), Err(TooLarge { limit: 0 }));
     }
 }

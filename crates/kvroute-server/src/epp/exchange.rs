@@ -14,9 +14,12 @@ use envoy_types::pb::envoy::config::core::v3::{HeaderMap, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request;
 use envoy_types::pb::envoy::service::ext_proc::v3::ProcessingRequest;
 
-use super::body::{BodyBuffer, TooLarge};
+use axum::body::Bytes;
+
 use super::mode::{self, ModeError};
 use super::subset::{served_endpoint, Subset};
+use crate::bodies::{BodyRefusal, BodyRules, Gathering};
+use crate::budget::Share;
 
 /// What routing reads of a request's headers and metadata.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -35,7 +38,7 @@ pub struct WholeRequest {
     /// Its head.
     pub head: RequestHead,
     /// Its body.
-    pub body: Vec<u8>,
+    pub body: Bytes,
     /// The request has a body (its headers did not end the stream), so
     /// the body goes back to Envoy after the headers' answer.
     pub has_body: bool,
@@ -64,8 +67,9 @@ pub enum Input {
     /// The request is whole: pick its endpoint, then answer its headers
     /// and send its body back.
     Whole(WholeRequest),
-    /// The body passed its bound: answer 413 and end the stream.
-    TooLarge(TooLarge),
+    /// The body passed its size limit (413) or the memory budget (503):
+    /// answer so and end the stream.
+    Refused(BodyRefusal),
     /// The worker's answer begins.
     ResponseHead(ResponseHead),
     /// A piece of the worker's answer, to send on as it is.
@@ -131,18 +135,49 @@ impl Phase {
 pub struct Exchange {
     phase: Phase,
     head: RequestHead,
-    body: BodyBuffer,
+    body: Option<Gathering>,
+    rules: BodyRules,
+    started: std::time::Instant,
+    /// The whole body's share of the memory budget, until taken.
+    share: Share,
 }
 
 impl Exchange {
-    /// A stream that has seen nothing yet, whose request body may take up
-    /// to `max_body` bytes.
-    pub fn new(max_body: usize) -> Self {
+    /// A stream opened at `started` that has seen nothing yet, whose
+    /// request body is gathered under `rules` (its size, its time from
+    /// `started` and the memory budget).
+    pub fn new(rules: BodyRules, started: std::time::Instant) -> Self {
         Exchange {
             phase: Phase::RequestHeaders,
             head: RequestHead::default(),
-            body: BodyBuffer::new(max_body),
+            body: None,
+            rules,
+            started,
+            share: Share::unbounded(),
         }
+    }
+
+    /// While the request body is arriving: when it must be whole.
+    pub fn body_deadline(&self) -> Option<std::time::Instant> {
+        match (self.phase, &self.body) {
+            (Phase::RequestBody, Some(body)) => Some(body.deadline()),
+            _ => None,
+        }
+    }
+
+    /// The refusal of a body that missed [`Exchange::body_deadline`]; the
+    /// exchange is over.
+    pub fn body_timed_out(&mut self) -> Option<BodyRefusal> {
+        let refusal = self.body.as_ref().map(Gathering::timed_out);
+        self.phase = Phase::Done;
+        self.body = None;
+        refusal
+    }
+
+    /// The share of the memory budget the whole body holds (keep it while
+    /// the body is in use).
+    pub fn take_share(&mut self) -> Share {
+        std::mem::take(&mut self.share)
     }
 
     /// Takes the next message of the stream.
@@ -159,6 +194,7 @@ impl Exchange {
                 self.head = read_head(h.headers.as_ref(), metadata);
                 if !h.end_of_stream {
                     self.phase = Phase::RequestBody;
+                    self.body = Some(Gathering::new(&self.rules, self.started));
                     return Ok(Input::Buffered);
                 }
                 Ok(self.whole(false, false))
@@ -167,9 +203,11 @@ impl Exchange {
                 if self.head.subset.is_none() {
                     self.head.subset = Subset::from_metadata(metadata);
                 }
-                if let Err(e) = self.body.push(&b.body) {
+                let pushed = self.body.as_mut().map_or(Ok(()), |g| g.push(&b.body));
+                if let Err(e) = pushed {
                     self.phase = Phase::Done;
-                    return Ok(Input::TooLarge(e));
+                    self.body = None;
+                    return Ok(Input::Refused(e));
                 }
                 if !b.end_of_stream {
                     return Ok(Input::Buffered);
@@ -209,9 +247,14 @@ impl Exchange {
     /// The request is whole; from now on the response is expected.
     fn whole(&mut self, has_body: bool, trailers: bool) -> Input {
         self.phase = Phase::ResponseHeaders;
+        let (body, share) = self
+            .body
+            .take()
+            .map_or_else(|| (Bytes::new(), Share::unbounded()), Gathering::finish);
+        self.share = share;
         Input::Whole(WholeRequest {
             head: std::mem::take(&mut self.head),
-            body: self.body.take(),
+            body,
             has_body,
             trailers,
         })
@@ -277,11 +320,21 @@ fn read_response_head(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::bodies::BodyLimits;
     use envoy_types::pb::envoy::config::core::v3::HeaderValue;
     use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
     use envoy_types::pb::envoy::service::ext_proc::v3::{
         HttpBody, HttpHeaders, HttpTrailers, ProtocolConfiguration,
     };
+
+    fn rules(max_bytes: usize) -> BodyRules {
+        let limits = BodyLimits::default();
+        BodyRules {
+            max_bytes,
+            limits,
+            budget: limits.budget(),
+        }
+    }
 
     fn headers(pairs: &[(&str, &str)], end_of_stream: bool) -> HttpHeaders {
         HttpHeaders {
@@ -327,7 +380,7 @@ mod tests {
 
     #[test]
     fn a_body_in_chunks_is_whole_at_its_end_with_the_head_read() {
-        let mut x = Exchange::new(1 << 20);
+        let mut x = Exchange::new(rules(1 << 20), std::time::Instant::now());
         let head = headers(
             &[
                 (":path", "/v1/completions?x=1"),
@@ -347,7 +400,7 @@ mod tests {
         let Ok(Input::Whole(whole)) = x.accept(message(chunk(b"[1,2]}", true))) else {
             panic!("whole");
         };
-        assert_eq!(whole.body, b"{\"prompt\":[1,2]}");
+        assert_eq!(&whole.body[..], b"{\"prompt\":[1,2]}");
         assert_eq!(whole.head.path, "/v1/completions");
         assert_eq!(whole.head.request_id.as_deref(), Some("r-1"));
         assert!(whole.has_body && !whole.trailers && whole.head.subset.is_none());
@@ -377,7 +430,7 @@ mod tests {
 
     #[test]
     fn headers_that_end_the_stream_are_a_whole_request_without_a_body() {
-        let mut x = Exchange::new(16);
+        let mut x = Exchange::new(rules(16), std::time::Instant::now());
         let get = headers(&[(":path", "/v1/models")], true);
         let Ok(Input::Whole(whole)) = x.accept(message(Request::RequestHeaders(get))) else {
             panic!("whole");
@@ -396,7 +449,7 @@ mod tests {
 
     #[test]
     fn trailers_end_a_body_and_a_body_past_the_bound_is_too_large() {
-        let mut x = Exchange::new(4);
+        let mut x = Exchange::new(rules(4), std::time::Instant::now());
         let head = headers(&[(":path", "/v1/completions")], false);
         x.accept(message(Request::RequestHeaders(head.clone())))
             .expect("headers");
@@ -405,26 +458,26 @@ mod tests {
         let Ok(Input::Whole(whole)) = x.accept(message(trailers)) else {
             panic!("whole");
         };
-        assert!(whole.trailers && whole.body == b"abcd");
-        let mut x = Exchange::new(4);
+        assert!(whole.trailers && &whole.body[..] == b"abcd");
+        let mut x = Exchange::new(rules(4), std::time::Instant::now());
         x.accept(message(Request::RequestHeaders(head)))
             .expect("headers");
         assert_eq!(
             x.accept(message(chunk(b"abcde", false))),
-            Ok(Input::TooLarge(TooLarge { limit: 4 }))
+            Ok(Input::Refused(BodyRefusal::TooLarge { limit: 4 }))
         );
         assert!(x.is_done());
     }
 
     #[test]
     fn messages_out_of_order_and_wrong_modes_are_refused() {
-        let mut x = Exchange::new(16);
+        let mut x = Exchange::new(rules(16), std::time::Instant::now());
         let e = x.accept(message(chunk(b"x", true))).expect_err("refused");
         assert_eq!(e.reason(), "out_of_order");
         assert!(e
             .to_string()
             .contains("`request_body` out of order: expected request_headers"));
-        let mut x = Exchange::new(16);
+        let mut x = Exchange::new(rules(16), std::time::Instant::now());
         let mut first = message(Request::RequestHeaders(headers(&[], false)));
         first.protocol_config = Some(ProtocolConfiguration {
             request_body_mode: BodySendMode::Buffered as i32,

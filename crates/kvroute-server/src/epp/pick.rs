@@ -18,12 +18,13 @@ use super::exchange::{RequestHead, ResponseHead};
 use super::subset::Endpoint;
 use super::usage::UsageWatch;
 use crate::api::ProxyError;
+use crate::budget::Share;
 use crate::metrics::epp::EppMetrics;
 use crate::proxy::active::ActiveGuard;
 use crate::proxy::attempt::{self, Eligible, REQUEST_ID};
 use crate::proxy::candidates::Target;
 use crate::proxy::relay::Prediction;
-use crate::proxy::{on_cpu, Endpoint as ApiEndpoint, Proxy, LARGE_BODY};
+use crate::proxy::{intake, on_cpu, Endpoint as ApiEndpoint, Proxy, LARGE_BODY};
 
 /// The header naming a multi-rank worker's rank, as vLLM reads it.
 pub const RANK_HEADER: &str = "x-data-parallel-rank";
@@ -39,6 +40,9 @@ pub struct Pick {
     pub request_id: String,
     /// The answer's accounting.
     pub accounting: Accounting,
+    /// The request body's share of the memory budget (held until the body
+    /// went back to Envoy).
+    pub body_share: Share,
 }
 
 /// What routing reads of a request: for a completion or chat body, what
@@ -47,21 +51,19 @@ pub struct Pick {
 async fn read(
     proxy: &Arc<Proxy>,
     head: &RequestHead,
-    body: &Bytes,
+    (body, share): (&Bytes, Share),
     has_body: bool,
-) -> Result<RoutingRequest, ProxyError> {
+) -> Result<(RoutingRequest, Share), ProxyError> {
     let endpoint = match ApiEndpoint::of_path(&head.path) {
         Some(endpoint) if has_body => endpoint,
-        _ => return Ok(RoutingRequest::default()),
+        _ => return Ok((RoutingRequest::default(), share)),
     };
     let large = body.len() > LARGE_BODY;
     let (proxy, body) = (proxy.clone(), body.clone());
     on_cpu(large, move || {
-        let mut req = endpoint
-            .parse(&body)
-            .map_err(|e| ProxyError::bad_request(e.0))?;
-        proxy.tokenize(&mut req);
-        Ok(req)
+        let mut share = share;
+        let req = intake::read(&proxy, endpoint, &body, &mut share)?;
+        Ok((req, share))
     })
     .await?
 }
@@ -85,11 +87,12 @@ fn request_id(proxy: &Proxy, head: &RequestHead) -> String {
 pub async fn pick(
     proxy: &Arc<Proxy>,
     head: &RequestHead,
-    body: &Bytes,
+    (body, share): (&Bytes, Share),
     has_body: bool,
     arrived: Instant,
 ) -> Result<Pick, ProxyError> {
-    let req = Arc::new(read(proxy, head, body, has_body).await?);
+    let (req, body_share) = read(proxy, head, (body, share), has_body).await?;
+    let req = Arc::new(req);
     if has_body {
         proxy.metrics.requests.inc();
         if req.tokens.is_none() {
@@ -132,6 +135,7 @@ pub async fn pick(
         endpoint,
         headers,
         request_id,
+        body_share,
     })
 }
 

@@ -13,7 +13,6 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use axum::body::Bytes;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessor;
 use envoy_types::pb::envoy::service::ext_proc::v3::{ProcessingRequest, ProcessingResponse};
 use tokio::sync::mpsc;
@@ -78,6 +77,14 @@ impl Drop for Open {
     }
 }
 
+/// Completes at `deadline`, or never without one.
+async fn body_late(deadline: Option<Instant>) {
+    match deadline {
+        Some(at) => tokio::time::sleep_until(tokio::time::Instant::from_std(at)).await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Sends answers in order; false once Envoy is gone.
 async fn send_all(out: &Out, answers: impl IntoIterator<Item = ProcessingResponse>) -> bool {
     for answer in answers {
@@ -95,13 +102,22 @@ impl Picker {
         self.metrics.open.inc();
         let _open = Open(self.metrics.clone());
         let arrived = Instant::now();
-        let mut exchange = Exchange::new(self.max_body_bytes);
+        let rules = self.proxy.body_rules(self.max_body_bytes);
+        let mut exchange = Exchange::new(rules, arrived);
         // Dropped with the task: frees the request's load however it ends.
         let mut accounting: Option<Accounting> = None;
         loop {
+            // A request body must arrive as fast as over HTTP.
+            let deadline = exchange.body_deadline();
             let next = tokio::select! {
                 next = inbound.message() => next,
                 () = out.closed() => return,
+                () = body_late(deadline) => {
+                    if let Some(refusal) = exchange.body_timed_out() {
+                        self.refuse(&refusal.into(), None, &out).await;
+                    }
+                    return;
+                }
             };
             let message = match next {
                 Ok(Some(message)) => message,
@@ -125,12 +141,14 @@ impl Picker {
             };
             let going = match input {
                 Input::Buffered => true,
-                Input::TooLarge(e) => {
-                    let error = ProxyError::TooLarge(format!("{e} (--max-body-mib)"));
-                    self.refuse(&error, None, &out).await;
+                Input::Refused(e) => {
+                    self.refuse(&ProxyError::from(e), None, &out).await;
                     return;
                 }
-                Input::Whole(whole) => match self.route(whole, arrived, &out).await {
+                Input::Whole(whole) => match self
+                    .route(whole, exchange.take_share(), arrived, &out)
+                    .await
+                {
                     Some(picked) => {
                         accounting = Some(picked);
                         true
@@ -169,7 +187,13 @@ impl Picker {
     /// naming it, then the body (and the trailers' answer); on an error, the
     /// immediate answer. The accounting of the answer to come, or `None`
     /// when the stream is over.
-    async fn route(&self, whole: WholeRequest, arrived: Instant, out: &Out) -> Option<Accounting> {
+    async fn route(
+        &self,
+        whole: WholeRequest,
+        share: crate::budget::Share,
+        arrived: Instant,
+        out: &Out,
+    ) -> Option<Accounting> {
         let started = Instant::now();
         let WholeRequest {
             head,
@@ -177,11 +201,10 @@ impl Picker {
             has_body,
             trailers,
         } = whole;
-        let body = Bytes::from(body);
         let picked = tokio::select! {
             biased;
             () = out.closed() => return None,
-            picked = pick(&self.proxy, &head, &body, has_body, arrived) => picked,
+            picked = pick(&self.proxy, &head, (&body, share), has_body, arrived) => picked,
         };
         let picked = match picked {
             Ok(picked) => picked,
@@ -206,7 +229,9 @@ impl Picker {
         if trailers {
             answers.push(reply::trailers(Side::Request));
         }
-        send_all(out, answers).await.then_some(picked.accounting)
+        let sent = send_all(out, answers).await;
+        drop(picked.body_share);
+        sent.then_some(picked.accounting)
     }
 
     /// Answers the client with `error` (the immediate answer ends the

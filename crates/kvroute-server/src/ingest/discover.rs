@@ -102,6 +102,9 @@ pub fn spec_from_server_info(url: &str, info: &Value) -> Result<WorkerSpec, Disc
     Ok(spec)
 }
 
+/// The most of a `/server_info` answer read (SGLang's is a few KiB).
+const MAX_SERVER_INFO_BYTES: usize = 4 << 20;
+
 /// Fetches `url/server_info` and builds the worker it describes.
 pub async fn discover_sglang(
     client: &reqwest::Client,
@@ -112,16 +115,24 @@ pub async fn discover_sglang(
         url: base.to_owned(),
         source,
     };
-    let info: Value = client
+    let resp = client
         .get(format!("{base}/server_info"))
         .send()
         .await
         .map_err(http)?
         .error_for_status()
-        .map_err(http)?
-        .json()
-        .await
         .map_err(http)?;
+    let descriptor = |problem: String| DiscoverError::Descriptor {
+        url: base.to_owned(),
+        problem,
+    };
+    let bytes = match crate::proxy::answer::read_capped(resp, MAX_SERVER_INFO_BYTES).await {
+        Ok(bytes) => bytes,
+        Err(crate::proxy::answer::AnswerError::Read(e)) => return Err(http(e)),
+        Err(too_large) => return Err(descriptor(too_large.to_string())),
+    };
+    let info: Value =
+        serde_json::from_slice(&bytes).map_err(|e| descriptor(format!("not JSON: {e}")))?;
     spec_from_server_info(base, &info)
 }
 

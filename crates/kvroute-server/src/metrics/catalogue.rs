@@ -107,6 +107,8 @@ catalogue! {
     HTTP_CONNECTIONS_REFUSED:     kvroute_http_connections_refused_total       Counter   NONE "Connections closed on arrival because --max-connections were open.";
     HTTP_HEADER_TIMEOUTS:         kvroute_http_header_timeouts_total           Counter   NONE "Connections closed because a request head took longer than --header-timeout-secs.";
     HTTP_IDLE_TIMEOUTS:           kvroute_http_idle_timeouts_total             Counter   NONE "Kept-alive connections closed after --idle-timeout-secs without a request.";
+    BODY_MEMORY:                  kvroute_body_memory_bytes                    Gauge     NONE "Memory budget held by request bodies being read or routed, over HTTP and the endpoint picker (--body-memory-mib).";
+    BODY_MEMORY_REFUSALS:         kvroute_body_memory_refusals_total           Counter   NONE "Times a request body could not take its share of the memory budget (some were answered 503 or 429, some waited and were read).";
     ACTIVE_DECODE_BLOCKS:         kvroute_active_decode_blocks                 Gauge     RANK "Distinct blocks held by requests in flight per (worker, rank).";
     RANK_SPEED:                   kvroute_rank_speed                           Gauge     RANK "The speed a rank is priced at: learned from its responses once known (--learn-speeds), else its worker's declared speed.";
     REPLICA_NATS_CONNECTED:       kvroute_replica_nats_connected               Gauge     NONE "Whether this replica is connected to NATS (--nats).";

@@ -19,11 +19,14 @@ use std::time::Instant;
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::Response;
+use futures_util::StreamExt as _;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
+use kvroute_core::index::WorkerRank;
 use kvroute_core::scheduler::{order, Policy, Scored};
 
 use super::active::{ActiveGuard, ActiveRanks};
+use super::answer::{self, UpTo};
 use super::candidates::{request_hashes, Candidates, Target};
 use super::continuations::response_id_in_body;
 use super::observe::{CandidateView, Decision, CANDIDATES_KEPT};
@@ -669,29 +672,34 @@ pub(super) async fn respond(
         builder = builder.header(header::CONTENT_TYPE, v);
     }
     let sse = content_type.is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    let origin = StreamOrigin {
+        worker: target.name.clone(),
+        request_id: request_id.to_owned(),
+        sse,
+        status,
+        dialect: endpoint.dialect(),
+    };
+    let remember = remembers.then_some(s.key);
     let body = if req.stream || sse {
         let strip = added_usage && status.is_success();
-        let origin = StreamOrigin {
-            worker: target.name.clone(),
-            request_id: request_id.to_owned(),
-            sse,
-            status,
-            dialect: endpoint.dialect(),
-        };
-        let relayed = Passthrough::new(
-            Box::pin(resp.bytes_stream()),
-            guard,
-            prediction,
-            strip,
-            (origin, arrived),
-        );
-        Body::from_stream(match remembers {
-            true => relayed.remembering_response(s.key),
-            false => relayed,
-        })
+        let stream = Box::pin(resp.bytes_stream());
+        let relayed = Passthrough::new(stream, guard, prediction, strip, (origin, arrived));
+        relayed_body(relayed, remember)
     } else {
+        let cap = proxy.config().max_answer_bytes;
+        let read = match answer::read_up_to(resp, cap).await {
+            Ok(UpTo::Over(read, rest)) => {
+                // Too long to hold: passed on as it comes, unread.
+                let head = futures_util::stream::once(async move { Ok(read) });
+                let stream = Box::pin(head.chain(rest.bytes_stream()));
+                let relayed = Passthrough::new(stream, guard, None, false, (origin, arrived));
+                let built = builder.body(relayed_body(relayed, remember));
+                return built.map_err(|e| ProxyError::internal(e.to_string()));
+            }
+            Ok(UpTo::Whole(bytes)) => Ok(bytes),
+            Err(e) => Err(e),
+        };
         guard.prefill_done();
-        let read = resp.bytes().await;
         let ending = match &read {
             Ok(_) => Ending::Complete(status),
             Err(_) => Ending::CutOff,
@@ -721,6 +729,18 @@ pub(super) async fn respond(
     builder
         .body(body)
         .map_err(|e| ProxyError::internal(e.to_string()))
+}
+
+/// The client's body relaying `relayed`, which remembers the response it
+/// names as produced by `remember`'s rank, if given.
+fn relayed_body<S>(relayed: Passthrough<S>, remember: Option<WorkerRank>) -> Body
+where
+    S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Unpin + Send + 'static,
+{
+    match remember {
+        Some(rank) => Body::from_stream(relayed.remembering_response(rank)),
+        None => Body::from_stream(relayed),
+    }
 }
 
 /// What the response will be checked against: the prediction, the state of

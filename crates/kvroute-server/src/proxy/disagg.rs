@@ -29,6 +29,7 @@ use kvroute_core::scheduler::{order, DecodeCost, LocalPrefillRule, Policy, Score
 use serde_json::Value;
 
 use super::active::ActiveGuard;
+use super::answer::{self, AnswerError};
 use super::attempt::{
     self, charge, charge_as, open_candidate, outgoing, send, Admitted, Outgoing, Request, Sent,
 };
@@ -392,9 +393,25 @@ async fn read_whole(
     request_id: &str,
 ) -> Result<Prefilled, ProxyError> {
     let status = resp.status();
-    let read = tokio::time::timeout(proxy.config().prefill_timeout, resp.bytes()).await;
+    let cap = proxy.config().max_answer_bytes;
+    let read = tokio::time::timeout(
+        proxy.config().prefill_timeout,
+        answer::read_capped(resp, cap),
+    )
+    .await;
     let bytes = match read {
         Err(_) => return Err(prefill_timed_out(proxy, target, request_id)),
+        Ok(Err(e @ AnswerError::TooLarge { .. })) => {
+            // A worker's fault, not the client's: its breaker hears of it.
+            outcome::settle(proxy, &target.name, Ending::CutOff, request_id);
+            let detail = format!("reading its prefill answer: {e}");
+            return Err(ProxyError::lost(
+                ErrorKind::UpstreamFailed,
+                &target.name,
+                request_id,
+                detail,
+            ));
+        }
         Ok(Err(e)) => {
             outcome::settle(proxy, &target.name, Ending::CutOff, request_id);
             let detail = format!(
@@ -668,11 +685,12 @@ fn drain_prefill(
     request_id: &str,
 ) {
     let (proxy, request_id) = (proxy.clone(), request_id.to_owned());
+    let timeout = proxy.config().prefill_timeout;
     tokio::spawn(async move {
         let status = resp.status();
-        let ending = match resp.bytes().await {
-            Ok(_) => Ending::Complete(status),
-            Err(_) => Ending::CutOff,
+        let ending = match tokio::time::timeout(timeout, answer::drain(resp)).await {
+            Ok(Ok(())) => Ending::Complete(status),
+            Ok(Err(_)) | Err(_) => Ending::CutOff,
         };
         outcome::settle(&proxy, &worker, ending, &request_id);
         drop(guard);

@@ -12,6 +12,7 @@ use axum::response::Response;
 use serde_json::Value;
 
 use super::active::ActiveGuard;
+use super::answer;
 use super::candidates::Target;
 use super::handoff;
 use super::outcome::{self, Ending};
@@ -87,7 +88,7 @@ async fn read(
     } = leg;
     let status = resp.status();
     guard.prefill_done();
-    let read = resp.bytes().await;
+    let read = answer::read_capped(resp, proxy.config().max_answer_bytes).await;
     let ending = match &read {
         Ok(_) => Ending::Complete(status),
         Err(_) => Ending::CutOff,

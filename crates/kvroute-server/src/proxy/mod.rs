@@ -20,6 +20,7 @@
 //!    ends, and with `--learn-speeds` tells [`speeds`] how fast it decoded.
 
 pub mod active;
+pub mod answer;
 pub mod attempt;
 pub mod breaker;
 pub mod candidates;
@@ -27,6 +28,7 @@ pub mod context;
 pub mod continuations;
 pub mod disagg;
 pub mod handoff;
+pub mod intake;
 pub mod merge;
 pub mod observe;
 pub mod outcome;
@@ -131,6 +133,13 @@ pub struct ProxyConfig {
     /// Under `kv`: how much dearer than the cheapest the rank holding most
     /// of a request's prefix may be and still take it (below 1: off).
     pub holder_stickiness: f64,
+    /// How long a request body may take, and the memory all of them (over
+    /// HTTP and through the endpoint picker) may hold at once.
+    pub bodies: crate::bodies::BodyLimits,
+    /// The most of a worker's answer the router reads whole (a prefill
+    /// leg's, a merged answer's; a larger non-streamed answer to a client
+    /// is passed on unread).
+    pub max_answer_bytes: usize,
 }
 
 impl Default for ProxyConfig {
@@ -160,6 +169,8 @@ impl Default for ProxyConfig {
             tenants: tenants::TenantConfig::default(),
             deal_new_prefixes: Some(DealBy::Work),
             holder_stickiness: DEFAULT_STICKINESS,
+            bodies: crate::bodies::BodyLimits::default(),
+            max_answer_bytes: 16 << 20,
         }
     }
 }
@@ -205,6 +216,8 @@ pub struct Proxy {
     sglang: std::sync::Mutex<kvroute_core::scheduler::peers::CacheAware>,
     /// What each worker was dealt (`--deal-new-prefixes`).
     dealer: Option<std::sync::Mutex<PrefixDealer>>,
+    /// The memory every request body in flight shares, over both doors.
+    budget: Arc<crate::budget::MemoryBudget>,
 }
 
 impl Proxy {
@@ -226,6 +239,7 @@ impl Proxy {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
         Ok(Proxy {
+            budget: config.bodies.budget(),
             dealer: config
                 .deal_new_prefixes
                 .map(|by| std::sync::Mutex::new(PrefixDealer::new(by))),
@@ -277,6 +291,21 @@ impl Proxy {
     /// ignored).
     pub fn share_pins_with(&self, share: Arc<PinShare>) {
         let _ = self.pin_share.set(share);
+    }
+
+    /// The rules a body of at most `max_bytes` is read under: the
+    /// configured time and the budget every body shares.
+    pub fn body_rules(&self, max_bytes: usize) -> crate::bodies::BodyRules {
+        crate::bodies::BodyRules {
+            max_bytes,
+            limits: self.config.bodies,
+            budget: self.budget.clone(),
+        }
+    }
+
+    /// The memory budget of request bodies (shared by both doors).
+    pub fn body_budget(&self) -> &Arc<crate::budget::MemoryBudget> {
+        &self.budget
     }
 
     /// Whether the proxy learns speeds (`--learn-speeds`).
@@ -557,15 +586,22 @@ async fn handle(
     proxy.metrics.requests.inc();
     let request_id = proxy.request_id(&headers);
     let routed = match body {
-        Ok(Body(body)) => route(&proxy, &headers, &body, endpoint, (&request_id, arrived)).await,
+        Ok(Body(body, share)) => {
+            let request = (request_id.as_str(), arrived);
+            route(&proxy, &headers, (&body, share), endpoint, request).await
+        }
         Err(e) => Err(e),
     };
     let mut response = routed.unwrap_or_else(|e| {
         proxy.metrics.answered(e.kind());
-        let shed = e.kind() == crate::api::ErrorKind::RateLimited;
+        // Refused by the queue for its tenant's share, or for the memory
+        // bodies hold: worth a retry in a second.
+        let shed = matches!(
+            e.kind(),
+            crate::api::ErrorKind::RateLimited | crate::api::ErrorKind::Overloaded
+        );
         let mut response = e.into_response_in(endpoint.dialect());
         if shed {
-            // Refused by the queue for its tenant's share: retry in a second.
             let retry = HeaderValue::from_static("1");
             response
                 .headers_mut()
@@ -582,7 +618,7 @@ async fn handle(
 async fn route(
     proxy: &Arc<Proxy>,
     headers: &HeaderMap,
-    body: &axum::body::Bytes,
+    (body, share): (&axum::body::Bytes, crate::budget::Share),
     endpoint: Endpoint,
     (request_id, arrived): (&str, Instant),
 ) -> Result<Response, ProxyError> {
@@ -593,13 +629,11 @@ async fn route(
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
-            let mut req = endpoint
-                .parse(&body)
-                .map_err(|e| ProxyError::bad_request(e.0))?;
+            let mut share = share;
+            let mut req = intake::read(&proxy, endpoint, &body, &mut share)?;
             req.session = session;
             req.priority = priority;
             req.tenant = Some(tenant);
-            proxy.tokenize(&mut req);
             // A LoRA adapter named as the model is hashed into the engine's
             // blocks: the request's must be too.
             if req.lora_name.is_none() {
@@ -608,11 +642,11 @@ async fn route(
                     req.lora_name = req.model.clone();
                 }
             }
-            Ok(req)
+            Ok::<_, ProxyError>((req, share))
         })
         .await
     };
-    let req = read??;
+    let (req, _share) = read??;
     proxy.fetch_pins(&req).await;
     let req = Arc::new(req);
     if let Some(model) = req.model.as_deref() {

@@ -1,6 +1,7 @@
 //! One module per subcommand: turn arguments into a call of the core or server.
 
 pub mod bench;
+pub mod bounds;
 pub mod demo;
 pub mod endpoints;
 pub mod epp;

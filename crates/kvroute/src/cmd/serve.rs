@@ -18,10 +18,9 @@ use kvroute_server::ingest::address::AllowedHosts;
 use kvroute_server::ingest::rank::Timing;
 use kvroute_server::ingest::registry::{default_max_ranks, IngestConfig, RankLimitSource};
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
-use kvroute_server::listen::{default_max_connections, raise_fd_limit, HttpLimits};
+use kvroute_server::listen::{default_max_connections, raise_fd_limit};
 use kvroute_server::proxy::sessions::SessionConfig;
 use kvroute_server::proxy::ProxyConfig;
-use kvroute_server::query::QueryLimits;
 use kvroute_server::replica::ReplicaConfig;
 use kvroute_server::{serve_with_epp, ServeConfig, StateConfig};
 use std::sync::Arc;
@@ -192,9 +191,6 @@ pub struct ServeArgs {
     /// same setting as `kvroute mocker --mm-tokens-per-image`).
     #[arg(long, default_value_t = u32::try_from(ImageTokenRule::DEFAULT_TOKENS_PER_IMAGE).unwrap_or(u32::MAX), value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MM_TOKENS_PER_IMAGE")]
     mm_tokens_per_image: u32,
-    /// Largest request body accepted, in MiB (larger: 413).
-    #[arg(long, default_value_t = ServeConfig::default().max_body_bytes >> 20, env = "KVROUTE_MAX_BODY_MIB")]
-    max_body_mib: usize,
     /// Context length (prompt + output tokens) of workers that do not report
     /// `max_model_len` in their `/v1/models`; requests that cannot fit are
     /// refused with 400 before they are sent.
@@ -206,13 +202,6 @@ pub struct ServeArgs {
     /// count as equal.
     #[arg(long, env = "KVROUTE_LEARN_SPEEDS")]
     learn_speeds: bool,
-    /// Largest `/query` or `/query_by_hash` body, in MiB (larger: 413).
-    #[arg(long, default_value_t = QueryLimits::default().max_body_bytes >> 20, env = "KVROUTE_QUERY_MAX_BODY_MIB")]
-    query_max_body_mib: usize,
-    /// `/query` and `/query_by_hash` requests computed at once (more: 429);
-    /// default: the number of cores.
-    #[arg(long, env = "KVROUTE_QUERY_CONCURRENCY")]
-    query_concurrency: Option<usize>,
     /// Client connections served at once; more are closed as they arrive.
     /// Default: a tenth of the open-file limit (raised to its hard limit at
     /// start) after a reserve; the rest is for the engines' streams.
@@ -262,12 +251,6 @@ pub struct ServeArgs {
     /// for the last batch applied, which proves the engine did not restart).
     #[arg(long, default_value_t = Timing::default().verify_ms / 1_000, value_parser = clap::value_parser!(u64).range(1..=3600), env = "KVROUTE_VERIFY_SECS")]
     verify_secs: u64,
-    /// Seconds a client may take to send a request's head, from its first byte.
-    #[arg(long, default_value_t = HttpLimits::default().header_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_HEADER_TIMEOUT_SECS")]
-    header_timeout_secs: u64,
-    /// Seconds a kept-alive connection may wait for its next request.
-    #[arg(long, default_value_t = HttpLimits::default().idle_timeout.as_secs(), value_parser = clap::value_parser!(u64).range(1..), env = "KVROUTE_IDLE_TIMEOUT_SECS")]
-    idle_timeout_secs: u64,
     /// Disaggregated fleets (workers with `role=prefill` and `role=decode`):
     /// a decode rank prefills a request itself, skipping the transfer, when
     /// fewer than this many of its prompt tokens are uncached there (and
@@ -306,6 +289,8 @@ pub struct ServeArgs {
     epp: super::epp::EppArgs,
     #[command(flatten)]
     tenancy: super::tenancy::TenancyArgs,
+    #[command(flatten)]
+    bounds: super::bounds::BoundsArgs,
 }
 
 /// Builds the runtime and serves until Ctrl-C or SIGTERM.
@@ -408,19 +393,9 @@ fn serve_config(
         }),
         replicas: replica_config(args, port),
         proxy: router_config(args)?,
-        max_body_bytes: args.max_body_mib.saturating_mul(1 << 20),
-        query: QueryLimits {
-            max_body_bytes: args.query_max_body_mib.saturating_mul(1 << 20),
-            concurrency: args
-                .query_concurrency
-                .unwrap_or(QueryLimits::default().concurrency),
-        },
-        http: HttpLimits {
-            max_connections,
-            header_timeout: Duration::from_secs(args.header_timeout_secs),
-            idle_timeout: Duration::from_secs(args.idle_timeout_secs),
-            ..HttpLimits::default()
-        },
+        max_body_bytes: args.bounds.max_body_bytes(),
+        query: args.bounds.query(),
+        http: args.bounds.http(max_connections),
         epp: args.epp.config(&args.host),
         // The operator's own flags: say what the admin API accepts.
         announce_access: true,
@@ -532,6 +507,8 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             max_uncached_fraction: args.local_prefill_max_fraction,
         },
         prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
+        bodies: args.bounds.bodies(),
+        max_answer_bytes: args.bounds.max_answer_bytes(),
         engine_metrics_every: args.engine_metrics_ms.map(Duration::from_millis),
         sessions: SessionConfig {
             header: args.session_header.clone(),

@@ -145,7 +145,7 @@ def request_phase(stream, args, body):
     )
     pieces = cut(body, [int(c) for c in args.chunks.split(",") if c])
     for i, piece in enumerate(pieces):
-        last = i == len(pieces) - 1
+        last = i == len(pieces) - 1 and not args.no_end
         stream.send(ep.ProcessingRequest(request_body=ep.HttpBody(body=piece, end_of_stream=last)))
 
 
@@ -273,6 +273,7 @@ def main():
     p.add_argument("--cached-tokens", type=int, default=0)
     p.add_argument("--request-id")
     p.add_argument("--hold-secs", type=float, default=0, help="keep the stream open this long")
+    p.add_argument("--no-end", action="store_true", help="never end the request body (a stalled upload)")
     h = commands.add_parser("health")
     h.add_argument("--target", required=True)
     h.add_argument("--tls", action="store_true")

@@ -12,12 +12,12 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::http::{count, dechunk, request, request_with, Reply};
-use crate::support::{eventually, spawn_mocker, spawn_serve, Proc};
+use crate::support::{eventually, spawn_mocker, Proc};
 
 const TOKEN: &str = "pd-test-token";
 
 /// One mock engine of `flavor` in `role`, its `--worker` line renamed `name`.
-fn engine(flavor: &str, role: &str, name: &str) -> (Proc, String) {
+pub(super) fn engine(flavor: &str, role: &str, name: &str) -> (Proc, String) {
     let (child, mut lines) = spawn_mocker(
         &[
             "--workers",
@@ -57,24 +57,35 @@ fn engine(flavor: &str, role: &str, name: &str) -> (Proc, String) {
 
 /// A prefill engine `p0` and a decode engine `d0` of `flavor`, and the
 /// router in front of them.
-fn fleet(flavor: &str, extra: &[&str]) -> (Vec<Proc>, String) {
+pub(super) fn fleet(flavor: &str, extra: &[&str]) -> (Vec<Proc>, String) {
     let (p, p_line) = engine(flavor, "prefill", "p0");
     let (d, d_line) = engine(flavor, "decode", "d0");
     let (serve, addr) = start_serve(&[p_line, d_line], extra, &["p0", "d0"]);
     (vec![p, d, serve], addr)
 }
 
-fn auth() -> String {
+pub(super) fn auth() -> String {
     format!("Bearer {TOKEN}")
 }
 
 /// `kvroute serve` with the admin token and `extra` flags in front of
 /// `lines`, once the workers named in `live` have every rank connected
 /// (the others may point at sockets no one publishes on).
-fn start_serve(lines: &[String], extra: &[&str], live: &[&str]) -> (Proc, String) {
+pub(super) fn start_serve(lines: &[String], extra: &[&str], live: &[&str]) -> (Proc, String) {
+    start_serve_with_env(lines, extra, &[], live)
+}
+
+/// [`start_serve`] with `env` set for the router (see
+/// [`crate::support::spawn_serve_with_env`]).
+pub(super) fn start_serve_with_env(
+    lines: &[String],
+    extra: &[&str],
+    env: &[(&str, &str)],
+    live: &[&str],
+) -> (Proc, String) {
     let mut args = vec!["--admin-token", TOKEN];
     args.extend_from_slice(extra);
-    let (proc, serve) = spawn_serve(lines, &args);
+    let (proc, serve) = crate::support::spawn_serve_with_env(lines, &args, env);
     eventually("serve up with the engines' ranks connected", || {
         let r = request_with(&serve, "GET", "/workers", &[("Authorization", &auth())], "");
         let doc: Value = if r.status == 200 {
@@ -117,19 +128,19 @@ fn reasons(serve: &str) -> Vec<String> {
 }
 
 /// A 320-token prompt (20 blocks of 16), different for each `seed`.
-fn prompt(seed: u32) -> Vec<u32> {
+pub(super) fn prompt(seed: u32) -> Vec<u32> {
     (0..320).map(|i| 1_000 + seed * 1_000 + i).collect()
 }
 
 /// `/query`'s answer for `tokens`.
-fn query(serve: &str, tokens: &[u32]) -> Value {
+pub(super) fn query(serve: &str, tokens: &[u32]) -> Value {
     let q = json!({"token_ids": tokens}).to_string();
     let r = request_with(serve, "POST", "/query", &[("Authorization", &auth())], &q);
     assert_eq!(r.status, 200, "{}", r.body);
     r.json()
 }
 
-fn complete(serve: &str, tokens: &[u32], stream: bool) -> Reply {
+pub(super) fn complete(serve: &str, tokens: &[u32], stream: bool) -> Reply {
     let body = json!({"model": "mock-model", "prompt": tokens, "max_tokens": 6, "stream": stream});
     request(serve, "POST", "/v1/completions", &body.to_string())
 }

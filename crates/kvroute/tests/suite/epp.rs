@@ -114,7 +114,13 @@ struct Picker {
 /// --epp-health-port 0`), the `workers` and `extra` flags; waits until it
 /// printed both listening lines and every worker's rank is connected.
 fn start_picker(workers: &[String], extra: &[&str]) -> Picker {
+    start_picker_with_env(workers, extra, &[])
+}
+
+/// [`start_picker`] with `env` set for the router.
+fn start_picker_with_env(workers: &[String], extra: &[&str], env: &[(&str, &str)]) -> Picker {
     let mut command = kvroute();
+    command.envs(env.iter().copied());
     command.args(["serve", "--port", "0", "--log", "warn"]);
     if !extra.contains(&"--epp-port") {
         command.args(["--epp-port", "0"]);
@@ -511,4 +517,61 @@ fn no_request_is_lost_while_the_picker_restarts_under_fail_open() {
     assert_eq!(run["failed"], 0, "{run}");
     let picked = metric(&second.http, "kvroute_epp_picks_total").unwrap_or(0.0);
     assert!(picked > 0.0, "the data plane came back to the new picker");
+}
+
+/// Twenty streams each send 10 MB of a request body and never end it: the
+/// picker holds none of them past the memory budget every body shares
+/// (429 at once for those over it) nor past the body-read allowance (408),
+/// so the router's memory stays bounded (50 such streams used to take it
+/// to 735 MB), and the picker keeps routing a whole request meanwhile.
+#[test]
+fn unfinished_request_bodies_cannot_hold_the_pickers_memory() {
+    let (_mocker, workers) = start_mocker_with(1, &["--speedup", "100"]);
+    let env = [
+        ("KVROUTE_BODY_TIMEOUT_SECS", "2"),
+        ("KVROUTE_BODY_MIN_RATE_KIB", "1000000"),
+    ];
+    let picker = start_picker_with_env(&workers, &["--epp-plaintext"], &env);
+    let big = BodyFile::new(&vec![b' '; 10 << 20]);
+    let target = picker.ext_proc.clone();
+    let stalled: Vec<_> = (0..20)
+        .map(|_| {
+            let (target, file) = (target.clone(), big.arg().to_owned());
+            std::thread::spawn(move || {
+                client(&[
+                    "process",
+                    "--target",
+                    &target,
+                    "--body",
+                    &file,
+                    "--chunks",
+                    "1000000,1000000,1000000,1000000,1000000,1000000,1000000,1000000,1000000",
+                    "--no-end",
+                ])
+            })
+        })
+        .collect();
+    let small = json!({"model": "mock-model", "prompt": [1, 2, 3], "max_tokens": 1});
+    let small = BodyFile::new(small.to_string().as_bytes());
+    let routed = client(&["process", "--target", &target, "--body", small.arg()]);
+    assert_eq!(routed_to(&routed), endpoint_of(&workers[0]));
+    for answer in stalled {
+        let answer = answer.join().expect("a stalled client");
+        assert_eq!(answer["kind"], "immediate", "{answer}");
+        // 429: the picker's word for "shed, retry" (Envoy retries it).
+        assert!(
+            [408, 429].contains(&answer["status"].as_u64().unwrap_or(0)),
+            "{answer}"
+        );
+    }
+    let peak = crate::support::peak_rss(picker._proc.0.id());
+    eprintln!(
+        "router peak RSS under twenty unfinished 10 MB picker streams: {} MiB",
+        peak >> 20
+    );
+    assert!(
+        peak > 0 && peak < 256 << 20,
+        "router peak RSS {} MiB",
+        peak >> 20
+    );
 }

@@ -11,6 +11,7 @@ mod disagg;
 mod discovery;
 mod engine_load;
 mod epp;
+mod hostile;
 mod ingest;
 mod inspect;
 mod metrics;

@@ -168,16 +168,6 @@ fn a_poison_request_is_refused_and_every_engine_survives() {
     assert!(routed_to(&serve).is_some(), "the fleet still serves");
 }
 
-/// RSS of a process, in bytes.
-fn rss(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Six concurrent 32 MiB `/query` bodies are refused with 413 and the
 /// router's RSS stays under 100 MiB.
 #[test]
@@ -205,7 +195,7 @@ fn huge_queries_are_refused_and_memory_stays_bounded() {
         .map(|t| t.join().expect("sender"))
         .collect();
     assert!(statuses.iter().all(|&s| s == 413), "{statuses:?}");
-    let rss = rss(serve_proc.0.id());
+    let rss = crate::support::rss(serve_proc.0.id());
     eprintln!(
         "router RSS after six concurrent {} MiB queries: {} MiB",
         body.len() >> 20,

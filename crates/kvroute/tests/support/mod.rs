@@ -290,3 +290,24 @@ pub fn python_with(var: &str, dir: &str, packages: &str, imports: &str) -> std::
     );
     python
 }
+
+/// A field of `/proc/PID/status` in bytes (`VmRSS`, `VmHWM`); 0 if unread.
+fn status_bytes(pid: u32, field: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// The resident memory of a process now, in bytes.
+pub fn rss(pid: u32) -> u64 {
+    status_bytes(pid, "VmRSS")
+}
+
+/// The most resident memory a process ever had, in bytes (its high-water
+/// mark: a peak between two samples is not missed).
+pub fn peak_rss(pid: u32) -> u64 {
+    status_bytes(pid, "VmHWM")
+}
