@@ -686,7 +686,7 @@ pub(super) async fn respond(
             (origin, arrived),
         );
         Body::from_stream(match remembers {
-            true => relayed.remembering_response(s.key),
+            true => relayed.remembering_response(s.key, req.owner),
             false => relayed,
         })
     } else {
@@ -709,8 +709,9 @@ pub(super) async fn respond(
             }
         };
         drop(guard);
-        if let Some(id) = remembers.then(|| response_id_in_body(&bytes)).flatten() {
-            proxy.record_response(&id, s.key);
+        let id = remembers.then(|| response_id_in_body(&bytes)).flatten();
+        if let (Some(id), Some(owner)) = (id, &req.owner) {
+            proxy.record_response(&id, owner, s.key);
         }
         if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
             p.settle(proxy, reported);
