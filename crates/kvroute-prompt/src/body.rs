@@ -71,6 +71,10 @@ pub struct RoutingRequest {
     /// fingerprint): the overload queue shares the fleet fairly among
     /// tenants; `None`: the anonymous tenant.
     pub tenant: Option<String>,
+    /// Who its sessions and responses belong to (set by the proxy: a
+    /// digest of its API key and tenant); `None`: no one's (the endpoint
+    /// picker), whose continuations are not pinned.
+    pub owner: Option<[u8; 32]>,
     /// A Responses API continuation's `previous_response_id`: the
     /// conversation so far lives only on the worker that produced that
     /// response, so the router sends it to that worker.

@@ -198,6 +198,12 @@ pub enum ProxyError {
     /// 404: no worker serves the model named.
     #[error("The model `{0}` does not exist or you do not have access to it.")]
     ModelNotFound(String),
+    /// 404: the `previous_response_id` of a Responses API continuation is
+    /// not a response this client may continue (unknown, expired, or
+    /// another's): the engine's own answer to an unknown id, so that the
+    /// two cannot be told apart.
+    #[error("Response with id '{0}' not found.")]
+    ResponseNotFound(String),
     /// 503: every rank is busy and the request could not wait.
     #[error("{0}")]
     Overloaded(String),
@@ -285,6 +291,7 @@ impl ProxyError {
             ProxyError::RateLimited(_) => ErrorKind::RateLimited,
             ProxyError::NoWorkers => ErrorKind::NoWorkers,
             ProxyError::ModelNotFound(_) => ErrorKind::ModelNotFound,
+            ProxyError::ResponseNotFound(_) => ErrorKind::NotFound,
             ProxyError::Overloaded(_) => ErrorKind::Overloaded,
             ProxyError::QueueTimeout(_) => ErrorKind::QueueTimeout,
             ProxyError::UpstreamUnreachable(_) => ErrorKind::UpstreamUnreachable,
@@ -313,6 +320,15 @@ impl ProxyError {
                 "type": "invalid_request_error",
                 "param": "model",
                 "code": "model_not_found",
+            }});
+        }
+        if let ProxyError::ResponseNotFound(_) = self {
+            // vLLM's answer to an unknown `previous_response_id`.
+            return json!({"error": {
+                "message": self.to_string(),
+                "type": "invalid_request_error",
+                "param": "previous_response_id",
+                "code": 404,
             }});
         }
         json!({"error": {

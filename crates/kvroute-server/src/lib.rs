@@ -235,6 +235,7 @@ pub async fn serve_with_epp(
         let pins = Arc::new(replica::pins::PinShare::new(
             &r.config().prefix,
             config.proxy.sessions.ttl,
+            replica::pins::PinKeys::shared(r.config().pins_secret.as_ref()),
         ));
         collectors.push(Box::new(ReplicaCollector::new(
             r.sync.clone(),
@@ -243,7 +244,7 @@ pub async fn serve_with_epp(
         )));
         proxy.share_pins_with(pins.clone());
         let mut tasks = r.run(proxy.clone(), registry.clone(), speeds);
-        tasks.extend(pins.run(r.client().clone(), proxy.clone()));
+        tasks.extend(pins.run(r.client().clone(), proxy.clone(), r.sync.connections()));
         tasks
     });
     let (epp_tasks, stopping) = start_epp(&config, epp, &proxy, &mut collectors)?;

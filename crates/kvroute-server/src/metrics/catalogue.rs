@@ -83,7 +83,8 @@ catalogue! {
     PROXY_SESSION_KEPT:           kvroute_proxy_session_kept_total             Counter   NONE "Requests of a known session sent back to its rank.";
     PROXY_SESSION_MOVED:          kvroute_proxy_session_moved_total            Counter   NONE "Requests of a known session sent elsewhere: its rank's queue cost more than its cached history saves, or it is gone or busy.";
     PROXY_CONTINUATION_KEPT:      kvroute_proxy_continuation_kept_total        Counter   NONE "Responses API continuations (previous_response_id) sent to the rank that produced the previous response.";
-    PROXY_CONTINUATION_UNKNOWN:   kvroute_proxy_continuation_unknown_total     Counter   NONE "Responses API continuations whose previous response's rank is unknown (expired, from before every replica) or gone: routed by cost.";
+    PROXY_CONTINUATION_UNKNOWN:   kvroute_proxy_continuation_unknown_total     Counter   NONE "Responses API continuations of a known response whose rank is gone or not a candidate: routed by cost.";
+    PROXY_CONTINUATION_REFUSED:   kvroute_proxy_continuation_refused_total     Counter   NONE "Responses API continuations answered 404 by the router: no replica knows their previous response as one this client's owner made (unknown, expired, or another owner's).";
     PROXY_DISAGG_SPLIT:           kvroute_proxy_disagg_split_total             Counter   NONE "Disaggregated requests split: prefill on a prefill worker, decode on a decode worker.";
     PROXY_DISAGG_LOCAL:           kvroute_proxy_disagg_local_total             Counter   NONE "Disaggregated requests prefilled on their decode rank (conditional disaggregation, or no prefill worker).";
     TENANT_REQUESTS:              kvroute_tenant_requests_total                Counter   TENANT "Completion requests that reached admission, by tenant (--tenant-header, else the API key's fingerprint; a tenant --tenant-weight does not name counts as other).";
@@ -133,6 +134,7 @@ catalogue! {
     REPLICA_PINS_RECEIVED:        kvroute_replica_pins_received_total          Counter   NONE "Peers' session and response pins applied here (watched or fetched).";
     REPLICA_PINS_DROPPED:         kvroute_replica_pins_dropped_total           Counter   NONE "Pins not put in the bucket: NATS was down or too slow.";
     REPLICA_PINS_SKIPPED:         kvroute_replica_pins_skipped_total           Counter   NONE "Pins skipped: undecodable, or naming a worker or rank this replica does not have.";
+    REPLICA_BUCKETS_RECREATED:    kvroute_replica_buckets_recreated_total      Counter   NONE "Times a JetStream bucket of the router's (the pins, the index snapshots) was found gone, after NATS restarted without it, and made again.";
     REPLICA_PEER_DELAY:           kvroute_replica_peer_delay_seconds           Histogram NONE "Delay from a peer's admission of a request to this replica applying it.";
     REPLICA_PUBLISH_COST:         kvroute_replica_publish_seconds              Histogram NONE "Time a request spends handing an event to the outbox.";
     EPP_STREAMS:                  kvroute_epp_streams_total                    Counter   NONE "ext_proc streams the endpoint picker opened (one per request through the gateway; --epp-port).";

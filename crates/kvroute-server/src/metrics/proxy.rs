@@ -51,6 +51,8 @@ pub struct ProxyMetrics {
     pub continuation_kept: Counter,
     /// [`PROXY_CONTINUATION_UNKNOWN`].
     pub continuation_unknown: Counter,
+    /// [`PROXY_CONTINUATION_REFUSED`].
+    pub continuation_refused: Counter,
     /// [`PROXY_DISAGG_SPLIT`].
     pub disagg_split: Counter,
     /// [`PROXY_DISAGG_LOCAL`].
@@ -89,6 +91,7 @@ impl Default for ProxyMetrics {
             session_moved: Counter::default(),
             continuation_kept: Counter::default(),
             continuation_unknown: Counter::default(),
+            continuation_refused: Counter::default(),
             disagg_split: Counter::default(),
             disagg_local: Counter::default(),
             errors: {
@@ -156,6 +159,7 @@ impl ProxyMetrics {
             (PROXY_SESSION_MOVED, &self.session_moved),
             (PROXY_CONTINUATION_KEPT, &self.continuation_kept),
             (PROXY_CONTINUATION_UNKNOWN, &self.continuation_unknown),
+            (PROXY_CONTINUATION_REFUSED, &self.continuation_refused),
             (PROXY_DISAGG_SPLIT, &self.disagg_split),
             (PROXY_DISAGG_LOCAL, &self.disagg_local),
         ];

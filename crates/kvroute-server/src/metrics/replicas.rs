@@ -62,6 +62,10 @@ impl Collector for ReplicaCollector {
             (REPLICA_PINS_RECEIVED, p.received.load(Relaxed)),
             (REPLICA_PINS_DROPPED, p.dropped.load(Relaxed)),
             (REPLICA_PINS_SKIPPED, p.skipped.load(Relaxed)),
+            (
+                REPLICA_BUCKETS_RECREATED,
+                p.recreated.load(Relaxed) + c.buckets_recreated.load(Relaxed),
+            ),
         ];
         for (info, value) in singles {
             encode_single(&mut encoder, &info, value)?;

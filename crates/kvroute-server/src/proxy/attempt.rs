@@ -679,7 +679,7 @@ pub(super) async fn respond(
         status,
         dialect: endpoint.dialect(),
     };
-    let remember = remembers.then_some(s.key);
+    let remember = remembers.then_some((s.key, req.owner));
     let body = if req.stream || sse {
         let strip = added_usage && status.is_success();
         let stream = Box::pin(resp.bytes_stream());
@@ -717,8 +717,9 @@ pub(super) async fn respond(
             }
         };
         drop(guard);
-        if let Some(id) = remembers.then(|| response_id_in_body(&bytes)).flatten() {
-            proxy.record_response(&id, s.key);
+        let id = remembers.then(|| response_id_in_body(&bytes)).flatten();
+        if let (Some(id), Some(owner)) = (id, &req.owner) {
+            proxy.record_response(&id, owner, s.key);
         }
         if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
             p.settle(proxy, reported);
@@ -732,13 +733,16 @@ pub(super) async fn respond(
 }
 
 /// The client's body relaying `relayed`, which remembers the response it
-/// names as produced by `remember`'s rank, if given.
-fn relayed_body<S>(relayed: Passthrough<S>, remember: Option<WorkerRank>) -> Body
+/// names as produced by `remember`'s rank for its owner, if given.
+fn relayed_body<S>(
+    relayed: Passthrough<S>,
+    remember: Option<(WorkerRank, Option<[u8; 32]>)>,
+) -> Body
 where
     S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Unpin + Send + 'static,
 {
     match remember {
-        Some(rank) => Body::from_stream(relayed.remembering_response(rank)),
+        Some((rank, owner)) => Body::from_stream(relayed.remembering_response(rank, owner)),
         None => Body::from_stream(relayed),
     }
 }

@@ -1,5 +1,6 @@
 //! Responses API continuations: a request naming `previous_response_id`
-//! goes to the rank that produced that response.
+//! goes to the rank that produced that response, and only when the client
+//! that made the response asks.
 //!
 //! An engine that serves `/v1/responses` keeps each response it answered
 //! (the conversation so far) and builds a continuation's prompt from it, so
@@ -10,6 +11,15 @@
 //! bounded in entries and time, shared with the other replicas
 //! ([`crate::replica::pins`]). A continuation's known rank is tried first
 //! whatever its cost; the others follow as usual.
+//!
+//! The engine continues any response for whoever names its id, so the
+//! router is the only check: each response is remembered under a keyed
+//! hash of its owner ([`super::owners`]) and its id, and a continuation
+//! whose owner and id no replica knows — an unknown or expired id, or
+//! another owner's — is answered the engine's own 404 by the router
+//! ([`ProxyError::ResponseNotFound`]), the same answer in every case, so
+//! that ids cannot be probed. Never forwarded: a pin evicted from the
+//! bounded table must not reopen the conversation to anyone.
 
 use std::sync::{Mutex, PoisonError};
 
@@ -19,6 +29,7 @@ use kvroute_prompt::body::RoutingRequest;
 
 use super::candidates::Candidates;
 use super::Proxy;
+use crate::api::ProxyError;
 use crate::replica::pins::{Pin, PinKind, SharedPins};
 
 /// The longest response id taken from an answer or a request.
@@ -33,30 +44,30 @@ pub fn valid_response_id(id: &str) -> bool {
     (1..=MAX_RESPONSE_ID).contains(&id.len()) && id.bytes().all(|b| b.is_ascii_graphic())
 }
 
-/// The ranks that produced recent responses, by response id.
+/// The ranks that produced recent responses, by the keyed hash of their
+/// owner and id ([`crate::replica::pins::PinKeys`]).
 #[derive(Debug)]
 pub struct Continuations {
-    owners: Mutex<SessionTable>,
+    ranks: Mutex<SessionTable>,
 }
 
 impl Continuations {
     /// An empty table of at most `capacity` responses, each kept `ttl_ms`.
     pub fn new(capacity: usize, ttl_ms: u64) -> Self {
         Continuations {
-            owners: Mutex::new(SessionTable::new(capacity, ttl_ms)),
+            ranks: Mutex::new(SessionTable::new(capacity, ttl_ms)),
         }
     }
 
-    /// The rank that produced response `id`, if known and not expired.
-    pub fn owner(&self, id: &str, now_ms: u64) -> Option<WorkerRank> {
-        self.lock().get(id, now_ms).map(|e| e.rank)
+    /// The rank that produced the response pinned under `key`, if known
+    /// and not expired.
+    pub fn rank(&self, key: &str, now_ms: u64) -> Option<WorkerRank> {
+        self.lock().get(key, now_ms).map(|e| e.rank)
     }
 
-    /// Records that `rank` produced response `id`.
-    pub fn record(&self, id: &str, rank: WorkerRank, now_ms: u64) {
-        if valid_response_id(id) {
-            self.lock().put(id, rank, 0, now_ms);
-        }
+    /// Records that `rank` produced the response pinned under `key`.
+    pub fn record(&self, key: &str, rank: WorkerRank, now_ms: u64) {
+        self.lock().put(key, rank, 0, now_ms);
     }
 
     /// Responses remembered now.
@@ -70,7 +81,7 @@ impl Continuations {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, SessionTable> {
-        self.owners.lock().unwrap_or_else(PoisonError::into_inner)
+        self.ranks.lock().unwrap_or_else(PoisonError::into_inner)
     }
 }
 
@@ -146,6 +157,33 @@ fn created_id(event: &[u8]) -> Option<String> {
 }
 
 impl Proxy {
+    /// The key the request's previous response is pinned under: `None`
+    /// without one, or without an owner (the endpoint picker), or for an id
+    /// no engine writes.
+    fn previous_key(&self, req: &RoutingRequest) -> Option<String> {
+        let id = req.previous_response_id.as_deref()?;
+        let owner = req.owner.as_ref()?;
+        valid_response_id(id).then(|| self.pin_keys().key(PinKind::Response, owner, id))
+    }
+
+    /// Refuses a continuation whose previous response no replica knows as
+    /// this owner's, with the engine's 404 for an unknown id (see the
+    /// module docs); anything else passes.
+    pub(super) fn check_continuation(&self, req: &RoutingRequest) -> Result<(), ProxyError> {
+        let Some(id) = req.previous_response_id.as_deref() else {
+            return Ok(());
+        };
+        let known = self
+            .previous_key(req)
+            .is_some_and(|key| self.continuations.rank(&key, self.now_ms()).is_some());
+        if known {
+            return Ok(());
+        }
+        self.metrics.continuation_refused.inc();
+        let shown: String = id.chars().take(MAX_RESPONSE_ID).collect();
+        Err(ProxyError::ResponseNotFound(shown))
+    }
+
     /// `ordered` with the rank that produced the request's
     /// `previous_response_id` first, when it is among the candidates.
     pub(super) fn order_for_continuation(
@@ -154,16 +192,19 @@ impl Proxy {
         candidates: &Candidates,
         mut ordered: Vec<usize>,
     ) -> Vec<usize> {
-        let Some(id) = req.previous_response_id.as_deref() else {
+        if req.previous_response_id.is_none() {
             return ordered;
-        };
-        let Some(owner) = self.continuations.owner(id, self.now_ms()) else {
+        }
+        let rank = self
+            .previous_key(req)
+            .and_then(|key| self.continuations.rank(&key, self.now_ms()));
+        let Some(rank) = rank else {
             self.metrics.continuation_unknown.inc();
             return ordered;
         };
         let at = ordered
             .iter()
-            .position(|&i| candidates.scored.get(i).is_some_and(|s| s.key == owner));
+            .position(|&i| candidates.scored.get(i).is_some_and(|s| s.key == rank));
         if let Some(at) = at {
             let i = ordered.remove(at);
             ordered.insert(0, i);
@@ -174,15 +215,19 @@ impl Proxy {
         ordered
     }
 
-    /// Records that `rank` produced response `id`, here and at the other
-    /// replicas.
-    pub(super) fn record_response(&self, id: &str, rank: WorkerRank) {
-        self.continuations.record(id, rank, self.now_ms());
-        self.share_pin(PinKind::Response, id, rank, 0);
+    /// Records that `rank` produced response `id` for `owner`, here and at
+    /// the other replicas.
+    pub(super) fn record_response(&self, id: &str, owner: &[u8; 32], rank: WorkerRank) {
+        if !valid_response_id(id) {
+            return;
+        }
+        let key = self.pin_keys().key(PinKind::Response, owner, id);
+        self.continuations.record(&key, rank, self.now_ms());
+        self.share_pin(PinKind::Response, key, rank, 0);
     }
 
-    /// Tells the other replicas (`--nats`) where `id` is pinned.
-    pub(super) fn share_pin(&self, kind: PinKind, id: &str, rank: WorkerRank, tokens: u64) {
+    /// Tells the other replicas (`--nats`) where the pin under `key` goes.
+    pub(super) fn share_pin(&self, kind: PinKind, key: String, rank: WorkerRank, tokens: u64) {
         let Some(share) = self.pin_share.get() else {
             return;
         };
@@ -192,7 +237,7 @@ impl Proxy {
         };
         share.push(Pin {
             kind,
-            id: id.to_owned(),
+            key,
             worker: target.name.to_string(),
             rank: rank.rank,
             tokens,
@@ -207,16 +252,16 @@ impl Proxy {
             return;
         };
         let now = self.now_ms();
-        if let Some(id) = req.session.as_deref() {
-            if !self.sessions.contains(id, now) {
-                if let Some(pin) = share.fetch(PinKind::Session, id).await {
+        if let Some(key) = req.session.as_deref() {
+            if !self.sessions.contains(key, now) {
+                if let Some(pin) = share.fetch(PinKind::Session, key).await {
                     self.apply_pin(&pin);
                 }
             }
         }
-        if let Some(id) = req.previous_response_id.as_deref() {
-            if self.continuations.owner(id, now).is_none() {
-                if let Some(pin) = share.fetch(PinKind::Response, id).await {
+        if let Some(key) = self.previous_key(req) {
+            if self.continuations.rank(&key, now).is_none() {
+                if let Some(pin) = share.fetch(PinKind::Response, &key).await {
                     self.apply_pin(&pin);
                 }
             }
@@ -239,8 +284,8 @@ impl SharedPins for Proxy {
         };
         let now = self.now_ms();
         match pin.kind {
-            PinKind::Session => self.sessions.put(&pin.id, rank, pin.tokens, now),
-            PinKind::Response => self.continuations.record(&pin.id, rank, now),
+            PinKind::Session => self.sessions.put(&pin.key, rank, pin.tokens, now),
+            PinKind::Response => self.continuations.record(&pin.key, rank, now),
         }
         true
     }
@@ -280,14 +325,58 @@ mod tests {
     }
 
     #[test]
-    fn owners_are_kept_by_id_within_their_time() {
+    fn a_continuation_passes_only_for_the_owner_that_made_the_response() {
+        use kvroute_core::index::SharedIndex;
+        let index = std::sync::Arc::new(SharedIndex::default());
+        let proxy = Proxy::new(super::super::ProxyConfig::default(), index).expect("a proxy");
+        let (alice, bob) = ([1u8; 32], [2u8; 32]);
+        proxy.record_response("resp_a", &alice, WorkerRank::new(0, 0));
+        let ask = |owner: Option<[u8; 32]>, id: &str| RoutingRequest {
+            owner,
+            previous_response_id: Some(id.to_owned()),
+            ..RoutingRequest::default()
+        };
+        assert!(proxy
+            .check_continuation(&ask(Some(alice), "resp_a"))
+            .is_ok());
+        assert!(proxy.check_continuation(&RoutingRequest::default()).is_ok());
+        let theirs = proxy
+            .check_continuation(&ask(Some(bob), "resp_a"))
+            .expect_err("another owner's");
+        let unknown = proxy
+            .check_continuation(&ask(Some(alice), "resp_b"))
+            .expect_err("an unknown id");
+        let no_owner = proxy.check_continuation(&ask(None, "resp_a"));
+        assert!(
+            no_owner.is_err(),
+            "a request of no owner's continues nothing"
+        );
+        assert_eq!(theirs.status().as_u16(), 404);
+        let body = theirs.body();
+        assert_eq!(
+            body["error"],
+            serde_json::json!({"message": "Response with id 'resp_a' not found.",
+                "type": "invalid_request_error", "param": "previous_response_id", "code": 404})
+        );
+        assert_eq!(
+            unknown.body()["error"]["message"],
+            "Response with id 'resp_b' not found.",
+            "the same answer, whoever made the id"
+        );
+        let long = "r".repeat(10 * MAX_RESPONSE_ID);
+        let refused = proxy.check_continuation(&ask(Some(alice), &long));
+        assert!(refused.is_err_and(|e| e.message().len() < 2 * MAX_RESPONSE_ID));
+        assert_eq!(proxy.metrics.continuation_refused.get(), 4);
+    }
+
+    #[test]
+    fn ranks_are_kept_by_key_within_their_time() {
         let t = Continuations::new(2, 1_000);
         let rank = WorkerRank::new(3, 1);
-        t.record("resp_a", rank, 0);
-        t.record("bad id", rank, 0);
-        assert_eq!(t.owner("resp_a", 999), Some(rank));
-        assert_eq!(t.owner("resp_a", 1_000), None);
-        assert_eq!(t.owner("bad id", 0), None);
+        t.record("k1", rank, 0);
+        assert_eq!(t.rank("k1", 999), Some(rank));
+        assert_eq!(t.rank("k1", 1_000), None);
+        assert_eq!(t.rank("k2", 0), None);
         assert_eq!(t.len(), 1);
     }
 }

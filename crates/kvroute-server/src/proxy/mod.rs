@@ -32,6 +32,7 @@ pub mod intake;
 pub mod merge;
 pub mod observe;
 pub mod outcome;
+pub mod owners;
 pub mod queue;
 pub mod relay;
 pub mod reported;
@@ -61,7 +62,7 @@ use crate::dialect::Dialect;
 use crate::ingest::registry::Registry;
 use crate::metrics::ProxyMetrics;
 use crate::replica::outbox::Outbox;
-use crate::replica::pins::PinShare;
+use crate::replica::pins::{PinKeys, PinShare};
 use crate::replica::speeds::SpeedShare;
 use active::ActiveTable;
 use breaker::Breakers;
@@ -212,6 +213,8 @@ pub struct Proxy {
     continuations: continuations::Continuations,
     /// Where sessions and responses are pinned for peer replicas (`--nats`).
     pin_share: OnceLock<Arc<PinShare>>,
+    /// The keys of this router's sessions and responses without `--nats`.
+    local_keys: PinKeys,
     /// SGLang's `cache_aware` tree (`--policy sglang-cache-aware`).
     sglang: std::sync::Mutex<kvroute_core::scheduler::peers::CacheAware>,
     /// What each worker was dealt (`--deal-new-prefixes`).
@@ -265,6 +268,7 @@ impl Proxy {
             waiting,
             continuations,
             pin_share: OnceLock::new(),
+            local_keys: PinKeys::random(),
             sglang: std::sync::Mutex::default(),
         })
     }
@@ -306,6 +310,14 @@ impl Proxy {
     /// The memory budget of request bodies (shared by both doors).
     pub fn body_budget(&self) -> &Arc<crate::budget::MemoryBudget> {
         &self.budget
+    }
+
+    /// The keyed hash sessions and responses are pinned under: the
+    /// replicas' shared one with `--nats`, else this process's own.
+    pub fn pin_keys(&self) -> &PinKeys {
+        self.pin_share
+            .get()
+            .map_or(&self.local_keys, |share| share.keys())
     }
 
     /// Whether the proxy learns speeds (`--learn-speeds`).
@@ -626,6 +638,9 @@ async fn route(
     let session = proxy.session_of(headers)?;
     let priority = priority_of(headers)?;
     let tenant = proxy.tenant_of(headers)?;
+    // Sessions and responses are their owner's: keyed by owner and id.
+    let owner = owners::owner_of(headers, &tenant).0;
+    let session = session.map(|id| proxy.session_key(&owner, &id));
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
@@ -634,6 +649,7 @@ async fn route(
             req.session = session;
             req.priority = priority;
             req.tenant = Some(tenant);
+            req.owner = Some(owner);
             // A LoRA adapter named as the model is hashed into the engine's
             // blocks: the request's must be too.
             if req.lora_name.is_none() {
@@ -648,6 +664,7 @@ async fn route(
     };
     let (req, _share) = read??;
     proxy.fetch_pins(&req).await;
+    proxy.check_continuation(&req)?;
     let req = Arc::new(req);
     if let Some(model) = req.model.as_deref() {
         if !proxy.targets().is_empty() && !proxy.model_served(model) {

@@ -298,7 +298,7 @@ pub struct Passthrough<S> {
     done: bool,
     /// A Responses API stream: finds its response id, to remember which
     /// rank produced it.
-    response: Option<(ResponseIdScanner, WorkerRank)>,
+    response: Option<(ResponseIdScanner, WorkerRank, [u8; 32])>,
 }
 
 impl<S> Passthrough<S> {
@@ -331,9 +331,10 @@ impl<S> Passthrough<S> {
     }
 
     /// The same relay, remembering that `rank` produced the response the
-    /// stream names (for a later `previous_response_id`).
-    pub fn remembering_response(mut self, rank: WorkerRank) -> Self {
-        self.response = Some((ResponseIdScanner::default(), rank));
+    /// stream names (for a later `previous_response_id` of `owner`'s; a
+    /// request of no owner's is not remembered).
+    pub fn remembering_response(mut self, rank: WorkerRank, owner: Option<[u8; 32]>) -> Self {
+        self.response = owner.map(|owner| (ResponseIdScanner::default(), rank, owner));
         self
     }
 
@@ -375,11 +376,11 @@ impl<S> Passthrough<S> {
 
     /// Reads the response id off a Responses API stream's first event.
     fn remember(&mut self, out: &[u8]) {
-        let Some((scanner, rank)) = &mut self.response else {
+        let Some((scanner, rank, owner)) = &mut self.response else {
             return;
         };
         if let (Some(id), Some(g)) = (scanner.feed(out), &self.guard) {
-            g.proxy().record_response(&id, *rank);
+            g.proxy().record_response(&id, owner, *rank);
         }
     }
 

@@ -2,6 +2,12 @@
 //! (`--session-header`, default `x-session-id`), looked up before its
 //! candidates are ordered and recorded once it is placed
 //! (`kvroute_core::scheduler::session`).
+//!
+//! A session is its owner's ([`super::owners`]): the table is keyed by a
+//! keyed hash of the owner and the session id
+//! ([`crate::replica::pins::PinKeys`], [`Proxy::session_key`]), so the same
+//! id named by another client is another session, and no client can steer
+//! its requests to the rank of someone else's conversation.
 
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -68,14 +74,16 @@ impl Sessions {
         self.len() == 0
     }
 
-    /// Whether session `id` is remembered and not expired.
-    pub fn contains(&self, id: &str, now_ms: u64) -> bool {
-        self.lock().get(id, now_ms).is_some()
+    /// Whether the session under `key` ([`Proxy::session_key`]) is
+    /// remembered and not expired.
+    pub fn contains(&self, key: &str, now_ms: u64) -> bool {
+        self.lock().get(key, now_ms).is_some()
     }
 
-    /// Records that session `id`'s turn of `tokens` went to `rank`.
-    pub fn put(&self, id: &str, rank: WorkerRank, tokens: u64, now_ms: u64) {
-        self.lock().put(id, rank, tokens, now_ms);
+    /// Records that the turn of `tokens` of the session under `key` went
+    /// to `rank`.
+    pub fn put(&self, key: &str, rank: WorkerRank, tokens: u64, now_ms: u64) {
+        self.lock().put(key, rank, tokens, now_ms);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, SessionTable> {
@@ -117,6 +125,12 @@ impl Proxy {
                 self.config.sessions.header
             ))),
         }
+    }
+
+    /// The key session `id` of `owner` is pinned under: what the proxy puts
+    /// in [`RoutingRequest::session`] (never the id itself).
+    pub fn session_key(&self, owner: &[u8; 32], id: &str) -> String {
+        self.pin_keys().key(PinKind::Session, owner, id)
     }
 
     /// `ordered` with the request's session rank first where the cost keeps
@@ -165,7 +179,7 @@ impl Proxy {
         };
         let tokens = history_tokens(req);
         self.sessions.put(id, s.key, tokens, self.now_ms());
-        self.share_pin(PinKind::Session, id, s.key, tokens);
+        self.share_pin(PinKind::Session, id.to_owned(), s.key, tokens);
     }
 }
 

@@ -81,6 +81,8 @@ pub struct SyncCounters {
     pub snapshots_written: AtomicU64,
     /// Index snapshots the object store did not take.
     pub snapshot_failures: AtomicU64,
+    /// Times the snapshots' object store was found gone and made again.
+    pub buckets_recreated: AtomicU64,
 }
 
 /// One replica's in-flight sync.
@@ -98,6 +100,9 @@ pub struct ReplicaSync {
     stopped: AtomicBool,
     /// Peers to ask for their whole state.
     asks: Mutex<Vec<String>>,
+    /// Connections made so far (each reconnection one more), for what must
+    /// be checked after NATS came back ([`ReplicaSync::connections`]).
+    connections: tokio::sync::watch::Sender<u64>,
     /// What the sync did.
     pub counters: SyncCounters,
     started: Instant,
@@ -165,9 +170,17 @@ impl ReplicaSync {
             peers_stale: AtomicBool::new(false),
             stopped: AtomicBool::new(false),
             asks: Mutex::new(Vec::new()),
+            connections: tokio::sync::watch::Sender::new(0),
             counters: SyncCounters::default(),
             started: Instant::now(),
         })
+    }
+
+    /// Counts the connections to NATS as they are made: what a replica
+    /// keeps in JetStream (the pins bucket) is checked at each, since a
+    /// NATS server that restarted may have come back without it.
+    pub fn connections(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.connections.subscribe()
     }
 
     /// Where requests hand their events.
@@ -244,6 +257,7 @@ impl ReplicaSync {
                 info!(url = %self.config.nats_url, "NATS connected; sending this replica's state");
                 self.need_reset.store(true, Ordering::Relaxed);
                 self.outbox.set_connected(true);
+                self.connections.send_modify(|n| *n += 1);
             }
             async_nats::Event::Disconnected => {
                 self.outbox.set_connected(false);

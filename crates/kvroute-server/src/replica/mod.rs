@@ -23,6 +23,9 @@ pub struct ReplicaConfig {
     pub prefix: String,
     /// How often the index snapshot is written to the object store.
     pub snapshot_every: Duration,
+    /// The secret the pins' hashes are keyed with (`--nats-pins-key`;
+    /// `None`: a public key, see [`pins`]).
+    pub pins_secret: Option<pins::PinsSecret>,
 }
 
 impl ReplicaConfig {
@@ -33,6 +36,7 @@ impl ReplicaConfig {
             replica_id: replica_id.into(),
             prefix: "kvroute".into(),
             snapshot_every: crate::StateConfig::DEFAULT_EVERY,
+            pins_secret: None,
         }
     }
 }
@@ -187,7 +191,7 @@ async fn snapshot_loop(
     registry: Arc<Registry>,
 ) {
     let config = sync.config().clone();
-    let store = loop {
+    let mut store = loop {
         match SnapshotStore::open(&client, &config).await {
             Ok(store) => break store,
             Err(e) => {
@@ -216,12 +220,31 @@ async fn snapshot_loop(
             },
         };
         let written = write_snapshot(&store, &registry, &sync).await;
+        if !written {
+            store = reopen(&client, &config, &sync).await.unwrap_or(store);
+        }
         if let (Some(reply), true) = (reply, written) {
             let _ = client
                 .publish(reply, store.object().to_owned().into())
                 .await;
         }
     }
+}
+
+/// The snapshot bucket opened again after a write failed, and made again
+/// when NATS lost it (counted and logged); `None` when NATS is not there.
+async fn reopen(
+    client: &async_nats::Client,
+    config: &ReplicaConfig,
+    sync: &ReplicaSync,
+) -> Option<SnapshotStore> {
+    let (store, made) = SnapshotStore::open_or_make(client, config).await.ok()?;
+    if made {
+        use std::sync::atomic::Ordering::Relaxed;
+        sync.counters.buckets_recreated.fetch_add(1, Relaxed);
+        warn!(prefix = %config.prefix, "the index snapshots' object store was gone (NATS lost its store) and is made again");
+    }
+    Some(store)
 }
 
 /// Writes one snapshot; whether it was written.

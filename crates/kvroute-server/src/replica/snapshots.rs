@@ -13,6 +13,7 @@
 
 use std::time::{Duration, Instant};
 
+use async_nats::jetstream::context::GetStreamErrorKind;
 use async_nats::jetstream::object_store::{self, ObjectMetadata, ObjectStore};
 use futures_util::StreamExt;
 use tokio::io::AsyncReadExt;
@@ -89,28 +90,49 @@ impl SnapshotStore {
         client: &async_nats::Client,
         config: &ReplicaConfig,
     ) -> Result<Self, SnapshotStoreError> {
+        Ok(Self::open_or_make(client, config).await?.0)
+    }
+
+    /// Opens `config`'s bucket, or makes it when it is not there (then
+    /// `true`: a NATS server that lost its store has none).
+    pub async fn open_or_make(
+        client: &async_nats::Client,
+        config: &ReplicaConfig,
+    ) -> Result<(Self, bool), SnapshotStoreError> {
         let bucket = format!("{}_index", config.prefix);
         let js = async_nats::jetstream::new(client.clone());
-        let store = match js.get_object_store(&bucket).await {
-            Ok(store) => store,
-            Err(_) => js
-                .create_object_store(object_store::Config {
-                    bucket: bucket.clone(),
-                    description: Some("kvroute index snapshots, one object per replica".into()),
-                    max_age: MAX_AGE,
-                    ..object_store::Config::default()
-                })
-                .await
-                .map_err(|e| SnapshotStoreError::Bucket {
-                    bucket: bucket.clone(),
-                    message: e.to_string(),
-                })?,
+        let (store, made) = match js.get_object_store(&bucket).await {
+            Ok(store) => (store, false),
+            Err(_) => {
+                // Made only when NATS says it has no such bucket: a lost
+                // request is not a missing bucket.
+                let missing = match js.get_stream(format!("OBJ_{bucket}")).await {
+                    Err(e) => {
+                        matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.code() == 404)
+                    }
+                    Ok(_) => false,
+                };
+                let made = js
+                    .create_object_store(object_store::Config {
+                        bucket: bucket.clone(),
+                        description: Some("kvroute index snapshots, one object per replica".into()),
+                        max_age: MAX_AGE,
+                        ..object_store::Config::default()
+                    })
+                    .await
+                    .map_err(|e| SnapshotStoreError::Bucket {
+                        bucket: bucket.clone(),
+                        message: e.to_string(),
+                    })?;
+                (made, missing)
+            }
         };
-        Ok(SnapshotStore {
+        let store = SnapshotStore {
             store,
             object: config.replica_id.clone(),
             bucket,
-        })
+        };
+        Ok((store, made))
     }
 
     /// The name of this replica's object.

@@ -21,6 +21,7 @@ use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::listen::{default_max_connections, raise_fd_limit};
 use kvroute_server::proxy::sessions::SessionConfig;
 use kvroute_server::proxy::ProxyConfig;
+use kvroute_server::replica::pins::PinsSecret;
 use kvroute_server::replica::ReplicaConfig;
 use kvroute_server::{serve_with_epp, ServeConfig, StateConfig};
 use std::sync::Arc;
@@ -243,6 +244,23 @@ pub struct ServeArgs {
     /// fleets can share one NATS server.
     #[arg(long, default_value_t = ReplicaConfig::new("", "").prefix, env = "KVROUTE_NATS_PREFIX", value_parser = parse_nats_prefix)]
     nats_prefix: String,
+    /// Secret keying the pins' hashes, the same at every replica (see
+    /// docs/replicas.md); `--nats-pins-key-file` keeps it off the command line.
+    #[arg(
+        long,
+        env = "KVROUTE_NATS_PINS_KEY",
+        hide_env_values = true,
+        requires = "nats"
+    )]
+    nats_pins_key: Option<String>,
+    /// A file holding `--nats-pins-key` (16 to 4096 bytes).
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "KVROUTE_NATS_PINS_KEY_FILE",
+        requires = "nats"
+    )]
+    nats_pins_key_file: Option<PathBuf>,
     /// Seconds between two saves of the state (with `--state-dir`, also at
     /// shutdown; with `--nats`, to the object store).
     #[arg(long, default_value_t = StateConfig::DEFAULT_EVERY.as_secs(), value_parser = clap::value_parser!(u64).range(1..=86_400), env = "KVROUTE_SNAPSHOT_SECS")]
@@ -391,7 +409,7 @@ fn serve_config(
             dir,
             every: Duration::from_secs(args.snapshot_secs),
         }),
-        replicas: replica_config(args, port),
+        replicas: replica_config(args, port)?,
         proxy: router_config(args)?,
         max_body_bytes: args.bounds.max_body_bytes(),
         query: args.bounds.query(),
@@ -546,17 +564,22 @@ fn ingest_config(args: &ServeArgs, max_connections: usize, fd_limit: u64) -> Ing
 }
 
 /// `--nats` and what goes with it.
-fn replica_config(args: &ServeArgs, port: u16) -> Option<ReplicaConfig> {
-    let url = args.nats.clone()?;
+fn replica_config(args: &ServeArgs, port: u16) -> Result<Option<ReplicaConfig>> {
+    let Some(url) = args.nats.clone() else {
+        return Ok(None);
+    };
     let id = args
         .replica_id
         .clone()
         .unwrap_or_else(|| default_replica_id(port));
-    Some(ReplicaConfig {
+    let (key, file) = (&args.nats_pins_key, &args.nats_pins_key_file);
+    let pins_secret = PinsSecret::from_flags(key.as_deref(), file.as_deref())?;
+    Ok(Some(ReplicaConfig {
         prefix: args.nats_prefix.clone(),
         snapshot_every: Duration::from_secs(args.snapshot_secs),
+        pins_secret,
         ..ReplicaConfig::new(url, id)
-    })
+    }))
 }
 
 /// `--replica-id`'s default: the host's name and the listening port.

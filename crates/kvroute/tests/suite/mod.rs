@@ -4,6 +4,7 @@ mod apis;
 mod bench;
 mod block_size;
 mod config;
+mod conversations;
 mod dashboard;
 mod demo;
 mod deploy;
