@@ -6,7 +6,10 @@
 //! panics, and a body it accepts holds ids or text, never both. So do the
 //! Responses and Anthropic Messages readers, and the chat messages they
 //! convert a body into always pass the chat prompt's own checks (what the
-//! router reads, the mock engine renders). Seeds:
+//! router reads, the mock engine renders). The shape reader
+//! (`kvroute_prompt::shape`, which the router runs on large bodies before
+//! parsing them) never panics, has a shape exactly for one valid JSON
+//! document, and counts at least the messages the chat reader keeps. Seeds:
 //! `fuzz/corpus/scan_request_body` (see docs/fuzzing.md).
 #![no_main]
 
@@ -15,6 +18,17 @@ use kvroute_prompt::Prompt;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {
+    let shape = kvroute_prompt::shape::shape(data);
+    // Valid as a parse reads it (strings in UTF-8: serde's IgnoredAny
+    // skips strings without checking them).
+    let valid = serde_json::from_slice::<serde_json::Value>(data).is_ok();
+    assert_eq!(shape.is_some(), valid, "a shape exactly for valid JSON");
+    if let (Ok(req), Some(shape)) = (parse_request(data, true), shape) {
+        if let Some(TextPrompt::Chat(serde_json::Value::Array(messages))) = &req.text {
+            assert!(shape.prompt_parts >= messages.len(), "every message counted");
+            assert!(shape.values > messages.len(), "every value counted");
+        }
+    }
     for chat in [false, true] {
         let scanned = parse_request(data, chat);
         let reference = parse_request_by_serde(data, chat);
