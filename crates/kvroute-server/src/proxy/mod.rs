@@ -588,8 +588,9 @@ async fn route(
 ) -> Result<Response, ProxyError> {
     let large = body.len() > LARGE_BODY;
     let session = proxy.session_of(headers)?;
-    let priority = priority_of(headers)?;
-    let tenant = proxy.tenant_of(headers)?;
+    let identity = proxy.identify(headers)?;
+    let priority = proxy.allowed_priority(&identity, priority_of(headers)?);
+    let tenant = identity.tenant;
     let read = {
         let (proxy, body) = (proxy.clone(), body.clone());
         on_cpu(large, move || {
@@ -645,9 +646,10 @@ async fn route(
     attempt::forward(proxy, admitted, request).await
 }
 
-/// A request's `x-priority`: an integer, lower served first from the
-/// queue (vLLM's sense of `priority`); 0 without the header, a 400 when it
-/// is not one.
+/// A request's `x-priority` as asked: an integer, lower served first from
+/// the queue (vLLM's sense of `priority`); 0 without the header, a 400 when
+/// it is not one. What the request gets is clamped into what its tenant may
+/// use ([`Proxy::allowed_priority`]).
 fn priority_of(headers: &HeaderMap) -> Result<i64, ProxyError> {
     let Some(value) = headers.get("x-priority") else {
         return Ok(0);
