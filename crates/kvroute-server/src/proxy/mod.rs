@@ -28,6 +28,7 @@ pub mod continuations;
 pub mod disagg;
 pub mod handoff;
 pub mod merge;
+pub mod model_list;
 pub mod observe;
 pub mod outcome;
 pub mod queue;
@@ -47,12 +48,10 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use kvroute_core::index::{SharedIndex, WorkerRank};
 use kvroute_core::rng::{mix, unit_f64, SplitMix64};
 use kvroute_core::scheduler::policy::{DealBy, PrefixDealer, DEFAULT_STICKINESS};
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Policy, SpeedConfig};
-use serde_json::{json, Map, Value};
 
 use crate::api::{Body, ProxyError};
 use crate::dialect::Dialect;
@@ -353,6 +352,8 @@ impl Proxy {
             book.retain(&fleet);
         }
         *self.targets.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(targets);
+        // A worker gone takes its models along at once (see `context`).
+        self.rebuild_models();
     }
 
     /// Drops active requests older than the expiry.
@@ -682,29 +683,13 @@ pub async fn on_cpu<T: Send + 'static>(
         .map_err(|e| ProxyError::internal(format!("request processing failed: {e}")))
 }
 
-/// `GET /v1/models`: the union of every worker's models.
+/// `GET /v1/models`: the union of the workers' models as last learned
+/// ([`context`]), never asked of the workers while the client waits.
 pub async fn models(State(proxy): State<Arc<Proxy>>) -> Response {
-    let targets = proxy.targets();
-    let mut seen = Map::new();
-    for t in targets.iter() {
-        let Ok(resp) = proxy
-            .client
-            .get(format!("{}/v1/models", t.url))
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await
-        else {
-            continue;
-        };
-        let Ok(doc) = resp.json::<Value>().await else {
-            continue;
-        };
-        for m in doc["data"].as_array().into_iter().flatten() {
-            if let Some(id) = m["id"].as_str() {
-                seen.entry(id.to_owned()).or_insert_with(|| m.clone());
-            }
-        }
-    }
-    let data: Vec<Value> = seen.into_iter().map(|(_, v)| v).collect();
-    Json(json!({"object": "list", "data": data})).into_response()
+    let json = HeaderValue::from_static("application/json");
+    (
+        [(axum::http::header::CONTENT_TYPE, json)],
+        proxy.models_answer(),
+    )
+        .into_response()
 }
