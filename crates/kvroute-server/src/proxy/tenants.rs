@@ -48,7 +48,7 @@ pub const ANONYMOUS: &str = "anonymous";
 
 /// The default of `--queue-max-tenants`: tenants the flags do not name
 /// that the queue tells apart at once.
-pub const DEFAULT_MAX_TENANTS: usize = 16;
+pub const DEFAULT_MAX_TENANTS: usize = 8;
 
 /// The `x-priority` values a tenant may use (lower is served first); a
 /// request's is clamped into them.
