@@ -354,8 +354,9 @@ fn spawn_engine_scrapes(proxy: &Arc<Proxy>) -> Option<tokio::task::JoinHandle<()
     }))
 }
 
-/// The periodic chores: every 10 s the workers' context lengths; every
-/// second unreachable workers, the workers' list, expired requests and
+/// The periodic chores: every second the `/v1/models` of the workers that
+/// are new or were last asked 10 s ago (their context lengths and models),
+/// unreachable workers, the workers' list, expired requests and
 /// approximate blocks.
 fn spawn_housekeeping(
     registry: &Arc<Registry>,
@@ -366,7 +367,8 @@ fn spawn_housekeeping(
     let context_lengths = {
         let proxy = proxy.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(10));
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
                 proxy.learn_context_lengths().await;

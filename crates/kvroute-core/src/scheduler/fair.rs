@@ -129,6 +129,32 @@ impl<K: Clone + Eq + Hash> FairQueue<K> {
         self.flows.get(tenant).map_or(0, |f| f.places.len())
     }
 
+    /// The tenant a newcomer of `tenant` waits as, in a queue that tells
+    /// at most `cap` unknown tenants apart: `tenant` itself when `is_known`
+    /// holds for it, when it already has requests waiting, or when fewer
+    /// than `cap` unknown tenants do; else `pool`, the one turn the unknown
+    /// tenants beyond the cap share. So names made up per request (Sybils)
+    /// take at most `cap` turns of the fair order between them, and a
+    /// known tenant's share is at least its weight over the known tenants'
+    /// weights plus `cap + 1` (`pool` counts as known).
+    pub fn queue_as<'a>(
+        &self,
+        tenant: &'a K,
+        cap: usize,
+        pool: &'a K,
+        is_known: impl Fn(&K) -> bool,
+    ) -> &'a K {
+        if is_known(tenant) || self.flows.contains_key(tenant) {
+            return tenant;
+        }
+        let unknown = self.flows.keys().filter(|k| !is_known(k)).count();
+        if unknown < cap {
+            tenant
+        } else {
+            pool
+        }
+    }
+
     /// Queues a request of `tenant` (its `weight`, clamped to
     /// [`WEIGHT_RANGE`]) at `priority`, costing `cost` (0 counts as 1),
     /// into a queue of at most `capacity` places, refusing from the tenant
@@ -270,12 +296,22 @@ pub fn clamp_weight(weight: f64) -> f64 {
     weight.clamp(WEIGHT_RANGE.0, WEIGHT_RANGE.1)
 }
 
+/// The SHA-256 of an API key: what an operator binds to a tenant (the key
+/// itself need not be written in flags or files the router reads).
+pub fn key_digest(api_key: &str) -> [u8; 32] {
+    Sha256::digest(api_key.as_bytes()).into()
+}
+
 /// The name an API key's tenant goes by in metrics, logs and
 /// `--tenant-weight`: `key-` and the first 12 hex digits of the key's
 /// SHA-256, stable across restarts and replicas and never the key itself
 /// (`printf %s "$KEY" | sha256sum | cut -c1-12` gives the digits).
 pub fn key_fingerprint(api_key: &str) -> String {
-    let digest = Sha256::digest(api_key.as_bytes());
+    digest_fingerprint(&key_digest(api_key))
+}
+
+/// [`key_fingerprint`] of the key whose [`key_digest`] is `digest`.
+pub fn digest_fingerprint(digest: &[u8; 32]) -> String {
     let mut name = String::with_capacity(16);
     name.push_str("key-");
     for byte in &digest[..6] {

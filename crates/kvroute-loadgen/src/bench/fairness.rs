@@ -271,6 +271,9 @@ fn router_flags(config: &FairnessBenchConfig) -> Vec<String> {
         &config.queue_capacity.to_string(),
         "--queue-timeout-ms",
         "120000",
+        // The load generator is the gateway that names the tenants and
+        // priorities.
+        "--trust-tenant-header",
     ]
     .map(String::from)
     .to_vec();

@@ -14,7 +14,8 @@ const KIND: &[&str] = &["kind"];
 const WORKER_ROLE: &[&str] = &["worker", "role"];
 const STATUS: &[&str] = &["status"];
 const REASON: &[&str] = &["reason"];
-/// A tenant `--tenant-weight` names, or `other`: bounded by the flags.
+/// A tenant the flags name (`--tenant-weight`, `--tenant-key`,
+/// `--tenant-priority`), or `other`: bounded by the flags.
 const TENANT: &[&str] = &["tenant"];
 /// `high` (`x-priority` below 0), `normal` (0) or `low` (above 0).
 const PRIORITY: &[&str] = &["priority"];
@@ -87,10 +88,13 @@ catalogue! {
     PROXY_CONTINUATION_REFUSED:   kvroute_proxy_continuation_refused_total     Counter   NONE "Responses API continuations answered 404 by the router: no replica knows their previous response as one this client's owner made (unknown, expired, or another owner's).";
     PROXY_DISAGG_SPLIT:           kvroute_proxy_disagg_split_total             Counter   NONE "Disaggregated requests split: prefill on a prefill worker, decode on a decode worker.";
     PROXY_DISAGG_LOCAL:           kvroute_proxy_disagg_local_total             Counter   NONE "Disaggregated requests prefilled on their decode rank (conditional disaggregation, or no prefill worker).";
-    TENANT_REQUESTS:              kvroute_tenant_requests_total                Counter   TENANT "Completion requests that reached admission, by tenant (--tenant-header, else the API key's fingerprint; a tenant --tenant-weight does not name counts as other).";
+    PROXY_MODEL_LISTS_REFUSED:    kvroute_proxy_model_lists_refused_total      Counter   NONE "Workers' /v1/models answers refused: over 4 MiB (read no further) or not a model list. Such a worker's models are unknown: it gets no request naming a model its spec does not name.";
+    TENANT_REQUESTS:              kvroute_tenant_requests_total                Counter   TENANT "Completion requests that reached admission, by tenant (--tenant-header when trusted, else the tenant --tenant-key binds the API key to, else its fingerprint; a tenant the flags do not name counts as other).";
     TENANT_QUEUED:                kvroute_tenant_queued_total                  Counter   TENANT "Requests that waited in the overload queue, by tenant.";
     TENANT_REFUSED_OVER_SHARE:    kvroute_tenant_refused_over_share_total      Counter   TENANT "Requests refused with 429 at a full overload queue because their tenant had the most requests waiting for its weight (a newcomer, or a waiting request making room for another tenant's).";
     TENANT_WAITING:               kvroute_tenant_queue_waiting                 Gauge     TENANT "Requests waiting in the overload queue now, by tenant.";
+    TENANT_POOLED:                kvroute_tenant_pooled_total                  Counter   NONE "Requests that waited in the overload queue as other because --queue-max-tenants tenants the flags do not name already waited (made-up names share one turn).";
+    PRIORITY_CLAMPED:             kvroute_priority_clamped_total               Counter   NONE "Requests whose x-priority their tenant may not use, clamped into its range (an untrusted client asking to go before the default 0, or a tenant outside its --tenant-priority).";
     PRIORITY_QUEUE_WAIT:          kvroute_priority_queue_wait_seconds          Histogram PRIORITY "Time from a request's admission to its placement or refusal spent in the overload queue (0: not queued), by priority class.";
     PROXY_ROUTED:                 kvroute_proxy_routed_total                   Counter   RANK "Requests forwarded per (worker, rank).";
     PROXY_ROUTED_ON_LOAD:         kvroute_proxy_routed_on_load_total           Counter   NONE "Requests forwarded without cache knowledge: no tokens, a load-only policy, or a rank whose history is incomplete.";

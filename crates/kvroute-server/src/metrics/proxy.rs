@@ -57,6 +57,8 @@ pub struct ProxyMetrics {
     pub disagg_split: Counter,
     /// [`PROXY_DISAGG_LOCAL`].
     pub disagg_local: Counter,
+    /// [`PROXY_MODEL_LISTS_REFUSED`].
+    pub model_lists_refused: Counter,
     /// [`PROXY_ERRORS`]; count through [`ProxyMetrics::answered`].
     pub errors: Family<ErrorKind, Counter>,
     /// [`PROXY_TTFT`].
@@ -94,6 +96,7 @@ impl Default for ProxyMetrics {
             continuation_refused: Counter::default(),
             disagg_split: Counter::default(),
             disagg_local: Counter::default(),
+            model_lists_refused: Counter::default(),
             errors: {
                 // Every kind exported from the start, at 0.
                 let errors = Family::<ErrorKind, Counter>::default();
@@ -162,6 +165,7 @@ impl ProxyMetrics {
             (PROXY_CONTINUATION_REFUSED, &self.continuation_refused),
             (PROXY_DISAGG_SPLIT, &self.disagg_split),
             (PROXY_DISAGG_LOCAL, &self.disagg_local),
+            (PROXY_MODEL_LISTS_REFUSED, &self.model_lists_refused),
         ];
         for (info, counter) in counters {
             registry.register(info.family(), info.help, counter.clone());

@@ -1,7 +1,8 @@
 //! The overload queue's metrics by tenant and by priority class
 //! (`kvroute_tenant_*`, `kvroute_priority_*`), with bounded label sets: a
-//! tenant is named only when `--tenant-weight` names it, every other one is
-//! `other`; a priority is one of three classes.
+//! tenant is named only when the flags name it (`--tenant-weight`,
+//! `--tenant-key`, `--tenant-priority`), every other one is `other`; a
+//! priority is one of three classes.
 
 use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
@@ -13,7 +14,8 @@ use std::sync::Arc;
 
 use super::catalogue::*;
 
-/// The tenant label of every tenant `--tenant-weight` does not name.
+/// The tenant label of every tenant the flags do not name, and the turn
+/// the queue's tenants beyond `--queue-max-tenants` share.
 pub const OTHER_TENANT: &str = "other";
 
 /// Buckets of the queue wait, in seconds: 1 ms (0: not queued) to 2 min.
@@ -21,7 +23,7 @@ const WAIT_BUCKETS: [f64; 15] = [
     0.0, 0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
 ];
 
-/// `{tenant="…"}`: a tenant `--tenant-weight` names, or [`OTHER_TENANT`].
+/// `{tenant="…"}`: a tenant the flags name, or [`OTHER_TENANT`].
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TenantLabel(pub Arc<str>);
 
@@ -96,6 +98,10 @@ pub struct TenantMetrics {
     pub waiting: Family<TenantLabel, Gauge>,
     /// [`PRIORITY_QUEUE_WAIT`].
     pub queue_wait: Family<PriorityClass, Histogram>,
+    /// [`TENANT_POOLED`].
+    pub pooled: Counter,
+    /// [`PRIORITY_CLAMPED`].
+    pub priority_clamped: Counter,
 }
 
 impl Default for TenantMetrics {
@@ -107,6 +113,8 @@ impl Default for TenantMetrics {
             refused: Family::default(),
             waiting: Family::default(),
             queue_wait: Family::new_with_constructor(|| Histogram::new(WAIT_BUCKETS)),
+            pooled: Counter::default(),
+            priority_clamped: Counter::default(),
         };
         metrics.export([OTHER_TENANT]);
         for class in PriorityClass::ALL {
@@ -117,7 +125,7 @@ impl Default for TenantMetrics {
 }
 
 impl TenantMetrics {
-    /// Exports the tenants `names` at 0 (the ones `--tenant-weight` names).
+    /// Exports the tenants `names` at 0 (the ones the flags name).
     pub fn export<'a>(&self, names: impl IntoIterator<Item = &'a str>) {
         for name in names {
             let label = TenantLabel(Arc::from(name));
@@ -142,6 +150,12 @@ impl TenantMetrics {
             TENANT_WAITING.help,
             self.waiting.clone(),
         );
+        for (info, counter) in [
+            (TENANT_POOLED, &self.pooled),
+            (PRIORITY_CLAMPED, &self.priority_clamped),
+        ] {
+            registry.register(info.family(), info.help, counter.clone());
+        }
         registry.register(
             PRIORITY_QUEUE_WAIT.family(),
             PRIORITY_QUEUE_WAIT.help,

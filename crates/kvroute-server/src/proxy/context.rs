@@ -1,115 +1,252 @@
-//! What each worker's `/v1/models` says, asked every 10 s: its context
+//! What each worker's `/v1/models` says, asked when the worker is new and
+//! then every 10 s (read within [`model_list`]'s bounds): its context
 //! length (`max_model_len`, which vLLM and SGLang both fill in), so that a
 //! request that cannot fit is refused before it is sent (`--max-model-len`
 //! stands in for workers that do not report one); and the models it serves,
 //! base models and LoRA adapters alike (vLLM lists each loaded adapter as a
-//! model with a `parent`), so that a request goes only to workers that
-//! serve the model it names.
+//! model with a `parent`), so that a request goes only to workers known to
+//! serve the model it names. Clients' `GET /v1/models` is answered from the
+//! union of the lists learned, built once per change, never by asking the
+//! workers while the client waits.
+//!
+//! A worker whose list is unknown (never answered, or answered something
+//! over the bounds or not a list) gets no request naming a model its spec
+//! does not name, unless no worker's list is known at all: a router that
+//! has not heard from any worker yet (just started, or engines still
+//! loading) routes as if each served every model, and the engines answer
+//! for themselves.
 
-use std::collections::HashMap;
-use std::sync::{Arc, PoisonError, RwLock};
-use std::time::Duration;
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
 
-use serde_json::Value;
-use tracing::debug;
+use axum::body::Bytes;
+use futures_util::StreamExt as _;
+use tracing::{debug, warn};
 
 use super::candidates::Target;
+use super::model_list::{self, ListError, Model, MAX_LIST_BYTES};
 use super::Proxy;
 
-/// Context lengths and served models learned from the workers, by worker name.
+/// How often a worker's `/v1/models` is asked.
+pub const ASK_EVERY: Duration = Duration::from_secs(10);
+
+/// Time allowed for a worker's whole `/v1/models` answer.
+const ASK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Workers asked at once.
+const ASKED_AT_ONCE: usize = 8;
+
+/// What the router knows of a worker's models.
+#[derive(Debug, Clone, Default)]
+enum Listed {
+    /// Never answered with a list.
+    #[default]
+    Unknown,
+    /// Answered something over the bounds or not a list, last time.
+    Refused,
+    /// Its last list, in its order (ids, the adapters among them).
+    Learned(Arc<[String]>, Arc<[Model]>),
+}
+
+/// A worker's name and the model its spec names: what the union and the
+/// routing rule depend on besides the lists.
+type WorkerNames = (Arc<str>, Option<Arc<str>>);
+
+/// A worker's spec-named model and its list, if known.
+type WorkerModels<'a> = (Option<&'a str>, Option<Arc<[Model]>>);
+
+/// One worker's answers.
 #[derive(Debug, Default)]
+struct Worker {
+    asked: Option<Instant>,
+    context_length: Option<u64>,
+    listed: Listed,
+}
+
+/// Context lengths and served models learned from the workers, by worker
+/// name, and the union clients are answered with.
+#[derive(Debug)]
 pub struct ContextLengths {
-    by_worker: RwLock<HashMap<Arc<str>, u64>>,
-    models: RwLock<HashMap<Arc<str>, Arc<[String]>>>,
-    adapters: RwLock<HashMap<Arc<str>, Arc<[String]>>>,
+    workers: RwLock<HashMap<Arc<str>, Worker>>,
+    /// Whether some current worker's list is known.
+    any_learned: AtomicBool,
+    /// A round of asking ended since the last rebuild.
+    changed: AtomicBool,
+    /// The workers (and the models their specs name) of the last rebuild.
+    rebuilt_for: Mutex<Vec<WorkerNames>>,
+    /// `GET /v1/models`' answer.
+    union: RwLock<Bytes>,
+}
+
+impl Default for ContextLengths {
+    fn default() -> Self {
+        ContextLengths {
+            workers: RwLock::default(),
+            any_learned: AtomicBool::new(false),
+            changed: AtomicBool::new(false),
+            rebuilt_for: Mutex::default(),
+            union: RwLock::new(model_list::union_answer([]).0),
+        }
+    }
 }
 
 impl ContextLengths {
     /// What `worker` reported, if anything.
     pub fn get(&self, worker: &str) -> Option<u64> {
-        self.by_worker
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(worker)
-            .copied()
+        self.read().get(worker).and_then(|w| w.context_length)
     }
 
-    fn set(&self, worker: Arc<str>, len: u64) {
-        self.by_worker
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(worker, len);
-    }
-
-    /// The models `worker` listed last, if it ever answered.
+    /// The models `worker` listed last, if its list is known.
     pub fn models_of(&self, worker: &str) -> Option<Arc<[String]>> {
-        self.models
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(worker)
-            .cloned()
+        match self.read().get(worker).map(|w| &w.listed) {
+            Some(Listed::Learned(ids, _)) => Some(ids.clone()),
+            _ => None,
+        }
     }
 
-    fn set_models(&self, worker: Arc<str>, (ids, adapters): (Vec<String>, Vec<String>)) {
-        self.models
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(worker.clone(), ids.into());
-        self.adapters
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .insert(worker, adapters.into());
+    /// Whether some current worker's list is known (see the module docs).
+    pub fn any_learned(&self) -> bool {
+        self.any_learned.load(Ordering::Relaxed)
     }
 
     /// Whether some worker lists `model` as a LoRA adapter (a model with a
     /// `parent`).
     pub fn is_adapter(&self, model: &str) -> bool {
-        self.adapters
+        self.read().values().any(|w| match &w.listed {
+            Listed::Learned(_, models) => models.iter().any(|m| m.adapter && m.id == model),
+            _ => false,
+        })
+    }
+
+    /// The answer to a client's `GET /v1/models`.
+    pub fn union(&self) -> Bytes {
+        self.union
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .values()
-            .any(|list| list.iter().any(|a| a == model))
+            .clone()
     }
-}
 
-/// The model ids a `/v1/models` document lists (at most 1 024), and of
-/// them the LoRA adapters: those with a `parent` other than themselves.
-fn model_ids(doc: &Value) -> Option<(Vec<String>, Vec<String>)> {
-    let data = doc.get("data")?.as_array()?;
-    let (mut ids, mut adapters) = (Vec::new(), Vec::new());
-    for m in data.iter().take(1_024) {
-        let Some(id) = m.get("id").and_then(Value::as_str) else {
-            continue;
-        };
-        let parent = m.get("parent").and_then(Value::as_str);
-        if parent.is_some_and(|p| p != id) {
-            adapters.push(id.to_owned());
+    /// Whether `worker` is to be asked now (never asked, or not for
+    /// [`ASK_EVERY`]); marks it asked if so.
+    fn due(&self, worker: &Arc<str>, now: Instant) -> bool {
+        let mut workers = self.write();
+        let w = workers.entry(worker.clone()).or_default();
+        let due = w.asked.is_none_or(|at| now.duration_since(at) >= ASK_EVERY);
+        if due {
+            w.asked = Some(now);
         }
-        ids.push(id.to_owned());
+        due
     }
-    Some((ids, adapters))
-}
 
-/// The smallest `max_model_len` a `/v1/models` document lists.
-fn max_model_len(doc: &Value) -> Option<u64> {
-    doc.get("data")?
-        .as_array()?
-        .iter()
-        .filter_map(|m| m.get("max_model_len")?.as_u64())
-        .min()
+    /// Records `worker`'s answer: a list learned (and its context length),
+    /// or refused; `false` when it was refused. What depends on every
+    /// worker's list is rebuilt at the end of the round
+    /// ([`ContextLengths::rebuild`]), so that the answers of one round
+    /// take effect together.
+    fn record(&self, worker: &Arc<str>, answer: Result<Vec<Model>, ListError>) -> bool {
+        let mut workers = self.write();
+        let w = workers.entry(worker.clone()).or_default();
+        match answer {
+            Ok(models) => {
+                if let Some(len) = model_list::max_model_len(&models) {
+                    w.context_length = Some(len);
+                }
+                let ids: Arc<[String]> = models.iter().map(|m| m.id.clone()).collect();
+                w.listed = Listed::Learned(ids, models.into());
+                true
+            }
+            Err(e) => {
+                if !matches!(w.listed, Listed::Refused) {
+                    warn!(
+                        worker = %worker, error = %e,
+                        "the worker's /v1/models is not a list within bounds: it gets no \
+                         request naming a model until it answers one"
+                    );
+                }
+                w.listed = Listed::Refused;
+                false
+            }
+        }
+    }
+
+    /// Forgets workers that are gone, and rebuilds what depends on the
+    /// current workers' lists, whether any is known and the union, when
+    /// an answer was recorded or the workers changed since the last time.
+    /// The workers are read from `current` once the rebuilds before are
+    /// done, so the last rebuild always sees the last workers.
+    fn rebuild(&self, current: impl FnOnce() -> Arc<Vec<Target>>) {
+        let mut last = self
+            .rebuilt_for
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let targets = current();
+        let names: Vec<WorkerNames> = targets
+            .iter()
+            .map(|t| (t.name.clone(), t.model.clone()))
+            .collect();
+        if !self.changed.swap(false, Ordering::Relaxed) && *last == names {
+            return;
+        }
+        *last = names;
+        let mut workers = self.write();
+        let current: HashSet<&str> = targets.iter().map(|t| &*t.name).collect();
+        workers.retain(|name, _| current.contains(&**name));
+        let learned = |t: &Target| match workers.get(&t.name).map(|w| &w.listed) {
+            Some(Listed::Learned(_, models)) => Some(models.clone()),
+            _ => None,
+        };
+        let lists: Vec<WorkerModels> = targets
+            .iter()
+            .map(|t| (t.model.as_deref(), learned(t)))
+            .collect();
+        drop(workers);
+        let any = lists.iter().any(|(_, list)| list.is_some());
+        self.any_learned.store(any, Ordering::Relaxed);
+        let mut seen = HashSet::new();
+        let mut cards = Vec::new();
+        for (_, list) in &lists {
+            for m in list.iter().flat_map(|l| l.iter()) {
+                if seen.insert(m.id.as_str()) {
+                    cards.push(m.card.clone());
+                }
+            }
+        }
+        for named in lists.iter().filter_map(|(named, _)| *named) {
+            if seen.insert(named) {
+                cards.push(model_list::bare_card(named, None, None));
+            }
+        }
+        let (answer, left_out) = model_list::union_answer(cards.iter().map(|c| c.as_ref()));
+        if left_out > 0 {
+            warn!(
+                left_out,
+                "the union of the workers' models is over its bound; some left out"
+            );
+        }
+        *self.union.write().unwrap_or_else(PoisonError::into_inner) = answer;
+        drop(last);
+    }
+
+    fn read(&self) -> std::sync::RwLockReadGuard<'_, HashMap<Arc<str>, Worker>> {
+        self.workers.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<Arc<str>, Worker>> {
+        self.workers.write().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 impl Proxy {
     /// Whether `target` serves `model`: its spec names it, or its
-    /// `/v1/models` lists it. A worker that has said neither (no `model=`,
-    /// no answer yet) is taken to serve any model, as before it was asked.
+    /// `/v1/models` lists it; a worker whose list is unknown and whose spec
+    /// names no model only while no worker's list is known (see the module
+    /// docs).
     pub fn serves(&self, target: &Target, model: &str) -> bool {
         let listed = self.context.models_of(&target.name);
-        let named = target.model.as_deref();
-        if named.is_none() && listed.is_none() {
-            return true;
-        }
-        named == Some(model) || listed.is_some_and(|ids| ids.iter().any(|id| id == model))
+        let known = self.context.any_learned();
+        serves_model(target.model.as_deref(), listed.as_deref(), known, model)
     }
 
     /// The models `worker`'s `/v1/models` listed last (adapters included).
@@ -127,53 +264,110 @@ impl Proxy {
         self.context.get(&target.name).or(self.config.max_model_len)
     }
 
-    /// Asks every worker for its `/v1/models` and remembers the context
-    /// lengths they report (a worker that does not answer keeps what it
-    /// said before).
+    /// Rebuilds what depends on every current worker's list, if an answer
+    /// came or the workers changed since the last time (see the module
+    /// docs): called at the end of each round of asking, and when the
+    /// workers change.
+    pub fn rebuild_models(&self) {
+        self.context.rebuild(|| self.targets());
+    }
+
+    /// The answer to a client's `GET /v1/models`: the union of the lists
+    /// learned (and the models specs name), as last built.
+    pub fn models_answer(&self) -> Bytes {
+        self.context.union()
+    }
+
+    /// Asks each worker that is due (new, or not asked for [`ASK_EVERY`])
+    /// for its `/v1/models`, a few at once, and remembers what they say (a
+    /// worker that does not answer keeps what it said before); then forgets
+    /// workers that are gone and rebuilds the union. Called every second.
     pub async fn learn_context_lengths(&self) {
-        for t in self.targets().iter() {
-            let answer = self
-                .client
-                .get(format!("{}/v1/models", t.url))
-                .timeout(Duration::from_secs(2))
-                .send()
-                .await;
-            let doc = match answer {
-                Ok(r) if r.status().is_success() => r.json::<Value>().await.ok(),
-                Ok(_) => None,
-                Err(e) => {
-                    debug!(worker = %t.name, error = %e, "no /v1/models answer");
-                    None
+        let targets = self.targets();
+        let now = Instant::now();
+        let due: Vec<&Target> = targets
+            .iter()
+            .filter(|t| self.context.due(&t.name, now))
+            .collect();
+        futures_util::stream::iter(due)
+            .for_each_concurrent(ASKED_AT_ONCE, |t| async move {
+                if let Some(answer) = self.ask_models(t).await {
+                    if !self.context.record(&t.name, answer) {
+                        self.metrics.model_lists_refused.inc();
+                    }
                 }
-            };
-            if let Some(len) = doc.as_ref().and_then(max_model_len) {
-                self.context.set(t.name.clone(), len);
+            })
+            .await;
+        self.context.changed.store(true, Ordering::Relaxed);
+        self.rebuild_models();
+    }
+
+    /// `target`'s `/v1/models`: `None` when it gave no answer (unreachable,
+    /// not a success, or not within [`ASK_TIMEOUT`]), else the list or why
+    /// it is refused.
+    async fn ask_models(&self, target: &Target) -> Option<Result<Vec<Model>, ListError>> {
+        let answer = self
+            .client
+            .get(format!("{}/v1/models", target.url))
+            .timeout(ASK_TIMEOUT)
+            .send()
+            .await;
+        let resp = match answer {
+            Ok(r) if r.status().is_success() => r,
+            Ok(r) => {
+                debug!(worker = %target.name, status = %r.status(), "no /v1/models list");
+                return None;
             }
-            if let Some(ids) = doc.as_ref().and_then(model_ids) {
-                self.context.set_models(t.name.clone(), ids);
+            Err(e) => {
+                debug!(worker = %target.name, error = %e, "no /v1/models answer");
+                return None;
             }
+        };
+        match model_list::read_capped(resp, MAX_LIST_BYTES).await {
+            Ok(body) => Some(model_list::parse_list(&body)),
+            Err(ListError::Read(e)) => {
+                debug!(worker = %target.name, error = %e, "/v1/models answer cut off");
+                None
+            }
+            Err(e) => Some(Err(e)),
         }
+    }
+}
+
+/// Whether a worker serves `model`: the model its spec `named`, or one its
+/// `listed` models hold; a worker whose list is unknown and whose spec
+/// names none, only while no worker's list is known (`any_known`).
+fn serves_model(
+    named: Option<&str>,
+    listed: Option<&[String]>,
+    any_known: bool,
+    model: &str,
+) -> bool {
+    if named == Some(model) {
+        return true;
+    }
+    match listed {
+        Some(ids) => ids.iter().any(|id| id == model),
+        None => named.is_none() && !any_known,
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-    use serde_json::json;
+    use super::serves_model;
 
     #[test]
-    fn the_context_length_is_read_from_the_models_list() {
-        let vllm = json!({"object": "list", "data": [{"id": "m", "max_model_len": 4096}]});
-        assert_eq!(max_model_len(&vllm), Some(4096));
-        let two = json!({"data": [{"id": "a", "max_model_len": 8192}, {"id": "b", "max_model_len": 2048}]});
-        assert_eq!(max_model_len(&two), Some(2048));
-        assert_eq!(max_model_len(&json!({"data": [{"id": "m"}]})), None);
-        assert_eq!(max_model_len(&json!({"error": "x"})), None);
-        let lora =
-            json!({"data": [{"id": "base"}, {"id": "sql-lora", "parent": "base"}, {"x": 1}]});
-        let (ids, adapters) = model_ids(&lora).expect("a list");
-        assert_eq!(ids, ["base", "sql-lora"]);
-        assert_eq!(adapters, ["sql-lora"]);
-        assert_eq!(model_ids(&json!({"error": "x"})), None);
+    fn a_worker_serves_what_it_is_known_to_and_unknown_ones_only_while_nothing_is_known() {
+        let alpha = ["alpha".to_owned(), "sql".to_owned()];
+        // Listed: exactly its list (and its spec's model).
+        assert!(serves_model(None, Some(&alpha), true, "sql"));
+        assert!(!serves_model(None, Some(&alpha), true, "gamma"));
+        assert!(serves_model(Some("gamma"), Some(&alpha), true, "gamma"));
+        // Named by its spec, no list: that model alone.
+        assert!(serves_model(Some("gamma"), None, false, "gamma"));
+        assert!(!serves_model(Some("gamma"), None, false, "alpha"));
+        // Unknown: anything while no list is known, nothing after.
+        assert!(serves_model(None, None, false, "anything"));
+        assert!(!serves_model(None, None, true, "anything"));
     }
 }

@@ -30,6 +30,7 @@ pub mod disagg;
 pub mod handoff;
 pub mod intake;
 pub mod merge;
+pub mod model_list;
 pub mod observe;
 pub mod outcome;
 pub mod owners;
@@ -50,12 +51,10 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
 use kvroute_core::index::{SharedIndex, WorkerRank};
 use kvroute_core::rng::{mix, unit_f64, SplitMix64};
 use kvroute_core::scheduler::policy::{DealBy, PrefixDealer, DEFAULT_STICKINESS};
 use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Policy, SpeedConfig};
-use serde_json::{json, Map, Value};
 
 use crate::api::{Body, ProxyError};
 use crate::dialect::Dialect;
@@ -394,6 +393,8 @@ impl Proxy {
             book.retain(&fleet);
         }
         *self.targets.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(targets);
+        // A worker gone takes its models along at once (see `context`).
+        self.rebuild_models();
     }
 
     /// Drops active requests older than the expiry.
@@ -636,8 +637,9 @@ async fn route(
 ) -> Result<Response, ProxyError> {
     let large = body.len() > LARGE_BODY;
     let session = proxy.session_of(headers)?;
-    let priority = priority_of(headers)?;
-    let tenant = proxy.tenant_of(headers)?;
+    let identity = proxy.identify(headers)?;
+    let priority = proxy.allowed_priority(&identity, priority_of(headers)?);
+    let tenant = identity.tenant;
     // Sessions and responses are their owner's: keyed by owner and id.
     let owner = owners::owner_of(headers, &tenant).0;
     let session = session.map(|id| proxy.session_key(&owner, &id));
@@ -696,9 +698,10 @@ async fn route(
     attempt::forward(proxy, admitted, request).await
 }
 
-/// A request's `x-priority`: an integer, lower served first from the
-/// queue (vLLM's sense of `priority`); 0 without the header, a 400 when it
-/// is not one.
+/// A request's `x-priority` as asked: an integer, lower served first from
+/// the queue (vLLM's sense of `priority`); 0 without the header, a 400 when
+/// it is not one. What the request gets is clamped into what its tenant may
+/// use ([`Proxy::allowed_priority`]).
 fn priority_of(headers: &HeaderMap) -> Result<i64, ProxyError> {
     let Some(value) = headers.get("x-priority") else {
         return Ok(0);
@@ -731,29 +734,13 @@ pub async fn on_cpu<T: Send + 'static>(
         .map_err(|e| ProxyError::internal(format!("request processing failed: {e}")))
 }
 
-/// `GET /v1/models`: the union of every worker's models.
+/// `GET /v1/models`: the union of the workers' models as last learned
+/// ([`context`]), never asked of the workers while the client waits.
 pub async fn models(State(proxy): State<Arc<Proxy>>) -> Response {
-    let targets = proxy.targets();
-    let mut seen = Map::new();
-    for t in targets.iter() {
-        let Ok(resp) = proxy
-            .client
-            .get(format!("{}/v1/models", t.url))
-            .timeout(Duration::from_secs(5))
-            .send()
-            .await
-        else {
-            continue;
-        };
-        let Ok(doc) = resp.json::<Value>().await else {
-            continue;
-        };
-        for m in doc["data"].as_array().into_iter().flatten() {
-            if let Some(id) = m["id"].as_str() {
-                seen.entry(id.to_owned()).or_insert_with(|| m.clone());
-            }
-        }
-    }
-    let data: Vec<Value> = seen.into_iter().map(|(_, v)| v).collect();
-    Json(json!({"object": "list", "data": data})).into_response()
+    let json = HeaderValue::from_static("application/json");
+    (
+        [(axum::http::header::CONTENT_TYPE, json)],
+        proxy.models_answer(),
+    )
+        .into_response()
 }

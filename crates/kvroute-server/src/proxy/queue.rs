@@ -16,6 +16,11 @@
 //! arrived to make it so) or is refused, so a freed rank wakes one task,
 //! not the whole queue.
 //!
+//! Tenants the flags do not name are told apart only up to
+//! `--queue-max-tenants` at once: a newcomer of another such tenant waits
+//! as `other`, one turn they share (`FairQueue::queue_as`), so names made
+//! up per request cannot each take a turn before a named tenant's.
+//!
 //! A full queue answers 429 (`rate_limited`, with `retry-after`) to a
 //! request of the tenant with the most requests waiting for its weight: the
 //! newcomer, or that tenant's request that would be served last, which
@@ -34,6 +39,7 @@ use tokio::sync::futures::Notified;
 use super::tenants::{TenantConfig, Tenants, ANONYMOUS};
 use super::Proxy;
 use crate::api::ProxyError;
+use crate::metrics::tenants::OTHER_TENANT;
 use crate::metrics::tenants::{PriorityClass, TenantLabel};
 use kvroute_prompt::body::RoutingRequest;
 
@@ -89,6 +95,11 @@ impl Waiting {
     /// Whether none is.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The tenants' weights, labels, keys and priorities.
+    pub fn tenants(&self) -> &Tenants {
+        &self.tenants
     }
 
     fn is_first(&self, place: Place) -> bool {
@@ -224,6 +235,7 @@ impl<'a> QueueWait<'a> {
         }
         let admission = {
             let mut state = proxy.waiting.lock();
+            self.pool_unless_told_apart(&state.queue);
             let admission = state.queue.admit(
                 proxy.waiting.capacity,
                 &self.tenant,
@@ -259,6 +271,21 @@ impl<'a> QueueWait<'a> {
         Ok(place)
     }
 
+    /// Waits as `other` when the queue already tells `--queue-max-tenants`
+    /// tenants the flags do not name apart and this is another one.
+    fn pool_unless_told_apart(&mut self, queue: &FairQueue<Arc<str>>) {
+        let tenants = &self.proxy.waiting.tenants;
+        let pool: Arc<str> = Arc::from(OTHER_TENANT);
+        let waits_as = queue.queue_as(&self.tenant, tenants.max_tenants(), &pool, |k| {
+            tenants.is_known(k)
+        });
+        if **waits_as != *self.tenant {
+            self.tenant = pool;
+            self.weight = tenants.weight(OTHER_TENANT);
+            self.proxy.metrics.tenants.pooled.inc();
+        }
+    }
+
     /// The 429 for a request of the tenant most over its share of the full
     /// queue (`waited`: refused after queueing, to make room).
     fn refuse(&mut self, waited: bool) -> ProxyError {
@@ -274,9 +301,17 @@ impl<'a> QueueWait<'a> {
         } else {
             "this request was not queued"
         };
+        let pooled = if *self.tenant == *OTHER_TENANT {
+            format!(
+                " (where the tenants beyond the {} the queue tells apart wait as one)",
+                proxy.waiting.tenants.max_tenants()
+            )
+        } else {
+            String::new()
+        };
         ProxyError::RateLimited(format!(
-            "tenant `{}` has the most requests waiting for its weight ({}) in the full overload \
-             queue ({} places): {when}; retry later",
+            "tenant `{}`{pooled} has the most requests waiting for its weight ({}) in the full \
+             overload queue ({} places): {when}; retry later",
             self.tenant, self.weight, proxy.waiting.capacity,
         ))
     }

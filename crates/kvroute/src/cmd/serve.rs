@@ -533,7 +533,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             capacity: args.session_capacity,
             ttl: Duration::from_secs(args.session_ttl_secs),
         },
-        tenants: args.tenancy.config(),
+        tenants: args.tenancy.config()?,
         renderer,
         model_renderers,
     })

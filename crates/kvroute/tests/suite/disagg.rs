@@ -268,8 +268,9 @@ fn a_failed_decode_leg_is_never_sent_to_a_second_decode_worker() {
     let (_d, d_line) = engine("vllm", "decode", "d0");
     let (fake, taken) = dropping_worker();
     let dead_events = format!("tcp://127.0.0.1:{}", crate::support::free_port());
+    // It answers no `/v1/models`: its spec names the model it serves.
     let fake_line =
-        format!("name=dx,url=http://{fake},events={dead_events},dp=1,block_size=16,role=decode");
+        format!("name=dx,url=http://{fake},events={dead_events},dp=1,block_size=16,role=decode,model=mock-model");
     let (_serve, serve) = start_serve(
         &[p_line, d_line, fake_line],
         &["--policy", "round-robin", "--local-prefill-max-tokens", "0"],
@@ -308,8 +309,9 @@ fn an_unreachable_prefill_worker_is_retried_on_the_next() {
     let (_d, d_line) = engine("vllm", "decode", "d0");
     let closed = crate::support::free_port();
     let dead_events = format!("tcp://127.0.0.1:{}", crate::support::free_port());
+    // Never reachable, so never listed its models: its spec names one.
     let gone = format!(
-        "name=p-gone,url=http://127.0.0.1:{closed},events={dead_events},dp=1,block_size=16,role=prefill,speed=1000"
+        "name=p-gone,url=http://127.0.0.1:{closed},events={dead_events},dp=1,block_size=16,role=prefill,speed=1000,model=mock-model"
     );
     let (_serve, serve) = start_serve(
         &[gone, p_line, d_line],

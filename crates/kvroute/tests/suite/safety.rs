@@ -503,7 +503,10 @@ fn a_request_a_worker_took_and_dropped_is_not_sent_to_another() {
     let (_mocker, lines) = start_mocker(1, "100");
     let (fake, taken) = dropping_worker();
     let dead_events = format!("tcp://127.0.0.1:{}", free_port());
-    let fake_line = format!("name=fake,url=http://{fake},events={dead_events},dp=1,block_size=16");
+    // It answers no `/v1/models`: its spec names the model it serves.
+    let fake_line = format!(
+        "name=fake,url=http://{fake},events={dead_events},dp=1,block_size=16,model=mock-model"
+    );
     let (_serve, serve) = spawn_serve(
         &[lines[0].clone(), fake_line],
         &["--policy", "round-robin", "--breaker-failures", "5"],
@@ -626,7 +629,10 @@ fn serve_with_cutting_worker(sse: bool) -> (Proc, Proc, String, Taken) {
     let (mocker, lines) = start_mocker(1, "100");
     let (fake, taken) = cutting_worker(sse);
     let dead_events = format!("tcp://127.0.0.1:{}", free_port());
-    let fake_line = format!("name=fake,url=http://{fake},events={dead_events},dp=1,block_size=16");
+    // It answers no `/v1/models`: its spec names the model it serves.
+    let fake_line = format!(
+        "name=fake,url=http://{fake},events={dead_events},dp=1,block_size=16,model=mock-model"
+    );
     let (serve_proc, serve) = spawn_serve(
         &[lines[0].clone(), fake_line],
         &["--policy", "round-robin", "--breaker-failures", "5"],

@@ -2,13 +2,14 @@
 //! the freed ranks fairly (weighted fair queueing, not arrival order), and a
 //! full queue refuses the tenant most over its share with a 429 — a small
 //! tenant arriving at a queue the big one filled takes the place of the big
-//! one's newest request.
+//! one's newest request; and names made up per request (a Sybil flood)
+//! cannot crowd out a tenant bound to its API key.
 
 use std::sync::{Arc, Mutex};
 
-use super::priority::{complete_with, hold_the_only_rank};
+use super::priority::{complete_with, complete_with_headers, hold_the_only_rank, TRUST_HEADERS};
 use crate::support::http::{count, metric_where, Reply};
-use crate::support::{eventually, start_mocker, start_serve};
+use crate::support::{eventually, start_mocker, start_serve_with_env};
 
 fn complete(serve: &str, tenant: &str, seed: u32, max_tokens: u32) -> Reply {
     complete_with(
@@ -34,7 +35,7 @@ fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_b
         "--tenant-weight",
         "small=1",
     ];
-    let (_serve, serve) = start_serve(&lines, &flags);
+    let (_serve, serve) = start_serve_with_env(&lines, &flags, &[TRUST_HEADERS]);
     let holder = hold_the_only_rank(&serve);
     let done: Arc<Mutex<Vec<String>>> = Arc::default();
     let mut waiting = Vec::new();
@@ -91,5 +92,111 @@ fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_b
     assert_eq!(
         metric_where(&serve, "kvroute_tenant_queued_total", label),
         Some(1.0)
+    );
+}
+
+/// The probe's Sybil flood: every request under a new `x-tenant` name and a
+/// new API key fills the queue (eight places) while the only rank is busy;
+/// then the honest tenant, its key bound to `small`, sends six requests.
+/// The build before took each made-up name for a tenant, so every honest
+/// request tied with eight one-request tenants and was refused (6 of 6;
+/// the probe: 35 of 39 under a steady flood). Now the header is ignored
+/// (it is not trusted), the queue tells at most two unbound keys apart and
+/// the other six flood requests wait as one tenant, `other`: each honest
+/// request takes the place of the pool's newest until `small` holds as
+/// many places as the pool (3 and 3); only then is it refused. The bound:
+/// at most 3 of 6 refused, and every one queued is served.
+#[test]
+fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key() {
+    let (_mocker, lines) = start_mocker(1, "1");
+    let flags = [
+        "--busy-requests",
+        "1",
+        "--queue-capacity",
+        "8",
+        "--queue-timeout-ms",
+        "60000",
+    ];
+    // printf %s sk-small | sha256sum
+    let small = "small=0e1e7070976c78df9c4611e515b270eaa83c91125567d008c7e4aa38c76efafc";
+    let env = [
+        ("KVROUTE_TENANT_KEYS", small),
+        ("KVROUTE_QUEUE_MAX_TENANTS", "2"),
+    ];
+    let (_serve, serve) = start_serve_with_env(&lines, &flags, &env);
+    let holder = hold_the_only_rank(&serve);
+    let send = |headers: Vec<(String, String)>, seed: u32| {
+        let router = serve.clone();
+        std::thread::spawn(move || {
+            let headers: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            complete_with_headers(&router, &headers, (60_000, seed), 1).status
+        })
+    };
+    // Sends one request and waits until it is queued or answered: the
+    // thread, if it was queued.
+    let mut flood = Vec::new();
+    let admit = |headers: Vec<(String, String)>, seed: u32| {
+        let before = count(&serve, "kvroute_proxy_queued_total");
+        let thread = send(headers, seed);
+        eventually("the request queued or answered", || {
+            count(&serve, "kvroute_proxy_queued_total") > before || thread.is_finished()
+        });
+        thread
+    };
+    for i in 0..8u32 {
+        // One of them names itself after the honest tenant.
+        let name = if i == 3 {
+            "small".to_owned()
+        } else {
+            format!("sybil-{i}")
+        };
+        let headers = vec![
+            ("x-tenant".to_owned(), name),
+            ("authorization".to_owned(), format!("Bearer sybil-{i}")),
+        ];
+        flood.push(admit(headers, 1 + i));
+    }
+    assert_eq!(count(&serve, "kvroute_proxy_queued_total"), 8);
+    let honest_key = vec![("authorization".to_owned(), "Bearer sk-small".to_owned())];
+    let mut honest = Vec::new();
+    let mut refused = 0;
+    for i in 0..6u32 {
+        let thread = admit(honest_key.clone(), 20 + i);
+        if thread.is_finished() {
+            let status = thread.join().expect("an honest request");
+            assert_eq!(
+                status, 429,
+                "an honest request answered while the rank is held"
+            );
+            refused += 1;
+        } else {
+            honest.push(thread);
+        }
+    }
+    assert!(
+        refused <= 3,
+        "{refused} of 6 honest requests refused at a queue full of made-up tenants"
+    );
+    // The flood's next request is refused: the pool is the most over its share.
+    let next = vec![("authorization".to_owned(), "Bearer sybil-99".to_owned())];
+    assert_eq!(admit(next, 99).join().expect("a flood request"), 429);
+    assert_eq!(holder.join().expect("the long request"), 200);
+    for h in honest {
+        assert_eq!(h.join().expect("an honest request"), 200);
+    }
+    let flood: Vec<u16> = flood
+        .into_iter()
+        .map(|f| f.join().expect("a flood request"))
+        .collect();
+    assert_eq!(flood.iter().filter(|&&s| s == 429).count(), 3, "{flood:?}");
+    assert!(count(&serve, "kvroute_tenant_pooled_total") >= 6);
+    let label = "tenant=\"small\"";
+    assert_eq!(
+        metric_where(&serve, "kvroute_tenant_requests_total", label),
+        Some(6.0),
+        "only the key's requests are `small`"
     );
 }

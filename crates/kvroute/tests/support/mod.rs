@@ -228,7 +228,16 @@ pub fn listening_addr(stderr: ChildStderr) -> String {
 
 /// [`spawn_serve`], then waits until every worker's every rank is connected.
 pub fn start_serve(lines: &[String], extra: &[&str]) -> (Proc, String) {
-    let (proc, serve) = spawn_serve(lines, extra);
+    start_serve_with_env(lines, extra, &[])
+}
+
+/// [`start_serve`] with `env` set for the router (see [`spawn_serve_with_env`]).
+pub fn start_serve_with_env(
+    lines: &[String],
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> (Proc, String) {
+    let (proc, serve) = spawn_serve_with_env(lines, extra, env);
     let expected = lines.len();
     eventually("serve up with every rank connected", || {
         TcpStream::connect(&serve).is_ok() && {

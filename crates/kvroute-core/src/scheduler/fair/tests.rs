@@ -185,6 +185,72 @@ fn state_is_forgotten_once_nothing_waits() {
     assert!(queue.is_empty());
 }
 
+/// A full queue of `capacity` places, every request a new made-up tenant
+/// (a Sybil flood) waiting as [`FairQueue::queue_as`] says with `cap`, then
+/// `honest` requests of the known tenant `small`: how many of those were
+/// refused, and the queue.
+fn sybil_flood(capacity: usize, cap: usize, honest: usize) -> (usize, FairQueue<String>) {
+    let mut queue = FairQueue::new();
+    let pool = "other".to_owned();
+    let known = |k: &String| k == "small" || k == "other";
+    for i in 0..capacity * 3 {
+        let name = format!("sybil-{i}");
+        let tenant = queue.queue_as(&name, cap, &pool, known).clone();
+        let _ = queue.admit(capacity, &tenant, 1.0, 0, 10);
+    }
+    assert_eq!(queue.len(), capacity);
+    let small = "small".to_owned();
+    let refused = (0..honest)
+        .filter(|_| {
+            let tenant = queue.queue_as(&small, cap, &pool, known).clone();
+            queue.admit(capacity, &tenant, 1.0, 0, 10) == Admission::Refused
+        })
+        .count();
+    (refused, queue)
+}
+
+#[test]
+fn unknown_tenants_beyond_the_cap_wait_as_one() {
+    let mut queue: FairQueue<&str> = FairQueue::new();
+    let known = |k: &&str| *k == "gold" || *k == "other";
+    let _ = queue.admit(8, &"a", 1.0, 0, 1);
+    let _ = queue.admit(8, &"b", 1.0, 0, 1);
+    // Two unknown tenants wait: a third unknown one is pooled, a known
+    // one and a waiting one keep their own names.
+    assert_eq!(*queue.queue_as(&"c", 2, &"other", known), "other");
+    assert_eq!(*queue.queue_as(&"gold", 2, &"other", known), "gold");
+    assert_eq!(*queue.queue_as(&"a", 2, &"other", known), "a");
+    assert_eq!(*queue.queue_as(&"c", 3, &"other", known), "c");
+    // Pooled requests and known tenants do not count against the cap.
+    let _ = queue.admit(8, &"other", 1.0, 0, 1);
+    let _ = queue.admit(8, &"gold", 1.0, 0, 1);
+    assert_eq!(*queue.queue_as(&"c", 3, &"other", known), "c");
+}
+
+#[test]
+fn made_up_tenant_names_cannot_crowd_a_known_tenant_out() {
+    // Without a cap (as before), every honest request meets a full queue of
+    // one-request tenants, ties with each and is refused.
+    let (refused, _) = sybil_flood(8, usize::MAX, 6);
+    assert_eq!(refused, 6);
+    // With a cap of 2, the six pooled Sybil requests are one tenant: the
+    // honest tenant takes places from the pool until it holds as many as
+    // the pool does (3 of 6), and only then is refused.
+    let (refused, mut queue) = sybil_flood(8, 2, 6);
+    assert_eq!(refused, 3);
+    assert_eq!(queue.waiting_of(&"small".to_owned()), 3);
+    assert_eq!(queue.waiting_of(&"other".to_owned()), 3);
+    // Served in fair order, the honest tenant's first request is among
+    // the first cap + 2 served (one per tenant waiting).
+    let mut served = Vec::new();
+    while let Some(first) = queue.first() {
+        served.push(queue.order[&first].clone());
+        queue.leave(first, true);
+    }
+    let first_small = served.iter().position(|t| t == "small");
+    assert!(first_small.is_some_and(|p| p < 4), "{served:?}");
+}
+
 #[test]
 fn an_api_keys_fingerprint_is_stable_and_hides_the_key() {
     // printf %s sk-test | sha256sum
