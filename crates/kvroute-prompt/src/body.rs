@@ -84,6 +84,22 @@ pub struct RoutingRequest {
     /// hand-offs, and an engine obeys them (it would read KV from wherever
     /// they point), so the router refuses a request that carries one.
     pub handoff_field: Option<&'static str>,
+    /// The body's own `priority` (vLLM's and SGLang's scheduling priority,
+    /// lower first), which the engine obeys: the router holds it to what
+    /// the client may ask for, as it does `x-priority`.
+    pub engine_priority: Option<i64>,
+}
+
+/// A body's `priority`: absent or `null` is `None`; anything but an
+/// integer is refused (the engine would read it as a priority).
+pub(crate) fn priority_value(value: Option<&Value>) -> Result<Option<i64>, ParseError> {
+    match value {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v
+            .as_i64()
+            .map(Some)
+            .ok_or_else(|| bad("`priority` must be an integer")),
+    }
 }
 
 /// The body fields with which a router tells engines to hand KV over
@@ -177,6 +193,8 @@ struct RawFields<'a> {
     bootstrap_port: Option<&'a RawValue>,
     #[serde(borrow, default)]
     bootstrap_room: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    priority: Option<&'a RawValue>,
 }
 
 impl<'a> RawFields<'a> {
@@ -412,6 +430,7 @@ fn scan_fields(body: &[u8]) -> Option<(RawFields<'_>, Option<Vec<u32>>)> {
                 b"bootstrap_host" => Some((15, &mut raw.bootstrap_host)),
                 b"bootstrap_port" => Some((16, &mut raw.bootstrap_port)),
                 b"bootstrap_room" => Some((17, &mut raw.bootstrap_room)),
+                b"priority" => Some((18, &mut raw.priority)),
                 _ => None,
             };
             if let Some((bit, _)) = slot {
@@ -501,6 +520,11 @@ fn request_of(
         include_usage: raw_include_usage(raw.stream_options),
         max_tokens: sampling::check(&raw.sampling(), chat).map_err(bad)?,
         handoff_field: raw.handoff_field(),
+        engine_priority: match raw.priority {
+            None => None,
+            Some(r) => serde_json::from_str::<Option<i64>>(r.get())
+                .map_err(|_| bad("`priority` must be an integer"))?,
+        },
         ..RoutingRequest::default()
     };
     if chat {

@@ -22,6 +22,7 @@ pub fn parse_generate(body: &[u8]) -> Result<RoutingRequest, ParseError> {
         include_usage: true,
         max_tokens: max_new_tokens(&obj)?,
         handoff_field: handoff_field_in(&obj),
+        engine_priority: crate::body::priority_value(obj.get("priority"))?,
         lora_name: match obj.get("lora_path") {
             None | Some(Value::Null) => None,
             Some(Value::String(s)) => Some(s.clone()),

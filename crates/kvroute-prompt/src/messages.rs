@@ -61,6 +61,7 @@ pub fn read(obj: &Map<String, Value>) -> Result<RoutingRequest, ParseError> {
         include_usage: true,
         text: Some(TextPrompt::Chat(messages)),
         handoff_field: crate::body::handoff_field_in(obj),
+        engine_priority: crate::body::priority_value(obj.get("priority"))?,
         ..RoutingRequest::default()
     })
 }

@@ -58,6 +58,7 @@ pub fn parse_responses(body: &[u8]) -> Result<RoutingRequest, ParseError> {
         text: (!messages.is_empty()).then(|| TextPrompt::Chat(Value::Array(messages))),
         previous_response_id,
         handoff_field: crate::body::handoff_field_in(&obj),
+        engine_priority: crate::body::priority_value(obj.get("priority"))?,
         ..RoutingRequest::default()
     })
 }

@@ -229,7 +229,9 @@ async fn run() {
         let body = Bytes::from(bodies[i % bodies.len()].0.clone());
         let started = Instant::now();
         let share = kvroute_server::budget::Share::unbounded();
-        let picked = pick(&proxy, &head, (&body, share), true, started).await.unwrap();
+        let picked = pick(&proxy, &head, (&body, share), true, started)
+            .await
+            .unwrap();
         let took = started.elapsed();
         drop(picked);
         if i >= WARMUP {

@@ -639,6 +639,7 @@ async fn route(
     let session = proxy.session_of(headers)?;
     let identity = proxy.identify(headers)?;
     let priority = proxy.allowed_priority(&identity, priority_of(headers)?);
+    let priorities = identity.priorities;
     let tenant = identity.tenant;
     // Sessions and responses are their owner's: keyed by owner and id.
     let owner = owners::owner_of(headers, &tenant).0;
@@ -648,6 +649,14 @@ async fn route(
         on_cpu(large, move || {
             let mut share = share;
             let mut req = intake::read(&proxy, endpoint, &body, &mut share)?;
+            if let Some(asked) = req.engine_priority {
+                if priorities.clamp(asked) != asked {
+                    return Err(ProxyError::bad_request(format!(
+                        "`priority` {asked} is not one this client may ask the engine for \
+                         (docs/serving.md, tenants, keys and priorities)"
+                    )));
+                }
+            }
             req.session = session;
             req.priority = priority;
             req.tenant = Some(tenant);

@@ -10,8 +10,8 @@
 use kvroute_loadgen::nats::NatsServer;
 use serde_json::{json, Value};
 
-use crate::support::http::{count, request_with, Reply};
 use super::priority::TRUST_HEADERS;
+use crate::support::http::{count, request_with, Reply};
 use crate::support::{
     eventually, spawn_serve_with_env, start_mocker_with, start_serve_with_env, Proc,
 };
@@ -81,7 +81,8 @@ fn refused(reply: &Reply, id: &str, what: &str) {
 fn another_owners_continuation_is_refused_like_an_unknown_id() {
     let (_mocker, lines) = start_mocker_with(3, &["--speedup", "50"]);
     // Round-robin moves every request but a pinned continuation.
-    let (_serve, serve) = start_serve_with_env(&lines, &["--policy", "round-robin"], &[TRUST_HEADERS]);
+    let (_serve, serve) =
+        start_serve_with_env(&lines, &["--policy", "round-robin"], &[TRUST_HEADERS]);
     let (mut id, home) = turn(&serve, &ALICE, None);
     let stolen = respond(&serve, &BOB, Some(&id));
     refused(&stolen, &id, "bob continued alice's response");
@@ -290,7 +291,8 @@ fn session_turn(serve: &str, who: &Who, session: &str, k: u32) -> String {
 #[test]
 fn a_session_id_named_by_another_owner_is_another_session() {
     let (_mocker, lines) = start_mocker_with(2, &["--speedup", "50"]);
-    let (_serve, serve) = start_serve_with_env(&lines, &["--policy", "round-robin"], &[TRUST_HEADERS]);
+    let (_serve, serve) =
+        start_serve_with_env(&lines, &["--policy", "round-robin"], &[TRUST_HEADERS]);
     let kept = || count(&serve, "kvroute_proxy_session_kept_total");
     let moved = || count(&serve, "kvroute_proxy_session_moved_total");
     let home = session_turn(&serve, &ALICE, "conv-1", 0);

@@ -344,3 +344,27 @@ fn a_prefill_workers_endless_answer_is_cut_at_the_bound() {
         peak >> 20
     );
 }
+
+/// The body's own `priority` (vLLM's and SGLang's scheduling priority) is
+/// held to what the client may ask for, as `x-priority` is: an untrusted
+/// client may lower its priority, never raise it over the default (the
+/// engine would otherwise serve it first, whatever the router's queue did).
+#[test]
+fn a_client_cannot_jump_the_engines_queue_with_the_body_priority() {
+    let (_mocker, _serve_proc, serve) = router(&[], &[]);
+    let ask = |priority: Value| {
+        let body = json!({"model": "mock-model", "prompt": "Hello there", "max_tokens": 2,
+            "priority": priority});
+        request(&serve, "POST", "/v1/completions", &body.to_string())
+    };
+    let raised = ask(json!(-1_000_000));
+    assert_eq!(raised.status, 400, "{}", raised.body);
+    assert!(raised.body.contains("`priority`"), "{}", raised.body);
+    assert_eq!(ask(json!("first")).status, 400);
+    assert_eq!(
+        ask(json!(5)).status,
+        200,
+        "lowering one's own priority is allowed"
+    );
+    assert_eq!(ask(Value::Null).status, 200);
+}
