@@ -21,6 +21,10 @@ use serde_json::Value;
 /// File name of the config read beside `tokenizer.json`.
 pub const CONFIG_FILE: &str = "tokenizer_config.json";
 
+/// The file newer models keep their template in, beside the configuration
+/// (which then has no `chat_template`; its tokens still come from there).
+pub const TEMPLATE_FILE: &str = "chat_template.jinja";
+
 /// Why a template could not be loaded or rendered.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -123,15 +127,41 @@ impl ChatTemplate {
     /// The template in `tokenizer_config.json` beside `tokenizer_json`;
     /// `Ok(None)` when there is no such file or it has no template.
     pub fn beside(tokenizer_json: &Path) -> Result<Option<Self>, ChatTemplateError> {
-        let path = tokenizer_json.with_file_name(CONFIG_FILE);
-        match std::fs::read_to_string(&path) {
-            Ok(text) => Self::from_config(&text),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(source) => Err(ChatTemplateError::Read {
-                path: path.display().to_string(),
-                source,
-            }),
+        let read = |name: &str| {
+            let path = tokenizer_json.with_file_name(name);
+            match std::fs::read_to_string(&path) {
+                Ok(text) => Ok(Some(text)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+                Err(source) => Err(ChatTemplateError::Read {
+                    path: path.display().to_string(),
+                    source,
+                }),
+            }
+        };
+        let config = read(CONFIG_FILE)?;
+        if let Some(template) = config
+            .as_deref()
+            .map(Self::from_config)
+            .transpose()?
+            .flatten()
+        {
+            return Ok(Some(template));
         }
+        let Some(source) = read(TEMPLATE_FILE)? else {
+            return Ok(None);
+        };
+        let config: Value = match config {
+            Some(text) => {
+                serde_json::from_str(&text).map_err(|e| ChatTemplateError::Config(e.to_string()))?
+            }
+            None => Value::Null,
+        };
+        Self::new(
+            source,
+            token_text(config.get("bos_token")),
+            token_text(config.get("eos_token")),
+        )
+        .map(Some)
     }
 
     /// Compiles `source` with the given special tokens.
@@ -281,6 +311,31 @@ mod tests {
         )
         .expect("write");
         assert!(ChatTemplate::beside(&tokenizer).expect("present").is_some());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_template_file_beside_a_config_without_one_is_read_with_its_tokens() {
+        let dir = std::env::temp_dir().join(format!("kvroute-jinja-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let tokenizer = dir.join("tokenizer.json");
+        std::fs::write(
+            dir.join(CONFIG_FILE),
+            json!({"bos_token": "<s>"}).to_string(),
+        )
+        .expect("write");
+        std::fs::write(
+            dir.join(TEMPLATE_FILE),
+            "{{ bos_token }}{{ messages[0]['content'] }}",
+        )
+        .expect("write");
+        let t = ChatTemplate::beside(&tokenizer)
+            .expect("readable")
+            .expect("the template file");
+        let text = t
+            .render(&json!([{"role": "user", "content": "x"}]), false)
+            .expect("renders");
+        assert_eq!(text, "<s>x");
         let _ = std::fs::remove_dir_all(&dir);
     }
 }

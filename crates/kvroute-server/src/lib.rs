@@ -31,6 +31,7 @@ pub mod proxy;
 pub mod query;
 pub mod replica;
 pub mod state;
+pub mod tokenizers;
 
 use std::future::Future;
 use std::sync::Arc;
@@ -372,6 +373,7 @@ fn spawn_housekeeping(
             loop {
                 tick.tick().await;
                 proxy.learn_context_lengths().await;
+                tokenizers::discover_due(&proxy);
             }
         })
     };

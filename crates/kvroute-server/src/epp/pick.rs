@@ -91,7 +91,9 @@ pub async fn pick(
     has_body: bool,
     arrived: Instant,
 ) -> Result<Pick, ProxyError> {
-    let (req, body_share) = read(proxy, head, (body, share), has_body).await?;
+    let (mut req, body_share) = read(proxy, head, (body, share), has_body).await?;
+    let chat = ApiEndpoint::of_path(&head.path) == Some(ApiEndpoint::Chat);
+    crate::tokenizers::complete_from_engine(proxy, &mut req, body, chat).await;
     let req = Arc::new(req);
     if has_body {
         proxy.metrics.requests.inc();

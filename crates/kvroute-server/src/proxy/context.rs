@@ -111,6 +111,24 @@ impl ContextLengths {
         self.any_learned.load(Ordering::Relaxed)
     }
 
+    /// Every model the workers' learned lists hold, by id (the first
+    /// worker's entry for each), for what the router learns about each
+    /// model itself (its tokenizer).
+    pub fn learned_models(&self) -> Vec<Model> {
+        let mut seen = HashSet::new();
+        let mut out = Vec::new();
+        for w in self.read().values() {
+            if let Listed::Learned(_, models) = &w.listed {
+                for m in models.iter() {
+                    if seen.insert(m.id.clone()) {
+                        out.push(m.clone());
+                    }
+                }
+            }
+        }
+        out
+    }
+
     /// Whether some worker lists `model` as a LoRA adapter (a model with a
     /// `parent`).
     pub fn is_adapter(&self, model: &str) -> bool {

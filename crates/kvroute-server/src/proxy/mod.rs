@@ -140,6 +140,9 @@ pub struct ProxyConfig {
     /// leg's, a merged answer's; a larger non-streamed answer to a client
     /// is passed on unread).
     pub max_answer_bytes: usize,
+    /// How each model's tokenizer is found when neither `--tokenizer` nor
+    /// `--model` names it.
+    pub tokenizer_discovery: crate::tokenizers::DiscoveryConfig,
 }
 
 impl Default for ProxyConfig {
@@ -171,6 +174,7 @@ impl Default for ProxyConfig {
             holder_stickiness: DEFAULT_STICKINESS,
             bodies: crate::bodies::BodyLimits::default(),
             max_answer_bytes: 16 << 20,
+            tokenizer_discovery: crate::tokenizers::DiscoveryConfig::default(),
         }
     }
 }
@@ -220,6 +224,8 @@ pub struct Proxy {
     dealer: Option<std::sync::Mutex<PrefixDealer>>,
     /// The memory every request body in flight shares, over both doors.
     budget: Arc<crate::budget::MemoryBudget>,
+    /// Each model's tokenizer, as the router found it.
+    tokenizers: crate::tokenizers::ModelTokenizers,
 }
 
 impl Proxy {
@@ -242,6 +248,7 @@ impl Proxy {
             .map_or(0x9e37_79b9, |d| d.as_nanos() as u64);
         Ok(Proxy {
             budget: config.bodies.budget(),
+            tokenizers: crate::tokenizers::ModelTokenizers::new(config.tokenizer_discovery.clone()),
             dealer: config
                 .deal_new_prefixes
                 .map(|by| std::sync::Mutex::new(PrefixDealer::new(by))),
@@ -317,6 +324,40 @@ impl Proxy {
         self.pin_share
             .get()
             .map_or(&self.local_keys, |share| share.keys())
+    }
+
+    /// Each model's tokenizer, as found.
+    pub fn tokenizers(&self) -> &crate::tokenizers::ModelTokenizers {
+        &self.tokenizers
+    }
+
+    /// The client workers are asked with.
+    pub(crate) fn client(&self) -> &reqwest::Client {
+        &self.client
+    }
+
+    /// Every model the workers' learned lists hold.
+    pub(crate) fn learned_models(&self) -> Vec<model_list::Model> {
+        self.context.learned_models()
+    }
+
+    /// The URLs of the workers that serve `model`, in the workers' order.
+    pub(crate) fn urls_serving(&self, model: &str) -> Vec<String> {
+        self.targets()
+            .iter()
+            .filter(|t| self.serves(t, model))
+            .map(|t| t.url.clone())
+            .collect()
+    }
+
+    /// The one model every worker's list holds, when there is exactly one
+    /// (what a request that names none is taken to ask for).
+    pub(crate) fn only_model(&self) -> Option<String> {
+        let models = self.context.learned_models();
+        match models.as_slice() {
+            [one] => Some(one.id.clone()),
+            _ => None,
+        }
     }
 
     /// Whether the proxy learns speeds (`--learn-speeds`).
@@ -441,12 +482,14 @@ impl Proxy {
         if req.tokens.is_some() {
             return;
         }
-        let own = req
-            .model
+        let model = req.model.clone().or_else(|| self.only_model());
+        let own = model
             .as_deref()
-            .and_then(|m| self.config.model_renderers.get(m));
-        let (Some(renderer), Some(text)) = (own.or(self.config.renderer.as_ref()), &req.text)
-        else {
+            .and_then(|m| self.config.model_renderers.get(m))
+            .or(self.config.renderer.as_ref())
+            .cloned();
+        let found = || model.as_deref().and_then(|m| self.tokenizers.renderer(m));
+        let (Some(renderer), Some(text)) = (own.or_else(found), &req.text) else {
             return;
         };
         let source = match text {
@@ -673,7 +716,9 @@ async fn route(
         })
         .await
     };
-    let (req, _share) = read??;
+    let (mut req, _share) = read??;
+    let chat = endpoint == Endpoint::Chat;
+    crate::tokenizers::complete_from_engine(proxy, &mut req, body, chat).await;
     proxy.fetch_pins(&req).await;
     proxy.check_continuation(&req)?;
     let req = Arc::new(req);

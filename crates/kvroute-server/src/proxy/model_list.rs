@@ -50,6 +50,12 @@ pub struct Model {
     pub adapter: bool,
     /// Its context length, when given.
     pub max_model_len: Option<u64>,
+    /// The adapter's base model, for a LoRA adapter.
+    pub parent: Option<String>,
+    /// Where the engine loaded it from (vLLM's and SGLang's `root`: a
+    /// directory, or a Hugging Face repository id), when given and at most
+    /// [`MAX_ID`] bytes: where the router looks for its tokenizer.
+    pub root: Option<String>,
     /// Its card, as JSON text, for clients.
     pub card: Box<RawValue>,
 }
@@ -230,6 +236,8 @@ struct Fields<'a> {
     parent: Option<std::borrow::Cow<'a, str>>,
     #[serde(default)]
     max_model_len: Option<u64>,
+    #[serde(borrow, default)]
+    root: Option<std::borrow::Cow<'a, str>>,
 }
 
 /// The model an entry describes, if it is an object with a usable id.
@@ -245,9 +253,16 @@ fn model_of(raw: &RawValue) -> Option<Model> {
     } else {
         bare_card(&id, parent, fields.max_model_len)
     };
+    let adapter = parent.is_some_and(|p| p != id);
+    let short = |s: Option<std::borrow::Cow<'_, str>>| {
+        s.filter(|s| !s.is_empty() && s.len() <= MAX_ID)
+            .map(|s| s.into_owned())
+    };
     Some(Model {
-        adapter: parent.is_some_and(|p| p != id),
+        adapter,
         max_model_len: fields.max_model_len,
+        parent: if adapter { short(fields.parent) } else { None },
+        root: short(fields.root),
         id: id.into_owned(),
         card,
     })

@@ -11,6 +11,7 @@ pub mod mocker;
 pub mod serve;
 pub mod sim;
 pub mod tenancy;
+pub mod tokenizers;
 
 use tracing_subscriber::filter::{LevelFilter, Targets};
 

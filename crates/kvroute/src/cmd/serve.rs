@@ -309,6 +309,8 @@ pub struct ServeArgs {
     tenancy: super::tenancy::TenancyArgs,
     #[command(flatten)]
     bounds: super::bounds::BoundsArgs,
+    #[command(flatten)]
+    tokenizers: super::tokenizers::TokenizerArgs,
 }
 
 /// Builds the runtime and serves until Ctrl-C or SIGTERM.
@@ -526,6 +528,9 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         },
         prefill_timeout: Duration::from_secs(args.prefill_timeout_secs),
         bodies: args.bounds.bodies(),
+        tokenizer_discovery: args
+            .tokenizers
+            .discovery(ImageTokenRule::fixed(args.mm_tokens_per_image as usize)),
         max_answer_bytes: args.bounds.max_answer_bytes(),
         engine_metrics_every: args.engine_metrics_ms.map(Duration::from_millis),
         sessions: SessionConfig {
