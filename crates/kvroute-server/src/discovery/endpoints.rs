@@ -21,7 +21,9 @@
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 
-use yaml_rust2::{Yaml, YamlLoader};
+use yaml_rust2::Yaml;
+
+use super::bounded_yaml;
 
 use crate::ingest::spec::{WorkerFlavor, WorkerSpec};
 
@@ -52,6 +54,11 @@ impl Default for EndpointDefaults {
     }
 }
 
+/// Why a file with no `endpoints` list is refused, and how to mean "none".
+pub const NO_ENDPOINTS: &str =
+    "no `endpoints` list: a file that is empty, or was caught while it was written, \
+is not applied (write `endpoints: []` to remove every worker)";
+
 /// Why an endpoints file was not used (the workers it gave before stay).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
@@ -63,6 +70,14 @@ fn bad(message: impl Into<String>) -> EndpointsError {
 
 /// The workers `text` lists, by name, as `default_block_size` and
 /// `defaults` complete them.
+///
+/// Only an explicit empty list (`endpoints: []`) gives no workers: a text
+/// with no document (empty, blank, only comments), or whose `endpoints` is
+/// missing or null (`endpoints:` with nothing after it, as a file cut short
+/// after its first line reads), is an error, since a file caught while it is
+/// being written reads exactly so, and applying it would remove every
+/// worker. The YAML is built within [`bounded_yaml`]'s bounds (aliases
+/// included), so no text costs more than those whatever it says.
 pub fn parse_endpoints(
     text: &str,
     defaults: &EndpointDefaults,
@@ -74,14 +89,11 @@ pub fn parse_endpoints(
             text.len()
         )));
     }
-    let docs = YamlLoader::load_from_str(text).map_err(|e| bad(format!("not YAML: {e}")))?;
-    let list = match docs.first() {
-        None => return Ok(BTreeMap::new()),
-        Some(doc) => match &doc["endpoints"] {
-            Yaml::Array(list) => list.as_slice(),
-            Yaml::BadValue | Yaml::Null => &[],
-            _ => return Err(bad("`endpoints` must be a list")),
-        },
+    let doc = bounded_yaml::load_first(text).map_err(|e| bad(e.0))?;
+    let list = match doc.as_ref().map(|doc| &doc["endpoints"]) {
+        Some(Yaml::Array(list)) => list.as_slice(),
+        None | Some(Yaml::BadValue | Yaml::Null) => return Err(bad(NO_ENDPOINTS)),
+        Some(_) => return Err(bad("`endpoints` must be a list")),
     };
     if list.len() > MAX_ENDPOINTS {
         return Err(bad(format!(
@@ -295,8 +307,51 @@ endpoints:
         assert_eq!(s.ranks[1].events, "tcp://10.0.0.8:6001");
         assert_eq!(s.ranks[0].replay.as_deref(), Some("tcp://10.0.0.8:7000"));
         assert_eq!(s.bootstrap_port, Some(8998));
-        assert!(parse("").expect("empty").is_empty());
         assert!(parse("endpoints: []\n").expect("none").is_empty());
+    }
+
+    #[test]
+    fn only_an_explicit_empty_list_means_no_workers() {
+        assert!(parse("endpoints: []\n").expect("drain").is_empty());
+        assert!(parse("# drained\nendpoints: [ ]  # all gone\n")
+            .expect("drain")
+            .is_empty());
+        let full = "endpoints:\n  - name: a\n    address: 10.0.0.1\n    port: \"8000\"\n";
+        // What an in-place rewrite of `full` may be caught as, between truncating it and
+        // writing its first entry: none of them removes the workers.
+        for torn in [
+            "",
+            " \n\t\n",
+            "# comment only\n",
+            "---\n",
+            "endpoints:",
+            "endpoints:\n",
+            "endpoints: ~\n",
+            "other: 1\n",
+            "just text",
+        ] {
+            let e = parse(torn).expect_err(torn);
+            assert_eq!(e.0, NO_ENDPOINTS, "{torn:?}");
+        }
+        assert_eq!(parse(full).expect("full").len(), 1);
+    }
+
+    #[test]
+    fn alias_bombs_are_refused_and_honest_anchors_read() {
+        for levels in [5, 11] {
+            let text = bounded_yaml::tests::bomb(levels);
+            assert!(text.len() < 800, "{} bytes", text.len());
+            let e = parse(&text).expect_err("a bomb");
+            assert!(
+                e.0.contains("an alias counts as the node it repeats"),
+                "{e}"
+            );
+        }
+        let shared = "common: &common\n  kvroute.io/flavor: sglang\n  kvroute.io/events-port: \"6000\"\n\
+endpoints:\n  - {name: a, address: 10.0.0.1, port: 1, labels: *common}\n  - {name: b, address: 10.0.0.2, port: 1, labels: *common}\n";
+        let specs = parse(shared).expect("anchors an operator may use");
+        assert_eq!(specs["b"].flavor, WorkerFlavor::Sglang);
+        assert_eq!(specs["b"].ranks[0].events, "tcp://10.0.0.2:6000");
     }
 
     #[test]

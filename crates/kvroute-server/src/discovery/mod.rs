@@ -17,6 +17,7 @@
 //! nothing: the workers it gave before keep serving, and the problem is
 //! counted and logged once until it changes.
 
+pub mod bounded_yaml;
 pub mod endpoints;
 pub mod file;
 #[cfg(feature = "kube")]

@@ -20,7 +20,11 @@ pub struct EndpointsArgs {
     /// `kvroute.io/replay-port`, `kvroute.io/flavor`, `kvroute.io/dp-size`,
     /// `kvroute.io/role` (or `llm-d.ai/role`), `kvroute.io/bootstrap-port`,
     /// `kvroute.io/block-size` and `kvroute.io/model` complete each entry.
-    /// A file that cannot be read or parsed changes nothing (docs/serving.md)
+    /// A change is applied once the file stayed unchanged for a poll. A file
+    /// that cannot be read or parsed, is over 1 MiB, 4 096 entries or the
+    /// YAML bounds (aliases counted expanded), changed while it was read, or
+    /// lists no endpoints (empty; only `endpoints: []` removes every
+    /// worker) changes nothing and is counted (docs/serving.md)
     #[arg(long, value_name = "FILE", env = "KVROUTE_ENDPOINTS_FILE")]
     endpoints_file: Option<PathBuf>,
     /// Follow a Gateway API Inference Extension InferencePool
@@ -59,7 +63,8 @@ pub struct EndpointsArgs {
     /// or sglang.
     #[arg(long, default_value_t = EndpointDefaults::default().flavor, env = "KVROUTE_ENDPOINTS_FLAVOR")]
     endpoints_flavor: WorkerFlavor,
-    /// How often the file's size and modification time are checked, in ms.
+    /// How often the file's size and modification time are checked, in ms;
+    /// a change is read once two checks in a row find it the same.
     #[arg(long, default_value_t = FileDiscovery::DEFAULT_EVERY.as_millis() as u64, value_parser = clap::value_parser!(u64).range(50..=3_600_000), env = "KVROUTE_ENDPOINTS_POLL_MS")]
     endpoints_poll_ms: u64,
 }
