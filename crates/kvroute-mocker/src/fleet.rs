@@ -240,6 +240,7 @@ impl Fleet {
         let state = Arc::new(EngineState {
             name: name.clone(),
             model: config.model.clone(),
+            root: model_root(config),
             lora_adapters: config.lora_adapters.clone(),
             flavor: config.flavor,
             ranks,
@@ -502,6 +503,17 @@ pub async fn run(
     tracing::info!("shutting down");
     fleet.shutdown().await;
     Ok(())
+}
+
+/// The `root` `/v1/models` names: the folder of the engine's tokenizer, as
+/// vLLM names the folder it loaded the model from, else the model name.
+fn model_root(config: &MockerConfig) -> String {
+    config
+        .tokenizer
+        .as_deref()
+        .and_then(|t| std::fs::canonicalize(t).ok())
+        .and_then(|t| t.parent().map(|d| d.display().to_string()))
+        .unwrap_or_else(|| config.model.clone())
 }
 
 #[cfg(test)]

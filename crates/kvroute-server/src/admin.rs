@@ -131,7 +131,8 @@ pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
             }
         }
     }
-    Json(json!({ "workers": workers, "replicas": replicas }))
+    let tokenizers = crate::tokenizers::tokenizers_json(&state.proxy);
+    Json(json!({ "workers": workers, "replicas": replicas, "tokenizers": tokenizers }))
 }
 
 /// Parses a JSON body, answering 400 with serde's message when it is not JSON.

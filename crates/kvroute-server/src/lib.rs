@@ -215,6 +215,7 @@ pub async fn serve_with_epp(
         Box::new(ActiveCollector::new(proxy.clone())),
         Box::new(ObservedCollector::new(proxy.clone())),
         Box::new(budget::BudgetCollector(proxy.body_budget().clone())),
+        Box::new(tokenizers::TokenizerCollector(proxy.clone())),
         Box::new(saved.clone()),
     ];
     // Exported whether or not a source is followed (at 0 without one).

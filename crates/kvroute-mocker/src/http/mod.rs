@@ -30,6 +30,7 @@ pub mod native;
 pub mod openai;
 pub mod response_store;
 pub mod responses;
+mod tokenize;
 
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -188,6 +189,9 @@ pub struct EngineState {
     pub name: String,
     /// The served model name.
     pub model: String,
+    /// Where the model was loaded from, as `/v1/models` says (`root`): the
+    /// folder of `--tokenizer`, else the model name.
+    pub root: String,
     /// The LoRA adapters it serves besides.
     pub lora_adapters: Vec<String>,
     /// Which engine is imitated.
@@ -233,6 +237,7 @@ pub fn app(state: Arc<EngineState>) -> Router {
         .route("/v1/responses", post(responses::create))
         .route("/v1/messages", post(anthropic::create))
         .route("/v1/models", get(models))
+        .route("/tokenize", post(tokenize::tokenize))
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
@@ -289,7 +294,7 @@ async fn models(State(state): State<Arc<EngineState>>) -> Json<Value> {
             "object": "model",
             "created": state.created,
             "owned_by": state.flavor.as_str(),
-            "root": parent.unwrap_or(id),
+            "root": if parent.is_some() { parent.unwrap_or(id) } else { state.root.as_str() },
             "parent": parent,
             "max_model_len": max_model_len,
         })

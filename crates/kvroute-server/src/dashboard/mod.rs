@@ -135,6 +135,7 @@ pub fn stats(state: &AdminState) -> Value {
             "ttft_p99_ms": latest.and_then(|s| s.ttft_p99_ms),
         },
         "workers": workers,
+        "tokenizers": crate::tokenizers::tokenizers_json(proxy),
         "series": samples,
         "decisions": decisions(&proxy.observed.decisions()),
     })

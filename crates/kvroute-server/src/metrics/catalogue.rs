@@ -17,6 +17,9 @@ const REASON: &[&str] = &["reason"];
 /// A tenant the flags name (`--tenant-weight`, `--tenant-key`,
 /// `--tenant-priority`), or `other`: bounded by the flags.
 const TENANT: &[&str] = &["tenant"];
+/// A model the workers list (their lists are bounded), and where its
+/// tokenizer was found.
+const MODEL_SOURCE: &[&str] = &["model", "source"];
 /// `high` (`x-priority` below 0), `normal` (0) or `low` (above 0).
 const PRIORITY: &[&str] = &["priority"];
 
@@ -112,6 +115,7 @@ catalogue! {
     HTTP_CONNECTIONS_REFUSED:     kvroute_http_connections_refused_total       Counter   NONE "Connections closed on arrival because --max-connections were open.";
     HTTP_HEADER_TIMEOUTS:         kvroute_http_header_timeouts_total           Counter   NONE "Connections closed because a request head took longer than --header-timeout-secs.";
     HTTP_IDLE_TIMEOUTS:           kvroute_http_idle_timeouts_total             Counter   NONE "Kept-alive connections closed after --idle-timeout-secs without a request.";
+    MODEL_TOKENIZER:              kvroute_model_tokenizer                      Gauge     MODEL_SOURCE "1 for each model the workers list, by where the router found its tokenizer: root, cache, hub, parent, engine (/tokenize), or none (its text requests are routed on load alone).";
     BODY_MEMORY:                  kvroute_body_memory_bytes                    Gauge     NONE "Memory budget held by request bodies being read or routed, over HTTP and the endpoint picker (--body-memory-mib).";
     BODY_MEMORY_REFUSALS:         kvroute_body_memory_refusals_total           Counter   NONE "Times a request body could not take its share of the memory budget (some were answered 503 or 429, some waited and were read).";
     ACTIVE_DECODE_BLOCKS:         kvroute_active_decode_blocks                 Gauge     RANK "Distinct blocks held by requests in flight per (worker, rank).";

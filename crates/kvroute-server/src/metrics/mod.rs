@@ -65,7 +65,7 @@ impl Kind {
         }
     }
 
-    fn metric_type(self) -> MetricType {
+    pub(crate) fn metric_type(self) -> MetricType {
         match self {
             Kind::Counter => MetricType::Counter,
             Kind::Gauge => MetricType::Gauge,

@@ -439,6 +439,49 @@ pub async fn complete_from_engine(
     }
 }
 
+/// Every model's tokenizer as `/workers` and `/api/stats` show it: the
+/// model, where its tokens come from (`root`, `cache`, `hub`, `parent`,
+/// `engine`, or `none`: routed on load alone) and, for a file, its path.
+pub fn tokenizers_json(proxy: &crate::proxy::Proxy) -> Value {
+    let rows: Vec<Value> = proxy
+        .tokenizers()
+        .snapshot()
+        .into_iter()
+        .map(|(model, found)| {
+            let from = match &found {
+                Found::File(_, path) => Value::from(path.display().to_string()),
+                Found::Parent(parent) => Value::from(parent.as_str()),
+                Found::Engine | Found::Nowhere => Value::Null,
+            };
+            json!({"model": model, "source": found.label(), "from": from})
+        })
+        .collect();
+    Value::Array(rows)
+}
+
+/// `kvroute_model_tokenizer{model,source}` (1 for each model the workers
+/// list, by where its tokens come from).
+#[derive(Debug)]
+pub struct TokenizerCollector(pub Arc<crate::proxy::Proxy>);
+
+impl prometheus_client::collector::Collector for TokenizerCollector {
+    fn encode(
+        &self,
+        mut encoder: prometheus_client::encoding::DescriptorEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeMetric as _;
+        let info = crate::metrics::catalogue::MODEL_TOKENIZER;
+        let mut family =
+            encoder.encode_descriptor(info.family(), info.help, None, info.kind.metric_type())?;
+        for (model, found) in self.0.tokenizers().snapshot() {
+            let labels = [("model", model), ("source", found.label().to_owned())];
+            let metric = family.encode_family(&labels)?;
+            prometheus_client::metrics::gauge::ConstGauge::new(1i64).encode(metric)?;
+        }
+        Ok(())
+    }
+}
+
 /// The chat every found tokenizer is checked on: roles, punctuation,
 /// digits and a generation prompt.
 fn probe_messages() -> Value {

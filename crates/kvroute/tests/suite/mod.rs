@@ -29,4 +29,5 @@ mod scale;
 mod serve;
 mod sessions;
 mod tenants;
+mod tokenizers;
 mod warm_restart;

@@ -31,8 +31,18 @@ impl Drop for Proc {
 /// The `kvroute` binary under test, as a command to add arguments to: this
 /// build's, or the one `KVROUTE_TEST_BIN` names (to run the suite against
 /// another build, such as the commit before a fix).
+///
+/// Hermetic by default: it never asks the Hugging Face hub
+/// (`HF_HUB_OFFLINE=1`), and a router it starts looks for no tokenizer of
+/// its own (`KVROUTE_TOKENIZER_SOURCES=none`), so that text routed on load
+/// alone stays so for the whole test; a test of tokenizer discovery sets
+/// both itself.
 pub fn kvroute() -> Command {
-    Command::new(kvroute_path())
+    let mut command = Command::new(kvroute_path());
+    command
+        .env("HF_HUB_OFFLINE", "1")
+        .env("KVROUTE_TOKENIZER_SOURCES", "none");
+    command
 }
 
 /// The path of the `kvroute` binary under test (see [`kvroute`]).
