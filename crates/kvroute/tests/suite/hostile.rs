@@ -313,7 +313,10 @@ fn a_prefill_workers_endless_answer_is_cut_at_the_bound() {
     });
     let (_d, d_line) = disagg::engine("vllm", "decode", "d0");
     let events = format!("tcp://127.0.0.1:{}", free_port());
-    let p_line = format!("name=p0,url={url},events={events},dp=1,block_size=16,role=prefill");
+    // Its spec names its model: its /v1/models answer (64 MiB too) is refused.
+    let p_line = format!(
+        "name=p0,url={url},events={events},dp=1,block_size=16,role=prefill,model=mock-model"
+    );
     let (serve_proc, serve) = disagg::start_serve_with_env(
         &[p_line, d_line],
         &["--local-prefill-max-tokens", "0"],
