@@ -86,6 +86,12 @@ fn split_regex(pre: &Value) -> Option<&str> {
 }
 
 impl ByteLevelPath {
+    /// Whether NFC is configured (which may shorten a text, at most by
+    /// three times: a Hangul syllable written as its jamo).
+    pub(super) fn normalizes(&self) -> bool {
+        self.ascii_only
+    }
+
     /// The lean encoder for the pipeline of `json`, when it is one of those
     /// above; `hidden_tokens`: added tokens may hide inside pieces (then the
     /// full pipeline must look for them).

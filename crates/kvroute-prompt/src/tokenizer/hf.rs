@@ -33,6 +33,8 @@ pub(super) struct HfTokenizer {
     byte_level: Option<ByteLevelPath>,
     /// Ids of pieces seen before; `None`: the model is not deterministic.
     cache: Option<SegmentCache>,
+    /// See [`HfTokenizer::max_token_bytes`], worked out once.
+    max_token_bytes: Option<usize>,
 }
 
 impl std::fmt::Debug for HfTokenizer {
@@ -72,6 +74,10 @@ impl HfTokenizer {
         let byte_level = plan
             .as_ref()
             .and_then(|p| ByteLevelPath::analyse(&value, p.hidden_tokens));
+        let max_token_bytes = byte_level.as_ref().and_then(|b| {
+            let longest = full.get_vocab(true).keys().map(String::len).max()?;
+            Some(if b.normalizes() { 3 * longest } else { longest })
+        });
         Ok(HfTokenizer {
             full,
             not_first,
@@ -79,7 +85,18 @@ impl HfTokenizer {
             unprovable,
             byte_level,
             cache,
+            max_token_bytes,
         })
+    }
+
+    /// The most bytes of text one token can stand for, when the pipeline
+    /// bounds it: a byte-level one (every input byte is a vocabulary
+    /// character, so no token covers more text than its string; NFC can
+    /// shorten a text at most three times). `None` for other pipelines,
+    /// where an unknown word, dropped whitespace or a normalizer can make
+    /// one token of any length.
+    pub(super) fn max_token_bytes(&self) -> Option<usize> {
+        self.max_token_bytes
     }
 
     /// The id of a token string (vocabulary or added token).

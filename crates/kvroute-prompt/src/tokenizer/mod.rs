@@ -282,6 +282,19 @@ impl Tokenizer {
         }
     }
 
+    /// The most bytes of text (not counting whitespace, which a pipeline
+    /// may drop) one token can stand for, when the tokenizer bounds it: so
+    /// that a text of more than `context` times that many bytes is known to
+    /// be longer than `context` tokens without tokenizing it. The built-in
+    /// tokenizer's pieces are at most a space and eight characters.
+    pub fn max_token_bytes(&self) -> Option<usize> {
+        match &self.kind {
+            Kind::Builtin => Some(1 + 8 * 4),
+            #[cfg(feature = "hf")]
+            Kind::Hf(tok) => tok.max_token_bytes(),
+        }
+    }
+
     /// Hits, misses and size of the segment cache; `None` without one.
     pub fn cache_stats(&self) -> Option<CacheStats> {
         match &self.kind {

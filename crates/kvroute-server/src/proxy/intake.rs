@@ -12,7 +12,8 @@
 //! refused (503 while other bodies hold the budget, 413 when it alone is
 //! over it). The parsed prompt is dropped once its tokens are known.
 
-use kvroute_prompt::body::RoutingRequest;
+use kvroute_prompt::body::{RoutingRequest, TextPrompt};
+use serde_json::Value;
 use kvroute_prompt::shape::{shape, BodyShape};
 
 use super::{Endpoint, Proxy, LARGE_BODY};
@@ -47,7 +48,7 @@ pub fn read(
             reserve(proxy, share, parse_cost(body.len(), &shape))?;
         }
     }
-    let read = parse_and_tokenize(proxy, endpoint, body);
+    let read = parse_and_tokenize(proxy, endpoint, body, body.len() > LARGE_BODY);
     // What stays while the request is routed: its bytes.
     share.shrink_to(body.len());
     read
@@ -57,6 +58,7 @@ fn parse_and_tokenize(
     proxy: &Proxy,
     endpoint: Endpoint,
     body: &[u8],
+    large: bool,
 ) -> Result<RoutingRequest, ProxyError> {
     let mut req = endpoint
         .parse(body)
@@ -67,6 +69,9 @@ fn parse_and_tokenize(
              a request may not carry it"
         )));
     }
+    if large {
+        check_text(proxy, &req)?;
+    }
     proxy.tokenize(&mut req);
     if req.tokens.is_some() {
         // Routing reads the tokens from now on; the parsed prompt can go.
@@ -75,12 +80,72 @@ fn parse_and_tokenize(
     Ok(req)
 }
 
+/// The largest context any worker has.
+fn largest_context(proxy: &Proxy) -> Option<u64> {
+    let targets = proxy.targets();
+    targets.iter().filter_map(|t| proxy.context_length(t)).max()
+}
+
+/// Refuses a text that its tokenizer could not make into fewer tokens than
+/// the largest context holds, before tokenizing it: a tokenizer that
+/// bounds the text one token stands for ([`Tokenizer::max_token_bytes`])
+/// turns a text of `n` such bytes into at least `n / max` tokens.
+///
+/// [`Tokenizer::max_token_bytes`]: kvroute_prompt::Tokenizer::max_token_bytes
+fn check_text(proxy: &Proxy, req: &RoutingRequest) -> Result<(), ProxyError> {
+    let (Some(text), Some(context)) = (&req.text, largest_context(proxy)) else {
+        return Ok(());
+    };
+    let renderer = proxy.renderer_for(req.model.as_deref());
+    let Some(max) = renderer.and_then(|r| r.tokenizer().max_token_bytes()) else {
+        return Ok(());
+    };
+    let least = (visible_bytes(text) / max.max(1)) as u64;
+    if least <= context {
+        return Ok(());
+    }
+    Err(ProxyError::ContextTooLong(format!(
+        "This model's maximum context length is {context} tokens. However, your request's text \
+         makes at least {least} tokens. Please reduce the length of the input."
+    )))
+}
+
+/// The text bytes a prompt's tokens must cover, whitespace aside (which a
+/// template may trim): a completion's text (the longest of a batch), or
+/// the text of a chat's messages (not their images).
+fn visible_bytes(text: &TextPrompt) -> usize {
+    let count = |s: &str| s.bytes().filter(|b| !b.is_ascii_whitespace()).count();
+    match text {
+        TextPrompt::Completion(Value::String(s)) => count(s),
+        TextPrompt::Completion(Value::Array(items)) => items
+            .iter()
+            .filter_map(Value::as_str)
+            .map(count)
+            .max()
+            .unwrap_or(0),
+        TextPrompt::Completion(_) => 0,
+        TextPrompt::Chat(messages) => messages
+            .as_array()
+            .into_iter()
+            .flatten()
+            .map(|m| match m.get("content") {
+                Some(Value::String(s)) => count(s),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .filter(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+                    .filter_map(|p| p.get("text").and_then(Value::as_str))
+                    .map(count)
+                    .sum(),
+                _ => 0,
+            })
+            .sum(),
+    }
+}
+
 /// Refuses a prompt of more parts than the largest context any worker has
 /// holds tokens.
 fn check_parts(proxy: &Proxy, shape: &BodyShape) -> Result<(), ProxyError> {
-    let targets = proxy.targets();
-    let largest = targets.iter().filter_map(|t| proxy.context_length(t)).max();
-    match largest {
+    match largest_context(proxy) {
         Some(context) if shape.prompt_parts as u64 > context => {
             Err(ProxyError::ContextTooLong(format!(
                 "This model's maximum context length is {context} tokens. However, your request \
@@ -112,4 +177,35 @@ fn reserve(proxy: &Proxy, share: &mut Share, bytes: usize) -> Result<(), ProxyEr
          --body-memory-mib); retry shortly",
         budget.limit() >> 20
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn the_text_a_prompt_must_cover_leaves_out_whitespace_and_images() {
+        let text = TextPrompt::Completion(json!("ab  cd\n"));
+        assert_eq!(visible_bytes(&text), 4);
+        let batch = TextPrompt::Completion(json!(["abc", "abcdef", 7]));
+        assert_eq!(visible_bytes(&batch), 6, "the longest prompt of a batch");
+        let chat = TextPrompt::Chat(json!([
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": [
+                {"type": "text", "text": "look at"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]},
+            {"role": "assistant", "content": null},
+        ]));
+        assert_eq!(visible_bytes(&chat), 7 + 6);
+    }
+
+    #[test]
+    fn a_large_body_costs_its_bytes_and_its_values() {
+        let shape = BodyShape {
+            values: 1_000,
+            prompt_parts: 10,
+        };
+        assert_eq!(parse_cost(1 << 20, &shape), (5 << 20) + 400_000);
+    }
 }

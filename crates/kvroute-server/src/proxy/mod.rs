@@ -474,6 +474,19 @@ impl Proxy {
         }
     }
 
+    /// The renderer of requests naming `model` (or none): `--model`'s for
+    /// it, else `--tokenizer`'s, else the one found for it; a request that
+    /// names no model is taken to ask for the one model the workers list.
+    pub fn renderer_for(&self, model: Option<&str>) -> Option<Arc<Renderer>> {
+        let model = model.map(str::to_owned).or_else(|| self.only_model());
+        let explicit = model
+            .as_deref()
+            .and_then(|m| self.config.model_renderers.get(m))
+            .or(self.config.renderer.as_ref())
+            .cloned();
+        explicit.or_else(|| model.as_deref().and_then(|m| self.tokenizers.renderer(m)))
+    }
+
     /// Fills in `req.tokens` and `req.images` from its text with the
     /// renderer of the model it names, else the default one, if there is one. Requests with token ids keep them as
     /// given; a prompt the renderer refuses is routed on load alone (the
@@ -482,14 +495,8 @@ impl Proxy {
         if req.tokens.is_some() {
             return;
         }
-        let model = req.model.clone().or_else(|| self.only_model());
-        let own = model
-            .as_deref()
-            .and_then(|m| self.config.model_renderers.get(m))
-            .or(self.config.renderer.as_ref())
-            .cloned();
-        let found = || model.as_deref().and_then(|m| self.tokenizers.renderer(m));
-        let (Some(renderer), Some(text)) = (own.or_else(found), &req.text) else {
+        let (Some(renderer), Some(text)) = (self.renderer_for(req.model.as_deref()), &req.text)
+        else {
             return;
         };
         let source = match text {
