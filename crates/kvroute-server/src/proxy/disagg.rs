@@ -279,8 +279,9 @@ async fn leg(
 
 /// How a vLLM prefill leg ended.
 enum Prefilled {
-    /// Its `kv_transfer_params`, from the prefill candidate at this position.
-    Params(Value),
+    /// Its `kv_transfer_params` (none for a connector that hands KV over by
+    /// the prompt), from the prefill candidate at this position.
+    Params(Option<Value>),
     /// The prefill worker's own answer, not a success: the client's.
     Answer(Response),
 }
@@ -305,7 +306,7 @@ async fn vllm(
         Prefilled::Answer(response) => return Ok(response),
     };
     let out = leg(proxy, candidates, decode, &request, move |body| {
-        handoff::vllm_decode_body(body, &params)
+        handoff::vllm_decode_body(body, params.as_ref())
     })
     .await?;
     relay_decode(

@@ -23,9 +23,9 @@ pub enum HandoffError {
     /// The client's body is not a JSON object.
     #[error("the body must be a JSON object: {0}")]
     NotAnObject(String),
-    /// The prefill worker's answer named no blocks to fetch (vLLM gives
-    /// them only when the one-token cap ended the request).
-    #[error("the prefill worker's answer has no kv_transfer_params object")]
+    /// The prefill worker's `kv_transfer_params` are neither an object nor
+    /// `null`.
+    #[error("the prefill worker's kv_transfer_params are not an object")]
     NoTransferParams,
 }
 
@@ -73,12 +73,18 @@ pub fn vllm_prefill_body(body: &[u8]) -> Result<Vec<u8>, HandoffError> {
     Ok(bytes(map))
 }
 
-/// The `kv_transfer_params` object of a vLLM prefill worker's answer.
-pub fn vllm_transfer_params(answer: &[u8]) -> Result<Value, HandoffError> {
+/// The `kv_transfer_params` object of a vLLM prefill worker's answer;
+/// `None` when it names none (absent or `null`): a connector that hands KV
+/// over by the prompt itself (vLLM's `ExampleConnector` through a shared
+/// folder, LMCache through its store) needs none, and its decode engine
+/// finds the blocks from the request alone. Anything else there is an
+/// error.
+pub fn vllm_transfer_params(answer: &[u8]) -> Result<Option<Value>, HandoffError> {
     let map = object(answer)?;
     match map.get("kv_transfer_params") {
-        Some(params @ Value::Object(_)) => Ok(params.clone()),
-        _ => Err(HandoffError::NoTransferParams),
+        Some(params @ Value::Object(_)) => Ok(Some(params.clone())),
+        None | Some(Value::Null) => Ok(None),
+        Some(_) => Err(HandoffError::NoTransferParams),
     }
 }
 
@@ -89,7 +95,10 @@ pub fn vllm_transfer_params(answer: &[u8]) -> Result<Value, HandoffError> {
 /// `kv_transfer_params` (the usual case) the field is appended before its
 /// closing brace, byte for byte the rest, instead of parsing and writing
 /// the whole prompt again; otherwise the field is replaced in a re-parse.
-pub fn vllm_decode_body(body: &[u8], params: &Value) -> Result<Vec<u8>, HandoffError> {
+pub fn vllm_decode_body(body: &[u8], params: Option<&Value>) -> Result<Vec<u8>, HandoffError> {
+    let Some(params) = params else {
+        return Ok(body.to_vec());
+    };
     if let Some(spliced) =
         super::rewrite::append_field(body, "kv_transfer_params", &params.to_string())
     {
@@ -219,10 +228,14 @@ mod tests {
             "do_remote_prefill": true, "do_remote_decode": false, "remote_block_ids": [[1, 2, 3]],
             "remote_engine_id": "e0", "remote_request_id": "r", "remote_host": "127.0.0.1",
             "remote_port": 5600, "tp_size": 1}});
-        let params = vllm_transfer_params(answer.to_string().as_bytes()).expect("params");
+        let params = vllm_transfer_params(answer.to_string().as_bytes())
+            .expect("params")
+            .expect("named");
         assert_eq!(params, answer["kv_transfer_params"]);
+        let params = &params;
         let client = json!({"prompt": "hi", "max_tokens": 300, "stream": true});
-        let leg = parse(&vllm_decode_body(client.to_string().as_bytes(), &params).expect("leg"));
+        let leg =
+            parse(&vllm_decode_body(client.to_string().as_bytes(), Some(params)).expect("leg"));
         assert_eq!(leg["kv_transfer_params"], answer["kv_transfer_params"]);
         assert_eq!(
             (leg["max_tokens"].clone(), leg["stream"].clone()),
@@ -230,21 +243,34 @@ mod tests {
         );
         // Appended to the client's bytes, or replacing a field it sent.
         let spaced = b" {\"prompt\": [1, 2],\n \"stream\": false }\n";
-        let leg = vllm_decode_body(spaced, &params).expect("leg");
+        let leg = vllm_decode_body(spaced, Some(params)).expect("leg");
         assert!(leg.starts_with(b" {\"prompt\": [1, 2],\n \"stream\": false ,"));
-        assert_eq!(parse(&leg)["kv_transfer_params"], params);
-        let leg = parse(&vllm_decode_body(b"{ }", &params).expect("leg"));
-        assert_eq!(leg, json!({"kv_transfer_params": params}));
+        assert_eq!(parse(&leg)["kv_transfer_params"], *params);
+        let leg = parse(&vllm_decode_body(b"{ }", Some(params)).expect("leg"));
+        assert_eq!(leg, json!({"kv_transfer_params": *params}));
         let stale = json!({"prompt": "hi", "kv_transfer_params": {"do_remote_prefill": false}});
-        let leg = parse(&vllm_decode_body(stale.to_string().as_bytes(), &params).expect("leg"));
-        assert_eq!(leg["kv_transfer_params"], params);
-        assert!(vllm_decode_body(b"[1]", &params).is_err());
+        let leg =
+            parse(&vllm_decode_body(stale.to_string().as_bytes(), Some(params)).expect("leg"));
+        assert_eq!(leg["kv_transfer_params"], *params);
+        assert!(vllm_decode_body(b"[1]", Some(params)).is_err());
+        // A connector that hands KV over by the prompt names none: the
+        // decode leg is the client's request as it came.
         for missing in [json!({"choices": []}), json!({"kv_transfer_params": null})] {
             assert_eq!(
                 vllm_transfer_params(missing.to_string().as_bytes()),
-                Err(HandoffError::NoTransferParams)
+                Ok(None)
             );
         }
+        let client = br#"{"prompt": "hi", "max_tokens": 3}"#;
+        assert_eq!(
+            vllm_decode_body(client, None).expect("leg"),
+            client.to_vec()
+        );
+        let bad = json!({"kv_transfer_params": "elsewhere"});
+        assert_eq!(
+            vllm_transfer_params(bad.to_string().as_bytes()),
+            Err(HandoffError::NoTransferParams)
+        );
     }
 
     #[test]

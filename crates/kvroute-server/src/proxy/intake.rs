@@ -13,8 +13,8 @@
 //! over it). The parsed prompt is dropped once its tokens are known.
 
 use kvroute_prompt::body::{RoutingRequest, TextPrompt};
-use serde_json::Value;
 use kvroute_prompt::shape::{shape, BodyShape};
+use serde_json::Value;
 
 use super::{Endpoint, Proxy, LARGE_BODY};
 use crate::api::ProxyError;
