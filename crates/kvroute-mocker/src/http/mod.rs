@@ -454,14 +454,7 @@ async fn admit<'a>(
     if failed {
         return Err(ApiError::internal("injected failure (--fail-rate)"));
     }
-    // Tokenizing and hashing images is CPU work: keep it off the async workers.
-    let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
-    let (settings, capacity) = (state.prompt, state.capacity_tokens());
-    let (request, filler, parsed) = tokio::task::spawn_blocking(move || {
-        openai::build(&parsed, &renderer, &filler, settings, capacity).map(|(r, f)| (r, f, parsed))
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let (request, filler, parsed) = build_off_runtime(state, parsed).await?;
     // A decode leg received the prompt's KV and computed none of it.
     let input_logprobs = parsed.input_logprobs.then(|| match &leg {
         handoff::Leg::SglangDecode { .. } => Value::Array(Vec::new()),
@@ -481,6 +474,22 @@ async fn admit<'a>(
         prompt_tokens,
         n: state.counter.fetch_add(1, Ordering::Relaxed),
     })
+}
+
+/// `parsed`'s engine request, built (rendered, tokenized, images hashed)
+/// on the blocking pool: CPU work kept off the async workers. The parsed
+/// request comes back with it.
+pub(super) async fn build_off_runtime(
+    state: &EngineState,
+    parsed: ParsedRequest,
+) -> Result<(crate::engine::NewRequest, Vec<FillerToken>, ParsedRequest), ApiError> {
+    let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
+    let (settings, capacity) = (state.prompt, state.capacity_tokens());
+    tokio::task::spawn_blocking(move || {
+        openai::build(&parsed, &renderer, &filler, settings, capacity).map(|(r, f)| (r, f, parsed))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))?
 }
 
 /// A request body and its JSON: the extractor's refusal (too large, …) or
@@ -527,13 +536,7 @@ async fn cache_match(
             ))
         }
     };
-    let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
-    let (settings, capacity) = (state.prompt, state.capacity_tokens());
-    let (request, _) = tokio::task::spawn_blocking(move || {
-        openai::build(&parsed, &renderer, &filler, settings, capacity)
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let (request, _, _) = build_off_runtime(&state, parsed).await?;
     let mut ranks = Vec::with_capacity(state.ranks.len());
     for rank in &state.ranks {
         let matched = rank

@@ -11,7 +11,7 @@ use axum::extract::State;
 use axum::Json;
 use serde_json::{json, Value};
 
-use super::{json_body, openai, ApiError, Endpoint, EngineState};
+use super::{build_off_runtime, json_body, openai, ApiError, Endpoint, EngineState};
 
 /// `POST /tokenize`.
 pub(super) async fn tokenize(
@@ -25,13 +25,8 @@ pub(super) async fn tokenize(
         Endpoint::Completions
     };
     let parsed = openai::parse(endpoint, &body)?;
-    let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
-    let (settings, capacity) = (state.prompt, state.capacity_tokens());
-    let (request, _) = tokio::task::spawn_blocking(move || {
-        openai::build(&parsed, &renderer, &filler, settings, capacity)
-    })
-    .await
-    .map_err(|e| ApiError::internal(format!("tokenizer task failed: {e}")))??;
+    let capacity = state.capacity_tokens();
+    let (request, _, _) = build_off_runtime(&state, parsed).await?;
     Ok(Json(json!({
         "count": request.prompt.len(),
         "max_model_len": capacity,

@@ -199,7 +199,7 @@ impl Watched {
 
     /// The router's resident memory, in bytes (`VmRSS` of /proc/PID/status).
     fn rss(&self) -> u64 {
-        rss_of(self.router.0.id())
+        crate::support::rss(self.router.0.id())
     }
 }
 
@@ -207,16 +207,6 @@ impl Watched {
 fn complete(serve: &str) -> crate::support::http::Reply {
     let body = json!({"model": "mock-model", "prompt": [1, 2, 3, 4], "max_tokens": 2});
     request(serve, "POST", "/v1/completions", &body.to_string())
-}
-
-/// The resident memory of process `pid`, in bytes (0 once it is gone).
-fn rss_of(pid: u32) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .map_or(0, |kb| kb * 1024)
 }
 
 /// The file at `path` opened for writing in place and truncated to 0 bytes

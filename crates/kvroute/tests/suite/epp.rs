@@ -564,14 +564,9 @@ fn unfinished_request_bodies_cannot_hold_the_pickers_memory() {
             "{answer}"
         );
     }
-    let peak = crate::support::peak_rss(picker._proc.0.id());
-    eprintln!(
-        "router peak RSS under twenty unfinished 10 MB picker streams: {} MiB",
-        peak >> 20
-    );
-    assert!(
-        peak > 0 && peak < 256 << 20,
-        "router peak RSS {} MiB",
-        peak >> 20
+    crate::support::assert_peak_rss_under(
+        picker._proc.0.id(),
+        256 << 20,
+        "under twenty unfinished 10 MB picker streams",
     );
 }

@@ -13,7 +13,9 @@ use serde_json::{json, Value};
 
 use super::disagg;
 use crate::support::http::{connect, read_reply, request, Reply};
-use crate::support::{eventually, free_port, peak_rss, spawn_serve_with_env, start_mocker, Proc};
+use crate::support::{
+    assert_peak_rss_under, eventually, free_port, spawn_serve_with_env, start_mocker, Proc,
+};
 
 /// The bound on the router's resident memory under every attack here
 /// (the default limits; a debug build's 35 MiB start included).
@@ -187,15 +189,10 @@ fn huge_prompts_are_refused_before_they_are_built_and_memory_stays_bounded() {
             reply.body
         );
     }
-    let peak = peak_rss(serve_proc.0.id());
-    eprintln!(
-        "router peak RSS under seven huge prompts at once: {} MiB",
-        peak >> 20
-    );
-    assert!(
-        peak > 0 && peak < RSS_BOUND,
-        "router peak RSS {} MiB",
-        peak >> 20
+    assert_peak_rss_under(
+        serve_proc.0.id(),
+        RSS_BOUND,
+        "under seven huge prompts at once",
     );
 }
 
@@ -246,15 +243,10 @@ fn stalled_large_bodies_cannot_hold_the_routers_memory() {
             reply.body
         );
     }
-    let peak = peak_rss(serve_proc.0.id());
-    eprintln!(
-        "router peak RSS under twelve stalled 25 MB bodies: {} MiB",
-        peak >> 20
-    );
-    assert!(
-        peak > 0 && peak < RSS_BOUND,
-        "router peak RSS {} MiB",
-        peak >> 20
+    assert_peak_rss_under(
+        serve_proc.0.id(),
+        RSS_BOUND,
+        "under twelve stalled 25 MB bodies",
     );
 }
 
@@ -336,15 +328,10 @@ fn a_prefill_workers_endless_answer_is_cut_at_the_bound() {
         assert_eq!(reply.status, 502, "{}", reply.body);
         assert!(reply.body.contains("--max-answer-mib"), "{}", reply.body);
     }
-    let peak = peak_rss(serve_proc.0.id());
-    eprintln!(
-        "router peak RSS after three endless prefill answers: {} MiB",
-        peak >> 20
-    );
-    assert!(
-        peak > 0 && peak < 128 << 20,
-        "router peak RSS {} MiB",
-        peak >> 20
+    assert_peak_rss_under(
+        serve_proc.0.id(),
+        128 << 20,
+        "after three endless prefill answers",
     );
 }
 

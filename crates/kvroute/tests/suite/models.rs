@@ -13,7 +13,7 @@ use std::sync::Arc;
 use serde_json::{json, Value};
 
 use crate::support::http::{count, request};
-use crate::support::{eventually, free_port, spawn_serve, start_mocker_with, start_serve, Proc};
+use crate::support::{eventually, free_port, spawn_serve, start_mocker_with, start_serve};
 
 /// One mock engine serving `model` (and `adapters`), its `--worker` line named `name`.
 fn engine(model: &str, adapters: &str, name: &str) -> (crate::support::Proc, String) {
@@ -264,18 +264,6 @@ fn models_of(serve: &str, name: &str) -> Value {
         .map_or(Value::Null, |w| w["models"].clone())
 }
 
-/// The router's peak resident memory (`VmHWM`), in bytes.
-fn peak_rss(serve: &Proc) -> u64 {
-    let status = std::fs::read_to_string(format!("/proc/{}/status", serve.0.id()))
-        .expect("the router's /proc status");
-    status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-        .expect("VmHWM")
-        * 1024
-}
-
 /// The probe's worker listing a million models (57 MB, sent slowly): the
 /// build before never finished reading it, took "no answer" for "serves
 /// every model" and sent a request for a model no one serves to it (200
@@ -356,7 +344,7 @@ fn a_huge_model_list_does_not_bloat_the_router() {
         .map(|c| c.join().expect("a client"))
         .collect();
     let bound = 128 << 20;
-    let peak = peak_rss(&serve_proc);
+    let peak = crate::support::peak_rss(serve_proc.0.id());
     assert!(peak < bound, "router peak RSS {} MiB", peak >> 20);
     for reply in replies {
         assert_eq!(reply.status, 200);
@@ -376,7 +364,7 @@ fn a_huge_model_list_does_not_bloat_the_router() {
     eventually("the list refused", || {
         count(&serve, "kvroute_proxy_model_lists_refused_total") >= 1
     });
-    let peak = peak_rss(&serve_proc);
+    let peak = crate::support::peak_rss(serve_proc.0.id());
     assert!(peak < bound, "router peak RSS {} MiB", peak >> 20);
 }
 

@@ -330,3 +330,16 @@ pub fn rss(pid: u32) -> u64 {
 pub fn peak_rss(pid: u32) -> u64 {
     status_bytes(pid, "VmHWM")
 }
+
+/// Asserts that process `pid` never held `bound` bytes or more (its
+/// `VmHWM`), printing the figure with `what` it was under.
+pub fn assert_peak_rss_under(pid: u32, bound: u64, what: &str) {
+    let peak = peak_rss(pid);
+    eprintln!("router peak RSS {what}: {} MiB", peak >> 20);
+    assert!(
+        peak > 0 && peak < bound,
+        "router peak RSS {} MiB {what} (bound {} MiB)",
+        peak >> 20,
+        bound >> 20
+    );
+}
