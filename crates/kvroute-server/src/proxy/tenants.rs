@@ -8,9 +8,10 @@
 //!    strips it (and `x-priority`) for every request;
 //! 2. the tenant `--tenant-key NAME=…` binds its API key to
 //!    (`Authorization: Bearer …`, matched by the key's whole SHA-256);
-//! 3. the fingerprint of its API key ([`key_fingerprint`]: `key-` and 12
-//!    hex digits of the key's SHA-256; the key itself is never logged or
-//!    exported);
+//! 3. the fingerprint of its API key
+//!    ([`key_fingerprint`](kvroute_core::scheduler::fair::key_fingerprint):
+//!    `key-` and 12 hex digits of the key's SHA-256; the key itself is never
+//!    logged or exported);
 //! 4. [`ANONYMOUS`].
 //!
 //! Without `--trust-tenant-header` the header is ignored: a client cannot
