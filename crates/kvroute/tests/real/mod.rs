@@ -2,6 +2,7 @@
 
 pub mod bed;
 mod conversations;
+mod demo;
 mod discovery;
 mod ingest;
 mod predictions;

@@ -21,7 +21,7 @@ import sys
 import msgspec
 import zmq
 
-TIMEOUT_MS = 10_000
+TIMEOUT_MS = 3_000
 
 
 def main():
@@ -34,13 +34,22 @@ def main():
     sock.send_multipart([b"", struct.pack(">q", start)])
     blocks = {}
     last_seq, batches, sizes, clears = None, 0, set(), 0
+    asked_after = None
     while True:
         if not sock.poll(TIMEOUT_MS):
-            sys.exit(f"no replay answer from {sys.argv[1]} within {TIMEOUT_MS} ms")
+            if last_seq is None or last_seq == asked_after:
+                sys.exit(f"no replay answer from {sys.argv[1]} within {TIMEOUT_MS} ms")
+            # vLLM's replay socket drops what a slow reader has not taken
+            # past 1,000 queued messages, its end marker too: ask for the rest.
+            asked_after = last_seq
+            sock.send_multipart([b"", struct.pack(">q", last_seq + 1)])
+            continue
         frames = sock.recv_multipart()
         seq = struct.unpack(">q", frames[-2])[0]
         if seq == -1:
             break
+        if last_seq is not None and seq <= last_seq:
+            continue
         last_seq, batches = seq, batches + 1
         payload = msgspec.msgpack.decode(frames[-1])
         for event in payload[1]:
