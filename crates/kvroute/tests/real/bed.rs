@@ -4,6 +4,7 @@
 //! beside the router: their replay (an independent subscriber, `replay.py`
 //! in the engines' own Python) and their answers' `cached_tokens`.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard};
@@ -64,6 +65,18 @@ pub struct Bed {
 
 /// One test at a time: the engines and their caches are shared.
 static SERIAL: Mutex<()> = Mutex::new(());
+
+/// Per replay endpoint, the sequence number of the engine's last cache
+/// reset: what it holds is known from there on, and a replay from there is
+/// short however long the engine's history (a replay from 0 of thousands
+/// of batches takes seconds).
+static SINCE: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+
+/// Where `engine`'s replays start (its last reset, else 0).
+fn since(engine: &Engine) -> u64 {
+    let since = SINCE.lock().unwrap_or_else(|p| p.into_inner());
+    since.get(&engine.replay).copied().unwrap_or(0)
+}
 
 /// The bed, for one test: waits for the other tests to finish, checks that
 /// every engine answers, and empties their caches. Fails, naming the
@@ -157,14 +170,26 @@ impl Bed {
             assert_eq!(reply.status, 200, "{}: {}", e.name, reply.body);
             eventually(&format!("{}'s replay shows the reset", e.name), || {
                 let r = self.replay(e);
-                r.blocks.is_empty() && r.clears > 0
+                let reset = r.blocks.is_empty() && r.clears > 0;
+                if let (true, Some(at)) = (reset, r.clear_seq) {
+                    let mut since = SINCE.lock().unwrap_or_else(|p| p.into_inner());
+                    since.insert(e.replay.clone(), at);
+                }
+                reset
             });
         }
     }
 
-    /// What `engine` holds now, by its replay from sequence 0.
+    /// What `engine` holds now, by its replay from its last reset (the
+    /// reset's `AllBlocksCleared` included), or from 0.
     pub fn replay(&self, engine: &Engine) -> Replay {
-        self.replay_from(engine, 0)
+        self.replay_from(engine, since(engine))
+    }
+
+    /// `engine` restarted: its sequence numbers start again from 0.
+    pub fn restarted(&self, engine: &Engine) {
+        let mut since = SINCE.lock().unwrap_or_else(|p| p.into_inner());
+        since.remove(&engine.replay);
     }
 
     /// `engine`'s replay from sequence `from` (what those batches stored).
@@ -197,6 +222,7 @@ impl Bed {
             last_seq: doc["last_seq"].as_i64(),
             batches: doc["batches"].as_u64().unwrap_or(0),
             clears: doc["clears"].as_u64().unwrap_or(0),
+            clear_seq: doc["clear_seq"].as_u64(),
             block_sizes: doc["block_sizes"]
                 .as_array()
                 .expect("sizes")
@@ -357,6 +383,8 @@ pub struct Replay {
     pub batches: u64,
     /// `AllBlocksCleared` events seen.
     pub clears: u64,
+    /// The last one's sequence number.
+    pub clear_seq: Option<u64>,
     /// Block sizes the events carried.
     pub block_sizes: Vec<u64>,
     /// Every block stored and not removed since the last clear.

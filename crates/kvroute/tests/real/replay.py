@@ -6,8 +6,9 @@ subscriber for the real-engine suite, beside (not through) kvroute.
 Asks the engine's replay socket (a DEALER sends ["", start seq as 8 bytes
 big-endian]) for every batch from sequence FROM (default 0), applies them in order
 (BlockStored adds blocks, BlockRemoved drops them, AllBlocksCleared empties
-the set) and prints one JSON object: the last sequence number, the block
-sizes seen, and every block still stored with its parent and its tokens
+the set) and prints one JSON object: the last sequence number, the last
+clear's, the block sizes seen, and every block still stored with its
+parent and its tokens
 (from FROM > 0: only what those batches stored; `batches` 0 says the engine
 published nothing from FROM on).
 Runs in the engine's own virtual environment (pyzmq and msgspec come with
@@ -33,7 +34,7 @@ def main():
     sock.connect(sys.argv[1])
     sock.send_multipart([b"", struct.pack(">q", start)])
     blocks = {}
-    last_seq, batches, sizes, clears = None, 0, set(), 0
+    last_seq, batches, sizes, clears, clear_seq = None, 0, set(), 0, None
     asked_after = None
     while True:
         if not sock.poll(TIMEOUT_MS):
@@ -70,12 +71,14 @@ def main():
             elif kind == "AllBlocksCleared":
                 blocks.clear()
                 clears += 1
+                clear_seq = seq
             else:
                 sys.exit(f"batch {seq}: an event of unknown type {kind!r}")
     print(json.dumps({
         "last_seq": last_seq,
         "batches": batches,
         "clears": clears,
+        "clear_seq": clear_seq,
         "block_sizes": sorted(sizes),
         "blocks": list(blocks.values()),
     }))

@@ -145,6 +145,7 @@ fn a_killed_and_restarted_engine_leaves_no_ghost_blocks_and_no_misprediction() {
 
         kill(&bed, &victim);
         restart(&bed, &victim);
+        bed.restarted(&victim);
         // At once, the first request after the engine is back: whatever
         // the router knows by now, its prediction must hold.
         let first_back = ask(&serve, "/v1/completions", &body);
