@@ -35,8 +35,11 @@
 //!
 //! While a replay runs, live batches are buffered (bounded: past the bound
 //! they are dropped, and the gap they leave is found and replayed later).
-//! When history cannot be completed (the ring is too short, a replay failed
-//! while a gap was open, a batch could not be decoded), the cursor says so in
+//! A replay whose replies stop before the end marker, after bringing some
+//! batches, is asked again from the last one applied: a ring that sends
+//! faster than its reader reads may drop its tail. When history cannot be
+//! completed (the ring is too short, a replay failed while a gap was open,
+//! a batch could not be decoded), the cursor says so in
 //! [`StreamCursor::history`] and keeps going: the rank is *degraded*, and the
 //! shell decides how to recover. A clear (an engine restart, or the engine's
 //! own `AllBlocksCleared`) makes history exact again.
@@ -549,6 +552,15 @@ impl<T> StreamCursor<T> {
         }
         if end == ReplayEnd::TimedOut {
             self.stats.replay_timeouts += 1;
+            if self.last.map(|a| a.seq) > replay.anchor.map(|a| a.seq) {
+                // Replies came, then stopped before the end marker: the
+                // engine dropped the rest (vLLM's replay socket queues at
+                // most 1,000 messages per reader and drops what a slow
+                // reader has not taken, its end marker too). What came is
+                // applied; ask for the rest from there.
+                self.start_replay(out);
+                return;
+            }
         }
         let mut jumped = false;
         while let Some((seq, payload)) = self.buffer.pop_front() {

@@ -13,6 +13,12 @@
 //! the same engines as aggregated ones; the report adds the prefill-side
 //! hit rate from the engines' own counters.
 //!
+//! With [`DemoConfig::real_engines`] the engines are real ones (vLLM, as
+//! `scripts/real-engines start` runs them), emptied before each policy,
+//! and the oracle routes by each engine's own KV events
+//! (`crate::event_oracle`): real vLLM has no endpoint that answers what it
+//! holds.
+//!
 //! With `replicas` ≥ 2 every router policy runs through that many routers
 //! (replicas sharing their state over a NATS server the demo starts as a
 //! child process) and the client balances its requests round-robin over
@@ -26,6 +32,7 @@ use std::time::{Duration, Instant};
 use crate::contender::{Disagg, Routing};
 use crate::engines::{Engines, PromptWork};
 use crate::preset::PdLayout;
+use crate::real_engines::{Fleet, RealEngines};
 use kvroute_core::event::WorkerFlavor;
 use kvroute_mocker::MockerConfig;
 use kvroute_server::ingest::spec::WorkerSpec;
@@ -80,12 +87,17 @@ pub struct DemoConfig {
     /// Keep the engines and the routers of the first router policy up after
     /// the run ([`Kept`]), for a look at their dashboard.
     pub keep: bool,
+    /// Real engines instead of mock ones (`workers`, `gpu_blocks`,
+    /// `speedup` and `layout` then do not apply): each policy starts from
+    /// their emptied caches, and the oracle follows their own KV events
+    /// (`crate::event_oracle`).
+    pub real_engines: Option<RealEngines>,
 }
 
 /// The engines and the first router policy's routers, still serving after
 /// the run (`--keep`).
 pub struct Kept {
-    fleet: Engines,
+    fleet: Fleet,
     routers: Vec<RunningRouter>,
     policy: String,
 }
@@ -280,8 +292,8 @@ impl fmt::Display for DemoReport {
     }
 }
 
-/// Empties every engine's prefix cache, so each policy starts cold.
-async fn reset_caches(client: &reqwest::Client, urls: &[String]) -> Result<()> {
+/// Empties every mock engine's prefix cache, so each policy starts cold.
+pub(crate) async fn reset_caches(client: &reqwest::Client, urls: &[String]) -> Result<()> {
     for url in urls {
         let resp = client
             .post(format!("{url}/reset_prefix_cache"))
@@ -346,18 +358,27 @@ pub async fn run(
         ..MockerConfig::default()
     };
     mocker.timing.speedup = config.speedup;
-    let block_size = mocker.block_size as u32;
+    let block_size = match &config.real_engines {
+        Some(real) => real.block_size,
+        None => mocker.block_size as u32,
+    };
     let concurrency = match config.load.arrival {
         driver::Arrival::Closed { concurrency } => concurrency.to_string(),
         driver::Arrival::Poisson { rate } => format!("{rate} req/s"),
         driver::Arrival::Trace => "the trace's".to_owned(),
     };
-    let engines = match config.layout {
-        Some(layout) => format!("{} prefill + {} decode", layout.prefill, layout.decode),
-        None => config.workers.to_string(),
+    let engines = match (&config.real_engines, config.layout) {
+        (Some(real), _) => format!("{} real", real.engines.len()),
+        (None, Some(layout)) => format!("{} prefill + {} decode", layout.prefill, layout.decode),
+        (None, None) => config.workers.to_string(),
+    };
+    let kind = if config.real_engines.is_some() {
+        ""
+    } else {
+        " mock"
     };
     eprintln!(
-        "kvroute demo: {engines} {} mock engines, {} {} requests per policy, concurrency {concurrency}",
+        "kvroute demo: {engines} {}{kind} engines, {} {} requests per policy, concurrency {concurrency}",
         config.flavor.as_str(),
         config.load.requests,
         config.load.workload.kind.name(),
@@ -369,7 +390,7 @@ pub async fn run(
             nats.url()
         );
     }
-    let fleet = Engines::start(mocker, config.layout).await?;
+    let fleet = start_fleet(config, mocker).await?;
     let outcome = tokio::select! {
         r = compare(&fleet, config, block_size, tokenizer, nats.as_ref()) => Some(r),
         () = interrupt => None,
@@ -392,11 +413,25 @@ pub async fn run(
     }
 }
 
+/// The engines of `config`: its real ones, or mock ones started with `mocker`.
+async fn start_fleet(config: &DemoConfig, mocker: MockerConfig) -> Result<Fleet> {
+    match &config.real_engines {
+        Some(real) if config.layout.is_some() || config.flavor != WorkerFlavor::Vllm => {
+            Err(Error::Invalid(format!(
+                "the real engines of {} are aggregated vLLM engines: no P/D layout or other flavour",
+                real.path.display()
+            )))
+        }
+        Some(real) => Ok(Fleet::Real(real.clone())),
+        None => Ok(Fleet::Mock(Engines::start(mocker, config.layout).await?)),
+    }
+}
+
 /// The routers kept running after the run, and their policy's name.
 type KeptRouters = Option<(String, Vec<RunningRouter>)>;
 
 async fn compare(
-    fleet: &Engines,
+    fleet: &Fleet,
     config: &DemoConfig,
     block_size: u32,
     tokenizer: RouterTokenizer,
@@ -409,7 +444,7 @@ async fn compare(
     let mut replicated = Vec::new();
     let mut kept: KeptRouters = None;
     for (k, (name, contender)) in config.contenders.iter().enumerate() {
-        reset_caches(&client, &urls).await?;
+        fleet.reset(&client).await?;
         let mut options = config.load.clone();
         options.label = name.clone();
         let started = Instant::now();
@@ -419,9 +454,7 @@ async fn compare(
         };
         let (mut result, extra) = match contender {
             Contender::Oracle => {
-                let endpoint = Endpoint::Oracle {
-                    workers: urls.clone(),
-                };
+                let endpoint = fleet.oracle();
                 (driver::run(&client, &endpoint, &options).await?, Map::new())
             }
             Contender::Router(routing) => {
@@ -652,6 +685,7 @@ mod tests {
             },
             replicas: 2,
             keep: false,
+            real_engines: None,
         };
         let tokenizer = std::sync::Arc::new(Renderer::new(
             Tokenizer::builtin(),

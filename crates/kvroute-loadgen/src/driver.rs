@@ -34,6 +34,7 @@ use tokio::task::JoinSet;
 
 use crate::balancer::Balancer;
 use crate::error::{Error, Result};
+use crate::event_oracle::{EventOracle, EventSource};
 use crate::exchange::{exchange, Failure, Measured};
 use crate::metrics::{accuracy_between, accuracy_total};
 use crate::oracle::Oracle;
@@ -96,6 +97,12 @@ pub enum Endpoint {
         /// The mockers' base URLs.
         workers: Vec<String>,
     },
+    /// The oracle over real engines: each engine's cache as its own KV
+    /// events tell it (`crate::event_oracle`); token-id prompts only.
+    EventOracle {
+        /// The engines, with their event publishers and replay sockets.
+        engines: Vec<EventSource>,
+    },
     /// Several OpenAI-compatible servers behind a client-side load balancer
     /// (router replicas): request n goes to URL n mod k, and a request whose
     /// connection is refused (nothing was sent) is retried on the next URL,
@@ -123,6 +130,7 @@ pub(crate) struct Sample {
 enum Target {
     Url(String),
     Oracle(Oracle),
+    EventOracle(EventOracle),
     Balanced(Balancer),
 }
 
@@ -132,7 +140,7 @@ impl Target {
         match self {
             Target::Url(base) => std::slice::from_ref(base),
             Target::Balanced(balancer) => balancer.urls(),
-            Target::Oracle(_) => &[],
+            Target::Oracle(_) | Target::EventOracle(_) => &[],
         }
     }
 }
@@ -300,6 +308,21 @@ fn target(endpoint: &Endpoint, seed: u64) -> Result<Target> {
         Endpoint::Oracle { workers } => {
             Target::Oracle(Oracle::new(urls(workers, "the oracle")?, seed))
         }
+        Endpoint::EventOracle { engines } => {
+            if engines.is_empty() {
+                return Err(Error::Invalid(
+                    "the oracle needs at least one engine".into(),
+                ));
+            }
+            let engines = engines
+                .iter()
+                .map(|e| EventSource {
+                    url: normalize_base_url(&e.url),
+                    ..e.clone()
+                })
+                .collect();
+            Target::EventOracle(EventOracle::start(engines, seed)?)
+        }
         Endpoint::Balanced { base_urls } => {
             Target::Balanced(Balancer::new(urls(base_urls, "the balancer")?))
         }
@@ -429,6 +452,7 @@ async fn send(
             exchange(&shared.client, &url, &planned.body, None, scheduled).await
         }
         Target::Oracle(oracle) => oracle.send(&shared.client, planned, scheduled).await,
+        Target::EventOracle(oracle) => oracle.send(&shared.client, planned, scheduled).await,
         Target::Balanced(balancer) => balancer.send(&shared.client, planned, scheduled).await,
     }
 }

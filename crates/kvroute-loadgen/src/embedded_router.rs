@@ -23,7 +23,9 @@ use crate::metrics;
 pub type RouterTokenizer = Arc<Renderer>;
 
 /// Waits (at most `within`) until the router at `base_url` lists its
-/// workers with every rank's event stream connected.
+/// workers with every rank's event stream connected and past its first
+/// replay (not `replaying`): until then the router does not know what the
+/// engines hold (a real engine's long history takes seconds to replay).
 pub(crate) async fn wait_until_connected(
     client: &reqwest::Client,
     base_url: &str,
@@ -38,7 +40,7 @@ pub(crate) async fn wait_until_connected(
                     .into_iter()
                     .flatten()
                     .flat_map(|w| w["ranks"].as_array().cloned().unwrap_or_default())
-                    .map(|r| r["connected"].as_bool().unwrap_or(false))
+                    .map(|r| r["connected"].as_bool().unwrap_or(false) && r["state"] != "replaying")
                     .collect();
                 if !ranks.is_empty() && ranks.iter().all(|c| *c) {
                     return Ok(());
@@ -47,7 +49,7 @@ pub(crate) async fn wait_until_connected(
         }
         if Instant::now() > deadline {
             return Err(Error::Timeout(format!(
-                "the router's event streams did not connect within {} s",
+                "the router's event streams did not connect and replay within {} s",
                 within.as_secs()
             )));
         }
@@ -118,9 +120,9 @@ impl RunningRouter {
         })
     }
 
-    /// Waits until every rank's event stream is connected.
+    /// Waits until every rank's event stream is connected and replayed.
     pub async fn ready(&self, client: &reqwest::Client) -> Result<()> {
-        wait_until_connected(client, &self.url, Duration::from_secs(20)).await
+        wait_until_connected(client, &self.url, Duration::from_secs(60)).await
     }
 
     /// What the router's ingestion did: events and blocks applied, and

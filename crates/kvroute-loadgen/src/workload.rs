@@ -157,6 +157,10 @@ pub struct WorkloadSpec {
     /// `trace`: the requests to replay (prompts drawn from their hash ids,
     /// `max_tokens` from their output lengths).
     pub trace: Option<crate::mooncake::Trace>,
+    /// Token ids are drawn from `[low, high)` instead of below
+    /// [`TEXT_VOCAB`]: a real model's vocabulary, its special ids left out
+    /// (the project's tiny model: `(16, 32000)`).
+    pub token_ids: Option<(u32, u32)>,
 }
 
 /// The function inside a [`TextRenderer`].
@@ -216,6 +220,7 @@ impl Default for WorkloadSpec {
             text_renderer: None,
             stream: true,
             trace: None,
+            token_ids: None,
         }
     }
 }
@@ -320,10 +325,12 @@ fn mix(a: u64, b: u64) -> u64 {
     SplitMix64::new(a ^ b.wrapping_mul(SplitMix64::GAMMA)).next_u64()
 }
 
-/// `n` token ids from `rng`.
-fn ids(rng: &mut SplitMix64, n: usize) -> Vec<u32> {
+/// `n` token ids from `rng`, in `spec`'s range ([`WorkloadSpec::token_ids`]).
+fn ids(spec: &WorkloadSpec, rng: &mut SplitMix64, n: usize) -> Vec<u32> {
+    let (low, high) = spec.token_ids.unwrap_or((0, TEXT_VOCAB as u32));
+    let span = u64::from(high.saturating_sub(low).max(1));
     (0..n)
-        .map(|_| (rng.next_u64() % TEXT_VOCAB) as u32)
+        .map(|_| low + (rng.next_u64() % span) as u32)
         .collect()
 }
 
@@ -404,7 +411,7 @@ impl Workload {
                 };
                 for g in 0..groups {
                     let mut rng = SplitMix64::new(mix(seed, 1_000 + g as u64));
-                    prefixes.push(ids(&mut rng, n));
+                    prefixes.push(ids(spec, &mut rng, n));
                 }
             }
             WorkloadKind::MultiTurn => {
@@ -477,12 +484,12 @@ impl Workload {
                 };
                 let mut rng = SplitMix64::new(mix(spec.seed, (1 << 40) | n));
                 let mut prompt = st.prefixes[g].clone();
-                prompt.extend(ids(&mut rng, q));
+                prompt.extend(ids(spec, &mut rng, q));
                 self.completion(&prompt, None)
             }
             WorkloadKind::Random => {
                 let mut rng = SplitMix64::new(mix(spec.seed, (1 << 40) | n));
-                let prompt = ids(&mut rng, spec.scaled(sizes::RANDOM));
+                let prompt = ids(spec, &mut rng, spec.scaled(sizes::RANDOM));
                 self.completion(&prompt, None)
             }
             WorkloadKind::Trace => {
@@ -508,14 +515,14 @@ impl Workload {
                     (3 << 40) | ((c as u64) << 20) | (conv.epoch << 8) | conv.turns as u64,
                 ));
                 if conv.turns == 0 {
-                    conv.history = ids(&mut rng, spec.scaled(sizes::MULTI_TURN_SYSTEM));
+                    conv.history = ids(spec, &mut rng, spec.scaled(sizes::MULTI_TURN_SYSTEM));
                 }
                 conv.history
-                    .extend(ids(&mut rng, spec.scaled(sizes::MULTI_TURN_USER)));
+                    .extend(ids(spec, &mut rng, spec.scaled(sizes::MULTI_TURN_USER)));
                 let prompt = conv.history.clone();
                 // The assistant's reply, client-side: the next turn resends it.
                 conv.history
-                    .extend(ids(&mut rng, spec.max_tokens.max(1) as usize));
+                    .extend(ids(spec, &mut rng, spec.max_tokens.max(1) as usize));
                 conv.turns += 1;
                 conv.busy = true;
                 self.completion(&prompt, Some(c))
@@ -530,7 +537,7 @@ impl Workload {
                         RepeatLabel::First
                     };
                     let mut rng = SplitMix64::new(mix(spec.seed, (4 << 40) | item as u64));
-                    let words = ids(&mut rng, spec.scaled(sizes::IMAGES_TEXT_WORDS));
+                    let words = ids(spec, &mut rng, spec.scaled(sizes::IMAGES_TEXT_WORDS));
                     let messages = json!([{"role": "user", "content": render_words(&words)}]);
                     self.chat(messages, label)
                 } else {
@@ -540,7 +547,7 @@ impl Workload {
                         RepeatLabel::First
                     };
                     let mut rng = SplitMix64::new(mix(spec.seed, (5 << 40) | item as u64));
-                    let words = ids(&mut rng, spec.scaled(sizes::IMAGES_QUESTION_WORDS));
+                    let words = ids(spec, &mut rng, spec.scaled(sizes::IMAGES_QUESTION_WORDS));
                     let messages = json!([{"role": "user", "content": [
                         {"type": "image_url", "image_url": {"url": st.images[item]}},
                         {"type": "text", "text": render_words(&words)},

@@ -523,3 +523,38 @@ fn a_resumed_stream_is_proven_by_its_first_resync() {
     assert_eq!(replayed(&mut c, 7, 1), [RESTART]);
     assert_eq!(c.history(), History::Exact);
 }
+
+/// A replay whose replies stop mid-way, end marker and all (vLLM's replay
+/// socket drops what a slow reader has not taken past 1,000 queued
+/// messages), is asked again from the last batch it brought, until the
+/// end marker comes: nothing is lost, history stays exact.
+#[test]
+fn a_replay_cut_short_without_its_end_marker_is_asked_again_from_where_it_stopped() {
+    let mut c = cursor();
+    // Joined late: live 1500 arrives, the replay from 0 starts.
+    assert_eq!(live(&mut c, 1_500, 0), [replay(0)]);
+    for seq in 0..1_000 {
+        assert_eq!(replayed(&mut c, seq, 0), [apply(seq, 0)]);
+    }
+    // The engine dropped 1000.. and its end marker: the shell times out.
+    assert_eq!(finished(&mut c, ReplayEnd::TimedOut), [replay(999)]);
+    assert!(replayed(&mut c, 999, 0).is_empty(), "the anchor, verified");
+    for seq in 1_000..1_500 {
+        assert_eq!(replayed(&mut c, seq, 0), [apply(seq, 0)]);
+    }
+    replayed(&mut c, 1_500, 0);
+    assert!(
+        finished(&mut c, ReplayEnd::Complete).is_empty(),
+        "1500 came by replay; the live copy is stale"
+    );
+    assert_eq!(c.last_seq(), Some(1_500));
+    assert_eq!(c.history(), History::Exact);
+    let s = c.stats();
+    assert_eq!(
+        (s.replay_timeouts, s.replays_ok, s.replays_incomplete),
+        (1, 1, 0)
+    );
+    // A replay that brings nothing before timing out is not asked again.
+    c.verify(&mut Vec::new());
+    assert!(finished(&mut c, ReplayEnd::TimedOut).is_empty());
+}

@@ -87,6 +87,9 @@ pub struct RankStream {
     /// When live batches started waiting for the link (ms).
     suspended_ms: Option<u64>,
     requests: Vec<u64>,
+    /// Replay requests whose end marker will not come: the engine dropped
+    /// the tail of its answer (see [`RankStream::take_lost_ends`]).
+    lost_ends: u32,
     /// The first state was published (it is not logged as a change).
     announced: bool,
 }
@@ -147,6 +150,7 @@ impl RankStream {
             replay_active_ms: None,
             suspended_ms: None,
             requests: Vec::new(),
+            lost_ends: 0,
             announced: false,
         };
         if let Some(at) = from {
@@ -169,6 +173,17 @@ impl RankStream {
     /// Replay requests (from seq) to send now.
     pub fn take_requests(&mut self) -> Vec<u64> {
         std::mem::take(&mut self.requests)
+    }
+
+    /// Replay requests given up since the last call whose end marker will
+    /// never come, so the shell stops waiting for it: a replay whose replies
+    /// stopped before its end marker, after some came, is asked again at
+    /// once (the engine sends its whole answer in one go and dropped the
+    /// rest, end marker included: vLLM's replay socket keeps at most 1,000
+    /// messages queued for a slow reader). The next request's replies are
+    /// then its own, not an older request's.
+    pub fn take_lost_ends(&mut self) -> u32 {
+        std::mem::take(&mut self.lost_ends)
     }
 
     /// True while a replay request is out and unanswered.
@@ -257,7 +272,12 @@ impl RankStream {
     pub fn tick(&mut self, now: u64) -> bool {
         if let Some(since) = self.replay_active_ms {
             if now.saturating_sub(since) >= self.timing.replay_timeout_ms {
+                let asked = self.requests.len();
                 self.replay_end(ReplayEnd::TimedOut);
+                if self.requests.len() > asked {
+                    // Cut short and asked again: the cut one's end is lost.
+                    self.lost_ends += 1;
+                }
             }
         } else if let Some(since) = self.suspended_ms {
             if now.saturating_sub(since) >= self.timing.suspend_timeout_ms {

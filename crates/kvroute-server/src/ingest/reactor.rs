@@ -308,7 +308,11 @@ impl Reactor {
                 self.open(n);
                 continue;
             }
-            if slot.stream.tick(now) || !slot.unsent.is_empty() {
+            let queued = slot.stream.tick(now);
+            // Before the next request counts: a cut-short replay's end is lost.
+            let lost = slot.stream.take_lost_ends();
+            slot.pending_ends = slot.pending_ends.saturating_sub(lost);
+            if queued || !slot.unsent.is_empty() {
                 self.send_requests(n);
             }
         }

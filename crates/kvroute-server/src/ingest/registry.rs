@@ -503,6 +503,7 @@ impl Registry {
                 url: w.spec.url.clone(),
                 model: w.spec.model.clone(),
                 block_size: Some(w.block_size.load(Ordering::Relaxed)).filter(|&b| b > 0),
+                shared_block_size: w.block_size.clone(),
                 flavor: w.spec.flavor,
                 speed: w.spec.speed.get(),
                 role: w.spec.role,
@@ -554,6 +555,11 @@ pub struct WorkerView {
     pub model: Option<String>,
     /// Tokens per KV block; `None` until learned from the stream.
     pub block_size: Option<u32>,
+    /// The worker's block size as its streams set it (0 until learned),
+    /// shared with them: a view taken before the first stored event can
+    /// still see the size its streams learn afterwards.
+    #[serde(skip)]
+    pub shared_block_size: Arc<AtomicU32>,
     /// The engine flavour.
     #[serde(with = "super::spec::flavor_name")]
     pub flavor: WorkerFlavor,

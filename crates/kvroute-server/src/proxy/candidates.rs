@@ -6,6 +6,7 @@
 //! routing sees of them, and the request's hashes from its parsed body.
 
 use std::ops::Deref;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use kvroute_core::event::WorkerFlavor;
@@ -40,6 +41,9 @@ pub struct Target {
     pub model: Option<Arc<str>>,
     /// Each rank's shared ingest state, by rank.
     pub rank_stats: Vec<(DpRank, Arc<RankStats>)>,
+    /// The worker's block size as its streams learn it (see
+    /// [`Target::newly_learned_block_size`]).
+    pub shared_block_size: Arc<AtomicU32>,
 }
 
 impl Deref for Target {
@@ -103,7 +107,18 @@ impl Target {
             bootstrap_port: w.bootstrap_port,
             model: w.model.as_deref().map(Arc::from),
             rank_stats,
+            shared_block_size: w.shared_block_size.clone(),
         })
+    }
+
+    /// The block size the worker's streams learned since this target was
+    /// made without one (its spec gave none): until the target has it, the
+    /// worker's requests would be hashed at size 0 and match nothing.
+    pub fn newly_learned_block_size(&self) -> Option<u32> {
+        if self.route.block_size != 0 {
+            return None;
+        }
+        Some(self.shared_block_size.load(Ordering::Relaxed)).filter(|&b| b > 0)
     }
 
     /// A rank's shared ingest state.

@@ -12,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_loadgen::demo::{self, Contender, DemoConfig, MM_TOKENS_PER_IMAGE};
+use kvroute_loadgen::real_engines::RealEngines;
 use kvroute_loadgen::{Arrival, LoadOptions, PdLayout, Preset, WorkloadKind, WorkloadSpec};
 use kvroute_prompt::Tokenizer;
 
@@ -46,13 +47,15 @@ pub struct DemoArgs {
     #[arg(long)]
     concurrency: Option<usize>,
     /// Size of prompts relative to llm-d's shared-prefix benchmark (6,000-token
-    /// prefixes, 1,200-token questions).
-    #[arg(long, default_value_t = 1.0)]
-    scale: f64,
+    /// prefixes, 1,200-token questions) [default: 1; with --engines,
+    /// 2,048-token prefixes and 64-token questions, and 0.3 for long-doc and
+    /// random].
+    #[arg(long)]
+    scale: Option<f64>,
     /// Prefix groups (shared-prefix), conversations (multi-turn), documents
-    /// (long-doc) or images (images).
-    #[arg(long, default_value_t = 16)]
-    groups: usize,
+    /// (long-doc) or images (images) [default: 16; 6 with --engines].
+    #[arg(long)]
+    groups: Option<usize>,
     /// `shared-prefix`: tokens per question instead of 1,200 × `--scale`.
     #[arg(long)]
     question_tokens: Option<usize>,
@@ -98,7 +101,24 @@ pub struct DemoArgs {
     /// Where the SVG plot goes.
     #[arg(long, default_value = "demo-report.svg")]
     plot: PathBuf,
+    /// Real vLLM engines instead of the mock ones: the `engines.json` of
+    /// `scripts/real-engines start N --dir DIR` (docs/real-engines.md).
+    /// Their caches are emptied before each policy; the oracle routes by
+    /// each engine's own KV events; prompts are token ids of the model's
+    /// plain vocabulary. Defaults: 6 groups of 2,048-token prefixes with
+    /// 64-token questions, 160 requests (80 with --quick), concurrency 4.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["workers", "pd", "preset", "trace", "gpu_blocks", "speedup", "replicas"])]
+    engines: Option<PathBuf>,
 }
+
+/// `--engines`' shared-prefix sizes (without `--scale`): a 2,048-token
+/// prefix and a 64-token question fit the tiny model's 4,096-token context,
+/// and 6 prefixes (384 blocks of 32) overflow one engine's 256 blocks. (At
+/// 1,024 tokens a cached prefix saves the tiny model about 15 ms of a
+/// 30 ms prefill, less than the queueing noise of two shared cores.)
+const REAL_PREFIX_TOKENS: usize = 2_048;
+const REAL_GROUPS: usize = 6;
+const REAL_QUESTION_TOKENS: usize = 64;
 
 /// The default `--policies` of an aggregated fleet.
 const POLICIES: &str = "kv,approx,least-loaded,round-robin,random,oracle";
@@ -130,7 +150,71 @@ pub(super) fn parse_layout(s: &str) -> Result<PdLayout, String> {
     s.parse().map_err(|e: kvroute_loadgen::Error| e.to_string())
 }
 
+/// Requests in flight and requests per policy: the flags', else the
+/// defaults of the fleet (a client sending repeated images, real engines on
+/// two shared cores, or mock engines).
+fn load_defaults(args: &DemoArgs, images: bool, on_real: bool) -> (usize, usize) {
+    let concurrency = args.concurrency.unwrap_or(match (images, on_real) {
+        (true, _) => 2,
+        (false, true) => 4,
+        (false, false) => 16,
+    });
+    let requests = args.requests.unwrap_or(match (on_real, args.quick) {
+        (true, true) => 80,
+        (true, false) => 160,
+        (false, true) => 160,
+        (false, false) => 400,
+    });
+    (concurrency.max(1), requests)
+}
+
+/// The workload of `--workload` and its sizes; with real engines, sized
+/// for the tiny model (its 4,096-token context, its vocabulary, its name).
+fn workload_spec(args: &DemoArgs, kind: WorkloadKind, real: Option<&RealEngines>) -> WorkloadSpec {
+    let on_real = real.is_some();
+    let sized_for_real = on_real && args.scale.is_none();
+    WorkloadSpec {
+        kind,
+        seed: args.seed,
+        // long-doc's 10,000 and random's 7,200 tokens fit at 0.3.
+        scale: args.scale.unwrap_or(match kind {
+            WorkloadKind::LongDoc | WorkloadKind::Random if on_real => 0.3,
+            _ => 1.0,
+        }),
+        groups: args
+            .groups
+            .unwrap_or(if on_real { REAL_GROUPS } else { 16 }),
+        mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
+        max_tokens: args.max_tokens,
+        question_tokens: args
+            .question_tokens
+            .or(sized_for_real.then_some(REAL_QUESTION_TOKENS)),
+        prefix_tokens: sized_for_real.then_some(REAL_PREFIX_TOKENS),
+        model: real.map(|r| r.served_model.clone()),
+        token_ids: real.map(|r| r.token_ids),
+        ..WorkloadSpec::default()
+    }
+}
+
+/// The engines of `--engines`, checked against the workload they can serve.
+fn real_engines(args: &DemoArgs) -> Result<Option<RealEngines>> {
+    let Some(path) = &args.engines else {
+        return Ok(None);
+    };
+    if matches!(
+        args.workload,
+        DemoWorkload::Pd | DemoWorkload::Kind(WorkloadKind::Images)
+    ) || args.flavor != WorkerFlavor::Vllm
+    {
+        bail!("--engines runs text workloads on aggregated vLLM engines (not images, pd or --flavor sglang)");
+    }
+    Ok(Some(RealEngines::read(path).with_context(|| {
+        format!("--engines {}", path.display())
+    })?))
+}
+
 fn config(args: &DemoArgs) -> Result<DemoConfig> {
+    let real = real_engines(args)?;
     let (kind, preset) = match args.workload {
         DemoWorkload::Pd => (WorkloadKind::SharedPrefix, Some(Preset::Pd)),
         DemoWorkload::Kind(kind) => (kind, args.preset),
@@ -141,21 +225,9 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
     if workers == 0 {
         bail!("--workers must be at least 1");
     }
-    let concurrency = args
-        .concurrency
-        .unwrap_or(if images { 2 } else { 16 })
-        .max(1);
-    let requests = args.requests.unwrap_or(if args.quick { 160 } else { 400 });
-    let workload = WorkloadSpec {
-        kind,
-        seed: args.seed,
-        scale: args.scale,
-        groups: args.groups,
-        mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
-        max_tokens: args.max_tokens,
-        question_tokens: args.question_tokens,
-        ..WorkloadSpec::default()
-    };
+    let on_real = real.is_some();
+    let (concurrency, requests) = load_defaults(args, images, on_real);
+    let workload = workload_spec(args, kind, real.as_ref());
     let trace = args
         .trace
         .as_deref()
@@ -189,12 +261,20 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
             trace.requests.len(),
             None,
         ),
-        (None, None) => (
-            workload,
-            args.gpu_blocks,
-            requests,
-            Some(Duration::from_secs(if args.quick { 20 } else { 40 })),
-        ),
+        (None, None) => {
+            let cap = match (on_real, args.quick) {
+                (true, true) => 60,
+                (true, false) => 120,
+                (false, true) => 20,
+                (false, false) => 40,
+            };
+            (
+                workload,
+                args.gpu_blocks,
+                requests,
+                Some(Duration::from_secs(cap)),
+            )
+        }
     };
     let default_policies = if layout.is_some() {
         PD_POLICIES
@@ -231,6 +311,7 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
         },
         replicas: usize::from(args.replicas),
         keep: args.keep,
+        real_engines: real,
     })
 }
 
@@ -238,8 +319,18 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
 pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     let config = config(args)?;
     super::init_logging(tracing_subscriber::filter::LevelFilter::WARN);
-    // Text and chat requests are tokenized as the mock engines do.
-    let tokenizer = renderer(Tokenizer::builtin(), MM_TOKENS_PER_IMAGE);
+    // Text and chat requests are tokenized as the engines do: the mock
+    // engines' built-in tokenizer, or the real engines' model's.
+    let tokenizer = match config
+        .real_engines
+        .as_ref()
+        .and_then(|r| r.tokenizer.as_ref())
+    {
+        Some(path) => Tokenizer::from_file(path)
+            .with_context(|| format!("the engines' tokenizer {}", path.display()))?,
+        None => Tokenizer::builtin(),
+    };
+    let tokenizer = renderer(tokenizer, MM_TOKENS_PER_IMAGE);
     let runtime = super::runtime()?;
     let outcome = runtime
         .block_on(async { demo::run(&config, tokenizer, super::shutdown_signal()).await })?;
@@ -313,6 +404,44 @@ mod tests {
         let plain = parse(&[]).expect("valid");
         assert_eq!(plain.layout, None);
         assert_eq!(names(&plain).last(), Some(&"oracle"));
+    }
+
+    #[test]
+    fn real_engines_get_prompts_that_fit_the_tiny_model() {
+        let dir = std::env::temp_dir().join(format!("kvroute-demo-engines-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let file = dir.join("engines.json");
+        let doc = serde_json::json!({"served_model_name": "tiny", "block_size": 32,
+            "token_ids": [16, 32000], "engines": [{"name": "e0", "url": "http://127.0.0.1:1",
+            "events": "tcp://127.0.0.1:2", "replay": "tcp://127.0.0.1:3",
+            "worker": "name=e0,url=http://127.0.0.1:1,events=tcp://127.0.0.1:2,replay=tcp://127.0.0.1:3"}]});
+        std::fs::write(&file, doc.to_string()).expect("write");
+        let path = file.to_string_lossy().into_owned();
+        let c = parse(&["--engines", &path]).expect("valid");
+        let w = &c.load.workload;
+        assert_eq!(
+            (
+                w.shared_prefix_tokens(),
+                w.shared_question_tokens(),
+                w.groups
+            ),
+            (REAL_PREFIX_TOKENS, REAL_QUESTION_TOKENS, REAL_GROUPS)
+        );
+        assert_eq!(
+            (w.token_ids, w.model.as_deref()),
+            (Some((16, 32_000)), Some("tiny"))
+        );
+        assert_eq!(c.load.arrival, Arrival::Closed { concurrency: 4 });
+        assert_eq!(c.load.requests, 160);
+        assert!(c.real_engines.is_some());
+        let doc = parse(&["--engines", &path, "--workload", "long-doc"]).expect("valid");
+        assert_eq!(
+            doc.load.workload.scale, 0.3,
+            "10,000 tokens do not fit 4,096"
+        );
+        assert!(parse(&["--engines", &path, "--workload", "images"]).is_err());
+        assert!(parse(&["--engines", &path, "--workers", "3"]).is_err());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

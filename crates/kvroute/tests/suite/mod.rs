@@ -21,6 +21,7 @@ mod models;
 mod multimodal;
 mod priority;
 mod proxy;
+mod replay_cut;
 mod replicas;
 mod restarts;
 mod routing;

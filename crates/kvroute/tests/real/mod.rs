@@ -1,0 +1,10 @@
+//! One module per subject; the bed and the helpers are in `bed`.
+
+pub mod bed;
+mod conversations;
+mod demo;
+mod discovery;
+mod ingest;
+mod predictions;
+mod restarts;
+mod routing;

@@ -1,0 +1,141 @@
+//! A replay answer cut short, end marker and all — what vLLM's replay
+//! socket does to a reader slower than its send loop (it queues at most
+//! 1,000 messages per reader and drops the rest) — is asked for again from
+//! where it stopped, by a real `kvroute serve` against an engine played by
+//! the test over real ZeroMQ.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use kvroute_core::wire::write as mp;
+
+use crate::support::http::request;
+use crate::support::{eventually, spawn_serve};
+
+/// Tokens per block of the played engine.
+const BS: u64 = 4;
+/// Batches in its ring before the router starts.
+const RING: u64 = 300;
+/// Where its first replay answer stops.
+const CUT: u64 = 150;
+
+/// Batch `seq`: one block of `BS` tokens, engine hash `seq + 1`, no parent.
+fn batch(seq: u64) -> Vec<u8> {
+    let mut out = vec![0x93, 0xcb];
+    out.extend_from_slice(&1.5f64.to_be_bytes());
+    mp::array(&mut out, 1);
+    mp::map(&mut out, 5);
+    mp::str(&mut out, "type");
+    mp::str(&mut out, "BlockStored");
+    mp::str(&mut out, "block_hashes");
+    mp::array(&mut out, 1);
+    mp::uint64(&mut out, seq + 1);
+    mp::str(&mut out, "parent_block_hash");
+    out.push(0xc0);
+    mp::str(&mut out, "token_ids");
+    mp::array(&mut out, BS as usize);
+    for t in 0..BS {
+        mp::uint64(&mut out, 1_000 + seq * BS + t);
+    }
+    mp::str(&mut out, "block_size");
+    mp::uint64(&mut out, BS);
+    mp::uint64(&mut out, 0);
+    out
+}
+
+/// The played engine's replay socket: its first answer stops after
+/// batch `CUT - 1` with no end marker; later ones are whole.
+struct Replayer {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Replayer {
+    fn start(router: zmq::Socket, ring: u64) -> Replayer {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut answers = 0;
+            while !flag.load(Ordering::Relaxed) {
+                if !matches!(router.poll(zmq::POLLIN, 50), Ok(n) if n > 0) {
+                    continue;
+                }
+                let Ok(req) = router.recv_multipart(0) else {
+                    continue;
+                };
+                let [id, _, start] = req.as_slice() else {
+                    continue;
+                };
+                let start = u64::from_be_bytes(start.as_slice().try_into().expect("8 bytes"));
+                answers += 1;
+                let end = if answers == 1 { CUT.max(start) } else { ring };
+                for seq in start..end {
+                    let reply = [&id[..], b"", b"", &seq.to_be_bytes()[..], &batch(seq)[..]];
+                    router.send_multipart(reply, 0).expect("reply");
+                }
+                if answers > 1 {
+                    let reply = [&id[..], b"", b"", &(-1i64).to_be_bytes()[..], b""];
+                    router.send_multipart(reply, 0).expect("end");
+                }
+            }
+        });
+        Replayer {
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for Replayer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// The router's only rank, as `/workers` shows it.
+fn rank(serve: &str) -> serde_json::Value {
+    request(serve, "GET", "/workers", "").json()["workers"][0]["ranks"][0].clone()
+}
+
+#[test]
+fn a_replay_cut_short_without_its_end_marker_is_asked_again() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).expect("pub");
+    publisher.bind("tcp://127.0.0.1:*").expect("bind");
+    let events = publisher.get_last_endpoint().expect("ep").expect("utf-8");
+    let router = ctx.socket(zmq::ROUTER).expect("router");
+    router.bind("tcp://127.0.0.1:*").expect("bind");
+    let replay = router.get_last_endpoint().expect("ep").expect("utf-8");
+    let _replayer = Replayer::start(router, RING + 1);
+    let line =
+        format!("name=w0,url=http://127.0.0.1:9,events={events},replay={replay},block_size={BS}");
+    let (_serve, serve) = spawn_serve(&[line], &[]);
+    // The router joins, replays from 0, gets 0..149 and no end marker.
+    eventually("the first replay answer applied", || {
+        rank(&serve)["last_seq"].as_u64() >= Some(CUT - 1)
+    });
+    // The engine publishes on; the router sees the batches it missed.
+    let live = [&b""[..], &RING.to_be_bytes()[..], &batch(RING)[..]];
+    support_publish(&publisher, &live, &serve);
+    eventually("every batch applied", || {
+        let r = rank(&serve);
+        r["last_seq"] == RING && r["state"] == "live"
+    });
+    let r = rank(&serve);
+    assert_eq!(r["blocks"]["device"], RING + 1, "{r}");
+    assert_eq!(r["replays_incomplete"], 0, "{r}");
+    assert_eq!(r["state_reason"], serde_json::Value::Null, "{r}");
+}
+
+/// Publishes `message` until the router has it (a SUB joining late misses
+/// what was published before it subscribed).
+fn support_publish(publisher: &zmq::Socket, message: &[&[u8]], serve: &str) {
+    eventually("the router receives the live batch", || {
+        publisher.send_multipart(message, 0).expect("publish");
+        rank(serve)["batches"].as_u64() > Some(0)
+    });
+}
