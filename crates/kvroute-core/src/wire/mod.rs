@@ -146,6 +146,10 @@ pub enum SkipReason {
     BlockSizeMismatch,
     /// A stored event without enough token ids for even its first block.
     TooFewTokens,
+    /// A store that names a block but describes none of its tokens (vLLM's
+    /// offloading connector for groups it cannot describe: `block_size` 0,
+    /// no token ids).
+    Placeholder,
 }
 
 impl SkipReason {
@@ -165,6 +169,7 @@ impl SkipReason {
             SkipReason::UnlearnedGroup => "unlearned_group",
             SkipReason::BlockSizeMismatch => "block_size_mismatch",
             SkipReason::TooFewTokens => "too_few_tokens",
+            SkipReason::Placeholder => "placeholder",
         }
     }
 

@@ -116,7 +116,7 @@ impl StreamDecoder {
             f.block_hashes.ok_or_else(|| missing("block_hashes"))?,
             "block_hashes",
         )?;
-        let tier = tier(f.medium)?;
+        let tier = tier(f.medium, f.locality)?;
         self.check_placement(f)?;
         let mut blocks = Vec::with_capacity(len.min(r.remaining()));
         for i in 0..len {
@@ -139,9 +139,9 @@ impl StreamDecoder {
             .read_u32()
             .map_err(|e| invalid("block_size", e))?;
         if block_size == 0 {
-            return Err(skip(SkipReason::InvalidField, "`block_size` is 0"));
+            return Err(placeholder_or_invalid(tokens));
         }
-        let tier = tier(f.medium)?;
+        let tier = tier(f.medium, f.locality)?;
         self.check_placement(f)?;
         let lora_name = opt_str(f.lora_name, "lora_name")?;
         let explicit_salt = opt_str(f.cache_salt, "cache_salt")?;
@@ -432,11 +432,6 @@ impl StreamDecoder {
     /// Drops events about blocks that are not this engine's own main-attention
     /// cache: other localities, secondary owners, non-attention KV-cache groups.
     fn check_placement(&mut self, f: &Fields<'_>) -> Outcome<()> {
-        if let Some(locality) = opt_str(f.locality, "locality")? {
-            if !locality.eq_ignore_ascii_case("LOCAL") {
-                return Err(skip(SkipReason::NonLocal, format!("locality {locality:?}")));
-            }
-        }
         check_ownership(f)?;
         let group = opt_u32(f.group_idx, "group_idx")?;
         let kind = opt_str(f.kv_cache_spec_kind, "kv_cache_spec_kind")?;
@@ -475,11 +470,37 @@ fn check_ownership(f: &Fields<'_>) -> Outcome<()> {
     }
 }
 
-/// Maps `medium` to a tier: absent, nil or empty means the device.
-fn tier(medium: Option<&[u8]>) -> Outcome<Tier> {
-    match opt_str(medium, "medium")? {
-        None => Ok(Tier::Device),
+/// Maps `medium` and `locality` to a tier.
+///
+/// `medium` absent, nil or empty means the device. `locality` absent or
+/// `LOCAL` keeps the medium's tier; `REMOTE` (vLLM's offloading tiers on
+/// storage that is remote to the engine, e.g. a network file system or an
+/// object store, which the engine still loads its blocks from) is the
+/// external tier whatever the medium; any other locality is skipped.
+fn tier(medium: Option<&[u8]>, locality: Option<&[u8]>) -> Outcome<Tier> {
+    let tier = match opt_str(medium, "medium")? {
+        None => Tier::Device,
         Some(m) => Tier::from_medium(m)
-            .ok_or_else(|| skip(SkipReason::UnknownMedium, format!("medium {m:?}"))),
+            .ok_or_else(|| skip(SkipReason::UnknownMedium, format!("medium {m:?}")))?,
+    };
+    match opt_str(locality, "locality")? {
+        None => Ok(tier),
+        Some(l) if l.eq_ignore_ascii_case("LOCAL") => Ok(tier),
+        Some(l) if l.eq_ignore_ascii_case("REMOTE") => Ok(Tier::External),
+        Some(l) => Err(skip(SkipReason::NonLocal, format!("locality {l:?}"))),
+    }
+}
+
+/// A store with `block_size` 0: a placeholder when it also has no token ids
+/// (vLLM's offloading connector names a chunk it cannot describe so), else
+/// an impossible value.
+fn placeholder_or_invalid(tokens: &[u8]) -> Skipped {
+    let mut r = Reader::new(tokens);
+    match r.read_array_len() {
+        Ok(0) => skip(
+            SkipReason::Placeholder,
+            "`block_size` 0 and no token ids: the store names its block only",
+        ),
+        _ => skip(SkipReason::InvalidField, "`block_size` is 0"),
     }
 }

@@ -1,6 +1,7 @@
-//! Every golden payload (real vLLM 0.33.0 and SGLang 0.5.23 encoder output, plus
-//! one hand-built legacy layout) decodes exactly: engine hashes, parents, tiers,
-//! ranks, folded token ids and local hashes.
+//! Every golden payload (real vLLM 0.33.0, vLLM 0.34.0 and SGLang 0.5.23
+//! encoder output, plus one hand-built legacy layout) decodes exactly: engine
+//! hashes, parents, tiers, ranks, folded token ids and local hashes; the
+//! events kvroute skips on purpose are skipped for the expected reason.
 
 use super::common::{fixture_json, fixture_names, fixture_payload};
 use kvroute_core::event::{KvEvent, Tier};
@@ -70,6 +71,32 @@ const EXPECTED_LOCAL_HASHES: &[(&str, &[&[u64]])] = &[
         ],
     ),
     (
+        "vllm_0.34.0_hybrid_sliding_window",
+        &[&[
+            16118063208670566578,
+            4584425714164444364,
+            4994771818556395109,
+        ]],
+    ),
+    (
+        "vllm_0.34.0_multimodal_text_chain",
+        &[
+            &[
+                5763260993811111971,
+                7023124676231967400,
+                12195761467454896547,
+            ],
+            &[596225445606306974],
+        ],
+    ),
+    (
+        "vllm_0.34.0_offload_storage_remote",
+        &[
+            &[16118063208670566578, 4584425714164444364],
+            &[4994771818556395109, 596225445606306974],
+        ],
+    ),
+    (
         "vllm_0.33.0_text_chain",
         &[
             &[
@@ -81,6 +108,29 @@ const EXPECTED_LOCAL_HASHES: &[(&str, &[&[u64]])] = &[
         ],
     ),
 ];
+
+/// Events of engine samples that kvroute skips on purpose, by index, with
+/// the reason: vLLM 0.34's non-attention KV-cache groups and its offloading
+/// connector's placeholder.
+const EXPECTED_SKIPS: &[(&str, &[(u32, &str)])] = &[
+    (
+        "vllm_0.34.0_hybrid_sliding_window",
+        &[(1, "non_attention_group"), (2, "non_attention_group")],
+    ),
+    (
+        "vllm_0.34.0_offload_storage_remote",
+        &[(3, "placeholder"), (4, "non_attention_group")],
+    ),
+];
+
+/// The reason event `index` of fixture `name` is expected to be skipped for.
+fn expected_skip(name: &str, index: u32) -> Option<&'static str> {
+    EXPECTED_SKIPS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, skips)| skips.iter().find(|(i, _)| *i == index))
+        .map(|&(_, reason)| reason)
+}
 
 fn decode_fixture(name: &str) -> DecodedBatch {
     let config = DecoderConfig {
@@ -109,9 +159,13 @@ fn field<'a>(event: &'a Value, name: &str, slot: usize) -> Option<&'a Value> {
 }
 
 fn expected_tier(event: &Value, removed: bool) -> Tier {
+    if field(event, "locality", 12).and_then(Value::as_str) == Some("REMOTE") {
+        return Tier::External;
+    }
     match field(event, "medium", if removed { 2 } else { 6 }).and_then(Value::as_str) {
         None | Some("GPU") => Tier::Device,
         Some("CPU" | "CPU_PINNED") => Tier::Host,
+        Some("STORAGE") => Tier::Disk,
         Some(other) => panic!("unexpected medium {other}"),
     }
 }
@@ -163,6 +217,16 @@ fn golden_payloads_decode_exactly() {
 
         let mut stored_seen = 0;
         for (decoded, source) in batch.events.iter().zip(json_events) {
+            if let Some(reason) = expected_skip(name, decoded.index) {
+                let skipped = decoded.outcome.as_ref().err();
+                assert_eq!(
+                    skipped.map(|s| s.reason.as_str()),
+                    Some(reason),
+                    "{name} event {}",
+                    decoded.index
+                );
+                continue;
+            }
             let event = decoded
                 .outcome
                 .as_ref()

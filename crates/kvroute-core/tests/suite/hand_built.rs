@@ -388,7 +388,7 @@ fn a_block_size_mismatch_stops_the_event() {
 fn placement_filters_drop_what_is_not_this_workers_attention_cache() {
     let cases: [(&str, Writer<'_>, SkipReason); 5] = [
         ("medium", &|o| mp::str(o, "FS"), SkipReason::UnknownMedium),
-        ("locality", &|o| mp::str(o, "REMOTE"), SkipReason::NonLocal),
+        ("locality", &|o| mp::str(o, "PEER"), SkipReason::NonLocal),
         (
             "ownership",
             &|o| mp::str(o, "kvcr"),
