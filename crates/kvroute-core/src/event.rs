@@ -157,26 +157,48 @@ impl KvEvent {
 
 /// Which engine a worker runs. It decides the engine's wire dialect (vLLM:
 /// unsigned `sha256_cbor` hashes, one store per cached run; SGLang: signed
-/// page digests, coalesced stores, wide image pads), how the engine lays
-/// images out in its prompt tokens (and so how the router hashes a prompt with
-/// images for it), and how it is told a data-parallel rank.
+/// page digests, coalesced stores, wide image pads; TensorRT-LLM: signed
+/// radix-key hashes, coalesced stores, digest-first images), how the engine
+/// lays images out in its prompt tokens (and so how the router hashes a
+/// prompt with images for it), and how it is told a data-parallel rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum WorkerFlavor {
-    /// vLLM 0.33: placeholder ids in an image span, the item in each overlapping
-    /// block's extra keys.
+    /// vLLM 0.33/0.34: placeholder ids in an image span, the item in each
+    /// overlapping block's extra keys.
     #[default]
     Vllm,
     /// SGLang 0.5.23: the item's four wide pad values cycled over an image span.
     Sglang,
+    /// TensorRT-LLM (the streaming KV events of its V2 cache manager): an
+    /// image span digest-first (the item's digest, then ids above the
+    /// vocabulary), the item in each overlapping block's `mm_keys`; the
+    /// decoder and the request side write image position k as
+    /// `1_000_000 + k` (see `wire::blocks`).
+    Trtllm,
 }
 
 impl WorkerFlavor {
-    /// The flavour's name in flags and documents (`vllm`, `sglang`).
+    /// Every flavour, in flag order.
+    pub const ALL: [WorkerFlavor; 3] = [
+        WorkerFlavor::Vllm,
+        WorkerFlavor::Sglang,
+        WorkerFlavor::Trtllm,
+    ];
+
+    /// The flavour's name in flags and documents (`vllm`, `sglang`, `trtllm`).
     pub fn as_str(self) -> &'static str {
         match self {
             WorkerFlavor::Vllm => "vllm",
             WorkerFlavor::Sglang => "sglang",
+            WorkerFlavor::Trtllm => "trtllm",
         }
+    }
+
+    /// Whether the engine enters a block in its prefix cache when it
+    /// schedules the step that fills it (vLLM), rather than once the block
+    /// is computed (SGLang's radix tree, TensorRT-LLM's committed blocks).
+    pub fn caches_when_scheduled(self) -> bool {
+        self == WorkerFlavor::Vllm
     }
 }
 
@@ -193,7 +215,8 @@ impl std::str::FromStr for WorkerFlavor {
         match s {
             "vllm" => Ok(WorkerFlavor::Vllm),
             "sglang" => Ok(WorkerFlavor::Sglang),
-            _ => Err(format!("unknown flavor `{s}` (vllm, sglang)")),
+            "trtllm" => Ok(WorkerFlavor::Trtllm),
+            _ => Err(format!("unknown flavor `{s}` (vllm, sglang, trtllm)")),
         }
     }
 }

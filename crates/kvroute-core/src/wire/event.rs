@@ -27,6 +27,8 @@ pub(super) struct Fields<'a> {
     pub locality: Option<&'a [u8]>,
     pub ownership: Option<&'a [u8]>,
     pub lookahead_token_ids: Option<&'a [u8]>,
+    pub block_mm_infos: Option<&'a [u8]>,
+    pub mm_keys: Option<&'a [u8]>,
 }
 
 /// A field of the positional (array) layout.
@@ -117,6 +119,8 @@ fn gather_map<'a>(r: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<(), Rea
             Some("locality") => &mut fields.locality,
             Some("ownership") => &mut fields.ownership,
             Some("lookahead_token_ids") => &mut fields.lookahead_token_ids,
+            Some("block_mm_infos") => &mut fields.block_mm_infos,
+            Some("mm_keys") => &mut fields.mm_keys,
             _ => continue,
         };
         *target = Some(value);

@@ -21,7 +21,9 @@
 //! hashed straight from the payload bytes: a stored event allocates only its
 //! block list.
 
+mod blocks;
 mod event;
+mod items;
 mod msgpack;
 mod normalize;
 pub mod write;
@@ -251,10 +253,10 @@ pub struct StreamDecoder {
 /// Reused buffers for one event at a time.
 #[derive(Debug, Clone, Default)]
 struct Scratch {
-    /// Multimodal item hashes of every block, flattened.
-    mm_hashes: Vec<u64>,
-    /// End offset in `mm_hashes` of each block's items.
-    mm_ends: Vec<usize>,
+    /// (block, item hash) of every image key of the event, sorted, no repeats.
+    items: Vec<(u32, u64)>,
+    /// Item hashes named by digest tokens of the block being hashed.
+    token_items: Vec<u64>,
     /// One block's item hashes, sorted.
     mm_block: Vec<u64>,
     /// Hashes being checked for repeats.
@@ -268,6 +270,8 @@ struct StreamMemory {
     salts: FxHashMap<u64, Arc<str>>,
     /// Whether each KV-cache group index is main attention, as learned from events.
     group_is_attention: FxHashMap<u32, bool>,
+    /// TensorRT-LLM's `mm_token_id_offset`, once learned from a digest token.
+    trtllm_mm_offset: Option<u64>,
 }
 
 impl StreamDecoder {

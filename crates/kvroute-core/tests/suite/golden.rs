@@ -1,5 +1,5 @@
-//! Every golden payload (real vLLM 0.33.0, vLLM 0.34.0 and SGLang 0.5.23
-//! encoder output, plus one hand-built legacy layout) decodes exactly: engine
+//! Every golden payload (real vLLM 0.33.0, vLLM 0.34.0, SGLang 0.5.23 and
+//! TensorRT-LLM encoder output, plus one hand-built legacy layout) decodes exactly: engine
 //! hashes, parents, tiers, ranks, folded token ids and local hashes; the
 //! events kvroute skips on purpose are skipped for the expected reason.
 
@@ -50,6 +50,24 @@ const EXPECTED_LOCAL_HASHES: &[(&str, &[&[u64]])] = &[
             7312985844804104185,
             3407184178956116715,
         ]],
+    ),
+    (
+        "trtllm_multimodal_mm_keys",
+        &[
+            &[7337249070645057399, 897701560265631416, 5408140822639131940],
+            &[4794251433642539899, 4817144209703348756],
+        ],
+    ),
+    (
+        "trtllm_text_chain",
+        &[
+            &[
+                9512771973321669882,
+                4747984322424188473,
+                16312857304576808105,
+            ],
+            &[6682388363008858211, 6979197425233858025],
+        ],
     ),
     ("vllm_0.33.0_dp_rank_nil", &[]),
     (
@@ -170,14 +188,33 @@ fn expected_tier(event: &Value, removed: bool) -> Tier {
     }
 }
 
-/// The folded token ids a stored event's JSON view describes (bigram pairs normalized).
-fn expected_tokens(event: &Value) -> Vec<u32> {
+/// The folded token ids a stored event's JSON view describes (bigram pairs
+/// normalized; TensorRT-LLM's digest tokens and the ids after them written
+/// as item-local positions above 1 000 000, with the offset `offset` learned
+/// from a digest followed by two consecutive ids).
+fn expected_tokens(event: &Value, offset: &mut Option<u64>) -> Vec<u32> {
     let tokens = field(event, "token_ids", 3)
         .and_then(Value::as_array)
         .expect("token_ids");
     let mut out: Vec<u32> = Vec::new();
+    let trtllm = tokens.iter().any(Value::is_string);
     for (i, t) in tokens.iter().enumerate() {
         match t {
+            Value::String(_) => {
+                if let (Some(a), Some(b)) = (
+                    tokens.get(i + 1).and_then(Value::as_u64),
+                    tokens.get(i + 2).and_then(Value::as_u64),
+                ) {
+                    if b == a + 1 {
+                        *offset = Some(a - 1);
+                    }
+                }
+                out.push(1_000_000);
+            }
+            Value::Number(n) if trtllm && offset.is_some_and(|o| n.as_u64() > Some(o)) => {
+                let o = offset.expect("offset");
+                out.push(1_000_000 + (bits(t) - o) as u32);
+            }
             Value::Array(pair) => {
                 out.push(fold_token_id(bits(&pair[0])));
                 if i + 1 == tokens.len() {
@@ -216,6 +253,7 @@ fn golden_payloads_decode_exactly() {
         assert_eq!(batch.events.len(), json_events.len(), "{name}: event count");
 
         let mut stored_seen = 0;
+        let mut offset = None;
         for (decoded, source) in batch.events.iter().zip(json_events) {
             if let Some(reason) = expected_skip(name, decoded.index) {
                 let skipped = decoded.outcome.as_ref().err();
@@ -255,7 +293,7 @@ fn golden_payloads_decode_exactly() {
                     assert_eq!(locals, expected_locals[stored_seen], "{name}: local hashes");
                     assert_eq!(
                         stored.token_ids.as_deref(),
-                        Some(&expected_tokens(source)[..]),
+                        Some(&expected_tokens(source, &mut offset)[..]),
                         "{name}: tokens"
                     );
                     assert_eq!(
