@@ -60,6 +60,18 @@ fn image_chat(k: u32) -> Value {
     })
 }
 
+fn video_chat(k: u32) -> Value {
+    let url = image_url(1000 + k).replace("image/png", "video/mp4");
+    json!({
+        "model": "mock-model",
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Describe this clip."},
+            {"type": "video_url", "video_url": {"url": url}},
+        ]}],
+        "max_tokens": 1,
+    })
+}
+
 fn text_completion(k: u32) -> Value {
     let words = [
         "alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel",
@@ -254,4 +266,38 @@ fn a_trtllm_engine_with_two_ranks_is_routed_on_each_ranks_events() {
     let comparisons = count(&serve, "kvroute_accuracy_comparisons_total");
     assert_eq!(comparisons, 16, "every response compared");
     assert_eq!(count(&serve, "kvroute_accuracy_exact_total"), comparisons);
+}
+
+/// `video_url` parts are laid out and named like images (the video
+/// placeholder id, SGLang's pads, TensorRT-LLM's digest-first positions):
+/// a repeated video hits the engine holding it with an exact prediction on
+/// every flavour, and another video with the same text does not match.
+#[test]
+fn repeated_videos_hit_and_other_videos_do_not_on_every_flavour() {
+    for flavor in ["vllm", "sglang", "trtllm"] {
+        let (_mocker, _serve_proc, serve) = start_fleet(flavor);
+        let videos: Vec<Value> = (0..3).map(video_chat).collect();
+        let rate = repeat_hit_rate(&serve, flavor, "/v1/chat/completions", &videos, 1);
+        assert!(rate >= 0.95, "{flavor}: video-repeat hit rate {rate}");
+        let q = request(&serve, "POST", "/query", &video_chat(50).to_string()).json();
+        let matched = q["workers"]
+            .as_array()
+            .expect("workers")
+            .iter()
+            .filter_map(|w| w["matched_tokens"].as_u64())
+            .max()
+            .unwrap_or(0);
+        assert!(
+            matched < BLOCK_SIZE * 2,
+            "{flavor}: a new video matched {matched}: {q}"
+        );
+        assert_eq!(count(&serve, "kvroute_ingest_decode_errors_total"), 0);
+        let comparisons = count(&serve, "kvroute_accuracy_comparisons_total");
+        assert_eq!(comparisons, 6, "{flavor}");
+        assert_eq!(
+            count(&serve, "kvroute_accuracy_exact_total"),
+            comparisons,
+            "{flavor}"
+        );
+    }
 }
