@@ -99,6 +99,9 @@ pub struct Stored {
     /// The folded token ids of the kept blocks, only when the decoder was asked
     /// to keep them (debugging; the hot path never builds this list).
     pub token_ids: Option<Vec<u32>>,
+    /// The image item hashes each kept block's local hash covers, as
+    /// `(block, item hash)`, only when the decoder was asked to keep tokens.
+    pub image_items: Option<Vec<(u32, u64)>>,
 }
 
 impl Stored {
@@ -120,6 +123,7 @@ impl Stored {
             lookahead: 0,
             dropped_blocks: 0,
             token_ids: None,
+            image_items: None,
         }
     }
 }
@@ -133,6 +137,44 @@ pub struct Removed {
     pub tier: Tier,
 }
 
+/// How a KV-cache group other than full attention limits which prefixes a
+/// new request can reuse (hybrid models; vLLM's `HybridKVCacheCoordinator`
+/// reuses the longest prefix every group accepts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupRule {
+    /// Windowed attention (sliding window, chunked local): a prefix ending
+    /// at an attention block boundary is reusable only if the group holds
+    /// its `blocks` group blocks ending there (all of them when the prefix
+    /// is shorter). A group block spans `stride` attention blocks, and the
+    /// prefix must end on a group block boundary.
+    Window {
+        /// Group blocks the window needs (`cdiv(window − 1, group block size)`).
+        blocks: u32,
+        /// Attention blocks per group block.
+        stride: u32,
+    },
+    /// A recurrent state (Mamba): a prefix is reusable only where the group
+    /// holds the state at its end.
+    State,
+}
+
+/// Blocks of a constraining KV-cache group stored or evicted, by engine
+/// hash: a group block's hash is the attention chain's hash at the same
+/// boundary, which is how the index lines them up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupBlocks {
+    /// The engine's group index.
+    pub group: u32,
+    /// How the group limits reuse.
+    pub rule: GroupRule,
+    /// Engine hashes of the group's blocks.
+    pub blocks: Vec<ExternalHash>,
+    /// Where they live.
+    pub tier: Tier,
+    /// Stored (true) or evicted (false).
+    pub stored: bool,
+}
+
 /// A change to one (worker, data-parallel rank)'s prefix cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
@@ -142,15 +184,18 @@ pub enum KvEvent {
     Removed(Removed),
     /// Every block of this rank was dropped (cache reset).
     Cleared,
+    /// Blocks of a hybrid model's window or state group were stored or evicted.
+    Group(GroupBlocks),
 }
 
 impl KvEvent {
-    /// `"stored"`, `"removed"` or `"cleared"`.
+    /// `"stored"`, `"removed"`, `"cleared"` or `"group"`.
     pub fn kind(&self) -> &'static str {
         match self {
             KvEvent::Stored(_) => "stored",
             KvEvent::Removed(_) => "removed",
             KvEvent::Cleared => "cleared",
+            KvEvent::Group(_) => "group",
         }
     }
 }

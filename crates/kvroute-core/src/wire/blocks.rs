@@ -63,6 +63,7 @@ impl StreamDecoder {
         t: TokenFields<'_>,
     ) -> Outcome<Hashed> {
         self.scratch.token_items.clear();
+        self.scratch.kept_items.clear();
         let (r, len) = array(t.tokens, "token_ids")?;
         let bigram = len > 0 && r.peek_kind() == Ok(Kind::Array);
         if !bigram && (t.trtllm_keys || !self.scratch.items.is_empty()) {
@@ -155,6 +156,7 @@ impl StreamDecoder {
         t: TokenFields<'_>,
     ) -> Outcome<Hashed> {
         self.hasher.reset();
+        self.scratch.kept_items.clear();
         let (mut r, len) = array(t.tokens, "token_ids")?;
         let mut lookahead_reader = lookahead(t.lookahead)?;
         let bs = t.block_size as usize;
@@ -276,6 +278,10 @@ impl StreamDecoder {
         merged.dedup();
         for &h in merged.iter() {
             self.hasher.push_mm_hash(h);
+        }
+        if self.config.keep_tokens {
+            let kept = merged.iter().map(|&h| (block, h));
+            self.scratch.kept_items.extend(kept);
         }
     }
 }

@@ -23,6 +23,7 @@
 
 mod blocks;
 mod event;
+mod groups;
 mod items;
 mod msgpack;
 mod normalize;
@@ -259,6 +260,8 @@ struct Scratch {
     token_items: Vec<u64>,
     /// One block's item hashes, sorted.
     mm_block: Vec<u64>,
+    /// (block, item hash) of what the event's local hashes covered, when tokens are kept.
+    kept_items: Vec<(u32, u64)>,
     /// Hashes being checked for repeats.
     sorted_hashes: Vec<u64>,
 }
@@ -268,8 +271,8 @@ struct Scratch {
 struct StreamMemory {
     /// Salt of each salted block still cached, by engine hash.
     salts: FxHashMap<u64, Arc<str>>,
-    /// Whether each KV-cache group index is main attention, as learned from events.
-    group_is_attention: FxHashMap<u32, bool>,
+    /// What each KV-cache group index is to the router, as learned from events.
+    group_class: FxHashMap<u32, groups::GroupClass>,
     /// TensorRT-LLM's `mm_token_id_offset`, once learned from a digest token.
     trtllm_mm_offset: Option<u64>,
 }

@@ -9,14 +9,14 @@ use std::sync::Arc;
 
 use super::blocks::TokenFields;
 use super::event::Fields;
+use super::groups::Placement;
 use super::items::ItemFields;
 use super::msgpack::{Int, Kind, ReadError, Reader};
 use super::{SkipReason, Skipped, StreamDecoder};
-use crate::event::{ExternalHash, KvEvent, Removed, Stored, StoredBlock, Tier};
+use crate::event::{
+    ExternalHash, GroupBlocks, GroupRule, KvEvent, Removed, Stored, StoredBlock, Tier,
+};
 use crate::hash::{namespace_seed, LocalBlockHash};
-
-/// KV-cache group kinds whose blocks describe the main attention cache.
-const ATTENTION_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
 
 pub(super) type Outcome<T> = Result<T, Skipped>;
 
@@ -36,7 +36,7 @@ pub(super) fn invalid(field: &str, e: ReadError) -> Skipped {
 }
 
 /// Reads an optional string field: absent, nil and "" are all `None`.
-fn opt_str<'a>(bytes: Option<&'a [u8]>, field: &str) -> Outcome<Option<&'a str>> {
+pub(super) fn opt_str<'a>(bytes: Option<&'a [u8]>, field: &str) -> Outcome<Option<&'a str>> {
     let Some(bytes) = bytes else { return Ok(None) };
     let mut r = Reader::new(bytes);
     if r.eat_nil() {
@@ -47,7 +47,7 @@ fn opt_str<'a>(bytes: Option<&'a [u8]>, field: &str) -> Outcome<Option<&'a str>>
 }
 
 /// Reads an optional non-negative integer below 2^32.
-fn opt_u32(bytes: Option<&[u8]>, field: &str) -> Outcome<Option<u32>> {
+pub(super) fn opt_u32(bytes: Option<&[u8]>, field: &str) -> Outcome<Option<u32>> {
     let Some(bytes) = bytes else { return Ok(None) };
     let mut r = Reader::new(bytes);
     if r.eat_nil() {
@@ -99,8 +99,8 @@ impl StreamDecoder {
             .read_str()
             .map_err(|e| invalid("type", e))?;
         match tag {
-            "BlockStored" => self.stored(fields).map(KvEvent::Stored),
-            "BlockRemoved" => self.removed(fields).map(KvEvent::Removed),
+            "BlockStored" => self.stored(fields),
+            "BlockRemoved" => self.removed(fields),
             "AllBlocksCleared" => {
                 check_ownership(fields)?;
                 self.memory.salts.clear();
@@ -113,27 +113,24 @@ impl StreamDecoder {
         }
     }
 
-    fn removed(&mut self, f: &Fields<'_>) -> Outcome<Removed> {
-        let (mut r, len) = array(
-            f.block_hashes.ok_or_else(|| missing("block_hashes"))?,
-            "block_hashes",
-        )?;
+    fn removed(&mut self, f: &Fields<'_>) -> Outcome<KvEvent> {
+        let hashes = f.block_hashes.ok_or_else(|| missing("block_hashes"))?;
         let tier = tier(f.medium, f.locality)?;
-        self.check_placement(f)?;
-        let mut blocks = Vec::with_capacity(len.min(r.remaining()));
-        for i in 0..len {
-            let hash = read_hash(&mut r).map_err(|e| invalid(&format!("block_hashes[{i}]"), e))?;
-            blocks.push(hash);
+        check_ownership(f)?;
+        let placement = self.placement(f, None)?;
+        let blocks = read_hashes(hashes)?;
+        if let Placement::Group { group, rule } = placement {
+            return Ok(group_event(group, rule, blocks, tier, false));
         }
         if !self.memory.salts.is_empty() {
             for hash in &blocks {
                 self.memory.salts.remove(&hash.0);
             }
         }
-        Ok(Removed { blocks, tier })
+        Ok(KvEvent::Removed(Removed { blocks, tier }))
     }
 
-    fn stored(&mut self, f: &Fields<'_>) -> Outcome<Stored> {
+    fn stored(&mut self, f: &Fields<'_>) -> Outcome<KvEvent> {
         let hashes = f.block_hashes.ok_or_else(|| missing("block_hashes"))?;
         let tokens = f.token_ids.ok_or_else(|| missing("token_ids"))?;
         let block_size = f.block_size.ok_or_else(|| missing("block_size"))?;
@@ -144,20 +141,13 @@ impl StreamDecoder {
             return Err(placeholder_or_invalid(tokens));
         }
         let tier = tier(f.medium, f.locality)?;
-        self.check_placement(f)?;
+        check_ownership(f)?;
+        if let Placement::Group { group, rule } = self.placement(f, Some(block_size))? {
+            return Ok(group_event(group, rule, read_hashes(hashes)?, tier, true));
+        }
         let lora_name = opt_str(f.lora_name, "lora_name")?;
         let explicit_salt = opt_str(f.cache_salt, "cache_salt")?;
-        let parent = match f.parent_block_hash {
-            None => None,
-            Some(bytes) => {
-                let mut r = Reader::new(bytes);
-                if r.eat_nil() {
-                    None
-                } else {
-                    Some(read_hash(&mut r).map_err(|e| invalid("parent_block_hash", e))?)
-                }
-            }
-        };
+        let parent = read_parent(f.parent_block_hash)?;
 
         let (mut r, count) = array(hashes, "block_hashes")?;
         let mut blocks = Vec::with_capacity(count.min(r.remaining()));
@@ -218,7 +208,7 @@ impl StreamDecoder {
         if let Some(salt) = &cache_salt {
             self.remember_salt(&blocks, salt);
         }
-        Ok(Stored {
+        Ok(KvEvent::Stored(Stored {
             parent,
             blocks,
             tier,
@@ -227,8 +217,11 @@ impl StreamDecoder {
             cache_salt,
             lookahead,
             dropped_blocks,
+            image_items: token_ids
+                .is_some()
+                .then(|| std::mem::take(&mut self.scratch.kept_items)),
             token_ids,
-        })
+        }))
     }
 
     /// Rejects a store that names a block twice or names its own parent: applying
@@ -266,36 +259,45 @@ impl StreamDecoder {
             salts.insert(block.external.0, salt.clone());
         }
     }
+}
 
-    /// Drops events about blocks that are not this engine's own main-attention
-    /// cache: other localities, secondary owners, non-attention KV-cache groups.
-    fn check_placement(&mut self, f: &Fields<'_>) -> Outcome<()> {
-        check_ownership(f)?;
-        let group = opt_u32(f.group_idx, "group_idx")?;
-        let kind = opt_str(f.kv_cache_spec_kind, "kv_cache_spec_kind")?;
-        let is_attention = match (kind, group) {
-            (Some(kind), group) => {
-                let is_attention = ATTENTION_KINDS.contains(&kind);
-                let learned = &mut self.memory.group_is_attention;
-                learned.insert(group.unwrap_or(0), is_attention);
-                is_attention
-            }
-            (None, Some(group)) => match self.memory.group_is_attention.get(&group) {
-                Some(&is_attention) => is_attention,
-                None if group == 0 => true,
-                None => {
-                    let detail = format!("group_idx {group} has no known kind");
-                    return Err(skip(SkipReason::UnlearnedGroup, detail));
-                }
-            },
-            (None, None) => true,
-        };
-        if !is_attention {
-            let detail = format!("kv_cache_spec_kind {kind:?}, group_idx {group:?}");
-            return Err(skip(SkipReason::NonAttentionGroup, detail));
-        }
-        Ok(())
+/// Every hash of a `block_hashes` list.
+fn read_hashes(bytes: &[u8]) -> Outcome<Vec<ExternalHash>> {
+    let (mut r, len) = array(bytes, "block_hashes")?;
+    let mut blocks = Vec::with_capacity(len.min(r.remaining()));
+    for i in 0..len {
+        blocks.push(read_hash(&mut r).map_err(|e| invalid(&format!("block_hashes[{i}]"), e))?);
     }
+    Ok(blocks)
+}
+
+/// `parent_block_hash`: absent or nil is `None`.
+fn read_parent(bytes: Option<&[u8]>) -> Outcome<Option<ExternalHash>> {
+    let Some(bytes) = bytes else { return Ok(None) };
+    let mut r = Reader::new(bytes);
+    if r.eat_nil() {
+        return Ok(None);
+    }
+    read_hash(&mut r)
+        .map(Some)
+        .map_err(|e| invalid("parent_block_hash", e))
+}
+
+/// A constraining group's blocks stored or evicted.
+fn group_event(
+    group: u32,
+    rule: GroupRule,
+    blocks: Vec<ExternalHash>,
+    tier: Tier,
+    stored: bool,
+) -> KvEvent {
+    KvEvent::Group(GroupBlocks {
+        group,
+        rule,
+        blocks,
+        tier,
+        stored,
+    })
 }
 
 fn check_ownership(f: &Fields<'_>) -> Outcome<()> {

@@ -1,7 +1,8 @@
 //! Every golden payload (real vLLM 0.33.0, vLLM 0.34.0, SGLang 0.5.23 and
 //! TensorRT-LLM encoder output, plus one hand-built legacy layout) decodes exactly: engine
-//! hashes, parents, tiers, ranks, folded token ids and local hashes; the
-//! events kvroute skips on purpose are skipped for the expected reason.
+//! hashes, parents, tiers, ranks, folded token ids and local hashes; hybrid
+//! models' window and state groups decode as group residency; the events
+//! kvroute skips on purpose are skipped for the expected reason.
 
 use super::common::{fixture_json, fixture_names, fixture_payload};
 use kvroute_core::event::{KvEvent, Tier};
@@ -128,18 +129,9 @@ const EXPECTED_LOCAL_HASHES: &[(&str, &[&[u64]])] = &[
 ];
 
 /// Events of engine samples that kvroute skips on purpose, by index, with
-/// the reason: vLLM 0.34's non-attention KV-cache groups and its offloading
-/// connector's placeholder.
-const EXPECTED_SKIPS: &[(&str, &[(u32, &str)])] = &[
-    (
-        "vllm_0.34.0_hybrid_sliding_window",
-        &[(1, "non_attention_group"), (2, "non_attention_group")],
-    ),
-    (
-        "vllm_0.34.0_offload_storage_remote",
-        &[(3, "placeholder"), (4, "non_attention_group")],
-    ),
-];
+/// the reason: vLLM 0.34's offloading connector's placeholder.
+const EXPECTED_SKIPS: &[(&str, &[(u32, &str)])] =
+    &[("vllm_0.34.0_offload_storage_remote", &[(3, "placeholder")])];
 
 /// The reason event `index` of fixture `name` is expected to be skipped for.
 fn expected_skip(name: &str, index: u32) -> Option<&'static str> {
@@ -315,6 +307,22 @@ fn golden_payloads_decode_exactly() {
                     assert_eq!(removed.tier, expected_tier(source, true), "{name}: tier");
                 }
                 ("AllBlocksCleared", KvEvent::Cleared) => {}
+                (ty @ ("BlockStored" | "BlockRemoved"), KvEvent::Group(group)) => {
+                    // A hybrid model's window or state group: kept by engine hash.
+                    let hashes: Vec<u64> = field(source, "block_hashes", 1)
+                        .and_then(Value::as_array)
+                        .expect("hashes")
+                        .iter()
+                        .map(bits)
+                        .collect();
+                    let got: Vec<u64> = group.blocks.iter().map(|b| b.0).collect();
+                    assert_eq!(got, hashes, "{name}: group hashes");
+                    assert_eq!(group.stored, ty == "BlockStored", "{name}");
+                    assert_ne!(
+                        field(source, "group_idx", 9).and_then(Value::as_u64),
+                        Some(0)
+                    );
+                }
                 (ty, event) => panic!("{name}: {ty} decoded as {event:?}"),
             }
         }
@@ -391,4 +399,38 @@ fn rank_nil_falls_back_to_the_registered_rank() {
     assert_eq!(batch.dp_rank, 7);
     assert_eq!(batch.events.len(), 1);
     assert_eq!(batch.events[0].outcome, Ok(KvEvent::Cleared));
+}
+
+#[test]
+fn hybrid_groups_carry_their_rules() {
+    use kvroute_core::event::GroupRule;
+    let batch = decode_fixture("vllm_0.34.0_hybrid_sliding_window");
+    let KvEvent::Group(window) = batch.events[1].outcome.as_ref().expect("group") else {
+        panic!("{:?}", batch.events[1]);
+    };
+    // Window 32 at 16-token blocks: the 2 blocks before a prefix's end.
+    assert_eq!(
+        window.rule,
+        GroupRule::Window {
+            blocks: 2,
+            stride: 1
+        }
+    );
+    assert_eq!(
+        (window.group, window.blocks.len(), window.stored),
+        (1, 3, true)
+    );
+    let KvEvent::Group(evicted) = batch.events[2].outcome.as_ref().expect("group") else {
+        panic!("{:?}", batch.events[2]);
+    };
+    // The removal names only its group: the rule learned from the store.
+    assert_eq!((evicted.rule, evicted.stored), (window.rule, false));
+    let batch = decode_fixture("vllm_0.34.0_offload_storage_remote");
+    let KvEvent::Group(state) = batch.events[4].outcome.as_ref().expect("group") else {
+        panic!("{:?}", batch.events[4]);
+    };
+    assert_eq!(
+        (state.rule, state.group, state.tier),
+        (GroupRule::State, 2, Tier::Host)
+    );
 }

@@ -396,7 +396,7 @@ fn placement_filters_drop_what_is_not_this_workers_attention_cache() {
         ),
         (
             "kv_cache_spec_kind",
-            &|o| mp::str(o, "sliding_window"),
+            &|o| mp::str(o, "cross_attention"),
             SkipReason::NonAttentionGroup,
         ),
         ("group_idx", &|o| mp::uint(o, 3), SkipReason::UnlearnedGroup),

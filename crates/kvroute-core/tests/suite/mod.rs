@@ -4,6 +4,7 @@
 mod common;
 mod golden;
 mod hand_built;
+mod hybrid;
 mod image_keys;
 mod properties;
 mod robustness;
