@@ -1,6 +1,7 @@
 #!/usr/bin/env sh
 # Writes every golden fixture's payload (the hex line of each
-# crates/kvroute-core/tests/fixtures/*.hex) as binary into
+# crates/kvroute-core/tests/fixtures/*.hex) and of each hand-built seed in
+# fuzz/seeds/decode_batch/*.hex as binary into
 # fuzz/corpus/decode_batch/, plus one two-payload seed (two fixtures joined by
 # 0xc1, the target's separator for payloads fed to one reused StreamDecoder).
 # Run from anywhere; needs xxd (vim-common) or perl.
@@ -23,6 +24,14 @@ count=0
 for fixture in "$fixtures"/*.hex; do
     name=$(basename "$fixture" .hex)
     grep -v '^#' "$fixture" | tr -d ' \n\r' | unhex > "$corpus/$name.bin"
+    count=$((count + 1))
+done
+
+# Hand-built seeds for forms no engine sample carries (fuzz/seeds/decode_batch).
+for seed in "$here"/seeds/decode_batch/*.hex; do
+    [ -f "$seed" ] || continue
+    name=$(basename "$seed" .hex)
+    grep -v '^#' "$seed" | tr -d ' \n\r' | unhex > "$corpus/seed_$name.bin"
     count=$((count + 1))
 done
 

@@ -18,12 +18,40 @@
 //! the same batch), and the stream decoder, once `reset()`, must decode the
 //! input exactly as a fresh `decode_batch` does: nothing from earlier inputs
 //! may leak into later results.
+//!
+//! The stream decoder's events are also applied to an index (one rank), and
+//! every stored event's chain is looked up: a hybrid model's window and state
+//! groups, per-block image keys and TensorRT-LLM's digest tokens all reach
+//! the index this way. A match must keep `device ≤ host ≤ any ≤` the query's
+//! length, and the image items a store reports must name its kept blocks.
 #![no_main]
 
+use kvroute_core::event::KvEvent;
+use kvroute_core::hash::sequence_hashes;
+use kvroute_core::index::{Index, WorkerRank};
 use kvroute_core::wire::{
     decode_batch, DecodedBatch, DecoderConfig, EnvelopeError, SkipReason, StreamDecoder,
 };
 use libfuzzer_sys::fuzz_target;
+
+/// Applies a batch's events to `index` and looks every stored chain up.
+fn index_batch(index: &mut Index, batch: &Result<DecodedBatch, EnvelopeError>) {
+    let Ok(batch) = batch else { return };
+    let key = WorkerRank::new(0, batch.dp_rank % 4);
+    for event in batch.decoded() {
+        index.apply(key, event);
+        let KvEvent::Stored(s) = event else { continue };
+        if let Some(items) = &s.image_items {
+            assert!(items.iter().all(|&(b, _)| (b as usize) < s.blocks.len()));
+        }
+        let locals: Vec<_> = s.blocks.iter().map(|b| b.local).collect();
+        let seqs = sequence_hashes(&locals);
+        for m in index.find_matches(&seqs) {
+            assert!(m.device <= m.host && m.host <= m.any);
+            assert!(m.any as usize <= seqs.len());
+        }
+    }
+}
 
 /// Asserts the invariants of one decode and formats its messages (as the shell would log them).
 fn check(result: &Result<DecodedBatch, EnvelopeError>, payload: &[u8]) {
@@ -103,8 +131,11 @@ fuzz_target!(|data: &[u8]| {
         ..Default::default()
     };
     let mut stream = StreamDecoder::new(stream_config.clone());
+    let mut index = Index::default();
     for piece in data.split(|&b| b == 0xc1) {
-        check(&stream.decode(piece), piece);
+        let result = stream.decode(piece);
+        check(&result, piece);
+        index_batch(&mut index, &result);
     }
     check(&stream.decode(data), data);
     stream.reset();

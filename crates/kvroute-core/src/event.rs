@@ -99,6 +99,9 @@ pub struct Stored {
     /// The folded token ids of the kept blocks, only when the decoder was asked
     /// to keep them (debugging; the hot path never builds this list).
     pub token_ids: Option<Vec<u32>>,
+    /// The image item hashes each kept block's local hash covers, as
+    /// `(block, item hash)`, only when the decoder was asked to keep tokens.
+    pub image_items: Option<Vec<(u32, u64)>>,
 }
 
 impl Stored {
@@ -120,6 +123,7 @@ impl Stored {
             lookahead: 0,
             dropped_blocks: 0,
             token_ids: None,
+            image_items: None,
         }
     }
 }
@@ -133,6 +137,44 @@ pub struct Removed {
     pub tier: Tier,
 }
 
+/// How a KV-cache group other than full attention limits which prefixes a
+/// new request can reuse (hybrid models; vLLM's `HybridKVCacheCoordinator`
+/// reuses the longest prefix every group accepts).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GroupRule {
+    /// Windowed attention (sliding window, chunked local): a prefix ending
+    /// at an attention block boundary is reusable only if the group holds
+    /// its `blocks` group blocks ending there (all of them when the prefix
+    /// is shorter). A group block spans `stride` attention blocks, and the
+    /// prefix must end on a group block boundary.
+    Window {
+        /// Group blocks the window needs (`cdiv(window − 1, group block size)`).
+        blocks: u32,
+        /// Attention blocks per group block.
+        stride: u32,
+    },
+    /// A recurrent state (Mamba): a prefix is reusable only where the group
+    /// holds the state at its end.
+    State,
+}
+
+/// Blocks of a constraining KV-cache group stored or evicted, by engine
+/// hash: a group block's hash is the attention chain's hash at the same
+/// boundary, which is how the index lines them up.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupBlocks {
+    /// The engine's group index.
+    pub group: u32,
+    /// How the group limits reuse.
+    pub rule: GroupRule,
+    /// Engine hashes of the group's blocks.
+    pub blocks: Vec<ExternalHash>,
+    /// Where they live.
+    pub tier: Tier,
+    /// Stored (true) or evicted (false).
+    pub stored: bool,
+}
+
 /// A change to one (worker, data-parallel rank)'s prefix cache.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
@@ -142,41 +184,66 @@ pub enum KvEvent {
     Removed(Removed),
     /// Every block of this rank was dropped (cache reset).
     Cleared,
+    /// Blocks of a hybrid model's window or state group were stored or evicted.
+    Group(GroupBlocks),
 }
 
 impl KvEvent {
-    /// `"stored"`, `"removed"` or `"cleared"`.
+    /// `"stored"`, `"removed"`, `"cleared"` or `"group"`.
     pub fn kind(&self) -> &'static str {
         match self {
             KvEvent::Stored(_) => "stored",
             KvEvent::Removed(_) => "removed",
             KvEvent::Cleared => "cleared",
+            KvEvent::Group(_) => "group",
         }
     }
 }
 
 /// Which engine a worker runs. It decides the engine's wire dialect (vLLM:
 /// unsigned `sha256_cbor` hashes, one store per cached run; SGLang: signed
-/// page digests, coalesced stores, wide image pads), how the engine lays
-/// images out in its prompt tokens (and so how the router hashes a prompt with
-/// images for it), and how it is told a data-parallel rank.
+/// page digests, coalesced stores, wide image pads; TensorRT-LLM: signed
+/// radix-key hashes, coalesced stores, digest-first images), how the engine
+/// lays images out in its prompt tokens (and so how the router hashes a
+/// prompt with images for it), and how it is told a data-parallel rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum WorkerFlavor {
-    /// vLLM 0.33: placeholder ids in an image span, the item in each overlapping
-    /// block's extra keys.
+    /// vLLM 0.33/0.34: placeholder ids in an image span, the item in each
+    /// overlapping block's extra keys.
     #[default]
     Vllm,
     /// SGLang 0.5.23: the item's four wide pad values cycled over an image span.
     Sglang,
+    /// TensorRT-LLM (the streaming KV events of its V2 cache manager): an
+    /// image span digest-first (the item's digest, then ids above the
+    /// vocabulary), the item in each overlapping block's `mm_keys`; the
+    /// decoder and the request side write image position k as
+    /// `1_000_000 + k` (see `wire::blocks`).
+    Trtllm,
 }
 
 impl WorkerFlavor {
-    /// The flavour's name in flags and documents (`vllm`, `sglang`).
+    /// Every flavour, in flag order.
+    pub const ALL: [WorkerFlavor; 3] = [
+        WorkerFlavor::Vllm,
+        WorkerFlavor::Sglang,
+        WorkerFlavor::Trtllm,
+    ];
+
+    /// The flavour's name in flags and documents (`vllm`, `sglang`, `trtllm`).
     pub fn as_str(self) -> &'static str {
         match self {
             WorkerFlavor::Vllm => "vllm",
             WorkerFlavor::Sglang => "sglang",
+            WorkerFlavor::Trtllm => "trtllm",
         }
+    }
+
+    /// Whether the engine enters a block in its prefix cache when it
+    /// schedules the step that fills it (vLLM), rather than once the block
+    /// is computed (SGLang's radix tree, TensorRT-LLM's committed blocks).
+    pub fn caches_when_scheduled(self) -> bool {
+        self == WorkerFlavor::Vllm
     }
 }
 
@@ -193,7 +260,8 @@ impl std::str::FromStr for WorkerFlavor {
         match s {
             "vllm" => Ok(WorkerFlavor::Vllm),
             "sglang" => Ok(WorkerFlavor::Sglang),
-            _ => Err(format!("unknown flavor `{s}` (vllm, sglang)")),
+            "trtllm" => Ok(WorkerFlavor::Trtllm),
+            _ => Err(format!("unknown flavor `{s}` (vllm, sglang, trtllm)")),
         }
     }
 }

@@ -22,6 +22,11 @@
 //!   digest whose first 16 hex digits are the identity (the full SHA-256 of the
 //!   image bytes or URL, or the client's hash followed by 48 zeros); its item
 //!   hash is [`mm_hash_from_identifier`], exactly as the decoder computes it.
+//! * **TensorRT-LLM** (streaming KV events): the engine lays an image out
+//!   digest-first (its digest, then ids above the vocabulary) and names it
+//!   in each overlapping block's `mm_keys`; the decoder rewrites image
+//!   position k to [`trtllm_image_token`]`(k)` and the request side lays the
+//!   span out the same way, so neither needs the engine's vocabulary size.
 //! * **Span length**: [`ImageTokenRule`], today a fixed count per deployment.
 
 use sha2::{Digest, Sha256};
@@ -263,9 +268,13 @@ pub struct RoutingPrompt {
 ///   wide pad value; blocks hash as plain token blocks.
 /// * vLLM: the tokens as given; every block overlapping an image appends that
 ///   item's [`ImageIdentity::vllm_mm_hash`] (sorted, Dynamo's legacy form).
+/// * TensorRT-LLM: image position k (from 0 at the span's start) holds
+///   [`trtllm_image_token`]`(k)`, the form the decoder gives TensorRT-LLM's
+///   digest-first positions; every overlapping block appends the item's hash
+///   as for vLLM.
 ///
-/// Spans reaching past the tokens are clipped. Without images both flavours
-/// give [`local_block_hashes`] of the tokens.
+/// Spans reaching past the tokens are clipped. Without images every flavour
+/// gives [`local_block_hashes`] of the tokens.
 pub fn prompt_local_hashes(
     tokens: &[u32],
     images: &[ImageSpan],
@@ -293,27 +302,53 @@ pub fn prompt_local_hashes(
             }
             local_block_hashes(&laid_out, block_size, seed, 0)
         }
-        WorkerFlavor::Vllm => {
-            let items: Vec<u64> = images.iter().map(|i| i.identity.vllm_mm_hash()).collect();
-            let mut block_items = Vec::new();
-            tokens
-                .chunks_exact(block_size)
-                .enumerate()
-                .map(|(b, block)| {
-                    let (lo, hi) = (b * block_size, (b + 1) * block_size);
-                    block_items.clear();
-                    block_items.extend(
-                        images
-                            .iter()
-                            .zip(&items)
-                            .filter(|(image, _)| image.overlaps(lo, hi))
-                            .map(|(_, &h)| h),
-                    );
-                    local_block_hash_with_mm(block, &block_items, seed)
-                })
-                .collect()
+        WorkerFlavor::Vllm => blocks_with_items(tokens, images, block_size, seed),
+        WorkerFlavor::Trtllm => {
+            let mut laid_out = tokens.to_vec();
+            for image in images {
+                let end = image.start.saturating_add(image.len).min(laid_out.len());
+                if let Some(span) = laid_out.get_mut(image.start..end) {
+                    for (k, slot) in span.iter_mut().enumerate() {
+                        *slot = trtllm_image_token(k);
+                    }
+                }
+            }
+            blocks_with_items(&laid_out, images, block_size, seed)
         }
     }
+}
+
+/// The token TensorRT-LLM's item-local image position `k` is hashed as, on
+/// the request side and by the decoder: `1_000_000 + k` (k below 2^30).
+pub fn trtllm_image_token(k: usize) -> u32 {
+    crate::tokens::pad_value_for_mm_hash(k as u64)
+}
+
+/// Blocks of `tokens`, each followed by the item hashes of the images it overlaps.
+fn blocks_with_items(
+    tokens: &[u32],
+    images: &[ImageSpan],
+    block_size: usize,
+    seed: u64,
+) -> Vec<LocalBlockHash> {
+    let items: Vec<u64> = images.iter().map(|i| i.identity.vllm_mm_hash()).collect();
+    let mut block_items = Vec::new();
+    tokens
+        .chunks_exact(block_size)
+        .enumerate()
+        .map(|(b, block)| {
+            let (lo, hi) = (b * block_size, (b + 1) * block_size);
+            block_items.clear();
+            block_items.extend(
+                images
+                    .iter()
+                    .zip(&items)
+                    .filter(|(image, _)| image.overlaps(lo, hi))
+                    .map(|(_, &h)| h),
+            );
+            local_block_hash_with_mm(block, &block_items, seed)
+        })
+        .collect()
 }
 
 impl RoutingPrompt {
@@ -406,7 +441,8 @@ mod tests {
     fn flavors_parse_and_print() {
         assert_eq!("sglang".parse(), Ok(WorkerFlavor::Sglang));
         assert_eq!("vllm".parse(), Ok(WorkerFlavor::Vllm));
-        assert!("trtllm".parse::<WorkerFlavor>().is_err());
+        assert_eq!("trtllm".parse(), Ok(WorkerFlavor::Trtllm));
+        assert!("tensorrt".parse::<WorkerFlavor>().is_err());
         assert_eq!(WorkerFlavor::default().to_string(), "vllm");
     }
 
@@ -473,7 +509,7 @@ mod tests {
             len: 100,
             identity: ImageIdentity::from_hash(1),
         }];
-        for flavor in [WorkerFlavor::Sglang, WorkerFlavor::Vllm] {
+        for flavor in WorkerFlavor::ALL {
             assert_eq!(
                 prompt_local_hashes(&tokens, &images, flavor, 2, HASH_SEED).len(),
                 1

@@ -225,6 +225,14 @@ pub enum ConfigError {
     /// The model name is empty.
     #[error("--model must not be empty")]
     EmptyModel,
+    /// A TensorRT-LLM engine with a prefill or decode role.
+    #[error(
+        "--role {role}: a TensorRT-LLM engine (--engine-flavor trtllm) serves aggregated only"
+    )]
+    TrtllmRole {
+        /// The role given.
+        role: Role,
+    },
 }
 
 impl MockerConfig {
@@ -256,6 +264,9 @@ impl MockerConfig {
         }
         if self.model.is_empty() {
             return Err(ConfigError::EmptyModel);
+        }
+        if self.flavor == WorkerFlavor::Trtllm && self.role != Role::Both {
+            return Err(ConfigError::TrtllmRole { role: self.role });
         }
         if !(self.timing.speedup.is_finite() && self.timing.speedup > 0.0) {
             return Err(ConfigError::OutOfRange {

@@ -19,7 +19,12 @@
 //! `extra_keys`, `group_idx`, `kv_cache_spec_kind`, … `session_id`, … when set.
 //! SGLang (0.5.23): `block_hashes`, `parent_block_hash`, `token_ids`,
 //! `block_size`, `lora_id` (always), then `medium`, `cache_salt`, `session_id`,
-//! `lora_name` when set.
+//! `lora_name` when set. TensorRT-LLM (`kv_cache_events.py`, commit 13599e9):
+//! `block_hashes`, `parent_block_hash`, `token_ids` (an image's first position
+//! as its hex digest), `block_size`, `lora_id`, `medium`, `lora_name`
+//! (always), then `mm_keys` when set (maps tagged `"type": "mm_key"`);
+//! hashes signed; `BlockRemoved` has `block_hashes` and `medium`. The legacy
+//! array format has no TensorRT-LLM form: it writes vLLM's.
 
 use kvroute_core::wire::write as mp;
 
@@ -106,6 +111,12 @@ fn write_event(w: &mut Vec<u8>, o: EncodeOptions, event: &KvCacheEvent) {
         (WorkerFlavor::Sglang, EventFormat::Map, KvCacheEvent::BlockRemoved(e)) => {
             sglang_removed(w, e)
         }
+        (WorkerFlavor::Trtllm, EventFormat::Map, KvCacheEvent::BlockStored(e)) => {
+            trtllm_stored(w, e)
+        }
+        (WorkerFlavor::Trtllm, EventFormat::Map, KvCacheEvent::BlockRemoved(e)) => {
+            trtllm_removed(w, e)
+        }
         (flavor, EventFormat::LegacyArray, KvCacheEvent::BlockStored(e)) => {
             legacy_stored(w, flavor, e)
         }
@@ -125,8 +136,9 @@ fn hashes(w: &mut Vec<u8>, flavor: WorkerFlavor, hashes: &[u64]) {
 fn hash(w: &mut Vec<u8>, flavor: WorkerFlavor, h: u64) {
     match flavor {
         WorkerFlavor::Vllm => mp::uint(w, h),
-        // SGLang's hashes are Python ints from a signed 64-bit conversion.
-        WorkerFlavor::Sglang => mp::int(w, h as i64),
+        // SGLang's and TensorRT-LLM's hashes are Python ints from a signed
+        // 64-bit conversion.
+        WorkerFlavor::Sglang | WorkerFlavor::Trtllm => mp::int(w, h as i64),
     }
 }
 
@@ -265,14 +277,74 @@ fn sglang_removed(w: &mut Vec<u8>, e: &BlockRemoved) {
     }
 }
 
+fn trtllm_stored(w: &mut Vec<u8>, e: &BlockStored) {
+    let f = WorkerFlavor::Trtllm;
+    let images = e.trtllm_images.as_deref();
+    mp::map(w, 8 + usize::from(images.is_some()));
+    mp::str(w, "type");
+    mp::str(w, "BlockStored");
+    mp::str(w, "block_hashes");
+    hashes(w, f, &e.block_hashes);
+    mp::str(w, "parent_block_hash");
+    parent(w, f, e.parent_block_hash);
+    mp::str(w, "token_ids");
+    mp::array(w, e.token_ids.len());
+    for (i, &t) in e.token_ids.iter().enumerate() {
+        let digest = images.and_then(|im| im.digest_tokens.iter().find(|(at, _)| *at == i));
+        match digest {
+            Some((_, digest)) => mp::str(w, digest),
+            None => mp::uint(w, t),
+        }
+    }
+    mp::str(w, "block_size");
+    mp::uint(w, u64::from(e.block_size));
+    mp::str(w, "lora_id");
+    opt_int(w, e.lora_id);
+    mp::str(w, "medium");
+    opt_str(w, e.medium.as_deref());
+    mp::str(w, "lora_name");
+    opt_str(w, e.lora_name.as_deref());
+    if let Some(images) = images {
+        mp::str(w, "mm_keys");
+        mp::array(w, images.mm_keys.len());
+        for block in &images.mm_keys {
+            mp::array(w, block.len());
+            for key in block {
+                mp::map(w, 3 + usize::from(key.uuid.is_some()));
+                mp::str(w, "type");
+                mp::str(w, "mm_key");
+                mp::str(w, "hash");
+                mp::str(w, &key.hash);
+                mp::str(w, "start_offset");
+                mp::uint(w, key.start_offset);
+                if let Some(uuid) = &key.uuid {
+                    mp::str(w, "uuid");
+                    mp::str(w, uuid);
+                }
+            }
+        }
+    }
+}
+
+fn trtllm_removed(w: &mut Vec<u8>, e: &BlockRemoved) {
+    mp::map(w, 3);
+    mp::str(w, "type");
+    mp::str(w, "BlockRemoved");
+    mp::str(w, "block_hashes");
+    hashes(w, WorkerFlavor::Trtllm, &e.block_hashes);
+    mp::str(w, "medium");
+    opt_str(w, e.medium.as_deref());
+}
+
 /// vLLM ≤ 0.23: `["BlockStored", hashes, parent, tokens, block_size, lora_id,
 /// medium, lora_name, extra_keys, group_idx, kv_cache_spec_kind]` (trailing
 /// `None` fields omitted). SGLang 0.5.18–0.5.19: `["BlockStored", hashes,
 /// parent, tokens, block_size, lora_id, medium]`.
 fn legacy_stored(w: &mut Vec<u8>, flavor: WorkerFlavor, e: &BlockStored) {
+    let flavor = legacy_flavor(flavor);
     match flavor {
-        WorkerFlavor::Vllm => mp::array(w, 11),
         WorkerFlavor::Sglang => mp::array(w, 7),
+        _ => mp::array(w, 11),
     }
     mp::str(w, "BlockStored");
     hashes(w, flavor, &e.block_hashes);
@@ -295,15 +367,25 @@ fn legacy_stored(w: &mut Vec<u8>, flavor: WorkerFlavor, e: &BlockStored) {
 /// vLLM ≤ 0.23: `["BlockRemoved", hashes, medium, group_idx]`;
 /// SGLang ≤ 0.5.19: `["BlockRemoved", hashes, medium]`.
 fn legacy_removed(w: &mut Vec<u8>, flavor: WorkerFlavor, e: &BlockRemoved) {
+    let flavor = legacy_flavor(flavor);
     match flavor {
-        WorkerFlavor::Vllm => mp::array(w, 4),
         WorkerFlavor::Sglang => mp::array(w, 3),
+        _ => mp::array(w, 4),
     }
     mp::str(w, "BlockRemoved");
     hashes(w, flavor, &e.block_hashes);
     opt_str(w, e.medium.as_deref());
     if flavor == WorkerFlavor::Vllm {
         mp::uint(w, VLLM_GROUP_IDX);
+    }
+}
+
+/// The engine whose legacy arrays a flavour writes: TensorRT-LLM never wrote
+/// arrays, so its legacy form is vLLM's.
+fn legacy_flavor(flavor: WorkerFlavor) -> WorkerFlavor {
+    match flavor {
+        WorkerFlavor::Trtllm => WorkerFlavor::Vllm,
+        other => other,
     }
 }
 

@@ -1,9 +1,10 @@
 //! KV-cache events as the engines' `kv_events.py` classes declare them.
 //!
-//! One model for both engines: the union of vLLM 0.33's and SGLang 0.5.23's
-//! fields that the mocker can produce. [`crate::encode`] writes each flavour's
-//! own subset, in its own field order and integer signedness. Hashes are kept
-//! as 64 bits: vLLM publishes them unsigned, SGLang as the same bits signed.
+//! One model for the three engines: the union of vLLM 0.33's, SGLang 0.5.23's
+//! and TensorRT-LLM's fields that the mocker can produce. [`crate::encode`]
+//! writes each flavour's own subset, in its own field order and integer
+//! signedness. Hashes are kept as 64 bits: vLLM publishes them unsigned,
+//! SGLang and TensorRT-LLM as the same bits signed.
 
 /// One event of a batch.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,8 +38,31 @@ pub struct BlockStored {
     pub extra_keys: Option<Vec<Option<Vec<ExtraKey>>>>,
     /// SGLang only: the request's cache salt.
     pub cache_salt: Option<String>,
-    /// The request's session id (both engines, optional).
+    /// The request's session id (vLLM and SGLang, optional).
     pub session_id: Option<String>,
+    /// TensorRT-LLM only, for stores with images: `mm_keys` and digest tokens.
+    pub trtllm_images: Option<Box<TrtllmImages>>,
+}
+
+/// How a TensorRT-LLM store names its images.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TrtllmImages {
+    /// One list per block of the images it overlaps (`mm_keys`).
+    pub mm_keys: Vec<Vec<MmKey>>,
+    /// Positions in `token_ids` written as an image's digest (64 hex digits)
+    /// instead of the id kept there.
+    pub digest_tokens: Vec<(usize, String)>,
+}
+
+/// One TensorRT-LLM `mm_key`: an image a block overlaps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MmKey {
+    /// The image's digest, 64 hex digits.
+    pub hash: String,
+    /// The item-local position of the image's first position in the block.
+    pub start_offset: u64,
+    /// The client's name for the image, when it gave one.
+    pub uuid: Option<String>,
 }
 
 /// One untagged item of a vLLM `extra_keys` entry.

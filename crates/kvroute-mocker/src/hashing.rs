@@ -17,6 +17,15 @@
 //! `u32::MAX` (a *wide page*, multimodal pad ids in 0.5.23), a `0xff` tag byte
 //! followed by the ids as little-endian `u64`. The published integer is the
 //! digest's **first** 8 bytes, big-endian, **signed**. Vectors S1–S3.
+//!
+//! **TensorRT-LLM flavour: V2 radix block keys** (`kv_cache_manager_v2/_cache_key.py`
+//! of NVIDIA/TensorRT-LLM at commit 13599e9). The chain starts at
+//! `SHA-256(reuse scope)`: one mask byte (bit 0 LoRA, bit 1 salt) and an
+//! 8-byte little-endian value per field set; a block's key is
+//! `SHA-256(parent key ‖ each token as 8 little-endian bytes)`, an image's
+//! first position contributing its 32-byte digest instead. The published
+//! integer (`StreamingEventSink::wireHash`) is the key's **first** 8 bytes,
+//! big-endian, **signed**.
 
 use sha2::{Digest, Sha256};
 
@@ -186,6 +195,43 @@ pub fn sglang_published(digest: &Digest32) -> i64 {
     let mut head = [0u8; 8];
     head.copy_from_slice(&digest[..8]);
     i64::from_be_bytes(head)
+}
+
+/// One TensorRT-LLM token of a radix key: an id, or an image's 32-byte digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrtllmToken<'a> {
+    /// A token id (text, or an image position after the first).
+    Id(u64),
+    /// An image's digest, at the item's first position.
+    Digest(&'a Digest32),
+}
+
+/// The root of a TensorRT-LLM key chain: the reuse scope's digest (no salt;
+/// a LoRA adapter's id as the mocker numbers it, `None` without one).
+pub fn trtllm_root_key(lora_id: Option<u64>) -> Digest32 {
+    let mut scope = vec![u8::from(lora_id.is_some())];
+    if let Some(id) = lora_id {
+        scope.extend_from_slice(&id.to_le_bytes());
+    }
+    sha256(&scope)
+}
+
+/// One TensorRT-LLM radix block key, chained from `parent`.
+pub fn trtllm_block_key(parent: &Digest32, tokens: &[TrtllmToken<'_>]) -> Digest32 {
+    let mut h = Sha256::new();
+    h.update(parent);
+    for t in tokens {
+        match t {
+            TrtllmToken::Id(id) => h.update(id.to_le_bytes()),
+            TrtllmToken::Digest(d) => h.update(d),
+        }
+    }
+    h.finalize().into()
+}
+
+/// The integer TensorRT-LLM publishes for a key: its first 8 bytes, big-endian, signed.
+pub fn trtllm_published(key: &Digest32) -> i64 {
+    sglang_published(key)
 }
 
 /// Lowercase hex of bytes (digests in logs, vLLM multimodal identifiers).

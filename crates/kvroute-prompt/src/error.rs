@@ -30,8 +30,8 @@ pub enum PromptError {
         /// What it must be, e.g. `a string or an array of token ids`.
         expected: &'static str,
     },
-    /// A content part of a type other than `text` and `image_url`.
-    #[error("`{field}` {kind:?} is not supported (text and image_url are)")]
+    /// A content part of a type other than `text`, `image_url` and `video_url`.
+    #[error("`{field}` {kind:?} is not supported (text, image_url and video_url are)")]
     UnsupportedPart {
         /// The part's `type` field.
         field: String,
@@ -101,7 +101,7 @@ mod tests {
         };
         assert_eq!(
             e.to_string(),
-            "`messages[0].content[0].type` \"input_audio\" is not supported (text and image_url are)"
+            "`messages[0].content[0].type` \"input_audio\" is not supported (text, image_url and video_url are)"
         );
         let e = PromptError::from(TokenizerError::Encode("boom".into()));
         assert_eq!(e.to_string(), "tokenizer failed: boom");

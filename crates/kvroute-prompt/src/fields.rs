@@ -120,8 +120,29 @@ pub fn chat_segments(messages: Option<&Value>) -> Result<Vec<Segment>, PromptErr
     Ok(segments)
 }
 
-/// One content part: `{"type": "text", "text"}` or `{"type": "image_url",
-/// "image_url": url | {"url"}}`.
+/// The URL of an `image_url` or `video_url` part: `key: url | {"url": url}`.
+fn media_url(
+    p: &serde_json::Map<String, Value>,
+    key: &str,
+    at: &dyn Fn() -> String,
+) -> Result<String, PromptError> {
+    match p.get(key) {
+        Some(Value::String(u)) => Ok(u.clone()),
+        Some(Value::Object(o)) => match o.get("url") {
+            Some(Value::String(u)) => Ok(u.clone()),
+            _ => Err(PromptError::invalid(
+                format!("{}.{key}.url", at()),
+                "a string",
+            )),
+        },
+        _ => Err(PromptError::Missing {
+            field: format!("{}.{key}", at()),
+        }),
+    }
+}
+
+/// One content part: `{"type": "text", "text"}`, or `{"type": "image_url",
+/// "image_url": url | {"url"}}` and its video form `video_url`.
 fn content_part(part: &Value, i: usize, j: usize) -> Result<Segment, PromptError> {
     let at = || format!("messages[{i}].content[{j}]");
     let Value::Object(p) = part else {
@@ -132,26 +153,8 @@ fn content_part(part: &Value, i: usize, j: usize) -> Result<Segment, PromptError
             Some(Value::String(t)) => Ok(Segment::Text(t.clone())),
             _ => Err(PromptError::invalid(format!("{}.text", at()), "a string")),
         },
-        Some("image_url") => {
-            let url = match p.get("image_url") {
-                Some(Value::String(u)) => u,
-                Some(Value::Object(o)) => match o.get("url") {
-                    Some(Value::String(u)) => u,
-                    _ => {
-                        return Err(PromptError::invalid(
-                            format!("{}.image_url.url", at()),
-                            "a string",
-                        ))
-                    }
-                },
-                _ => {
-                    return Err(PromptError::Missing {
-                        field: format!("{}.image_url", at()),
-                    })
-                }
-            };
-            Ok(Segment::Image(url.clone()))
-        }
+        Some("image_url") => media_url(p, "image_url", &at).map(Segment::Image),
+        Some("video_url") => media_url(p, "video_url", &at).map(Segment::Video),
         Some(other) => Err(PromptError::UnsupportedPart {
             field: format!("{}.type", at()),
             kind: other.to_owned(),

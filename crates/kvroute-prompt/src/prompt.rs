@@ -17,6 +17,9 @@ pub enum Segment {
     Special(SpecialToken),
     /// An image by URL.
     Image(String),
+    /// A video by URL (`video_url` parts): laid out and hashed like an
+    /// image, with the video placeholder id in its positions.
+    Video(String),
 }
 
 /// The ChatML layout's special tokens.
@@ -59,7 +62,7 @@ pub struct Prompt {
     /// string `content`), when every part is text; `None` for completions
     /// and chats with images.
     pub template_messages: Option<Value>,
-    /// Client-supplied image hashes, one per image in order.
+    /// Client-supplied item hashes, one per image or video in prompt order.
     pub mm_hashes: Option<Vec<u64>>,
     /// The `model` field, for per-model image rules.
     pub model: Option<String>,
@@ -96,11 +99,11 @@ impl Prompt {
         Ok(prompt)
     }
 
-    /// How many images the prompt holds.
+    /// How many multimodal items (images and videos) the prompt holds.
     pub fn image_count(&self) -> usize {
         self.segments
             .iter()
-            .filter(|s| matches!(s, Segment::Image(_)))
+            .filter(|s| matches!(s, Segment::Image(_) | Segment::Video(_)))
             .count()
     }
 }

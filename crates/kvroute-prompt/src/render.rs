@@ -58,8 +58,8 @@ impl Renderer {
     /// Tokenizes a prompt: a chat whose parts are all text through the
     /// model's chat template when it has one, the whole text tokenized;
     /// otherwise the ChatML segments: text through the tokenizer, the
-    /// specials, client token ids as given, and each image as vision start,
-    /// `rule` placeholder positions, vision end.
+    /// specials, client token ids as given, and each image (video) as vision
+    /// start, `rule` image (video) placeholder positions, vision end.
     pub fn render(&self, prompt: &Prompt) -> Result<NeutralPrompt, PromptError> {
         let images = prompt.image_count();
         if let Some(hashes) = &prompt.mm_hashes {
@@ -103,7 +103,11 @@ impl Renderer {
                 Segment::Tokens(ids) => tokens.extend_from_slice(ids),
                 Segment::Special(SpecialToken::ImStart) => tokens.push(specials.im_start),
                 Segment::Special(SpecialToken::ImEnd) => tokens.push(specials.im_end),
-                Segment::Image(url) => {
+                Segment::Image(url) | Segment::Video(url) => {
+                    let placeholder = match segment {
+                        Segment::Video(_) => specials.video_pad,
+                        _ => specials.image_pad,
+                    };
                     let index = spans.len();
                     let client_hash = prompt
                         .mm_hashes
@@ -115,7 +119,7 @@ impl Renderer {
                     let len = self.rule.tokens_for(prompt.model.as_deref(), &identity);
                     tokens.push(specials.vision_start);
                     let start = tokens.len();
-                    tokens.extend(std::iter::repeat_n(specials.image_pad, len));
+                    tokens.extend(std::iter::repeat_n(placeholder, len));
                     spans.push(ImageSpan {
                         start,
                         len,
@@ -177,6 +181,47 @@ mod tests {
         let routing = renderer(3).render_for_routing(&p).expect("renders");
         assert_eq!(routing.tokens.len(), r.tokens.len());
         assert_eq!(routing.images, r.images);
+    }
+
+    #[test]
+    fn a_video_is_laid_out_and_named_like_an_image_with_its_own_placeholder() {
+        use crate::tokenizer::VIDEO_PAD;
+        let url = "data:video/mp4;base64,aGVsbG8=";
+        let messages = json!([{"role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": url}},
+            {"type": "image_url", "image_url": url},
+            {"type": "text", "text": "same bytes, two media"}
+        ]}]);
+        let p = Prompt::chat(Some(&messages)).expect("ok");
+        assert_eq!(p.image_count(), 2);
+        let r = renderer(2).render(&p).expect("renders");
+        let (video, image) = (&r.images[0], &r.images[1]);
+        assert_eq!(
+            r.tokens[video.start..video.start + 2],
+            [VIDEO_PAD, VIDEO_PAD]
+        );
+        assert_eq!(
+            r.tokens[image.start..image.start + 2],
+            [IMAGE_PAD, IMAGE_PAD]
+        );
+        assert_eq!(r.tokens[video.start - 1], VISION_START);
+        assert_eq!(r.tokens[video.start + 2], VISION_END);
+        // The identity rule is the image's: the bytes of the data URL.
+        assert_eq!(video.identity, image.identity);
+        // Client hashes count videos too, in prompt order.
+        let mut p = p;
+        p.mm_hashes = Some(vec![7, 8]);
+        let r = renderer(2).render(&p).expect("renders");
+        assert_eq!(
+            (r.images[0].identity.hash, r.images[1].identity.hash),
+            (7, 8)
+        );
+        let missing = json!([{"role": "user", "content": [{"type": "video_url"}]}]);
+        let e = Prompt::chat(Some(&missing)).expect_err("no url");
+        assert_eq!(
+            e.to_string(),
+            "`messages[0].content[0].video_url` is required"
+        );
     }
 
     #[test]

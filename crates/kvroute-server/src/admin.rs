@@ -404,7 +404,7 @@ mod tests {
         assert!(flavor_from_body(&json!({"flavor": "tgi"}))
             .expect_err("unknown")
             .message()
-            .contains("vllm or sglang"));
+            .contains("sglang or trtllm"));
         assert_eq!(
             flavor_from_body(&json!({"flavor": "sglang"})).expect("valid"),
             WorkerFlavor::Sglang

@@ -26,7 +26,9 @@
 //! (prefix semantics: a worker's match stops at its first missing block); a
 //! store whose parent the worker does not hold is dropped whole, never
 //! attached elsewhere; duplicate stores and removals of unknown blocks change
-//! nothing. Memory is bounded per (worker, rank) by a residency cap.
+//! nothing. Memory is bounded per (worker, rank) by a residency cap. A
+//! hybrid model's rank is credited only with the prefix its window and state
+//! groups accept too (`hybrid`).
 //!
 //! The index is single-writer: `&mut self` applies events, `&self` answers
 //! lookups. [`SharedIndex`] splits it into shards of ranks for many reader
@@ -35,6 +37,7 @@
 mod dense;
 mod feedback;
 mod holders;
+mod hybrid;
 mod layout;
 mod nodes;
 mod regroup;
@@ -46,7 +49,7 @@ use std::collections::VecDeque;
 
 use rustc_hash::FxHashMap;
 
-use crate::event::{KvEvent, Removed, Stored, Tier};
+use crate::event::{GroupBlocks, KvEvent, Removed, Stored, Tier};
 use crate::hash::{next_sequence_hash, LocalBlockHash, SequenceHash};
 use nodes::{map_heap_bytes, Bind, NodeId, NodeStore, SlotId};
 
@@ -183,6 +186,8 @@ struct Slot {
     approx_queue: VecDeque<(u64, NodeId)>,
     /// Where the next over-capacity sweep starts.
     sweep_cursor: NodeId,
+    /// A hybrid model's window and state groups, once it has published any.
+    hybrid: Option<Box<hybrid::Hybrid>>,
 }
 
 impl Slot {
@@ -196,6 +201,7 @@ impl Slot {
             approx_deadline: FxHashMap::default(),
             approx_queue: VecDeque::new(),
             sweep_cursor: 0,
+            hybrid: None,
         }
     }
 
@@ -231,6 +237,8 @@ pub struct Index {
     keys: Vec<WorkerRank>,
     free_slots: Vec<SlotId>,
     counters: IndexCounters,
+    /// Ranks with window or state groups: lookups cap only when there are some.
+    hybrid_ranks: usize,
 }
 
 impl Default for Index {
@@ -250,6 +258,7 @@ impl Index {
             keys: Vec::new(),
             free_slots: Vec::new(),
             counters: IndexCounters::default(),
+            hybrid_ranks: 0,
         }
     }
 
@@ -298,6 +307,9 @@ impl Index {
     /// Frees a slot for reuse.
     fn vacate_slot(&mut self, slot: SlotId) {
         if let Some(s) = self.slots.get_mut(slot as usize) {
+            if s.as_ref().is_some_and(|s| s.hybrid.is_some()) {
+                self.hybrid_ranks -= 1;
+            }
             *s = None;
             self.keys[slot as usize] = VACANT;
             self.free_slots.push(slot);
@@ -323,6 +335,21 @@ impl Index {
             KvEvent::Stored(stored) => self.store(key, stored),
             KvEvent::Removed(removed) => self.remove(key, removed),
             KvEvent::Cleared => self.clear_rank(key),
+            KvEvent::Group(group) => self.apply_group(key, group),
+        }
+    }
+
+    /// A hybrid model's window or state group stored or evicted blocks.
+    fn apply_group(&mut self, key: WorkerRank, group: &GroupBlocks) {
+        let slot = self.slot(key);
+        let Some(s) = self.slot_mut(slot) else { return };
+        let created = s.hybrid.is_none();
+        let capacity = s.capacity;
+        s.hybrid
+            .get_or_insert_with(Box::default)
+            .apply(group, capacity);
+        if created {
+            self.hybrid_ranks += 1;
         }
     }
 
@@ -484,7 +511,12 @@ impl Index {
             }
         }
         if let Some(s) = self.slot_mut(slot) {
-            let fresh = Slot::new(s.key, s.capacity);
+            let mut fresh = Slot::new(s.key, s.capacity);
+            // A hybrid model stays one: its groups keep their rules, not their blocks.
+            fresh.hybrid = s.hybrid.take().map(|mut h| {
+                h.clear();
+                h
+            });
             *s = fresh;
         }
     }
@@ -560,9 +592,44 @@ impl Index {
     /// ([`crate::hash::sequence_hashes`]), which the router computes once for
     /// its in-flight accounting and every shard's lookup then shares.
     pub fn find_matches(&self, seqs: &[SequenceHash]) -> Vec<RankMatch> {
-        walk::find_matches(&self.nodes, seqs, |slot| {
+        let mut matches = walk::find_matches(&self.nodes, seqs, |slot| {
             self.keys.get(slot as usize).copied()
-        })
+        });
+        if self.hybrid_ranks > 0 {
+            for m in &mut matches {
+                self.cap_hybrid(m, seqs);
+            }
+        }
+        matches
+    }
+
+    /// Caps a hybrid rank's match to the prefixes its window and state
+    /// groups accept (see `hybrid`).
+    fn cap_hybrid(&self, m: &mut RankMatch, seqs: &[SequenceHash]) {
+        let Some(&slot) = self.slot_of.get(&m.worker_rank) else {
+            return;
+        };
+        let Some(s) = self.slots.get(slot as usize).and_then(Option::as_ref) else {
+            return;
+        };
+        let Some(groups) = s.hybrid.as_deref() else {
+            return;
+        };
+        // The engine hash this rank names each matched block by.
+        let exts: Vec<Option<u64>> = seqs
+            .iter()
+            .take(m.any as usize)
+            .map(|seq| {
+                let node = self.nodes.find_seq(seq.0)?;
+                match s.private_name.get(&node) {
+                    Some(&(ext, bound)) if bound == seq.0 => Some(ext),
+                    _ => self.nodes.primary_ext(node),
+                }
+            })
+            .collect();
+        m.device = groups.cap(&exts, m.device, hybrid::DEVICE_MASK);
+        m.host = groups.cap(&exts, m.host, hybrid::HOST_MASK).max(m.device);
+        m.any = groups.cap(&exts, m.any, hybrid::ANY_MASK).max(m.host);
     }
 
     /// Records that a request with these local hashes was routed to a rank of

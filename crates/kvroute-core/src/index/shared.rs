@@ -386,6 +386,7 @@ impl Stored {
             lookahead: self.lookahead,
             dropped_blocks: 0,
             token_ids: None,
+            image_items: None,
         }
     }
 }

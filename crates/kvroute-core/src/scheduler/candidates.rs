@@ -194,8 +194,8 @@ impl Scored {
     /// chosen for a `prompt_tokens`-token prompt. A vLLM engine caches a
     /// block as it schedules the step that fills it, so a prefix that a
     /// request active there is computing counts, though the index has not
-    /// heard of it yet; SGLang's radix tree takes a chunk only once it is
-    /// computed, so there only the index counts.
+    /// heard of it yet; SGLang's radix tree (and TensorRT-LLM's) takes a
+    /// chunk only once it is computed, so there only the index counts.
     pub fn predicted_cached_tokens(&self, prompt_tokens: u64) -> u64 {
         predicted_cached_tokens(
             self.predicted_cached_blocks(),
@@ -208,9 +208,10 @@ impl Scored {
     /// candidate is chosen ([`Scored::predicted_cached_tokens`] in blocks).
     pub fn predicted_cached_blocks(&self) -> u32 {
         let c = &self.candidate;
-        match self.flavor {
-            WorkerFlavor::Vllm => c.device_blocks.max(c.active_prefix_blocks),
-            WorkerFlavor::Sglang => c.device_blocks,
+        if self.flavor.caches_when_scheduled() {
+            c.device_blocks.max(c.active_prefix_blocks)
+        } else {
+            c.device_blocks
         }
     }
 }

@@ -24,9 +24,12 @@ pub(super) struct Fields<'a> {
     pub extra_keys: Option<&'a [u8]>,
     pub group_idx: Option<&'a [u8]>,
     pub kv_cache_spec_kind: Option<&'a [u8]>,
+    pub kv_cache_spec_sliding_window: Option<&'a [u8]>,
     pub locality: Option<&'a [u8]>,
     pub ownership: Option<&'a [u8]>,
     pub lookahead_token_ids: Option<&'a [u8]>,
+    pub block_mm_infos: Option<&'a [u8]>,
+    pub mm_keys: Option<&'a [u8]>,
 }
 
 /// A field of the positional (array) layout.
@@ -41,13 +44,14 @@ enum Slot {
     ExtraKeys,
     GroupIdx,
     SpecKind,
+    SlidingWindow,
     Locality,
     Ownership,
     Ignored,
 }
 
 /// Slots 1.. of a positional `BlockStored`: vLLM ≤ 0.23 order
-/// (`lora_id` and `kv_cache_spec_sliding_window` are read and ignored);
+/// (`lora_id` is read and ignored);
 /// SGLang ≤ 0.5.19 stops after `medium`.
 const STORED_SLOTS: &[Slot] = &[
     Slot::BlockHashes,
@@ -60,7 +64,7 @@ const STORED_SLOTS: &[Slot] = &[
     Slot::ExtraKeys,
     Slot::GroupIdx,
     Slot::SpecKind,
-    Slot::Ignored, // kv_cache_spec_sliding_window
+    Slot::SlidingWindow,
     Slot::Locality,
     Slot::Ownership,
 ];
@@ -71,7 +75,7 @@ const REMOVED_SLOTS: &[Slot] = &[
     Slot::Medium,
     Slot::GroupIdx,
     Slot::SpecKind,
-    Slot::Ignored, // kv_cache_spec_sliding_window
+    Slot::SlidingWindow,
     Slot::Locality,
     Slot::Ownership,
 ];
@@ -114,9 +118,12 @@ fn gather_map<'a>(r: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<(), Rea
             Some("extra_keys") => &mut fields.extra_keys,
             Some("group_idx") => &mut fields.group_idx,
             Some("kv_cache_spec_kind") => &mut fields.kv_cache_spec_kind,
+            Some("kv_cache_spec_sliding_window") => &mut fields.kv_cache_spec_sliding_window,
             Some("locality") => &mut fields.locality,
             Some("ownership") => &mut fields.ownership,
             Some("lookahead_token_ids") => &mut fields.lookahead_token_ids,
+            Some("block_mm_infos") => &mut fields.block_mm_infos,
+            Some("mm_keys") => &mut fields.mm_keys,
             _ => continue,
         };
         *target = Some(value);
@@ -149,6 +156,7 @@ fn gather_array<'a>(r: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<(), R
             Some(Slot::ExtraKeys) => &mut fields.extra_keys,
             Some(Slot::GroupIdx) => &mut fields.group_idx,
             Some(Slot::SpecKind) => &mut fields.kv_cache_spec_kind,
+            Some(Slot::SlidingWindow) => &mut fields.kv_cache_spec_sliding_window,
             Some(Slot::Locality) => &mut fields.locality,
             Some(Slot::Ownership) => &mut fields.ownership,
             Some(Slot::Ignored) | None => continue,

@@ -21,7 +21,10 @@
 //! hashed straight from the payload bytes: a stored event allocates only its
 //! block list.
 
+mod blocks;
 mod event;
+mod groups;
+mod items;
 mod msgpack;
 mod normalize;
 pub mod write;
@@ -146,6 +149,10 @@ pub enum SkipReason {
     BlockSizeMismatch,
     /// A stored event without enough token ids for even its first block.
     TooFewTokens,
+    /// A store that names a block but describes none of its tokens (vLLM's
+    /// offloading connector for groups it cannot describe: `block_size` 0,
+    /// no token ids).
+    Placeholder,
 }
 
 impl SkipReason {
@@ -165,6 +172,7 @@ impl SkipReason {
             SkipReason::UnlearnedGroup => "unlearned_group",
             SkipReason::BlockSizeMismatch => "block_size_mismatch",
             SkipReason::TooFewTokens => "too_few_tokens",
+            SkipReason::Placeholder => "placeholder",
         }
     }
 
@@ -246,12 +254,14 @@ pub struct StreamDecoder {
 /// Reused buffers for one event at a time.
 #[derive(Debug, Clone, Default)]
 struct Scratch {
-    /// Multimodal item hashes of every block, flattened.
-    mm_hashes: Vec<u64>,
-    /// End offset in `mm_hashes` of each block's items.
-    mm_ends: Vec<usize>,
+    /// (block, item hash) of every image key of the event, sorted, no repeats.
+    items: Vec<(u32, u64)>,
+    /// Item hashes named by digest tokens of the block being hashed.
+    token_items: Vec<u64>,
     /// One block's item hashes, sorted.
     mm_block: Vec<u64>,
+    /// (block, item hash) of what the event's local hashes covered, when tokens are kept.
+    kept_items: Vec<(u32, u64)>,
     /// Hashes being checked for repeats.
     sorted_hashes: Vec<u64>,
 }
@@ -261,8 +271,10 @@ struct Scratch {
 struct StreamMemory {
     /// Salt of each salted block still cached, by engine hash.
     salts: FxHashMap<u64, Arc<str>>,
-    /// Whether each KV-cache group index is main attention, as learned from events.
-    group_is_attention: FxHashMap<u32, bool>,
+    /// What each KV-cache group index is to the router, as learned from events.
+    group_class: FxHashMap<u32, groups::GroupClass>,
+    /// TensorRT-LLM's `mm_token_id_offset`, once learned from a digest token.
+    trtllm_mm_offset: Option<u64>,
 }
 
 impl StreamDecoder {

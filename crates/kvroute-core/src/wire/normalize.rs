@@ -1,24 +1,26 @@
 //! From an event's raw fields to a [`KvEvent`]: types checked, tier and
 //! placement filters applied, local block hashes computed.
 //!
-//! Token ids are read from the payload one at a time, folded, and written into
-//! the block hasher's reused buffer, so the common path builds no token list.
+//! Token ids are hashed by `blocks` (read from the payload one at a time,
+//! folded, written into the block hasher's reused buffer, so the common path
+//! builds no token list); per-block image keys are read by `items`.
 
 use std::sync::Arc;
 
+use super::blocks::TokenFields;
 use super::event::Fields;
+use super::groups::Placement;
+use super::items::ItemFields;
 use super::msgpack::{Int, Kind, ReadError, Reader};
-use super::{Scratch, SkipReason, Skipped, StreamDecoder};
-use crate::event::{ExternalHash, KvEvent, Removed, Stored, StoredBlock, Tier};
-use crate::hash::{mm_hash_from_identifier, namespace_seed, LocalBlockHash};
-use crate::tokens::fold_token_id;
+use super::{SkipReason, Skipped, StreamDecoder};
+use crate::event::{
+    ExternalHash, GroupBlocks, GroupRule, KvEvent, Removed, Stored, StoredBlock, Tier,
+};
+use crate::hash::{namespace_seed, LocalBlockHash};
 
-/// KV-cache group kinds whose blocks describe the main attention cache.
-const ATTENTION_KINDS: [&str; 3] = ["full_attention", "mla_attention", "sink_full_attention"];
+pub(super) type Outcome<T> = Result<T, Skipped>;
 
-type Outcome<T> = Result<T, Skipped>;
-
-fn skip(reason: SkipReason, detail: impl Into<String>) -> Skipped {
+pub(super) fn skip(reason: SkipReason, detail: impl Into<String>) -> Skipped {
     Skipped {
         reason,
         detail: detail.into(),
@@ -29,12 +31,12 @@ fn missing(field: &str) -> Skipped {
     skip(SkipReason::MissingField, format!("`{field}` is required"))
 }
 
-fn invalid(field: &str, e: ReadError) -> Skipped {
+pub(super) fn invalid(field: &str, e: ReadError) -> Skipped {
     skip(SkipReason::InvalidField, format!("`{field}`: {e}"))
 }
 
 /// Reads an optional string field: absent, nil and "" are all `None`.
-fn opt_str<'a>(bytes: Option<&'a [u8]>, field: &str) -> Outcome<Option<&'a str>> {
+pub(super) fn opt_str<'a>(bytes: Option<&'a [u8]>, field: &str) -> Outcome<Option<&'a str>> {
     let Some(bytes) = bytes else { return Ok(None) };
     let mut r = Reader::new(bytes);
     if r.eat_nil() {
@@ -45,7 +47,7 @@ fn opt_str<'a>(bytes: Option<&'a [u8]>, field: &str) -> Outcome<Option<&'a str>>
 }
 
 /// Reads an optional non-negative integer below 2^32.
-fn opt_u32(bytes: Option<&[u8]>, field: &str) -> Outcome<Option<u32>> {
+pub(super) fn opt_u32(bytes: Option<&[u8]>, field: &str) -> Outcome<Option<u32>> {
     let Some(bytes) = bytes else { return Ok(None) };
     let mut r = Reader::new(bytes);
     if r.eat_nil() {
@@ -77,7 +79,7 @@ fn read_hash(r: &mut Reader<'_>) -> Result<ExternalHash, ReadError> {
 }
 
 /// An array field: its reader positioned after the header, and its length.
-fn array<'a>(bytes: &'a [u8], field: &str) -> Outcome<(Reader<'a>, usize)> {
+pub(super) fn array<'a>(bytes: &'a [u8], field: &str) -> Outcome<(Reader<'a>, usize)> {
     let mut r = Reader::new(bytes);
     let len = r.read_array_len().map_err(|e| invalid(field, e))?;
     Ok((r, len))
@@ -97,8 +99,8 @@ impl StreamDecoder {
             .read_str()
             .map_err(|e| invalid("type", e))?;
         match tag {
-            "BlockStored" => self.stored(fields).map(KvEvent::Stored),
-            "BlockRemoved" => self.removed(fields).map(KvEvent::Removed),
+            "BlockStored" => self.stored(fields),
+            "BlockRemoved" => self.removed(fields),
             "AllBlocksCleared" => {
                 check_ownership(fields)?;
                 self.memory.salts.clear();
@@ -111,27 +113,24 @@ impl StreamDecoder {
         }
     }
 
-    fn removed(&mut self, f: &Fields<'_>) -> Outcome<Removed> {
-        let (mut r, len) = array(
-            f.block_hashes.ok_or_else(|| missing("block_hashes"))?,
-            "block_hashes",
-        )?;
-        let tier = tier(f.medium)?;
-        self.check_placement(f)?;
-        let mut blocks = Vec::with_capacity(len.min(r.remaining()));
-        for i in 0..len {
-            let hash = read_hash(&mut r).map_err(|e| invalid(&format!("block_hashes[{i}]"), e))?;
-            blocks.push(hash);
+    fn removed(&mut self, f: &Fields<'_>) -> Outcome<KvEvent> {
+        let hashes = f.block_hashes.ok_or_else(|| missing("block_hashes"))?;
+        let tier = tier(f.medium, f.locality)?;
+        check_ownership(f)?;
+        let placement = self.placement(f, None)?;
+        let blocks = read_hashes(hashes)?;
+        if let Placement::Group { group, rule } = placement {
+            return Ok(group_event(group, rule, blocks, tier, false));
         }
         if !self.memory.salts.is_empty() {
             for hash in &blocks {
                 self.memory.salts.remove(&hash.0);
             }
         }
-        Ok(Removed { blocks, tier })
+        Ok(KvEvent::Removed(Removed { blocks, tier }))
     }
 
-    fn stored(&mut self, f: &Fields<'_>) -> Outcome<Stored> {
+    fn stored(&mut self, f: &Fields<'_>) -> Outcome<KvEvent> {
         let hashes = f.block_hashes.ok_or_else(|| missing("block_hashes"))?;
         let tokens = f.token_ids.ok_or_else(|| missing("token_ids"))?;
         let block_size = f.block_size.ok_or_else(|| missing("block_size"))?;
@@ -139,23 +138,16 @@ impl StreamDecoder {
             .read_u32()
             .map_err(|e| invalid("block_size", e))?;
         if block_size == 0 {
-            return Err(skip(SkipReason::InvalidField, "`block_size` is 0"));
+            return Err(placeholder_or_invalid(tokens));
         }
-        let tier = tier(f.medium)?;
-        self.check_placement(f)?;
+        let tier = tier(f.medium, f.locality)?;
+        check_ownership(f)?;
+        if let Placement::Group { group, rule } = self.placement(f, Some(block_size))? {
+            return Ok(group_event(group, rule, read_hashes(hashes)?, tier, true));
+        }
         let lora_name = opt_str(f.lora_name, "lora_name")?;
         let explicit_salt = opt_str(f.cache_salt, "cache_salt")?;
-        let parent = match f.parent_block_hash {
-            None => None,
-            Some(bytes) => {
-                let mut r = Reader::new(bytes);
-                if r.eat_nil() {
-                    None
-                } else {
-                    Some(read_hash(&mut r).map_err(|e| invalid("parent_block_hash", e))?)
-                }
-            }
-        };
+        let parent = read_parent(f.parent_block_hash)?;
 
         let (mut r, count) = array(hashes, "block_hashes")?;
         let mut blocks = Vec::with_capacity(count.min(r.remaining()));
@@ -178,7 +170,13 @@ impl StreamDecoder {
             }
         }
 
-        let extra_salt = self.read_extra_keys(f.extra_keys, lora_name, count)?;
+        let item_fields = ItemFields {
+            extra_keys: f.extra_keys,
+            block_mm_infos: f.block_mm_infos,
+            mm_keys: f.mm_keys,
+            has_salt_key: f.cache_salt.is_some(),
+        };
+        let extra_salt = self.read_block_items(item_fields, lora_name, count)?;
         let inherited_salt = match (explicit_salt.or(extra_salt), parent) {
             (None, Some(parent)) => self.memory.salts.get(&parent.0).cloned(),
             _ => None,
@@ -186,8 +184,14 @@ impl StreamDecoder {
         let cache_salt = explicit_salt.or(extra_salt).or(inherited_salt.as_deref());
         let seed = namespace_seed(lora_name, cache_salt);
 
-        let (kept, lookahead, token_ids) =
-            self.hash_blocks(&mut blocks, tokens, f.lookahead_token_ids, block_size, seed)?;
+        let token_fields = TokenFields {
+            tokens,
+            lookahead: f.lookahead_token_ids,
+            block_size,
+            seed,
+            trtllm_keys: f.mm_keys.is_some_and(|k| k != [0xc0]),
+        };
+        let (kept, lookahead, token_ids) = self.hash_blocks(&mut blocks, token_fields)?;
         let dropped_blocks = u32::try_from(blocks.len() - kept).unwrap_or(u32::MAX);
         if kept == 0 && !blocks.is_empty() {
             return Err(skip(
@@ -204,7 +208,7 @@ impl StreamDecoder {
         if let Some(salt) = &cache_salt {
             self.remember_salt(&blocks, salt);
         }
-        Ok(Stored {
+        Ok(KvEvent::Stored(Stored {
             parent,
             blocks,
             tier,
@@ -213,8 +217,11 @@ impl StreamDecoder {
             cache_salt,
             lookahead,
             dropped_blocks,
+            image_items: token_ids
+                .is_some()
+                .then(|| std::mem::take(&mut self.scratch.kept_items)),
             token_ids,
-        })
+        }))
     }
 
     /// Rejects a store that names a block twice or names its own parent: applying
@@ -238,182 +245,6 @@ impl StreamDecoder {
         }
     }
 
-    /// Computes each block's local hash from the token ids in the payload.
-    ///
-    /// Returns how many leading blocks had all their tokens, the lookahead
-    /// width, and the folded tokens when the config asks to keep them.
-    fn hash_blocks(
-        &mut self,
-        blocks: &mut [StoredBlock],
-        tokens: &[u8],
-        lookahead_tokens: Option<&[u8]>,
-        block_size: u32,
-        seed: u64,
-    ) -> Outcome<(usize, u32, Option<Vec<u32>>)> {
-        // A previous event may have stopped half-way through a block.
-        self.hasher.reset();
-        let (mut r, len) = array(tokens, "token_ids")?;
-        let bigram = len > 0 && r.peek_kind() == Ok(Kind::Array);
-        let mut lookahead_reader = match lookahead_tokens {
-            Some(bytes) if bytes != [0xc0] => Some(array(bytes, "lookahead_token_ids")?),
-            _ => None,
-        };
-        let bs = block_size as usize;
-        let kept = blocks.len().min(len / bs);
-        let mut kept_tokens = self
-            .config
-            .keep_tokens
-            .then(|| Vec::with_capacity(kept * bs + 1));
-        let mut lookahead = u32::from(bigram);
-        let mut position = 0usize;
-        for (b, block) in blocks.iter_mut().take(kept).enumerate() {
-            for j in 0..bs {
-                let field = || format!("token_ids[{position}]");
-                if bigram {
-                    let pair_len = r.read_array_len().map_err(|e| invalid(&field(), e))?;
-                    if pair_len < 2 {
-                        return Err(skip(
-                            SkipReason::InvalidField,
-                            format!("`{}`: a bigram pair needs 2 ids", field()),
-                        ));
-                    }
-                    let first = fold_token_id(r.read_u64().map_err(|e| invalid(&field(), e))?);
-                    let second = fold_token_id(r.read_u64().map_err(|e| invalid(&field(), e))?);
-                    for _ in 2..pair_len {
-                        r.skip_value().map_err(|e| invalid(&field(), e))?;
-                    }
-                    self.hasher.push_token(first);
-                    if let Some(t) = kept_tokens.as_mut() {
-                        t.push(first);
-                    }
-                    if j + 1 == bs {
-                        // The window's last id is the pair's second: the next block's first id.
-                        self.hasher.push_token(second);
-                        if b + 1 == kept {
-                            if let Some(t) = kept_tokens.as_mut() {
-                                t.push(second);
-                            }
-                        }
-                    }
-                } else {
-                    let token = fold_token_id(r.read_u64().map_err(|e| invalid(&field(), e))?);
-                    self.hasher.push_token(token);
-                    if let Some(t) = kept_tokens.as_mut() {
-                        t.push(token);
-                    }
-                }
-                position += 1;
-            }
-            if let Some((lr, lookahead_len)) = lookahead_reader.as_mut() {
-                if b >= *lookahead_len {
-                    return Err(skip(
-                        SkipReason::InvalidField,
-                        format!("`lookahead_token_ids` has no entry for block {b}"),
-                    ));
-                }
-                let field = || format!("lookahead_token_ids[{b}]");
-                let n = lr.read_array_len().map_err(|e| invalid(&field(), e))?;
-                for _ in 0..n {
-                    let token = fold_token_id(lr.read_u64().map_err(|e| invalid(&field(), e))?);
-                    self.hasher.push_token(token);
-                }
-                lookahead = u32::try_from(n).unwrap_or(u32::MAX);
-            }
-            self.push_block_mm_hashes(b);
-            block.local = self.hasher.finish(seed);
-        }
-        Ok((kept, lookahead, kept_tokens))
-    }
-
-    /// Appends block `b`'s multimodal item hashes, sorted, to the hash input.
-    fn push_block_mm_hashes(&mut self, b: usize) {
-        let Scratch {
-            mm_hashes,
-            mm_ends,
-            mm_block,
-            ..
-        } = &mut self.scratch;
-        let start = if b == 0 {
-            0
-        } else {
-            mm_ends.get(b - 1).copied().unwrap_or(mm_hashes.len())
-        };
-        let end = mm_ends.get(b).copied().unwrap_or(mm_hashes.len());
-        if start >= end {
-            return;
-        }
-        mm_block.clear();
-        mm_block.extend_from_slice(&mm_hashes[start..end]);
-        mm_block.sort_unstable();
-        for &h in mm_block.iter() {
-            self.hasher.push_mm_hash(h);
-        }
-    }
-
-    /// Reads vLLM `extra_keys` (one entry per block) into the scratch item lists
-    /// and returns the cache salt found on the first block, if any.
-    ///
-    /// An entry's items are untagged: the LoRA name (skipped), `[identifier,
-    /// offset]` pairs for multimodal items, a bare 64-hex identifier (older
-    /// releases), the cache salt (a string on the first block only) and digests
-    /// of prompt embeddings (ignored).
-    fn read_extra_keys<'a>(
-        &mut self,
-        bytes: Option<&'a [u8]>,
-        lora_name: Option<&str>,
-        blocks: usize,
-    ) -> Outcome<Option<&'a str>> {
-        self.scratch.mm_hashes.clear();
-        self.scratch.mm_ends.clear();
-        let Some(bytes) = bytes else { return Ok(None) };
-        let mut r = Reader::new(bytes);
-        if r.eat_nil() {
-            return Ok(None);
-        }
-        let entries = r.read_array_len().map_err(|e| invalid("extra_keys", e))?;
-        let mut salt = None;
-        for b in 0..entries {
-            let field = || format!("extra_keys[{b}]");
-            if b >= blocks {
-                r.skip_value().map_err(|e| invalid(&field(), e))?;
-                continue;
-            }
-            if !r.eat_nil() {
-                let items = r.read_array_len().map_err(|e| invalid(&field(), e))?;
-                let mut lora_seen = false;
-                for _ in 0..items {
-                    match r.peek_kind().map_err(|e| invalid(&field(), e))? {
-                        Kind::Str => {
-                            let s = r.read_str().map_err(|e| invalid(&field(), e))?;
-                            if !lora_seen && Some(s) == lora_name {
-                                lora_seen = true;
-                            } else if s.len() == 64 && s.bytes().all(|c| c.is_ascii_hexdigit()) {
-                                self.scratch.mm_hashes.push(mm_hash_from_identifier(s));
-                            } else if b == 0 && salt.is_none() {
-                                salt = Some(s).filter(|s| !s.is_empty());
-                            }
-                        }
-                        Kind::Array => {
-                            let n = r.read_array_len().map_err(|e| invalid(&field(), e))?;
-                            let mut rest = n;
-                            if n > 0 && r.peek_kind() == Ok(Kind::Str) {
-                                let id = r.read_str().map_err(|e| invalid(&field(), e))?;
-                                self.scratch.mm_hashes.push(mm_hash_from_identifier(id));
-                                rest -= 1;
-                            }
-                            for _ in 0..rest {
-                                r.skip_value().map_err(|e| invalid(&field(), e))?;
-                            }
-                        }
-                        _ => r.skip_value().map_err(|e| invalid(&field(), e))?,
-                    }
-                }
-            }
-            self.scratch.mm_ends.push(self.scratch.mm_hashes.len());
-        }
-        Ok(salt)
-    }
-
     /// Remembers the salt of salted blocks so that child stores inherit it.
     fn remember_salt(&mut self, blocks: &[StoredBlock], salt: &str) {
         let salts = &mut self.memory.salts;
@@ -428,41 +259,45 @@ impl StreamDecoder {
             salts.insert(block.external.0, salt.clone());
         }
     }
+}
 
-    /// Drops events about blocks that are not this engine's own main-attention
-    /// cache: other localities, secondary owners, non-attention KV-cache groups.
-    fn check_placement(&mut self, f: &Fields<'_>) -> Outcome<()> {
-        if let Some(locality) = opt_str(f.locality, "locality")? {
-            if !locality.eq_ignore_ascii_case("LOCAL") {
-                return Err(skip(SkipReason::NonLocal, format!("locality {locality:?}")));
-            }
-        }
-        check_ownership(f)?;
-        let group = opt_u32(f.group_idx, "group_idx")?;
-        let kind = opt_str(f.kv_cache_spec_kind, "kv_cache_spec_kind")?;
-        let is_attention = match (kind, group) {
-            (Some(kind), group) => {
-                let is_attention = ATTENTION_KINDS.contains(&kind);
-                let learned = &mut self.memory.group_is_attention;
-                learned.insert(group.unwrap_or(0), is_attention);
-                is_attention
-            }
-            (None, Some(group)) => match self.memory.group_is_attention.get(&group) {
-                Some(&is_attention) => is_attention,
-                None if group == 0 => true,
-                None => {
-                    let detail = format!("group_idx {group} has no known kind");
-                    return Err(skip(SkipReason::UnlearnedGroup, detail));
-                }
-            },
-            (None, None) => true,
-        };
-        if !is_attention {
-            let detail = format!("kv_cache_spec_kind {kind:?}, group_idx {group:?}");
-            return Err(skip(SkipReason::NonAttentionGroup, detail));
-        }
-        Ok(())
+/// Every hash of a `block_hashes` list.
+fn read_hashes(bytes: &[u8]) -> Outcome<Vec<ExternalHash>> {
+    let (mut r, len) = array(bytes, "block_hashes")?;
+    let mut blocks = Vec::with_capacity(len.min(r.remaining()));
+    for i in 0..len {
+        blocks.push(read_hash(&mut r).map_err(|e| invalid(&format!("block_hashes[{i}]"), e))?);
     }
+    Ok(blocks)
+}
+
+/// `parent_block_hash`: absent or nil is `None`.
+fn read_parent(bytes: Option<&[u8]>) -> Outcome<Option<ExternalHash>> {
+    let Some(bytes) = bytes else { return Ok(None) };
+    let mut r = Reader::new(bytes);
+    if r.eat_nil() {
+        return Ok(None);
+    }
+    read_hash(&mut r)
+        .map(Some)
+        .map_err(|e| invalid("parent_block_hash", e))
+}
+
+/// A constraining group's blocks stored or evicted.
+fn group_event(
+    group: u32,
+    rule: GroupRule,
+    blocks: Vec<ExternalHash>,
+    tier: Tier,
+    stored: bool,
+) -> KvEvent {
+    KvEvent::Group(GroupBlocks {
+        group,
+        rule,
+        blocks,
+        tier,
+        stored,
+    })
 }
 
 fn check_ownership(f: &Fields<'_>) -> Outcome<()> {
@@ -475,11 +310,37 @@ fn check_ownership(f: &Fields<'_>) -> Outcome<()> {
     }
 }
 
-/// Maps `medium` to a tier: absent, nil or empty means the device.
-fn tier(medium: Option<&[u8]>) -> Outcome<Tier> {
-    match opt_str(medium, "medium")? {
-        None => Ok(Tier::Device),
+/// Maps `medium` and `locality` to a tier.
+///
+/// `medium` absent, nil or empty means the device. `locality` absent or
+/// `LOCAL` keeps the medium's tier; `REMOTE` (vLLM's offloading tiers on
+/// storage that is remote to the engine, e.g. a network file system or an
+/// object store, which the engine still loads its blocks from) is the
+/// external tier whatever the medium; any other locality is skipped.
+fn tier(medium: Option<&[u8]>, locality: Option<&[u8]>) -> Outcome<Tier> {
+    let tier = match opt_str(medium, "medium")? {
+        None => Tier::Device,
         Some(m) => Tier::from_medium(m)
-            .ok_or_else(|| skip(SkipReason::UnknownMedium, format!("medium {m:?}"))),
+            .ok_or_else(|| skip(SkipReason::UnknownMedium, format!("medium {m:?}")))?,
+    };
+    match opt_str(locality, "locality")? {
+        None => Ok(tier),
+        Some(l) if l.eq_ignore_ascii_case("LOCAL") => Ok(tier),
+        Some(l) if l.eq_ignore_ascii_case("REMOTE") => Ok(Tier::External),
+        Some(l) => Err(skip(SkipReason::NonLocal, format!("locality {l:?}"))),
+    }
+}
+
+/// A store with `block_size` 0: a placeholder when it also has no token ids
+/// (vLLM's offloading connector names a chunk it cannot describe so), else
+/// an impossible value.
+fn placeholder_or_invalid(tokens: &[u8]) -> Skipped {
+    let mut r = Reader::new(tokens);
+    match r.read_array_len() {
+        Ok(0) => skip(
+            SkipReason::Placeholder,
+            "`block_size` 0 and no token ids: the store names its block only",
+        ),
+        _ => skip(SkipReason::InvalidField, "`block_size` is 0"),
     }
 }

@@ -1,6 +1,8 @@
-//! Every golden payload (real vLLM 0.33.0 and SGLang 0.5.23 encoder output, plus
-//! one hand-built legacy layout) decodes exactly: engine hashes, parents, tiers,
-//! ranks, folded token ids and local hashes.
+//! Every golden payload (real vLLM 0.33.0, vLLM 0.34.0, SGLang 0.5.23 and
+//! TensorRT-LLM encoder output, plus one hand-built legacy layout) decodes exactly: engine
+//! hashes, parents, tiers, ranks, folded token ids and local hashes; hybrid
+//! models' window and state groups decode as group residency; the events
+//! kvroute skips on purpose are skipped for the expected reason.
 
 use super::common::{fixture_json, fixture_names, fixture_payload};
 use kvroute_core::event::{KvEvent, Tier};
@@ -50,6 +52,24 @@ const EXPECTED_LOCAL_HASHES: &[(&str, &[&[u64]])] = &[
             3407184178956116715,
         ]],
     ),
+    (
+        "trtllm_multimodal_mm_keys",
+        &[
+            &[7337249070645057399, 897701560265631416, 5408140822639131940],
+            &[4794251433642539899, 4817144209703348756],
+        ],
+    ),
+    (
+        "trtllm_text_chain",
+        &[
+            &[
+                9512771973321669882,
+                4747984322424188473,
+                16312857304576808105,
+            ],
+            &[6682388363008858211, 6979197425233858025],
+        ],
+    ),
     ("vllm_0.33.0_dp_rank_nil", &[]),
     (
         "vllm_0.33.0_lookahead_cpu_removed_cleared",
@@ -70,6 +90,32 @@ const EXPECTED_LOCAL_HASHES: &[(&str, &[&[u64]])] = &[
         ],
     ),
     (
+        "vllm_0.34.0_hybrid_sliding_window",
+        &[&[
+            16118063208670566578,
+            4584425714164444364,
+            4994771818556395109,
+        ]],
+    ),
+    (
+        "vllm_0.34.0_multimodal_text_chain",
+        &[
+            &[
+                5763260993811111971,
+                7023124676231967400,
+                12195761467454896547,
+            ],
+            &[596225445606306974],
+        ],
+    ),
+    (
+        "vllm_0.34.0_offload_storage_remote",
+        &[
+            &[16118063208670566578, 4584425714164444364],
+            &[4994771818556395109, 596225445606306974],
+        ],
+    ),
+    (
         "vllm_0.33.0_text_chain",
         &[
             &[
@@ -81,6 +127,20 @@ const EXPECTED_LOCAL_HASHES: &[(&str, &[&[u64]])] = &[
         ],
     ),
 ];
+
+/// Events of engine samples that kvroute skips on purpose, by index, with
+/// the reason: vLLM 0.34's offloading connector's placeholder.
+const EXPECTED_SKIPS: &[(&str, &[(u32, &str)])] =
+    &[("vllm_0.34.0_offload_storage_remote", &[(3, "placeholder")])];
+
+/// The reason event `index` of fixture `name` is expected to be skipped for.
+fn expected_skip(name: &str, index: u32) -> Option<&'static str> {
+    EXPECTED_SKIPS
+        .iter()
+        .find(|(n, _)| *n == name)
+        .and_then(|(_, skips)| skips.iter().find(|(i, _)| *i == index))
+        .map(|&(_, reason)| reason)
+}
 
 fn decode_fixture(name: &str) -> DecodedBatch {
     let config = DecoderConfig {
@@ -109,21 +169,44 @@ fn field<'a>(event: &'a Value, name: &str, slot: usize) -> Option<&'a Value> {
 }
 
 fn expected_tier(event: &Value, removed: bool) -> Tier {
+    if field(event, "locality", 12).and_then(Value::as_str) == Some("REMOTE") {
+        return Tier::External;
+    }
     match field(event, "medium", if removed { 2 } else { 6 }).and_then(Value::as_str) {
         None | Some("GPU") => Tier::Device,
         Some("CPU" | "CPU_PINNED") => Tier::Host,
+        Some("STORAGE") => Tier::Disk,
         Some(other) => panic!("unexpected medium {other}"),
     }
 }
 
-/// The folded token ids a stored event's JSON view describes (bigram pairs normalized).
-fn expected_tokens(event: &Value) -> Vec<u32> {
+/// The folded token ids a stored event's JSON view describes (bigram pairs
+/// normalized; TensorRT-LLM's digest tokens and the ids after them written
+/// as item-local positions above 1 000 000, with the offset `offset` learned
+/// from a digest followed by two consecutive ids).
+fn expected_tokens(event: &Value, offset: &mut Option<u64>) -> Vec<u32> {
     let tokens = field(event, "token_ids", 3)
         .and_then(Value::as_array)
         .expect("token_ids");
     let mut out: Vec<u32> = Vec::new();
+    let trtllm = tokens.iter().any(Value::is_string);
     for (i, t) in tokens.iter().enumerate() {
         match t {
+            Value::String(_) => {
+                if let (Some(a), Some(b)) = (
+                    tokens.get(i + 1).and_then(Value::as_u64),
+                    tokens.get(i + 2).and_then(Value::as_u64),
+                ) {
+                    if b == a + 1 {
+                        *offset = Some(a - 1);
+                    }
+                }
+                out.push(1_000_000);
+            }
+            Value::Number(n) if trtllm && offset.is_some_and(|o| n.as_u64() > Some(o)) => {
+                let o = offset.expect("offset");
+                out.push(1_000_000 + (bits(t) - o) as u32);
+            }
             Value::Array(pair) => {
                 out.push(fold_token_id(bits(&pair[0])));
                 if i + 1 == tokens.len() {
@@ -162,7 +245,18 @@ fn golden_payloads_decode_exactly() {
         assert_eq!(batch.events.len(), json_events.len(), "{name}: event count");
 
         let mut stored_seen = 0;
+        let mut offset = None;
         for (decoded, source) in batch.events.iter().zip(json_events) {
+            if let Some(reason) = expected_skip(name, decoded.index) {
+                let skipped = decoded.outcome.as_ref().err();
+                assert_eq!(
+                    skipped.map(|s| s.reason.as_str()),
+                    Some(reason),
+                    "{name} event {}",
+                    decoded.index
+                );
+                continue;
+            }
             let event = decoded
                 .outcome
                 .as_ref()
@@ -191,7 +285,7 @@ fn golden_payloads_decode_exactly() {
                     assert_eq!(locals, expected_locals[stored_seen], "{name}: local hashes");
                     assert_eq!(
                         stored.token_ids.as_deref(),
-                        Some(&expected_tokens(source)[..]),
+                        Some(&expected_tokens(source, &mut offset)[..]),
                         "{name}: tokens"
                     );
                     assert_eq!(
@@ -213,6 +307,22 @@ fn golden_payloads_decode_exactly() {
                     assert_eq!(removed.tier, expected_tier(source, true), "{name}: tier");
                 }
                 ("AllBlocksCleared", KvEvent::Cleared) => {}
+                (ty @ ("BlockStored" | "BlockRemoved"), KvEvent::Group(group)) => {
+                    // A hybrid model's window or state group: kept by engine hash.
+                    let hashes: Vec<u64> = field(source, "block_hashes", 1)
+                        .and_then(Value::as_array)
+                        .expect("hashes")
+                        .iter()
+                        .map(bits)
+                        .collect();
+                    let got: Vec<u64> = group.blocks.iter().map(|b| b.0).collect();
+                    assert_eq!(got, hashes, "{name}: group hashes");
+                    assert_eq!(group.stored, ty == "BlockStored", "{name}");
+                    assert_ne!(
+                        field(source, "group_idx", 9).and_then(Value::as_u64),
+                        Some(0)
+                    );
+                }
                 (ty, event) => panic!("{name}: {ty} decoded as {event:?}"),
             }
         }
@@ -289,4 +399,38 @@ fn rank_nil_falls_back_to_the_registered_rank() {
     assert_eq!(batch.dp_rank, 7);
     assert_eq!(batch.events.len(), 1);
     assert_eq!(batch.events[0].outcome, Ok(KvEvent::Cleared));
+}
+
+#[test]
+fn hybrid_groups_carry_their_rules() {
+    use kvroute_core::event::GroupRule;
+    let batch = decode_fixture("vllm_0.34.0_hybrid_sliding_window");
+    let KvEvent::Group(window) = batch.events[1].outcome.as_ref().expect("group") else {
+        panic!("{:?}", batch.events[1]);
+    };
+    // Window 32 at 16-token blocks: the 2 blocks before a prefix's end.
+    assert_eq!(
+        window.rule,
+        GroupRule::Window {
+            blocks: 2,
+            stride: 1
+        }
+    );
+    assert_eq!(
+        (window.group, window.blocks.len(), window.stored),
+        (1, 3, true)
+    );
+    let KvEvent::Group(evicted) = batch.events[2].outcome.as_ref().expect("group") else {
+        panic!("{:?}", batch.events[2]);
+    };
+    // The removal names only its group: the rule learned from the store.
+    assert_eq!((evicted.rule, evicted.stored), (window.rule, false));
+    let batch = decode_fixture("vllm_0.34.0_offload_storage_remote");
+    let KvEvent::Group(state) = batch.events[4].outcome.as_ref().expect("group") else {
+        panic!("{:?}", batch.events[4]);
+    };
+    assert_eq!(
+        (state.rule, state.group, state.tier),
+        (GroupRule::State, 2, Tier::Host)
+    );
 }

@@ -388,7 +388,7 @@ fn a_block_size_mismatch_stops_the_event() {
 fn placement_filters_drop_what_is_not_this_workers_attention_cache() {
     let cases: [(&str, Writer<'_>, SkipReason); 5] = [
         ("medium", &|o| mp::str(o, "FS"), SkipReason::UnknownMedium),
-        ("locality", &|o| mp::str(o, "REMOTE"), SkipReason::NonLocal),
+        ("locality", &|o| mp::str(o, "PEER"), SkipReason::NonLocal),
         (
             "ownership",
             &|o| mp::str(o, "kvcr"),
@@ -396,7 +396,7 @@ fn placement_filters_drop_what_is_not_this_workers_attention_cache() {
         ),
         (
             "kv_cache_spec_kind",
-            &|o| mp::str(o, "sliding_window"),
+            &|o| mp::str(o, "cross_attention"),
             SkipReason::NonAttentionGroup,
         ),
         ("group_idx", &|o| mp::uint(o, 3), SkipReason::UnlearnedGroup),

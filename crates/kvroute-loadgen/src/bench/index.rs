@@ -228,6 +228,7 @@ fn block_ops(event: &KvEvent) -> u64 {
         KvEvent::Stored(s) => s.blocks.len() as u64,
         KvEvent::Removed(r) => r.blocks.len() as u64,
         KvEvent::Cleared => 0,
+        KvEvent::Group(g) => g.blocks.len() as u64,
     }
 }
 

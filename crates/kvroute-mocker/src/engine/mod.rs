@@ -44,10 +44,13 @@ use std::time::Duration;
 
 use rustc_hash::FxHashMap;
 
-use crate::event::{BlockRemoved, BlockStored, ExtraKey, KvCacheEvent, MEDIUM_GPU};
+use crate::event::{
+    BlockRemoved, BlockStored, ExtraKey, KvCacheEvent, MmKey, TrtllmImages, MEDIUM_GPU,
+};
 use crate::hashing::{
-    sglang_page_digest, sglang_published, vllm_block_digest, vllm_none_hash, vllm_published,
-    Digest32, VllmHashKey,
+    sglang_page_digest, sglang_published, sha256_of, trtllm_block_key, trtllm_published,
+    trtllm_root_key, vllm_block_digest, vllm_none_hash, vllm_published, Digest32, TrtllmToken,
+    VllmHashKey,
 };
 use cache::{BlockId, BlockPool, CachedKey};
 pub use handoff::Handoff;
@@ -252,6 +255,33 @@ impl Hasher {
                 }
                 _ => sglang_page_digest(parent, tokens),
             },
+            WorkerFlavor::Trtllm => {
+                let root;
+                let parent = match parent {
+                    Some(p) => p,
+                    None => {
+                        let lora = r.lora_name.as_deref().map(|n| {
+                            let d = sha256_of(n.as_bytes());
+                            u64::from_le_bytes([d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]])
+                        });
+                        root = trtllm_root_key(lora);
+                        &root
+                    }
+                };
+                let digests: Vec<(usize, Digest32)> = r
+                    .mm_items
+                    .iter()
+                    .filter(|m| (start..start + self.block_size).contains(&m.start))
+                    .filter_map(|m| Some((m.start, digest_of(&m.identifier)?)))
+                    .collect();
+                let keyed: Vec<TrtllmToken<'_>> = (start..start + self.block_size)
+                    .map(|i| match digests.iter().find(|(at, _)| *at == i) {
+                        Some((_, d)) => TrtllmToken::Digest(d),
+                        None => TrtllmToken::Id(r.tokens[i]),
+                    })
+                    .collect();
+                trtllm_block_key(parent, &keyed)
+            }
         }
     }
 
@@ -260,8 +290,23 @@ impl Hasher {
             WorkerFlavor::Vllm => vllm_published(digest),
             // The published i64, kept as its bits.
             WorkerFlavor::Sglang => sglang_published(digest) as u64,
+            WorkerFlavor::Trtllm => trtllm_published(digest) as u64,
         }
     }
+}
+
+/// An image identifier's 32 bytes (64 hex digits), TensorRT-LLM's item digest.
+fn digest_of(identifier: &str) -> Option<Digest32> {
+    let bytes = identifier.as_bytes();
+    if bytes.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, pair) in bytes.chunks_exact(2).enumerate() {
+        let text = std::str::from_utf8(pair).ok()?;
+        out[i] = u8::from_str_radix(text, 16).ok()?;
+    }
+    Some(out)
 }
 
 #[derive(Debug, Clone)]
@@ -551,7 +596,7 @@ impl Engine {
     /// when its recorder would (a store continuing the previous store's chain
     /// with the same attributes, or consecutive removals of one medium).
     fn push_event(&mut self, event: KvCacheEvent) {
-        if self.config.flavor == WorkerFlavor::Sglang {
+        if !self.config.flavor.caches_when_scheduled() {
             match (self.events.last_mut(), &event) {
                 (Some(KvCacheEvent::BlockStored(tail)), KvCacheEvent::BlockStored(new))
                     if new.parent_block_hash.is_some()
@@ -563,8 +608,29 @@ impl Engine {
                         && new.cache_salt == tail.cache_salt
                         && new.session_id == tail.session_id =>
                 {
+                    let (tail_blocks, shift) = (tail.block_hashes.len(), tail.token_ids.len());
                     tail.block_hashes.extend_from_slice(&new.block_hashes);
                     tail.token_ids.extend_from_slice(&new.token_ids);
+                    if tail.trtllm_images.is_some() || new.trtllm_images.is_some() {
+                        let images = tail.trtllm_images.get_or_insert_with(|| {
+                            Box::new(TrtllmImages {
+                                mm_keys: vec![Vec::new(); tail_blocks],
+                                digest_tokens: Vec::new(),
+                            })
+                        });
+                        match &new.trtllm_images {
+                            Some(more) => {
+                                images.mm_keys.extend(more.mm_keys.iter().cloned());
+                                let moved = more.digest_tokens.iter();
+                                images
+                                    .digest_tokens
+                                    .extend(moved.map(|(at, d)| (at + shift, d.clone())));
+                            }
+                            None => images
+                                .mm_keys
+                                .extend(std::iter::repeat_n(Vec::new(), new.block_hashes.len())),
+                        }
+                    }
                     return;
                 }
                 (Some(KvCacheEvent::BlockRemoved(tail)), KvCacheEvent::BlockRemoved(new))
@@ -648,7 +714,35 @@ fn stored_event(hasher: &Hasher, r: &Request, start: usize, end: usize) -> Block
                 })
                 .collect(),
         ),
-        WorkerFlavor::Sglang => None,
+        WorkerFlavor::Sglang | WorkerFlavor::Trtllm => None,
+    };
+    // TensorRT-LLM names each image on the blocks it overlaps, and writes its
+    // first position as the image's digest.
+    let trtllm_images = match hasher.flavor {
+        WorkerFlavor::Trtllm if !r.mm_items.is_empty() => {
+            let keys = (start..end)
+                .map(|b| {
+                    r.mm_in_block(b, bs)
+                        .map(|(identifier, offset)| MmKey {
+                            hash: identifier.to_owned(),
+                            start_offset: offset.min(0).unsigned_abs(),
+                            uuid: None,
+                        })
+                        .collect()
+                })
+                .collect();
+            let digests = r
+                .mm_items
+                .iter()
+                .filter(|m| (start * bs..end * bs).contains(&m.start))
+                .map(|m| (m.start - start * bs, m.identifier.clone()))
+                .collect();
+            Some(Box::new(TrtllmImages {
+                mm_keys: keys,
+                digest_tokens: digests,
+            }))
+        }
+        _ => None,
     };
     BlockStored {
         block_hashes: r.digests[start..end]
@@ -666,5 +760,6 @@ fn stored_event(hasher: &Hasher, r: &Request, start: usize, end: usize) -> Block
         extra_keys,
         cache_salt: None,
         session_id: None,
+        trtllm_images,
     }
 }

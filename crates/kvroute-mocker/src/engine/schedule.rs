@@ -8,7 +8,8 @@
 //! it schedules them (`allocate_slots` → `cache_blocks`; the hashes depend on
 //! token ids only), so a request admitted later in the same step, or while
 //! the first is still prefilling, finds them; SGLang inserts a chunk into
-//! its radix tree after the chunk is computed, so two requests that start
+//! its radix tree after the chunk is computed, and TensorRT-LLM commits a
+//! block to its radix tree once computed too, so two requests that start
 //! together both compute their common prefix.
 
 use super::*;
@@ -69,7 +70,7 @@ impl Engine {
     /// vLLM: caches the full blocks `n` scheduled tokens of `id` will fill,
     /// before they are computed (see the module docs).
     fn cache_scheduled(&mut self, id: RequestId, n: usize) {
-        if self.config.flavor == WorkerFlavor::Vllm {
+        if self.config.flavor.caches_when_scheduled() {
             self.register(id, n);
         }
     }
@@ -186,7 +187,7 @@ impl Engine {
                 });
             }
             let done = r.generated == r.output.len();
-            if self.config.flavor == WorkerFlavor::Sglang && !decode {
+            if !self.config.flavor.caches_when_scheduled() && !decode {
                 self.register(id, 0);
             }
             if done {
@@ -207,7 +208,7 @@ impl Engine {
 
     fn finish(&mut self, id: RequestId) {
         self.running.retain(|&r| r != id);
-        if self.config.flavor == WorkerFlavor::Sglang {
+        if !self.config.flavor.caches_when_scheduled() {
             self.register(id, 0);
         }
         let Some(r) = self.requests.remove(&id) else {

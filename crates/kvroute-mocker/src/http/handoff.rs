@@ -132,6 +132,8 @@ impl Leg {
             return Ok(Leg::Local);
         }
         match state.flavor {
+            // The mocker refuses prefill and decode roles for TensorRT-LLM.
+            WorkerFlavor::Trtllm => Ok(Leg::Local),
             WorkerFlavor::Vllm => {
                 let raw = parsed.transfer.kv_transfer_params.as_ref();
                 let Some(params) =

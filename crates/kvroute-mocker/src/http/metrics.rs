@@ -168,7 +168,32 @@ const SGLANG: &[Metric] = &[
     ),
 ];
 
-/// The mocker's own metrics, for both flavours.
+/// TensorRT-LLM's gauges as `trtllm-serve` names them (what public scrapers
+/// of its `/metrics` read; it publishes no cache configuration).
+const TRTLLM: &[Metric] = &[
+    metric(
+        "trtllm_num_requests_running",
+        "Requests in the running batch.",
+        Value::Count(|r| r.engine.running as u64),
+    ),
+    metric(
+        "trtllm_num_requests_waiting",
+        "Requests waiting to be scheduled.",
+        Value::Count(|r| r.engine.waiting as u64),
+    ),
+    metric(
+        "trtllm_kv_cache_utilization",
+        "Fraction of the GPU KV-cache blocks in use.",
+        Value::Ratio(RankSnapshot::usage),
+    ),
+    metric(
+        "trtllm_kv_cache_hit_rate",
+        "Prefix-cache hit rate.",
+        Value::Ratio(RankSnapshot::hit_rate),
+    ),
+];
+
+/// The mocker's own metrics, for every flavour.
 const OWN: &[Metric] = &[
     metric(
         "kvroute_mocker_kv_batches_total",
@@ -317,6 +342,7 @@ impl Collector for EngineCollector {
         let (engine_metrics, rank_label) = match state.flavor {
             WorkerFlavor::Vllm => (VLLM, "engine"),
             WorkerFlavor::Sglang => (SGLANG, "dp_rank"),
+            WorkerFlavor::Trtllm => (TRTLLM, "dp_rank"),
         };
         let ranks: Vec<RankSnapshot> = state
             .ranks

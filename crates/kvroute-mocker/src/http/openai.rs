@@ -201,10 +201,15 @@ fn max_tokens(obj: &Map<String, Value>, endpoint: Endpoint) -> Result<usize, Api
     Ok(DEFAULT_MAX_TOKENS)
 }
 
+/// TensorRT-LLM's `mm_token_id_offset` in the mocker: the vocabulary size of
+/// the Qwen2 models its built-in tokenizer numbers like (image position k of
+/// a TensorRT-LLM prompt holds this plus k).
+pub const TRTLLM_MM_TOKEN_ID_OFFSET: u64 = 151_936;
+
 /// What the engine side needs to build requests.
 #[derive(Debug, Clone, Copy)]
 pub struct PromptSettings {
-    /// Pads (SGLang) or placeholders (vLLM).
+    /// Pads (SGLang), placeholders (vLLM) or digest-first ids (TensorRT-LLM).
     pub flavor: WorkerFlavor,
     /// Seed of the filler.
     pub seed: u64,
@@ -254,6 +259,21 @@ pub fn build(
                 len: image.len,
                 identifier: image.identity.identifier,
             }),
+            WorkerFlavor::Trtllm => {
+                // Digest-first: position k holds the offset + k (position 0
+                // is published as the image's digest).
+                let end = image.start + image.len;
+                if let Some(span) = prompt.get_mut(image.start..end) {
+                    for (k, slot) in span.iter_mut().enumerate() {
+                        *slot = TRTLLM_MM_TOKEN_ID_OFFSET + k as u64;
+                    }
+                }
+                mm_items.push(MmPlacement {
+                    start: image.start,
+                    len: image.len,
+                    identifier: image.identity.identifier,
+                });
+            }
         }
     }
     let filler = filler.tokens(settings.seed, &prompt, parsed.max_tokens);

@@ -393,6 +393,16 @@ pub fn sglang_int(d: &[u8; 32]) -> u64 {
     u64::from_be_bytes(d[..8].try_into().expect("8 bytes"))
 }
 
+/// A TensorRT-LLM V2 radix key: SHA-256 of the parent key (the reuse scope's
+/// digest, `SHA-256([0])`, for the first block) and each id as 8 LE bytes.
+pub fn trtllm_key(parent: Option<[u8; 32]>, tokens: &[u64]) -> [u8; 32] {
+    let root: [u8; 32] = Sha256::digest([0u8]).into();
+    let mut h = Sha256::new();
+    h.update(parent.unwrap_or(root));
+    tokens.iter().for_each(|t| h.update(t.to_le_bytes()));
+    h.finalize().into()
+}
+
 /// The engine hashes of every full block of `tokens`, chained from the start.
 pub fn engine_chain(flavor: WorkerFlavor, tokens: &[u64], bs: usize) -> Vec<u64> {
     let mut parent = None;
@@ -406,6 +416,10 @@ pub fn engine_chain(flavor: WorkerFlavor, tokens: &[u64], bs: usize) -> Vec<u64>
                 }
                 WorkerFlavor::Sglang => {
                     let d = sglang_digest(parent, block);
+                    (d, sglang_int(&d))
+                }
+                WorkerFlavor::Trtllm => {
+                    let d = trtllm_key(parent, block);
                     (d, sglang_int(&d))
                 }
             };

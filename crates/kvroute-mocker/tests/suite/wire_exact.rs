@@ -1,7 +1,7 @@
 //! The encoder reproduces real engine payloads byte for byte.
 //!
-//! Each golden sample (encoded by vLLM 0.33.0's or SGLang 0.5.23's own msgspec
-//! classes) is read back from its JSON view into the mocker's event model and
+//! Each golden sample (encoded by vLLM 0.33.0's, SGLang 0.5.23's or
+//! TensorRT-LLM's own msgspec classes) is read back from its JSON view into the mocker's event model and
 //! re-encoded; the bytes must equal the engine's. Samples with fields the
 //! mocker never produces (lookahead tokens, locality, bigram pairs) are skipped.
 
@@ -9,7 +9,9 @@ use std::path::PathBuf;
 
 use kvroute_core::event::WorkerFlavor;
 use kvroute_mocker::encode::{encode_batch, EncodeOptions};
-use kvroute_mocker::event::{BlockRemoved, BlockStored, ExtraKey, KvCacheEvent};
+use kvroute_mocker::event::{
+    BlockRemoved, BlockStored, ExtraKey, KvCacheEvent, MmKey, TrtllmImages,
+};
 use kvroute_mocker::EventFormat;
 use serde_json::Value;
 
@@ -58,6 +60,7 @@ fn event_from_json(e: &Value) -> KvCacheEvent {
         "kv_cache_spec_kind",
         "cache_salt",
         "session_id",
+        "mm_keys",
     ];
     for key in e.as_object().expect("event object").keys() {
         assert!(known.contains(&key.as_str()), "unsupported field {key}");
@@ -81,8 +84,38 @@ fn event_from_json(e: &Value) -> KvCacheEvent {
                 .as_array()
                 .expect("tokens")
                 .iter()
-                .map(bits)
+                .map(|t| if t.is_string() { 0 } else { bits(t) })
                 .collect(),
+            trtllm_images: e.get("mm_keys").filter(|v| !v.is_null()).map(|keys| {
+                let digest_tokens = e["token_ids"]
+                    .as_array()
+                    .expect("tokens")
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, t)| t.as_str().map(|d| (i, d.to_owned())))
+                    .collect();
+                let mm_keys = keys
+                    .as_array()
+                    .expect("mm_keys")
+                    .iter()
+                    .map(|block| {
+                        block
+                            .as_array()
+                            .expect("block keys")
+                            .iter()
+                            .map(|k| MmKey {
+                                hash: k["hash"].as_str().expect("hash").to_owned(),
+                                start_offset: k["start_offset"].as_u64().expect("offset"),
+                                uuid: k.get("uuid").and_then(Value::as_str).map(str::to_owned),
+                            })
+                            .collect()
+                    })
+                    .collect();
+                Box::new(TrtllmImages {
+                    mm_keys,
+                    digest_tokens,
+                })
+            }),
             block_size: e["block_size"].as_u64().expect("block size") as u32,
             lora_id: e.get("lora_id").and_then(Value::as_i64),
             medium: opt_string(e, "medium"),
@@ -178,4 +211,10 @@ fn sglang_salt_cpu_removal_and_clear_are_reproduced_byte_for_byte() {
         "sglang_0.5.23_dynamo_format_lora_salt",
         WorkerFlavor::Sglang,
     );
+}
+
+#[test]
+fn trtllm_text_and_images_are_reproduced_byte_for_byte() {
+    reencode("trtllm_text_chain", WorkerFlavor::Trtllm);
+    reencode("trtllm_multimodal_mm_keys", WorkerFlavor::Trtllm);
 }

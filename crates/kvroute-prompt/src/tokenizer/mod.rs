@@ -47,6 +47,8 @@ pub const VISION_START: u64 = 151_652;
 pub const VISION_END: u64 = 151_653;
 /// `<|image_pad|>`: vLLM's placeholder id for image positions.
 pub const IMAGE_PAD: u64 = 151_655;
+/// `<|video_pad|>`: vLLM's placeholder id for video positions.
+pub const VIDEO_PAD: u64 = 151_656;
 
 /// Bytes the segment cache of a Hugging Face tokenizer may hold by default.
 pub const DEFAULT_CACHE_BYTES: usize = 64 << 20;
@@ -64,6 +66,8 @@ pub struct Specials {
     pub vision_end: u64,
     /// `<|image_pad|>`.
     pub image_pad: u64,
+    /// `<|video_pad|>`.
+    pub video_pad: u64,
 }
 
 impl Default for Specials {
@@ -74,6 +78,7 @@ impl Default for Specials {
             vision_start: VISION_START,
             vision_end: VISION_END,
             image_pad: IMAGE_PAD,
+            video_pad: VIDEO_PAD,
         }
     }
 }
@@ -204,6 +209,7 @@ impl Tokenizer {
             vision_start: lookup("<|vision_start|>", VISION_START),
             vision_end: lookup("<|vision_end|>", VISION_END),
             image_pad: lookup("<|image_pad|>", IMAGE_PAD),
+            video_pad: lookup("<|video_pad|>", VIDEO_PAD),
         };
         Ok(Tokenizer {
             kind: Kind::Hf(Box::new(tok)),

@@ -66,8 +66,9 @@ pub struct WorkerSpec {
     pub topic: String,
     /// Model the engine serves, if known.
     pub model: Option<String>,
-    /// How the engine lays images out in its prompts (`flavor=vllm|sglang`,
-    /// default vLLM), and so how the router hashes requests with images for it.
+    /// How the engine lays images out in its prompts and writes its events
+    /// (`flavor=vllm|sglang|trtllm`, default vLLM), and so how the router
+    /// hashes requests with images for it.
     #[serde(default, with = "flavor_name")]
     pub flavor: WorkerFlavor,
     /// How fast the engine is against the fleet's reference engine
@@ -231,6 +232,13 @@ impl WorkerSpec {
         role: WorkerRole,
         bootstrap_port: Option<u16>,
     ) -> Result<(), SpecError> {
+        if self.flavor == WorkerFlavor::Trtllm && role != WorkerRole::Both {
+            return Err(SpecError::BadValue {
+                key: "role",
+                value: role.to_string(),
+                problem: "TensorRT-LLM workers (flavor=trtllm) serve aggregated only (role=both)",
+            });
+        }
         if let Some(port) = bootstrap_port {
             let refuse = |problem| SpecError::BadValue {
                 key: "bootstrap_port",
@@ -259,7 +267,7 @@ impl WorkerSpec {
     /// Parses the `--worker` syntax: `name=w0,url=http://…,events=tcp://…:5557,
     /// replay=tcp://…:5657,dp=2,block_size=16` (keys in any order; `replay`,
     /// `dp` (default 1), `block_size` (default `default_block_size`; neither:
-    /// learned from the stream), `topic`, `model`, `flavor` (`vllm|sglang`,
+    /// learned from the stream), `topic`, `model`, `flavor` (`vllm|sglang|trtllm`,
     /// default `vllm`), `speed` (default 1), `role` (`prefill|decode|both`,
     /// default `both`; see [`parse_role`]) and `bootstrap_port` (SGLang
     /// prefill workers) optional).
@@ -424,14 +432,14 @@ pub fn parse_bootstrap_port(value: &str) -> Result<u16, SpecError> {
         })
 }
 
-/// A worker's `flavor` value (`vllm`, `sglang`; absent: `vllm`).
+/// A worker's `flavor` value (`vllm`, `sglang`, `trtllm`; absent: `vllm`).
 pub fn parse_flavor(value: Option<&str>) -> Result<WorkerFlavor, SpecError> {
     match value {
         None => Ok(WorkerFlavor::default()),
         Some(v) => v.parse().map_err(|_| SpecError::BadValue {
             key: "flavor",
             value: v.to_owned(),
-            problem: "expected vllm or sglang",
+            problem: "expected vllm, sglang or trtllm",
         }),
     }
 }
@@ -545,7 +553,18 @@ mod tests {
         assert_eq!(half.map(|s| s.speed.get()), Ok(0.5));
         assert!(err("name=a,url=u,events=ipc:///x").contains("tcp://"));
         assert!(err("name").contains("key=value"));
-        assert!(err("name=a,url=u,events=tcp://h:1,flavor=trt").contains("vllm or sglang"));
+        assert!(err("name=a,url=u,events=tcp://h:1,flavor=trt").contains("sglang or trtllm"));
+    }
+
+    #[test]
+    fn trtllm_workers_parse_and_serve_aggregated_only() {
+        let spec = WorkerSpec::parse("name=t,url=u,events=tcp://h:1,flavor=trtllm", Some(16));
+        assert_eq!(spec.map(|s| s.flavor), Ok(WorkerFlavor::Trtllm));
+        for role in ["prefill", "decode"] {
+            let line = format!("name=t,url=u,events=tcp://h:1,flavor=trtllm,role={role}");
+            let e = WorkerSpec::parse(&line, Some(16)).expect_err("refused");
+            assert!(e.to_string().contains("aggregated only"), "{e}");
+        }
     }
 
     #[test]

@@ -108,6 +108,8 @@ pub async fn route(
     match flavor {
         WorkerFlavor::Vllm => vllm(proxy, &candidates, placed, request).await,
         WorkerFlavor::Sglang => sglang(proxy, &candidates, placed, request).await,
+        // Worker specs refuse prefill and decode roles on TensorRT-LLM workers.
+        WorkerFlavor::Trtllm => Err(ProxyError::NoWorkers),
     }
 }
 

@@ -53,6 +53,16 @@ fn names(flavor: WorkerFlavor) -> Names {
             capacity_label: "num_pages",
             rank_label: "dp_rank",
         },
+        // trtllm-serve's gauges as public scrapers of its `/metrics` name
+        // them; it publishes no block capacity, so no KV share is derived.
+        WorkerFlavor::Trtllm => Names {
+            running: "trtllm_num_requests_running",
+            waiting: "trtllm_num_requests_waiting",
+            usage: "trtllm_kv_cache_utilization",
+            config: "trtllm_cache_config_info",
+            capacity_label: "num_gpu_blocks",
+            rank_label: "dp_rank",
+        },
     }
 }
 

@@ -2,7 +2,9 @@
 //!
 //! Prints one JSON object per event, in batch order, with both hash spaces, so
 //! an operator can see exactly what kvroute makes of an engine's bytes: which
-//! events decode, which are skipped and why.
+//! events decode, which are skipped and why, the image items each block's
+//! local hash covers (whichever per-block key form named them), and a hybrid
+//! model's window and state groups.
 
 use std::fs;
 use std::io::{self, Read, Write};
@@ -11,7 +13,7 @@ use std::process::ExitCode;
 
 use anyhow::{bail, Context, Result};
 use clap::{ArgGroup, Args};
-use kvroute_core::event::KvEvent;
+use kvroute_core::event::{GroupRule, KvEvent};
 use kvroute_core::wire::{decode_batch, DecodedBatch, DecoderConfig};
 use serde_json::{json, Map, Value};
 
@@ -45,10 +47,11 @@ pub fn run(args: &InspectArgs) -> Result<ExitCode> {
         (None, Some(path)) => read_input(path)?,
         (None, None) => bail!("give --hex FILE or --raw FILE"),
     };
+    // Kept tokens also keep each block's image items, which are always shown.
     let config = DecoderConfig {
         block_size: args.block_size,
         registered_rank: args.dp_rank,
-        keep_tokens: args.tokens,
+        keep_tokens: true,
         ..DecoderConfig::default()
     };
     let batch =
@@ -144,6 +147,13 @@ pub fn render(batch: &DecodedBatch, with_tokens: bool) -> Vec<Value> {
                             if with_tokens {
                                 obj.insert("token_ids".into(), json!(s.token_ids));
                             }
+                            if let Some(items) = s.image_items.as_ref().filter(|i| !i.is_empty()) {
+                                let items: Vec<Value> = items
+                                    .iter()
+                                    .map(|&(block, item)| json!({"block": block, "item": item}))
+                                    .collect();
+                                obj.insert("image_items".into(), json!(items));
+                            }
                         }
                         KvEvent::Removed(r) => {
                             obj.insert(
@@ -153,6 +163,16 @@ pub fn render(batch: &DecodedBatch, with_tokens: bool) -> Vec<Value> {
                             obj.insert("tier".into(), json!(r.tier.as_str()));
                         }
                         KvEvent::Cleared => {}
+                        KvEvent::Group(g) => {
+                            obj.insert("group".into(), json!(g.group));
+                            obj.insert("rule".into(), rule_json(g.rule));
+                            obj.insert("stored".into(), json!(g.stored));
+                            obj.insert(
+                                "block_hashes".into(),
+                                json!(g.blocks.iter().map(|b| b.0).collect::<Vec<_>>()),
+                            );
+                            obj.insert("tier".into(), json!(g.tier.as_str()));
+                        }
                     }
                 }
                 Err(skipped) => {
@@ -165,6 +185,16 @@ pub fn render(batch: &DecodedBatch, with_tokens: bool) -> Vec<Value> {
             Value::Object(obj)
         })
         .collect()
+}
+
+/// A hybrid group's rule as JSON.
+fn rule_json(rule: GroupRule) -> Value {
+    match rule {
+        GroupRule::Window { blocks, stride } => {
+            json!({"window_blocks": blocks, "stride": stride})
+        }
+        GroupRule::State => json!("state"),
+    }
 }
 
 #[cfg(test)]

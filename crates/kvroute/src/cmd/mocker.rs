@@ -21,7 +21,9 @@ use kvroute_mocker::{EventFormat, MockerConfig, ReplayFrames, Role, TsSource};
 /// Arguments of `kvroute mocker`.
 #[derive(Debug, Args)]
 pub struct MockerArgs {
-    /// Engine imitated on the wire: vllm or sglang.
+    /// Engine imitated on the wire: vllm, sglang or trtllm (TensorRT-LLM's
+    /// streaming KV events: signed radix-key hashes, coalesced stores, images
+    /// digest-first with `mm_keys`; aggregated only).
     #[arg(long, default_value_t = WorkerFlavor::Vllm)]
     engine_flavor: WorkerFlavor,
     /// Independent engines in this process.

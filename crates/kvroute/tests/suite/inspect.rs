@@ -125,3 +125,60 @@ fn inspect_fails_clearly_on_an_unreadable_envelope() {
     assert!(stderr.contains("odd number"), "{stderr}");
     std::fs::remove_dir_all(&dir).ok();
 }
+
+fn hand_built_seed(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../fuzz/seeds/decode_batch")
+        .join(name)
+}
+
+/// Every per-block image key form shows as the item each block's local hash
+/// covers: TensorRT-LLM's `mm_keys` and digest tokens, Dynamo's
+/// `block_mm_infos`, vLLM's `extra_keys`; the same item hash whatever the form.
+#[test]
+fn inspect_shows_the_image_items_of_every_key_form() {
+    let items = |path: PathBuf| -> Vec<(u64, u64)> {
+        let (code, lines, err) = inspect(&["--hex", path.to_str().expect("utf-8 path")]);
+        assert_eq!(code, 0, "{err}");
+        lines
+            .iter()
+            .filter_map(|l| l["image_items"].as_array())
+            .flatten()
+            .map(|i| (i["block"].as_u64().expect("block"), i["item"].as_u64().expect("item")))
+            .collect()
+    };
+    // TensorRT-LLM: one image over the 3 blocks of the first store, a second
+    // image (with a uuid) over the child store's 2 blocks.
+    let trt = items(fixture("trtllm_multimodal_mm_keys.hex"));
+    assert_eq!(trt.len(), 5, "{trt:?}");
+    assert!(trt[..3].iter().all(|&(_, item)| item == 0x2a2688f3dfbb1087), "{trt:?}");
+    // The same digest-first image without mm_keys is still named, on every
+    // block its positions reach in the event.
+    let bare = items(hand_built_seed("trtllm_digest_without_mm_keys.hex"));
+    assert_eq!(bare, [(0, 0xabababababababab), (1, 0xabababababababab)]);
+    assert_eq!(
+        items(hand_built_seed("dynamo_block_mm_infos.hex")),
+        [(0, 0xabababababababab)]
+    );
+    let vllm = items(fixture("vllm_0.34.0_multimodal_text_chain.hex"));
+    assert_eq!(vllm.len(), 3, "{vllm:?}");
+}
+
+/// A hybrid model's window and state groups show as group events with their
+/// rule; an offloading placeholder as skipped on purpose; a REMOTE tier as external.
+#[test]
+fn inspect_shows_hybrid_groups_tiers_and_placeholders() {
+    let path = fixture("vllm_0.34.0_offload_storage_remote.hex");
+    let (code, lines, _) = inspect(&["--hex", path.to_str().expect("utf-8 path")]);
+    assert_eq!(code, 0);
+    let kinds: Vec<Value> = lines.iter().map(|l| l["kind"].clone()).collect();
+    assert_eq!(kinds, ["stored", "stored", "removed", Value::Null, "group"]);
+    assert_eq!((lines[0]["tier"].as_str(), lines[1]["tier"].as_str()), (Some("host"), Some("external")));
+    assert_eq!(lines[3]["reason"], "placeholder");
+    assert_eq!((lines[4]["rule"].as_str(), lines[4]["group"].as_u64()), (Some("state"), Some(2)));
+    let path = fixture("vllm_0.34.0_hybrid_sliding_window.hex");
+    let (_, lines, _) = inspect(&["--hex", path.to_str().expect("utf-8 path")]);
+    assert_eq!(lines[1]["kind"], "group");
+    assert_eq!(lines[1]["rule"]["window_blocks"], 2);
+    assert_eq!((lines[2]["kind"].as_str(), lines[2]["stored"].as_bool()), (Some("group"), Some(false)));
+}

@@ -3,8 +3,9 @@
 //! prompts and chat requests with data-URL images, each several times; the
 //! repeats must hit the cache of the engine that holds them (SGLang: the
 //! router folds the same wide pad ids the events carry; vLLM: the same item
-//! hashes the events' extra keys give), every event must decode, and the
-//! router's predictions must equal the engines' `cached_tokens`.
+//! hashes the events' extra keys give; TensorRT-LLM: the same item-local
+//! positions and `mm_keys` items), every event must decode, and the router's
+//! predictions must equal the engines' `cached_tokens`.
 
 use serde_json::{json, Value};
 
@@ -54,6 +55,18 @@ fn image_chat(k: u32) -> Value {
         "messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": image_url(k)}},
             {"type": "text", "text": "What is shown here?"},
+        ]}],
+        "max_tokens": 1,
+    })
+}
+
+fn video_chat(k: u32) -> Value {
+    let url = image_url(1000 + k).replace("image/png", "video/mp4");
+    json!({
+        "model": "mock-model",
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "Describe this clip."},
+            {"type": "video_url", "video_url": {"url": url}},
         ]}],
         "max_tokens": 1,
     })
@@ -168,22 +181,123 @@ fn vllm_repeated_images_hit_the_worker_holding_them() {
     repeats_hit("vllm");
 }
 
+/// TensorRT-LLM's streaming events (signed radix-key hashes, coalesced
+/// stores, images digest-first with `mm_keys`): text and image repeats hit
+/// and every prediction is exact.
+#[test]
+fn trtllm_repeated_images_hit_the_worker_holding_them() {
+    repeats_hit("trtllm");
+}
+
 /// Two different images with the same text around them are different prompts:
-/// the second is not predicted to hit the first's blocks.
+/// the second is not predicted to hit the first's blocks, on any flavour.
 #[test]
 fn different_images_do_not_look_alike_to_the_router() {
-    let (_mocker, _serve_proc, serve) = start_fleet("sglang");
-    let a = image_chat(100);
-    let first = send(&serve, "/v1/chat/completions", &a);
-    wait_indexed(&serve, &a, &first.worker, first.prompt_tokens, "sglang");
-    let q = request(&serve, "POST", "/query", &image_chat(101).to_string()).json();
-    let matched: u64 = q["workers"]
-        .as_array()
-        .expect("workers")
+    for flavor in ["sglang", "vllm", "trtllm"] {
+        let (_mocker, _serve_proc, serve) = start_fleet(flavor);
+        let a = image_chat(100);
+        let first = send(&serve, "/v1/chat/completions", &a);
+        wait_indexed(&serve, &a, &first.worker, first.prompt_tokens, flavor);
+        let q = request(&serve, "POST", "/query", &image_chat(101).to_string()).json();
+        let matched: u64 = q["workers"]
+            .as_array()
+            .expect("workers")
+            .iter()
+            .map(|w| w["matched_tokens"].as_u64().unwrap_or(0))
+            .max()
+            .unwrap_or(0);
+        // At most the text before the image (less than one block) could match.
+        assert_eq!(matched, 0, "{flavor}: {q}");
+    }
+}
+
+/// One endpoint per rank: a TensorRT-LLM engine with two DP ranks publishes
+/// on two sockets (base port + rank); the router follows each rank's events,
+/// a repeat goes back to the rank holding its prompt, and every prediction
+/// equals the engine's `cached_tokens`.
+#[test]
+fn a_trtllm_engine_with_two_ranks_is_routed_on_each_ranks_events() {
+    let events = free_port_pair(&[]);
+    let replay = free_port_pair(&[events]);
+    let (events, replay) = (events.to_string(), replay.to_string());
+    let args = [
+        "--engine-flavor",
+        "trtllm",
+        "--dp-size",
+        "2",
+        "--speedup",
+        "1000",
+        "--port",
+        "0",
+        "--kv-events-port",
+        &events,
+        "--replay-port",
+        &replay,
+    ];
+    let (_mocker, lines) = spawn_mocker(&args, 1);
+    assert!(lines
         .iter()
-        .map(|w| w["matched_tokens"].as_u64().unwrap_or(0))
-        .max()
-        .unwrap_or(0);
-    // At most the text before the image (less than one block) could match.
-    assert_eq!(matched, 0, "{q}");
+        .all(|l| l.contains("flavor=trtllm") && l.contains("dp=2")));
+    let (_serve_proc, serve) = start_serve(&lines, &["--tokenizer", "builtin"]);
+    let mut placed = std::collections::HashSet::new();
+    for k in 0..8 {
+        let body = text_completion(100 + k);
+        let r = request(&serve, "POST", "/v1/completions", &body.to_string());
+        assert_eq!(r.status, 200, "{}", r.body);
+        let worker = r.header("x-kvroute-worker").expect("worker");
+        let rank = r.header("x-kvroute-dp-rank").unwrap_or_else(|| "0".into());
+        placed.insert((worker.clone(), rank.clone()));
+        let prompt = r.json()["usage"]["prompt_tokens"].as_u64().expect("prompt");
+        let full = prompt / BLOCK_SIZE * BLOCK_SIZE;
+        eventually("the prompt's blocks on its rank", || {
+            let q = request(&serve, "POST", "/query", &body.to_string()).json();
+            q["scores"][&worker][&rank].as_u64().unwrap_or(0) >= full
+        });
+        let again = send(&serve, "/v1/completions", &body);
+        assert_eq!(again.worker, worker, "the repeat goes back to its worker");
+        assert!(
+            again.cached_tokens >= full - BLOCK_SIZE,
+            "{}",
+            again.cached_tokens
+        );
+    }
+    assert!(placed.len() >= 2, "prompts spread over ranks: {placed:?}");
+    assert_eq!(count(&serve, "kvroute_ingest_decode_errors_total"), 0);
+    let comparisons = count(&serve, "kvroute_accuracy_comparisons_total");
+    assert_eq!(comparisons, 16, "every response compared");
+    assert_eq!(count(&serve, "kvroute_accuracy_exact_total"), comparisons);
+}
+
+/// `video_url` parts are laid out and named like images (the video
+/// placeholder id, SGLang's pads, TensorRT-LLM's digest-first positions):
+/// a repeated video hits the engine holding it with an exact prediction on
+/// every flavour, and another video with the same text does not match.
+#[test]
+fn repeated_videos_hit_and_other_videos_do_not_on_every_flavour() {
+    for flavor in ["vllm", "sglang", "trtllm"] {
+        let (_mocker, _serve_proc, serve) = start_fleet(flavor);
+        let videos: Vec<Value> = (0..3).map(video_chat).collect();
+        let rate = repeat_hit_rate(&serve, flavor, "/v1/chat/completions", &videos, 1);
+        assert!(rate >= 0.95, "{flavor}: video-repeat hit rate {rate}");
+        let q = request(&serve, "POST", "/query", &video_chat(50).to_string()).json();
+        let matched = q["workers"]
+            .as_array()
+            .expect("workers")
+            .iter()
+            .filter_map(|w| w["matched_tokens"].as_u64())
+            .max()
+            .unwrap_or(0);
+        assert!(
+            matched < BLOCK_SIZE * 2,
+            "{flavor}: a new video matched {matched}: {q}"
+        );
+        assert_eq!(count(&serve, "kvroute_ingest_decode_errors_total"), 0);
+        let comparisons = count(&serve, "kvroute_accuracy_comparisons_total");
+        assert_eq!(comparisons, 6, "{flavor}");
+        assert_eq!(
+            count(&serve, "kvroute_accuracy_exact_total"),
+            comparisons,
+            "{flavor}"
+        );
+    }
 }

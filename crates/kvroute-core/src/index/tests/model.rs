@@ -65,6 +65,8 @@ impl Model {
             KvEvent::Cleared => {
                 self.ranks.remove(&key);
             }
+            // The model has no hybrid groups (the generators make none).
+            KvEvent::Group(_) => {}
         }
     }
 

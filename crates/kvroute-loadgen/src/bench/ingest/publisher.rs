@@ -111,6 +111,7 @@ impl Rank {
                 extra_keys: None,
                 cache_salt: None,
                 session_id: None,
+                trtllm_images: None,
             }));
         }
         let stored_blocks = stored.len() as u64;
