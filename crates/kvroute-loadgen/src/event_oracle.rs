@@ -8,7 +8,7 @@
 //! parent's hash and its token ids. A request (a token-id prompt) goes to
 //! the engine whose blocks hold its longest prefix, ties to the fewest
 //! requests in flight from this run, then a seeded coin — the mock oracle's
-//! rule ([`crate::oracle::choose`]). It shares only the wire decoder with
+//! rule (`oracle::choose`). It shares only the wire decoder with
 //! kvroute's router; its blocks are its own, not the router's index. It is
 //! as late as the events are: a block stored a few milliseconds ago may not
 //! be known yet.
@@ -95,6 +95,9 @@ impl Blocks {
                 self.by_hash.clear();
                 self.by_link.clear();
             }
+            // A hybrid model's window and state groups cap what its full
+            // attention blocks give; the oracle follows full attention only.
+            KvEvent::Group(_) => {}
         }
     }
 

@@ -61,20 +61,6 @@ pub struct RoutingRequest {
     /// prompt's log-probabilities, which a disaggregated request must
     /// gather from its prefill leg too.
     pub input_logprobs: bool,
-    /// The session the client named in its header (`x-session-id`), set by
-    /// the proxy: its turns go back to the same rank while the cost agrees.
-    pub session: Option<String>,
-    /// Its place in the overload queue (`x-priority`, set by the proxy):
-    /// lower is served first; 0 by default.
-    pub priority: i64,
-    /// Its tenant (set by the proxy: its tenant header, else its API key's
-    /// fingerprint): the overload queue shares the fleet fairly among
-    /// tenants; `None`: the anonymous tenant.
-    pub tenant: Option<String>,
-    /// Who its sessions and responses belong to (set by the proxy: a
-    /// digest of its API key and tenant); `None`: no one's (the endpoint
-    /// picker), whose continuations are not pinned.
-    pub owner: Option<[u8; 32]>,
     /// A Responses API continuation's `previous_response_id`: the
     /// conversation so far lives only on the worker that produced that
     /// response, so the router sends it to that worker.

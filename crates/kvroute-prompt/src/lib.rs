@@ -65,6 +65,7 @@ pub mod chat_template;
 pub mod error;
 pub mod fields;
 pub mod generate;
+pub mod keys;
 pub mod messages;
 pub mod prompt;
 pub mod render;

@@ -35,8 +35,7 @@ use kvroute_server::epp::{self, EppConfig, EppListeners, EppShared, EppTls};
 use kvroute_server::ingest::registry::{IngestConfig, Registry};
 use kvroute_server::ingest::spec::WorkerSpec;
 use kvroute_server::metrics::epp::EppMetrics;
-use kvroute_server::proxy::candidates::request_hashes;
-use kvroute_server::proxy::{Proxy, ProxyConfig};
+use kvroute_server::router::{ProxyConfig, Router};
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 
@@ -50,7 +49,7 @@ const GROUPS: usize = 16;
 /// A completion body whose text prompt is `PROMPT_TOKENS` tokens or a few
 /// more, for group `group` (its first three quarters shared by the group),
 /// and its token count.
-fn body(proxy: &Proxy, group: usize, question: usize) -> (Vec<u8>, usize) {
+fn body(proxy: &Router, group: usize, question: usize) -> (Vec<u8>, usize) {
     let doc = |words: usize| {
         let text: Vec<String> = (0..words)
             .map(|i| {
@@ -108,7 +107,7 @@ fn headers() -> Request {
 
 /// The picker's proxy over a fleet of `WORKERS` workers (nothing listens on
 /// their addresses: the picker never connects to them).
-fn fleet(renderer: Arc<Renderer>) -> (Arc<Proxy>, Arc<Registry>) {
+fn fleet(renderer: Arc<Renderer>) -> (Arc<Router>, Arc<Registry>) {
     let index = Arc::new(SharedIndex::new(Index::new(IndexConfig::default())));
     let registry = Arc::new(
         Registry::new(
@@ -131,19 +130,19 @@ fn fleet(renderer: Arc<Renderer>) -> (Arc<Proxy>, Arc<Registry>) {
         renderer: Some(renderer),
         ..ProxyConfig::default()
     };
-    let proxy = Arc::new(Proxy::new(config, index).unwrap());
+    let proxy = Arc::new(Router::builder(config, index).build().unwrap());
     proxy.refresh(&registry);
     (proxy, registry)
 }
 
 /// Puts each group's prompt prefix on one worker of the index.
-fn warm(proxy: &Proxy) {
+fn warm(proxy: &Router) {
     let targets = proxy.targets();
     for group in 0..GROUPS {
         let (bytes, _) = body(proxy, group, usize::MAX);
         let mut req = kvroute_prompt::body::parse_request(&bytes, false).unwrap();
         proxy.tokenize(&mut req);
-        let locals = request_hashes(&req, 16, WorkerFlavor::Vllm);
+        let locals = req.local_hashes(16, WorkerFlavor::Vllm);
         let target = &targets[group % targets.len()];
         let key = WorkerRank {
             worker: target.id,
@@ -172,7 +171,7 @@ async fn run() {
     let health = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = ext_proc.local_addr().unwrap();
     let shared = EppShared {
-        proxy: proxy.clone(),
+        router: proxy.clone(),
         metrics: Arc::new(EppMetrics::default()),
         max_body_bytes: 32 << 20,
     };

@@ -15,8 +15,8 @@ use crate::ingest::registry::{Registry, RegistryError};
 use crate::ingest::spec::{
     parse_flavor, parse_role_as, RankEndpoints, Speed, WorkerFlavor, WorkerRole, WorkerSpec,
 };
-use crate::proxy::Proxy;
 use crate::replica::bus::ReplicaSync;
+use crate::router::Router;
 
 /// Who may do what. Without an admin token the admin API (everything that
 /// changes which workers exist) is closed; with one, it takes that bearer
@@ -90,8 +90,8 @@ pub async fn require_introspection(
 pub struct AdminState {
     /// Registered workers.
     pub registry: Arc<Registry>,
-    /// The proxy, told when the workers change.
-    pub proxy: Arc<Proxy>,
+    /// The router, told when the workers change.
+    pub router: Arc<Router>,
     /// Who may use the admin endpoints.
     pub access: Access,
     /// Block size for registrations that do not give one (`None`: learned
@@ -116,10 +116,10 @@ pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
     let mut workers = json!(views);
     if let Some(list) = workers.as_array_mut() {
         for (w, view) in list.iter_mut().zip(&views) {
-            w["models"] = json!(state.proxy.listed_models(&view.name));
+            w["models"] = json!(state.router.listed_models(&view.name));
         }
     }
-    if let (Some(learned), Some(list)) = (state.proxy.learned_speeds(), workers.as_array_mut()) {
+    if let (Some(learned), Some(list)) = (state.router.learned_speeds(), workers.as_array_mut()) {
         for (w, view) in list.iter_mut().zip(&views) {
             let ranks = w.get_mut("ranks").and_then(Value::as_array_mut);
             for (r, rank) in ranks.into_iter().flatten().zip(&view.ranks) {
@@ -131,7 +131,7 @@ pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
             }
         }
     }
-    let tokenizers = crate::tokenizers::tokenizers_json(&state.proxy);
+    let tokenizers = crate::tokenizers::tokenizers_json(&state.router);
     Json(json!({ "workers": workers, "replicas": replicas, "tokenizers": tokenizers }))
 }
 
@@ -331,7 +331,7 @@ pub async fn register(
             }
             _ => ProxyError::Conflict(e.to_string()),
         })?;
-    state.proxy.refresh(&state.registry);
+    state.router.refresh(&state.registry);
     Ok(Json(
         json!({"status": "registered", "name": name, "worker_id": id.0,
                "flavor": flavor.as_str(), "role": role.as_str()}),
@@ -360,7 +360,7 @@ pub async fn unregister(
     let removed = tokio::task::spawn_blocking(move || registry.unregister(&lookup))
         .await
         .map_err(|e| ProxyError::internal(e.to_string()))?;
-    state.proxy.refresh(&state.registry);
+    state.router.refresh(&state.registry);
     if removed {
         Ok(Json(json!({"status": "unregistered", "name": name})))
     } else {

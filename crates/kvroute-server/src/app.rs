@@ -16,11 +16,12 @@ use crate::dashboard;
 use crate::metrics::Metrics;
 use crate::proxy::{self, Proxy};
 use crate::query::{self, QueryLimits};
+use crate::router::Router;
 
 /// Everything the handlers share; each handler takes only its part.
 #[derive(Debug, Clone)]
 pub struct AppState {
-    /// Routing and forwarding.
+    /// The forwarder, and through it the router.
     pub proxy: Arc<Proxy>,
     /// The worker registry and the admin token.
     pub admin: AdminState,
@@ -35,6 +36,12 @@ pub struct AppState {
 impl FromRef<AppState> for Arc<Proxy> {
     fn from_ref(state: &AppState) -> Self {
         state.proxy.clone()
+    }
+}
+
+impl FromRef<AppState> for Arc<Router> {
+    fn from_ref(state: &AppState) -> Self {
+        state.proxy.router.clone()
     }
 }
 
@@ -59,7 +66,7 @@ pub fn app(state: AppState) -> axum::Router {
     // Outermost first: a body that says it is too long is refused before it
     // takes one of the query slots; one that is longer than it says is
     // refused while it is read.
-    let rules = state.proxy.body_rules(limit);
+    let rules = state.proxy.router.body_rules(limit);
     let queries = axum::Router::new()
         .route("/query", post(query::query))
         .route("/query_by_hash", post(query::query_by_hash))
@@ -142,16 +149,18 @@ mod tests {
             )
             .expect("ingest threads"),
         );
-        let proxy = Arc::new(Proxy::new(ProxyConfig::default(), index).expect("client"));
+        let router = Router::builder(ProxyConfig::default(), index).build();
+        let router = Arc::new(router.expect("a router"));
+        let proxy = Arc::new(Proxy::new(router.clone()).expect("client"));
         let metrics = Arc::new(Metrics::new(
-            &proxy.metrics,
+            &router.metrics,
             &ConnectionMetrics::default(),
             Vec::new(),
         ));
         app(AppState {
             admin: AdminState {
                 registry,
-                proxy: proxy.clone(),
+                router,
                 access: admin::Access {
                     admin_token: Some("token".into()),
                     public_introspection: false,

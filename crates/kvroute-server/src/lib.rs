@@ -30,6 +30,8 @@ pub mod metrics;
 pub mod proxy;
 pub mod query;
 pub mod replica;
+pub mod router;
+pub mod sse;
 pub mod state;
 pub mod tokenizers;
 
@@ -47,12 +49,13 @@ use ingest::registry::Registry;
 use ingest::spec::WorkerSpec;
 use listen::{serve_bounded, ConnectionMetrics, HttpLimits};
 use metrics::{IngestCollector, Metrics, ReplicaCollector};
-use proxy::active::ActiveCollector;
-use proxy::observe::ObservedCollector;
-use proxy::{Proxy, ProxyConfig};
+use proxy::Proxy;
 use query::QueryLimits;
 use replica::speeds::SharedSpeeds;
 use replica::Replica;
+use router::active::ActiveCollector;
+use router::observe::ObservedCollector;
+use router::{ProxyConfig, Router};
 
 /// Everything `kvroute serve` needs, validated.
 #[derive(Debug, Clone)]
@@ -208,14 +211,20 @@ pub async fn serve_with_epp(
         .state
         .clone()
         .map(|state| spawn_snapshots(registry.clone(), state, saved.clone()));
-    let proxy = Arc::new(Proxy::new(config.proxy.clone(), index.clone())?);
-    proxy.refresh(&registry);
+    let pins = replica.as_ref().map(|r| pin_share(r, &config));
+    let router = Arc::new(build_router(
+        &config,
+        index.clone(),
+        replica.as_ref(),
+        pins.clone(),
+    )?);
+    router.refresh(&registry);
     let mut collectors: Vec<Box<dyn prometheus_client::collector::Collector>> = vec![
         Box::new(IngestCollector::new(registry.clone(), index.clone())),
-        Box::new(ActiveCollector::new(proxy.clone())),
-        Box::new(ObservedCollector::new(proxy.clone())),
-        Box::new(budget::BudgetCollector(proxy.body_budget().clone())),
-        Box::new(tokenizers::TokenizerCollector(proxy.clone())),
+        Box::new(ActiveCollector::new(router.clone())),
+        Box::new(ObservedCollector::new(router.clone())),
+        Box::new(budget::BudgetCollector(router.body_budget().clone())),
+        Box::new(tokenizers::TokenizerCollector(router.clone())),
         Box::new(saved.clone()),
     ];
     // Exported whether or not a source is followed (at 0 without one).
@@ -223,52 +232,39 @@ pub async fn serve_with_epp(
     collectors.push(Box::new(counters.clone()));
     let discovered = match config.discovery.clone() {
         Some(source) => {
-            let watched = (registry.clone(), proxy.clone());
+            let watched = (registry.clone(), router.clone());
             Some(discovery::start(source, watched, config.block_size, counters).await?)
         }
         None => None,
     };
-    let replica_tasks = replica.as_ref().map(|r| {
-        proxy.share_with(r.sync.outbox().clone());
-        let speeds: Option<Arc<dyn SharedSpeeds>> = proxy.learns_speeds().then(|| {
-            proxy.share_speeds_with(r.speeds.clone());
-            proxy.clone() as Arc<dyn SharedSpeeds>
-        });
-        let pins = Arc::new(replica::pins::PinShare::new(
-            &r.config().prefix,
-            config.proxy.sessions.ttl,
-            replica::pins::PinKeys::shared(r.config().pins_secret.as_ref()),
-        ));
+    let replica_tasks = replica.as_ref().zip(pins).map(|(r, pins)| {
         collectors.push(Box::new(ReplicaCollector::new(
             r.sync.clone(),
             r.speeds.clone(),
             pins.clone(),
         )));
-        proxy.share_pins_with(pins.clone());
-        let mut tasks = r.run(proxy.clone(), registry.clone(), speeds);
-        tasks.extend(pins.run(r.client().clone(), proxy.clone(), r.sync.connections()));
-        tasks
+        run_replica(r, pins, &router, &registry)
     });
-    let (epp_tasks, stopping) = start_epp(&config, epp, &proxy, &mut collectors)?;
+    let (epp_tasks, stopping) = start_epp(&config, epp, &router, &mut collectors)?;
     let connections = ConnectionMetrics::default();
-    let metrics = Arc::new(Metrics::new(&proxy.metrics, &connections, collectors));
+    let metrics = Arc::new(Metrics::new(&router.metrics, &connections, collectors));
     let series = Arc::new(dashboard::series::Series::default());
-    let mut background = spawn_housekeeping(&registry, &index, &proxy, &series);
+    let mut background = spawn_housekeeping(&registry, &index, &router, &series);
     background.extend(snapshots);
     background.extend(epp_tasks);
     background.extend(discovered);
-    background.extend(spawn_engine_scrapes(&proxy));
+    background.extend(spawn_engine_scrapes(&router));
     background.extend(replica_tasks.into_iter().flatten());
     let state = AppState {
         admin: admin::AdminState {
             registry: registry.clone(),
-            proxy: proxy.clone(),
+            router: router.clone(),
             access: config.access.clone(),
             default_block_size: config.block_size,
             replica: replica.as_ref().map(|r| r.sync.clone()),
             series: series.clone(),
         },
-        proxy,
+        proxy: Arc::new(Proxy::new(router)?),
         metrics,
         max_body_bytes: config.max_body_bytes,
         query: config.query,
@@ -277,29 +273,90 @@ pub async fn serve_with_epp(
     if config.announce_access {
         log_access(&config.access, &config.allowed_worker_hosts);
     }
-    // Every accepted connection gets TCP_NODELAY: without it, a streamed
-    // token written after the response head on a kept-alive connection waits
-    // for the client's delayed ACK (up to 40 ms on Linux).
     let shutdown = async move {
         shutdown.await;
         let _ = stopping.send(true);
     };
-    let result = serve_bounded(
+    // Every accepted connection gets TCP_NODELAY (`listen.rs`).
+    let served = serve_bounded(
         listener,
         app::app(state),
         config.http,
         connections,
         shutdown,
-    )
-    .await;
+    );
+    let result = served.await;
     for task in background {
         task.abort();
     }
-    if let Some(r) = &replica {
+    stop(
+        replica.as_ref(),
+        registry,
+        config.state.map(|s| s.dir),
+        saved,
+    )
+    .await;
+    result.map_err(ServeError::Http)
+}
+
+/// The pins bucket the replicas share sessions and responses in.
+fn pin_share(replica: &Replica, config: &ServeConfig) -> Arc<replica::pins::PinShare> {
+    Arc::new(replica::pins::PinShare::new(
+        &replica.config().prefix,
+        config.proxy.sessions.ttl,
+        replica::pins::PinKeys::shared(replica.config().pins_secret.as_ref()),
+    ))
+}
+
+/// The router, with what it shares with the peer replicas (`--nats`):
+/// requests, learned speeds, pins.
+fn build_router(
+    config: &ServeConfig,
+    index: Arc<SharedIndex>,
+    replica: Option<&Replica>,
+    pins: Option<Arc<replica::pins::PinShare>>,
+) -> Result<Router, ServeError> {
+    let mut builder = Router::builder(config.proxy.clone(), index);
+    if let Some(r) = replica {
+        builder = builder.with_outbox(r.sync.outbox().clone());
+        if config.proxy.learn_speeds.is_some() {
+            builder = builder.with_speed_share(r.speeds.clone());
+        }
+    }
+    if let Some(pins) = pins {
+        builder = builder.with_pins(pins);
+    }
+    Ok(builder.build()?)
+}
+
+/// The replica's tasks: the request bus, the speeds and the pins.
+fn run_replica(
+    replica: &Replica,
+    pins: Arc<replica::pins::PinShare>,
+    router: &Arc<Router>,
+    registry: &Arc<Registry>,
+) -> Vec<tokio::task::JoinHandle<()>> {
+    let speeds: Option<Arc<dyn SharedSpeeds>> = router
+        .learns_speeds()
+        .then(|| router.clone() as Arc<dyn SharedSpeeds>);
+    let mut tasks = replica.run(router.clone(), registry.clone(), speeds);
+    let connections = replica.sync.connections();
+    tasks.extend(pins.run(replica.client().clone(), router.clone(), connections));
+    tasks
+}
+
+/// After the server stopped: the replica's last snapshot, the state saved
+/// in `dir`, ingestion shut down.
+async fn stop(
+    replica: Option<&Replica>,
+    registry: Arc<Registry>,
+    dir: Option<std::path::PathBuf>,
+    saved: state::SnapshotCounters,
+) {
+    if let Some(r) = replica {
         r.save_now(&registry).await;
         r.stop();
     }
-    let dir = config.state.map(|s| s.dir);
     let _ = tokio::task::spawn_blocking(move || {
         if let Some(dir) = dir {
             save_state(&registry, &dir, &saved);
@@ -307,7 +364,6 @@ pub async fn serve_with_epp(
         registry.shutdown();
     })
     .await;
-    result.map_err(ServeError::Http)
 }
 
 /// Starts the endpoint picker when there are listeners and a config for
@@ -316,7 +372,7 @@ pub async fn serve_with_epp(
 fn start_epp(
     config: &ServeConfig,
     listeners: Option<epp::EppListeners>,
-    proxy: &Arc<Proxy>,
+    router: &Arc<Router>,
     collectors: &mut Vec<Box<dyn prometheus_client::collector::Collector>>,
 ) -> Result<
     (
@@ -334,7 +390,7 @@ fn start_epp(
         return Ok((Vec::new(), stopping));
     };
     let shared = epp::EppShared {
-        proxy: proxy.clone(),
+        router: router.clone(),
         metrics,
         max_body_bytes: config.max_body_bytes,
     };
@@ -343,15 +399,15 @@ fn start_epp(
 }
 
 /// Reads the workers' `/metrics` every `--engine-metrics-ms`, when set.
-fn spawn_engine_scrapes(proxy: &Arc<Proxy>) -> Option<tokio::task::JoinHandle<()>> {
-    let every = proxy.config().engine_metrics_every?;
-    let proxy = proxy.clone();
+fn spawn_engine_scrapes(router: &Arc<Router>) -> Option<tokio::task::JoinHandle<()>> {
+    let every = router.config().engine_metrics_every?;
+    let router = router.clone();
     Some(tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
-            proxy.scrape_engines(every).await;
+            router.scrape_engines(every).await;
         }
     }))
 }
@@ -363,38 +419,38 @@ fn spawn_engine_scrapes(proxy: &Arc<Proxy>) -> Option<tokio::task::JoinHandle<()
 fn spawn_housekeeping(
     registry: &Arc<Registry>,
     index: &Arc<SharedIndex>,
-    proxy: &Arc<Proxy>,
+    router: &Arc<Router>,
     series: &Arc<dashboard::series::Series>,
 ) -> Vec<tokio::task::JoinHandle<()>> {
     let context_lengths = {
-        let proxy = proxy.clone();
+        let router = router.clone();
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_secs(1));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
-                proxy.learn_context_lengths().await;
-                tokenizers::discover_due(&proxy);
+                router.learn_context_lengths().await;
+                tokenizers::discover_due(&router);
             }
         })
     };
-    let (registry, index, proxy) = (registry.clone(), index.clone(), proxy.clone());
+    let (registry, index, router) = (registry.clone(), index.clone(), router.clone());
     let series = series.clone();
     let housekeeping = tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         loop {
             tick.tick().await;
-            let (registry, index, proxy) = (registry.clone(), index.clone(), proxy.clone());
+            let (registry, index, router) = (registry.clone(), index.clone(), router.clone());
             let series = series.clone();
             let _ = tokio::task::spawn_blocking(move || {
                 registry.check_unreachable();
-                proxy.refresh(&registry);
-                proxy.expire_active();
-                index.expire(proxy.now_ms());
-                let now = proxy::attempt::unix_ms();
+                router.refresh(&registry);
+                router.expire_active();
+                index.expire(router.now_ms());
+                let now = router::unix_ms();
                 let window = dashboard::series::WINDOW_SECS * 1_000;
-                let recent = proxy.observed.timings_since(now.saturating_sub(window));
-                series.tick(now, proxy.observed.totals(), &recent);
+                let recent = router.observed.timings_since(now.saturating_sub(window));
+                series.tick(now, router.observed.totals(), &recent);
             })
             .await;
         }

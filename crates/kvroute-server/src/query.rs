@@ -3,7 +3,7 @@
 //! shape of Dynamo's standalone indexer `/query` (worker → dp rank → matched
 //! device tokens); `workers` and `chosen` add the detail, and on a fleet of
 //! prefill and decode workers `disagg` says where each phase would go and
-//! why, as the proxy would place it.
+//! why, as the router would place it.
 
 use std::sync::Arc;
 
@@ -11,28 +11,27 @@ use axum::extract::State;
 use axum::Json;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::LocalBlockHash;
-use kvroute_core::scheduler::{order, Policy};
 use serde_json::{json, Map, Value};
 
 use crate::api::{Body, ProxyError};
-use crate::proxy::candidates::{request_hashes, Candidates};
-use crate::proxy::disagg;
-use crate::proxy::Proxy;
+use crate::router::candidates::Candidates;
+use crate::router::split as disagg;
+use crate::router::Router;
 use kvroute_prompt::body::{parse_hash_query, parse_query, RoutingRequest};
 
 /// The `/query` answer for a request's local hashes at each block size and
 /// worker flavour (`flavor_matters`: the request has images).
 fn query_answer(
-    proxy: &Proxy,
+    router: &Router,
     locals_at: &mut dyn FnMut(u32, WorkerFlavor) -> Vec<LocalBlockHash>,
     request_tokens: &dyn Fn(u32) -> u64,
     flavor_matters: bool,
 ) -> Value {
-    let tokens = proxy
+    let tokens = router
         .targets()
         .first()
         .map_or(0, |t| request_tokens(t.block_size));
-    let candidates = proxy.candidates(locals_at, tokens, flavor_matters);
+    let candidates = router.candidates(locals_at, tokens, flavor_matters);
     let (targets, scored) = (&candidates.targets, &candidates.scored);
     let mut scores = Map::new();
     let workers: Vec<Value> = scored
@@ -77,32 +76,31 @@ fn query_answer(
             })
         })
         .collect();
-    let ordered = order(
-        scored,
-        Policy::Kv,
-        proxy.config().temperature,
-        proxy.random(),
-        0,
-    );
-    let (ordered, _) = crate::proxy::candidates::kv_rules(proxy, scored, ordered);
+    let ordered = router.placer().preview(scored, router.random());
     let chosen = ordered.first().map_or(Value::Null, |&i| {
         let name = targets.get(scored[i].worker).map_or("", |t| &*t.name);
         json!({"name": name, "dp_rank": scored[i].key.rank})
     });
     let mut answer = json!({"scores": scores, "workers": workers, "chosen": chosen});
     if disagg::splits(targets) {
-        answer["disagg"] = disagg_answer(proxy, &candidates, tokens);
+        answer["disagg"] = disagg_answer(router, &candidates, tokens);
     }
     answer
 }
 
 /// Where a disaggregated fleet would send the request's phases, and why
-/// (the proxy's own placement, nothing charged); `null` when no rank may
+/// (the router's own placement, nothing charged); `null` when no rank may
 /// decode it.
-fn disagg_answer(proxy: &Proxy, candidates: &Candidates, tokens: u64) -> Value {
-    let Some(plan) = disagg::plan(proxy, candidates, Some(tokens), 0) else {
+fn disagg_answer(router: &Router, candidates: &Candidates, tokens: u64) -> Value {
+    let random = router.random();
+    let (scored, targets) = (&candidates.scored, &candidates.targets);
+    let preview = router
+        .placer()
+        .preview_split(scored, targets, Some(tokens), random);
+    let Some(plan) = preview else {
         return Value::Null;
     };
+    let why = disagg::explain(candidates, &plan, tokens);
     let rank = |i: usize| {
         let s = &candidates.scored[i];
         let name = candidates.targets.get(s.worker).map_or("", |t| &*t.name);
@@ -114,7 +112,7 @@ fn disagg_answer(proxy: &Proxy, candidates: &Candidates, tokens: u64) -> Value {
         "uncached_on_decode_tokens": plan.cost.uncached_tokens,
         "prefill_locally": plan.prefill.is_empty(),
         "prefill": plan.prefill.first().map_or(Value::Null, |&i| rank(i)),
-        "reason": plan.why,
+        "reason": why,
     })
 }
 
@@ -122,23 +120,23 @@ fn disagg_answer(proxy: &Proxy, candidates: &Candidates, tokens: u64) -> Value {
 /// would cost. The work (parsing, tokenizing, hashing, the index walk) runs
 /// on the blocking pool, so a large body never holds up other requests.
 pub async fn query(
-    State(proxy): State<Arc<Proxy>>,
+    State(router): State<Arc<Router>>,
     Body(body, _share): Body,
 ) -> Result<Json<Value>, ProxyError> {
     off_runtime(move || {
         let mut req: RoutingRequest =
             parse_query(&body).map_err(|e| ProxyError::bad_request(e.0))?;
-        proxy.tokenize(&mut req);
+        router.tokenize(&mut req);
         let Some(tokens) = &req.tokens else {
-            proxy.metrics.load_only.inc();
+            router.metrics.load_only.inc();
             return Err(ProxyError::bad_request(
                 "text prompts need `kvroute serve --tokenizer`; give `token_ids`",
             ));
         };
         let n = tokens.len() as u64;
         Ok(Json(query_answer(
-            &proxy,
-            &mut |bs, flavor| request_hashes(&req, bs, flavor),
+            &router,
+            &mut |bs, flavor| req.local_hashes(bs, flavor),
             &|_| n,
             !req.images.is_empty(),
         )))
@@ -148,14 +146,14 @@ pub async fn query(
 
 /// `POST /query_by_hash`: `/query` for precomputed `local_hashes`.
 pub async fn query_by_hash(
-    State(proxy): State<Arc<Proxy>>,
+    State(router): State<Arc<Router>>,
     Body(body, _share): Body,
 ) -> Result<Json<Value>, ProxyError> {
     off_runtime(move || {
         let locals = parse_hash_query(&body).map_err(|e| ProxyError::bad_request(e.0))?;
         let n = locals.len() as u64;
         Ok(Json(query_answer(
-            &proxy,
+            &router,
             &mut |_, _| locals.clone(),
             &|bs| n * u64::from(bs),
             false,

@@ -34,8 +34,6 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::hash::Hash;
 
-use sha2::{Digest, Sha256};
-
 /// Fixed-point units of one cost unit at weight 1 in a finish tag.
 const TAG_UNIT: f64 = 65_536.0;
 
@@ -294,30 +292,6 @@ pub fn clamp_weight(weight: f64) -> f64 {
         return 1.0;
     }
     weight.clamp(WEIGHT_RANGE.0, WEIGHT_RANGE.1)
-}
-
-/// The SHA-256 of an API key: what an operator binds to a tenant (the key
-/// itself need not be written in flags or files the router reads).
-pub fn key_digest(api_key: &str) -> [u8; 32] {
-    Sha256::digest(api_key.as_bytes()).into()
-}
-
-/// The name an API key's tenant goes by in metrics, logs and
-/// `--tenant-weight`: `key-` and the first 12 hex digits of the key's
-/// SHA-256, stable across restarts and replicas and never the key itself
-/// (`printf %s "$KEY" | sha256sum | cut -c1-12` gives the digits).
-pub fn key_fingerprint(api_key: &str) -> String {
-    digest_fingerprint(&key_digest(api_key))
-}
-
-/// [`key_fingerprint`] of the key whose [`key_digest`] is `digest`.
-pub fn digest_fingerprint(digest: &[u8; 32]) -> String {
-    let mut name = String::with_capacity(16);
-    name.push_str("key-");
-    for byte in &digest[..6] {
-        name.push_str(&format!("{byte:02x}"));
-    }
-    name
 }
 
 #[cfg(test)]

@@ -3,22 +3,23 @@
 //! ([`candidates`]), a request hashed and every rank of a fleet priced
 //! ([`fleet`]), the order they are tried in under each routing policy
 //! ([`policy`]), where a disaggregated fleet sends each phase
-//! ([`disagg`]), the order requests wait in the overload queue ([`fair`]),
+//! ([`disagg`]), the whole decision for one request assembled from those
+//! parts and the state policies keep ([`placer`]), the order requests wait
+//! in the overload queue ([`fair`]),
 //! the workers' speeds learned from their responses
-//! ([`speed`]), per-rank concurrency caps learned from time to first token
-//! ([`caps`]), and other routers' policies as baselines ([`peers`]).
+//! ([`speed`]), and other routers' policies as baselines ([`peers`]).
 //!
 //! Pure: the caller passes the index, the active-sequence state and a
 //! random number; nothing here reads a clock or a socket.
 
 pub mod active;
 pub mod candidates;
-pub mod caps;
 pub mod cost;
 pub mod disagg;
 pub mod fair;
 pub mod fleet;
 pub mod peers;
+pub mod placer;
 pub mod policy;
 pub mod session;
 pub mod speed;
@@ -30,5 +31,6 @@ pub use candidates::{
 pub use cost::{Candidate, CostBreakdown, CostWeights};
 pub use disagg::{DecodeCost, LocalPrefillRule, WorkerRole};
 pub use fleet::{score, FleetView, MatchedHashes, RequestHashes, RouteTarget};
+pub use placer::{Ordered, PlaceRequest, Placer, PlacerConfig, Plan, WhenAllBusy};
 pub use policy::{deal_new_prefix, order, order_from, pick, Policy};
 pub use speed::{SpeedConfig, SpeedLearner};

@@ -28,6 +28,18 @@ pub struct SessionEntry {
     expires_at_ms: u64,
 }
 
+impl SessionEntry {
+    /// An entry that never expires: a session's rank and history as its
+    /// caller keeps them (tests, and tables of the caller's own).
+    pub fn new(rank: WorkerRank, prompt_tokens: u64) -> Self {
+        SessionEntry {
+            rank,
+            prompt_tokens,
+            expires_at_ms: u64::MAX,
+        }
+    }
+}
+
 /// Sessions by id, at most `capacity` of them, each forgotten `ttl_ms`
 /// after its last turn (or sooner, oldest first, when the table is full).
 #[derive(Debug, Clone)]

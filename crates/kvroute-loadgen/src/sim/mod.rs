@@ -28,6 +28,7 @@
 //! arrived computed. The client sees the decode leg's stream.
 
 pub mod bound;
+pub mod caps;
 mod clock;
 pub mod frontier;
 pub mod routing;

@@ -1,12 +1,15 @@
 //! The routing of a simulation: the index, fed by the engines' encoded
 //! event batches through the same decoder `kvroute serve` runs, the same
-//! request hashing (`kvroute_server::proxy::candidates::request_hashes`),
-//! the same candidate scoring (`kvroute_core::scheduler::fleet`), the same
-//! policy order (`kvroute_core::scheduler::order`) and the same in-flight
-//! accounting (`ActiveSequences`, charged with the uncached prefill tokens,
-//! released at the first token and at the end), and on a fleet of prefill
-//! and decode engines the same placement as the proxy's disaggregated path
-//! ([`Split`], [`SimRouter::route_split`]). Or the oracle, which reads
+//! request hashing (`kvroute_prompt`'s `RoutingRequest::local_hashes`), the
+//! same candidate scoring (`kvroute_core::scheduler::fleet`), the same
+//! placement (`kvroute_core::scheduler::Placer`: the policy's order, the
+//! dealer, the stickiness, SGLang's tree, and on a fleet of prefill and
+//! decode engines the split plan, [`SimRouter::route_split`]) and the same
+//! in-flight accounting (`ActiveSequences`, charged with the uncached
+//! prefill tokens, released at the first token and at the end). What is
+//! its own: it has no queue (a request that finds every rank busy is
+//! placed with the thresholds ignored, `WhenAllBusy::PlaceAnyway`) and it
+//! may learn per-rank caps ([`super::caps`]). Or the oracle, which reads
 //! the engines' true caches. Or a fixed placement of prefix groups
 //! ([`Pins`]), which no online router can know in advance: the bound of
 //! what a router that keeps every group on one engine can reach.
@@ -17,17 +20,16 @@ use std::sync::Arc;
 use kvroute_core::event::WorkerFlavor;
 use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, WorkerRank};
 use kvroute_core::rng::SplitMix64;
-use kvroute_core::scheduler::caps::{CapConfig, CapLearner};
-use kvroute_core::scheduler::peers::{tenant_of, CacheAware, CacheAwareConfig};
-use kvroute_core::scheduler::policy::{keep_on_holder, PrefixDealer};
+use kvroute_core::scheduler::peers::CacheAwareConfig;
 use kvroute_core::scheduler::{
-    order, order_from, score, ActiveSequences, FleetView, Load, Policy, Pricing, RequestHashes,
-    RouteTarget, Scored, SpeedConfig, SpeedLearner, WorkerRole,
+    score, ActiveSequences, FleetView, Load, PlaceRequest, Placer, PlacerConfig, Policy, Pricing,
+    RequestHashes, RouteTarget, Scored, SpeedConfig, SpeedLearner, WhenAllBusy, WorkerRole,
 };
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use kvroute_mocker::engine::{Engine, NewRequest};
 use kvroute_prompt::body::RoutingRequest;
-use kvroute_server::proxy::candidates::request_hashes;
+
+use super::caps::{CapConfig, CapLearner};
 
 use crate::contender::{Contender, Routing};
 
@@ -60,8 +62,10 @@ pub struct SimRouter {
     targets: Arc<Vec<RouteTarget>>,
     active: HashMap<WorkerRank, ActiveSequences>,
     oracle_in_flight: Vec<usize>,
+    /// The oracle's ties.
     rng: SplitMix64,
-    turn: u64,
+    /// The router's placements (unused by the oracle).
+    placer: Placer,
     next_id: u64,
     /// Learns the engines' speeds from their decode times (`None`: the
     /// declared speeds stand).
@@ -71,34 +75,32 @@ pub struct SimRouter {
     decoding: HashMap<u64, (u64, u64)>,
     /// A fixed placement of prefix groups, in place of the policy.
     pins: Option<Pins>,
-    /// Each engine's role (all [`WorkerRole::Both`] unless the fleet is
-    /// disaggregated: [`SimRouter::with_roles`]).
-    roles: Vec<WorkerRole>,
-    /// SGLang's tree, under `sglang-cache-aware`.
-    sglang: Option<CacheAware>,
-    /// Deals new prefixes under `kv` ([`Routing::deal_new_prefixes`]).
-    dealer: Option<PrefixDealer>,
     /// Per-rank caps learned from time to first token
     /// ([`Routing::cap_ttft_ms`]), with each request's send time (ms) and
     /// its rank's requests in flight then, until its first token.
     caps: Option<(CapLearner, SentAt)>,
 }
 
-/// A request scored against every rank: what the policy orders, and the
-/// turn and random draw it orders them with.
+/// A request scored against every rank: what the placer orders.
 struct Scoring {
     scored: Vec<Scored>,
     hashes: RequestHashes,
-    turn: u64,
-    random: f64,
 }
 
-/// Clears every rank's busy mark: where `kvroute serve` would queue a
-/// request because every rank is over its thresholds, the simulator sends
-/// it where the policy would with the thresholds ignored.
-fn relax(scored: &mut [Scored]) {
-    for s in scored {
-        s.overloaded = false;
+/// How a router of `routing` places, its draws seeded by `seed`: as
+/// `kvroute serve` does, except that a request finding every rank busy is
+/// placed anyway (the simulator has no queue).
+pub fn placer_config(routing: &Routing, seed: u64) -> PlacerConfig {
+    PlacerConfig {
+        policy: routing.policy,
+        weights: routing.weights,
+        temperature: routing.temperature,
+        deal_new_prefixes: routing.deal_new_prefixes,
+        stickiness: routing.stickiness,
+        local_prefill: routing.disagg.local_prefill(),
+        tree: CacheAwareConfig::default(),
+        when_all_busy: WhenAllBusy::PlaceAnyway,
+        seed,
     }
 }
 
@@ -144,6 +146,13 @@ impl Pins {
     }
 }
 
+/// The seed of the placer's draws in a simulation of `seed`: `kvroute
+/// serve --routing-seed` with it draws as the simulation does, so the two
+/// place the same requests on the same fleet state alike.
+pub fn placer_seed(seed: u64) -> u64 {
+    seed ^ 0x0005_1AE5
+}
+
 /// Engine `i`'s key in the index (one rank per engine).
 fn key(i: usize) -> WorkerRank {
     WorkerRank::new(i as u32, 0)
@@ -187,29 +196,18 @@ impl SimRouter {
             targets: Arc::new(targets),
             active: HashMap::new(),
             oracle_in_flight: vec![0; engines],
-            rng: SplitMix64::new(seed ^ 0x0005_1AE5),
-            turn: 0,
+            rng: SplitMix64::new(placer_seed(seed)),
+            placer: {
+                let routing = match policy {
+                    Contender::Router(routing) => routing,
+                    Contender::Oracle => Routing::new(Policy::Kv),
+                };
+                Placer::new(placer_config(&routing, placer_seed(seed)))
+            },
             next_id: 0,
             learner: learn.map(SpeedLearner::new),
             decoding: HashMap::new(),
             pins: None,
-            roles: vec![WorkerRole::Both; engines],
-            sglang: matches!(
-                policy,
-                Contender::Router(Routing {
-                    policy: Policy::SglangCacheAware,
-                    ..
-                })
-            )
-            .then(|| CacheAware::new(CacheAwareConfig::default())),
-            dealer: match policy {
-                Contender::Router(Routing {
-                    policy: Policy::Kv,
-                    deal_new_prefixes: Some(by),
-                    ..
-                }) => Some(PrefixDealer::new(by)),
-                _ => None,
-            },
             caps: match policy {
                 Contender::Router(Routing {
                     cap_ttft_ms: Some(ms),
@@ -239,7 +237,6 @@ impl SimRouter {
                 ..t.clone()
             })
             .collect();
-        self.roles = targets.iter().map(|t| t.role).collect();
         self.targets = Arc::new(targets);
         self
     }
@@ -284,51 +281,22 @@ impl SimRouter {
     }
 
     fn route_scored(&mut self, tokens: &[u32], now_ms: u64, routing: Routing) -> Placement {
-        let Scoring {
-            mut scored,
-            hashes,
-            turn,
-            random,
-        } = self.score_request(tokens, &routing);
+        let Scoring { mut scored, hashes } = self.score_request(tokens, &routing);
         if let Some((caps, _)) = &self.caps {
             for s in &mut scored {
                 s.overloaded |= caps.at_cap(s.key, s.candidate.active_requests);
             }
         }
-        let by_policy = |scored: &[Scored]| {
-            let ordered = order(scored, routing.policy, routing.temperature, random, turn);
-            match routing.policy {
-                Policy::Kv => keep_on_holder(scored, ordered, routing.stickiness),
-                _ => ordered,
-            }
+        let ask = PlaceRequest {
+            tokens: Some(tokens),
+            now_ms,
+            ..PlaceRequest::default()
         };
-        let sglang = self.sglang.as_mut().and_then(|tree| {
-            let loads: Vec<(u32, u64)> = scored
-                .iter()
-                .map(|s| (tenant_of(s.key), s.candidate.active_requests))
-                .collect();
-            let (first, _) = tree.choose(tokens, &loads, now_ms)?;
-            order_from(&scored, first).first().copied()
-        });
-        let dealt = match (&mut self.dealer, sglang) {
-            (Some(dealer), None) => dealer.choose(&scored),
-            _ => None,
-        };
-        let first = sglang.or(dealt);
-        // Every rank busy: `kvroute serve` would queue the request; here it
-        // goes where the policy sends it with the thresholds ignored.
-        let chosen = match first.or_else(|| by_policy(&scored).first().copied()) {
-            Some(i) => i,
-            None => {
-                relax(&mut scored);
-                by_policy(&scored).first().copied().unwrap_or(0)
-            }
-        };
-        let s = &scored[chosen];
         let request_tokens = tokens.len() as u64;
-        if let Some(dealer) = &mut self.dealer {
-            dealer.record(s, request_tokens, dealt.is_some());
-        }
+        let ordered = self.placer.order(&scored, &ask);
+        let chosen = ordered.order.first().copied().unwrap_or(0);
+        let s = &scored[chosen];
+        self.placer.record(&ordered, s, request_tokens);
         let in_flight = s.candidate.active_requests + 1;
         let id = self.charge(
             s,
@@ -349,9 +317,8 @@ impl SimRouter {
         }
     }
 
-    /// Scores every rank for a prompt as the proxy's `candidates::score`
-    /// does, with the turn and the random draw of this routing.
-    fn score_request(&mut self, tokens: &[u32], routing: &Routing) -> Scoring {
+    /// Scores every rank for a prompt as the proxy's `candidates` does.
+    fn score_request(&self, tokens: &[u32], routing: &Routing) -> Scoring {
         let req = RoutingRequest {
             tokens: Some(tokens.to_vec()),
             ..RoutingRequest::default()
@@ -360,7 +327,7 @@ impl SimRouter {
         let hashes = RequestHashes::compute(
             &targets,
             &self.index,
-            &mut |bs, flavor| request_hashes(&req, bs, flavor),
+            &mut |bs, flavor| req.local_hashes(bs, flavor),
             false,
         );
         let (active, learner) = (&self.active, &self.learner);
@@ -379,15 +346,7 @@ impl SimRouter {
                 learned_speed: &|k| learner.as_ref()?.speed(k),
             },
         );
-        let turn = self.turn;
-        self.turn += 1;
-        let random = self.rng.next_f64();
-        Scoring {
-            scored,
-            hashes,
-            turn,
-            random,
-        }
+        Scoring { scored, hashes }
     }
 
     /// Charges a request to `s`'s rank with its blocks and `prefill_tokens`

@@ -21,7 +21,7 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use crate::admin::AdminState;
-use crate::proxy::attempt::unix_ms;
+use crate::router::unix_ms;
 use series::Sample;
 
 /// The page, as built into the binary.
@@ -63,16 +63,16 @@ fn last_sum(samples: &[Sample], n: usize, f: impl Fn(&Sample) -> u64) -> u64 {
 /// prefill/decode role) and rank with its state and load, the last ten minutes second by second, and the last
 /// routing decisions with their candidates.
 pub fn stats(state: &AdminState) -> Value {
-    let proxy = &state.proxy;
-    let totals = proxy.observed.totals();
+    let router = &state.router;
+    let totals = router.observed.totals();
     let samples = state.series.samples();
     let window = samples.len().clamp(1, RATE_SECS);
-    let load: BTreeMap<_, _> = proxy
+    let load: BTreeMap<_, _> = router
         .load()
         .into_iter()
         .map(|(key, requests, prefill, blocks)| (key, (requests, prefill, blocks)))
         .collect();
-    let learned = proxy.learned_speeds();
+    let learned = router.learned_speeds();
     let workers: Vec<Value> = state
         .registry
         .view()
@@ -120,7 +120,7 @@ pub fn stats(state: &AdminState) -> Value {
     let latest = samples.last();
     json!({
         "now_ms": unix_ms(),
-        "policy": proxy.config().policy.as_str(),
+        "policy": router.config().policy.as_str(),
         "summary": {
             "routed": routed_total,
             "routed_per_s": last_sum(&samples, RATE_SECS, |s| s.routed) as f64 / window as f64,
@@ -135,14 +135,14 @@ pub fn stats(state: &AdminState) -> Value {
             "ttft_p99_ms": latest.and_then(|s| s.ttft_p99_ms),
         },
         "workers": workers,
-        "tokenizers": crate::tokenizers::tokenizers_json(proxy),
+        "tokenizers": crate::tokenizers::tokenizers_json(router),
         "series": samples,
-        "decisions": decisions(&proxy.observed.decisions()),
+        "decisions": decisions(&router.observed.decisions()),
     })
 }
 
 /// The decisions as JSON, each with its reason in words.
-fn decisions(kept: &[crate::proxy::observe::Decision]) -> Vec<Value> {
+fn decisions(kept: &[crate::router::observe::Decision]) -> Vec<Value> {
     kept.iter()
         .map(|d| {
             let mut v = serde_json::to_value(d).unwrap_or(Value::Null);

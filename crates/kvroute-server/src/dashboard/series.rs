@@ -1,6 +1,6 @@
 //! Routing quality over the last minutes, one sample a second: what the
 //! dashboard charts. Each sample is the difference between two readings of
-//! the proxy's running totals, plus percentiles of the answers that ended
+//! the router's running totals, plus percentiles of the answers that ended
 //! in the last few seconds. Plain data in, plain data out: the caller
 //! supplies the readings and the clock.
 
@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use kvroute_core::index::DpRank;
 use serde::Serialize;
 
-use crate::proxy::observe::{Timing, Totals};
+use crate::router::observe::{Timing, Totals};
 
 /// Samples kept: ten minutes at one a second.
 pub const SAMPLES_KEPT: usize = 600;

@@ -16,7 +16,7 @@ use tracing::warn;
 use super::endpoints::{self, EndpointDefaults};
 use super::{Applier, DiscoveryCounters};
 use crate::ingest::registry::Registry;
-use crate::proxy::Proxy;
+use crate::router::Router;
 
 /// `--endpoints-file` and what completes its entries.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -88,17 +88,17 @@ fn torn(before: Stamp, after: Stamp, bytes: usize) -> bool {
     before != after || u64::try_from(bytes) != Ok(before.0)
 }
 
-/// Watches the file for as long as the task runs; the proxy routes to
+/// Watches the file for as long as the task runs; the router routes to
 /// the file's workers from the moment they are registered.
 pub fn spawn(
     config: FileDiscovery,
-    (registry, proxy): (Arc<Registry>, Arc<Proxy>),
+    (registry, router): (Arc<Registry>, Arc<Router>),
     default_block_size: Option<u32>,
     counters: DiscoveryCounters,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         let mut watcher = Watcher {
-            applier: Applier::new(registry, proxy, counters, "the endpoints file"),
+            applier: Applier::new(registry, router, counters, "the endpoints file"),
             config,
             default_block_size,
             settle: Settle::default(),

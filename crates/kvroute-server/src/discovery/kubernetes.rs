@@ -31,7 +31,7 @@ use super::members::PoolMembers;
 use super::pool::{PoolDiscovery, PoolSpec, POOL_GROUP, POOL_KIND, POOL_PLURAL, POOL_VERSION};
 use super::{Applier, DiscoveryCounters, DiscoveryError};
 use crate::ingest::registry::Registry;
-use crate::proxy::Proxy;
+use crate::router::Router;
 
 /// The API client `config` asks for: its kubeconfig file, else kube-rs's
 /// inference (`KUBECONFIG`, `~/.kube/config`, then the pod's service account).
@@ -58,7 +58,7 @@ async fn client(config: &PoolDiscovery) -> Result<Client, DiscoveryError> {
 /// then follows the pool for as long as the task runs.
 pub(super) async fn spawn(
     config: PoolDiscovery,
-    (registry, proxy): (Arc<Registry>, Arc<Proxy>),
+    (registry, router): (Arc<Registry>, Arc<Router>),
     default_block_size: Option<u32>,
     counters: DiscoveryCounters,
 ) -> Result<tokio::task::JoinHandle<()>, DiscoveryError> {
@@ -71,7 +71,7 @@ pub(super) async fn spawn(
     let follower = Follower {
         applier: Arc::new(Mutex::new(Applier::new(
             registry,
-            proxy,
+            router,
             counters,
             "the InferencePool",
         ))),

@@ -12,7 +12,7 @@
 //!
 //! Both hand their whole set of workers to one [`Applier`], which applies
 //! it as a difference: workers gone from the set are unregistered, new ones
-//! registered, changed ones registered again; then the proxy is refreshed
+//! registered, changed ones registered again; then the router is refreshed
 //! and `kvroute_discovery_*` counted. A source that cannot be read changes
 //! nothing: the workers it gave before keep serving, and the problem is
 //! counted and logged once until it changes.
@@ -37,7 +37,7 @@ use crate::ingest::registry::Registry;
 use crate::ingest::spec::WorkerSpec;
 use crate::metrics::catalogue::{DISCOVERY_ENDPOINTS, DISCOVERY_ERRORS, DISCOVERY_RELOADS};
 use crate::metrics::encode_single;
-use crate::proxy::Proxy;
+use crate::router::Router;
 pub use endpoints::{EndpointDefaults, EndpointsError};
 pub use file::{spawn, FileDiscovery};
 pub use pool::{PoolDiscovery, PoolError, PoolRef};
@@ -66,11 +66,11 @@ impl From<FileDiscovery> for Discovery {
 pub struct DiscoveryError(pub String);
 
 /// Starts following `source`; its workers are registered in the registry
-/// and routed to by the proxy of `watched` as they come and go, and
+/// and routed to by the router of `watched` as they come and go, and
 /// counted in `counters`.
 pub async fn start(
     source: Discovery,
-    watched: (Arc<Registry>, Arc<Proxy>),
+    watched: (Arc<Registry>, Arc<Router>),
     default_block_size: Option<u32>,
     counters: DiscoveryCounters,
 ) -> Result<tokio::task::JoinHandle<()>, DiscoveryError> {
@@ -112,7 +112,7 @@ impl Collector for DiscoveryCounters {
 /// them off the async runtime.
 pub struct Applier {
     registry: Arc<Registry>,
-    proxy: Arc<Proxy>,
+    router: Arc<Router>,
     counters: DiscoveryCounters,
     /// The source, as logs name it ("the endpoints file").
     source: &'static str,
@@ -127,13 +127,13 @@ impl Applier {
     /// source in its logs.
     pub fn new(
         registry: Arc<Registry>,
-        proxy: Arc<Proxy>,
+        router: Arc<Router>,
         counters: DiscoveryCounters,
         source: &'static str,
     ) -> Self {
         Applier {
             registry,
-            proxy,
+            router,
             counters,
             source,
             current: BTreeMap::new(),
@@ -148,7 +148,7 @@ impl Applier {
 
     /// Makes the registered workers `desired`: unregisters those gone,
     /// registers new and changed ones (a refused one is counted as an
-    /// error), refreshes the proxy and counts a reload.
+    /// error), refreshes the router and counts a reload.
     pub fn apply(&mut self, desired: BTreeMap<String, WorkerSpec>) {
         let source = self.source;
         let gone: Vec<String> = self
@@ -181,7 +181,7 @@ impl Applier {
                 }
             }
         }
-        self.proxy.refresh(&self.registry);
+        self.router.refresh(&self.registry);
         self.counters.reloads.fetch_add(1, Ordering::Relaxed);
         self.counters.errors.fetch_add(refused, Ordering::Relaxed);
         self.counters

@@ -26,11 +26,18 @@ use crate::budget::Share;
 pub struct RequestHead {
     /// `:path` without its query.
     pub path: String,
-    /// `x-request-id` as the client sent it, if it did.
-    pub request_id: Option<String>,
+    /// The client's headers (pseudo-headers aside; at most
+    /// [`MAX_HEADERS`], each a valid name and value): what the router reads
+    /// of a request's sender (`x-request-id`, the session, priority and
+    /// tenant headers, the API key) at either door.
+    pub headers: axum::http::HeaderMap,
     /// The gateway's subset hint (`None`: any endpoint).
     pub subset: Option<Subset>,
 }
+
+/// Client headers kept per request at most (Envoy's own default limit is
+/// 100); the rest are ignored.
+pub const MAX_HEADERS: usize = 256;
 
 /// A request whose body has all arrived.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -298,9 +305,34 @@ fn read_head(headers: Option<&HeaderMap>, metadata: Option<&Metadata>) -> Reques
     let path = path.split_once('?').map_or(path, |(p, _)| p);
     RequestHead {
         path: path.to_owned(),
-        request_id: header(headers, "x-request-id").map(str::to_owned),
+        headers: client_headers(headers),
         subset: Subset::from_metadata(metadata),
     }
+}
+
+/// The client's headers in `headers`, pseudo-headers (`:path`, …) aside,
+/// at most [`MAX_HEADERS`]; a header whose name or value HTTP would not
+/// carry is left out.
+fn client_headers(headers: Option<&HeaderMap>) -> axum::http::HeaderMap {
+    let mut out = axum::http::HeaderMap::new();
+    let pairs = headers.map_or(&[][..], |h| h.headers.as_slice());
+    for h in pairs
+        .iter()
+        .filter(|h| !h.key.starts_with(':'))
+        .take(MAX_HEADERS)
+    {
+        let value = if h.raw_value.is_empty() {
+            axum::http::HeaderValue::from_str(&h.value).ok()
+        } else {
+            axum::http::HeaderValue::from_bytes(&h.raw_value).ok()
+        };
+        if let (Ok(name), Some(value)) =
+            (axum::http::HeaderName::from_bytes(h.key.as_bytes()), value)
+        {
+            out.append(name, value);
+        }
+    }
+    out
 }
 
 fn read_response_head(
@@ -402,7 +434,10 @@ mod tests {
         };
         assert_eq!(&whole.body[..], b"{\"prompt\":[1,2]}");
         assert_eq!(whole.head.path, "/v1/completions");
-        assert_eq!(whole.head.request_id.as_deref(), Some("r-1"));
+        assert_eq!(
+            whole.head.headers.get("x-request-id").map(|v| v.as_bytes()),
+            Some(&b"r-1"[..])
+        );
         assert!(whole.has_body && !whole.trailers && whole.head.subset.is_none());
         let response = headers(
             &[(":status", "200"), ("content-type", "text/event-stream")],

@@ -14,7 +14,7 @@ use tokio::sync::watch;
 use tonic_health::server::HealthReporter;
 use tonic_health::ServingStatus;
 
-use crate::proxy::Proxy;
+use crate::router::Router;
 
 /// The ext_proc service's name, which Envoy's health check asks for.
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
@@ -26,8 +26,8 @@ pub const READY_NAMES: [&str; 3] = ["", "readiness", EXT_PROC_SERVICE];
 const EVERY: Duration = Duration::from_secs(1);
 
 /// Whether the picker can route: some worker is known.
-fn ready(proxy: &Proxy) -> bool {
-    !proxy.targets().is_empty()
+fn ready(router: &Router) -> bool {
+    !router.targets().is_empty()
 }
 
 async fn set_ready(reporter: &HealthReporter, serving: bool) {
@@ -45,7 +45,7 @@ async fn set_ready(reporter: &HealthReporter, serving: bool) {
 /// NOT_SERVING for all but `liveness`.
 pub async fn keep_reporting(
     reporter: HealthReporter,
-    proxy: Arc<Proxy>,
+    router: Arc<Router>,
     mut stop: watch::Receiver<bool>,
 ) {
     reporter
@@ -58,7 +58,7 @@ pub async fn keep_reporting(
             _ = tick.tick() => {}
             _ = stop.wait_for(|s| *s) => break,
         }
-        let now = ready(&proxy);
+        let now = ready(&router);
         if last != Some(now) {
             set_ready(&reporter, now).await;
             last = Some(now);

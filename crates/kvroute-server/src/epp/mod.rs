@@ -20,7 +20,7 @@
 //! * [`body`]: bodies gathered up to a bound, and cut into 62 000-byte pieces;
 //! * [`reply`]: the messages the picker sends, built from plain values;
 //! * [`usage`]: the engine's `cached_tokens` read from the passing answer;
-//! * [`pick`]: routing a whole request through the proxy, and the answer's
+//! * [`pick`]: routing a whole request through the router, and the answer's
 //!   accounting;
 //! * [`service`]: the gRPC service, one task per stream;
 //! * [`health`]: `grpc.health.v1` statuses; [`tls`]: the port's certificate.
@@ -47,7 +47,7 @@ use tonic::transport::{Server, ServerTlsConfig};
 use tracing::warn;
 
 use crate::metrics::epp::EppMetrics;
-use crate::proxy::Proxy;
+use crate::router::Router;
 pub use tls::EppTls;
 
 /// GIE's port of the ext_proc service.
@@ -89,7 +89,7 @@ pub enum EppError {
 #[derive(Debug, Clone)]
 pub struct EppShared {
     /// Routing state.
-    pub proxy: Arc<Proxy>,
+    pub router: Arc<Router>,
     /// The picker's counters.
     pub metrics: Arc<EppMetrics>,
     /// Largest request body, in bytes (`--max-body-mib`).
@@ -110,7 +110,7 @@ pub fn spawn(
     stop: watch::Receiver<bool>,
 ) -> Result<Vec<JoinHandle<()>>, EppError> {
     let EppShared {
-        proxy,
+        router,
         metrics,
         max_body_bytes,
     } = shared;
@@ -119,7 +119,7 @@ pub fn spawn(
     if let Some(identity) = config.tls.identity(&config.host)? {
         builder = builder.tls_config(ServerTlsConfig::new().identity(identity))?;
     }
-    let picker = service::Picker::new(proxy.clone(), metrics, max_body_bytes);
+    let picker = service::Picker::new(router.clone(), metrics, max_body_bytes);
     let ext_proc = builder
         .add_service(ExternalProcessorServer::new(picker))
         .add_service(health.clone())
@@ -141,6 +141,6 @@ pub fn spawn(
                 warn!(error = %e, "the endpoint picker's health server stopped");
             }
         }),
-        tokio::spawn(health::keep_reporting(reporter, proxy, stop)),
+        tokio::spawn(health::keep_reporting(reporter, router, stop)),
     ])
 }

@@ -1,18 +1,16 @@
 //! The picker's routing, which is `kvroute serve`'s: the body read by the
 //! same parser, the prompt tokenized by the same renderer, every rank priced
 //! and ordered by the same scheduler and the first charged with the
-//! request ([`crate::proxy::attempt`]), only among the endpoints the subset
+//! request ([`crate::router::admission`]), only among the endpoints the subset
 //! hint allows. Nothing is sent: the gateway sends the request where the
 //! pick says. Then [`Accounting`] follows the answer through the response
-//! phase, as the proxy's relay does, so load, TTFT and accuracy are kept
+//! phase, as the router's relay does, so load, TTFT and accuracy are kept
 //! the same way.
 
 use std::sync::Arc;
 use std::time::Instant;
 
 use axum::body::Bytes;
-use axum::http::{HeaderMap, HeaderValue};
-use kvroute_prompt::body::RoutingRequest;
 
 use super::exchange::{RequestHead, ResponseHead};
 use super::subset::Endpoint;
@@ -20,11 +18,12 @@ use super::usage::UsageWatch;
 use crate::api::ProxyError;
 use crate::budget::Share;
 use crate::metrics::epp::EppMetrics;
-use crate::proxy::active::ActiveGuard;
-use crate::proxy::attempt::{self, Eligible, REQUEST_ID};
-use crate::proxy::candidates::Target;
-use crate::proxy::relay::Prediction;
-use crate::proxy::{intake, on_cpu, Endpoint as ApiEndpoint, Proxy, LARGE_BODY};
+use crate::router::accuracy::Prediction;
+use crate::router::active::ActiveGuard;
+use crate::router::admission::{self, Eligible};
+use crate::router::candidates::Target;
+use crate::router::continuations::ResponseWatch;
+use crate::router::{intake, Endpoint as ApiEndpoint, Router, LARGE_BODY};
 
 /// The header naming a multi-rank worker's rank, as vLLM reads it.
 pub const RANK_HEADER: &str = "x-data-parallel-rank";
@@ -45,73 +44,41 @@ pub struct Pick {
     pub body_share: Share,
 }
 
-/// What routing reads of a request: for a completion or chat body, what
-/// `kvroute serve` reads and tokenizes (on the blocking pool when large);
-/// for any other request, nothing (it is routed on load alone).
-async fn read(
-    proxy: &Arc<Proxy>,
-    head: &RequestHead,
-    (body, share): (&Bytes, Share),
-    has_body: bool,
-) -> Result<(RoutingRequest, Share), ProxyError> {
-    let endpoint = match ApiEndpoint::of_path(&head.path) {
-        Some(endpoint) if has_body => endpoint,
-        _ => return Ok((RoutingRequest::default(), share)),
-    };
-    let large = body.len() > LARGE_BODY;
-    let (proxy, body) = (proxy.clone(), body.clone());
-    on_cpu(large, move || {
-        let mut share = share;
-        let req = intake::read(&proxy, endpoint, &body, &mut share)?;
-        Ok((req, share))
-    })
-    .await?
-}
-
-/// The request's id: the client's `x-request-id` when it is a short
-/// printable token, else a new one (the proxy's rule).
-fn request_id(proxy: &Proxy, head: &RequestHead) -> String {
-    let mut headers = HeaderMap::new();
-    if let Some(value) = head
-        .request_id
-        .as_deref()
-        .and_then(|v| HeaderValue::from_str(v).ok())
-    {
-        headers.insert(REQUEST_ID, value);
-    }
-    proxy.request_id(&headers)
-}
-
 /// Picks the worker for a whole request (`has_body`: its headers did not
-/// end the stream), charging it with the request.
+/// end the stream), charging it with the request: the request read by the
+/// intake both doors share ([`intake::prepare`]: who sent it, its body,
+/// its tokens, pins, continuation and model checks; a body of a path
+/// kvroute does not read is placed on load alone), then admitted among
+/// the endpoints the subset hint allows.
 pub async fn pick(
-    proxy: &Arc<Proxy>,
+    router: &Arc<Router>,
     head: &RequestHead,
     (body, share): (&Bytes, Share),
     has_body: bool,
     arrived: Instant,
 ) -> Result<Pick, ProxyError> {
-    let (mut req, body_share) = read(proxy, head, (body, share), has_body).await?;
-    let chat = ApiEndpoint::of_path(&head.path) == Some(ApiEndpoint::Chat);
-    crate::tokenizers::complete_from_engine(proxy, &mut req, body, chat).await;
-    let req = Arc::new(req);
     if has_body {
-        proxy.metrics.requests.inc();
-        if req.tokens.is_none() {
-            proxy.metrics.load_only.inc();
-        }
+        router.metrics.requests.inc();
     }
+    let endpoint = ApiEndpoint::of_path(&head.path).filter(|_| has_body);
+    let arrival = intake::Arrival {
+        headers: &head.headers,
+        body,
+        endpoint,
+    };
+    let (req, body_share) = intake::prepare(router, arrival, share).await?;
+    let req = Arc::new(req);
     let eligible: Eligible = head.subset.clone().map(|subset| {
         let keep = move |t: &Target| Endpoint::of_url(&t.url).is_some_and(|e| subset.admits(&e));
         Arc::new(keep) as Arc<dyn Fn(&Target) -> bool + Send + Sync>
     });
     let large = body.len() > LARGE_BODY;
-    let admitted = attempt::admit_among(proxy, &req, large, eligible).await?;
-    let request_id = request_id(proxy, head);
+    let admitted = admission::admit_among(router, &req, large, eligible).await?;
+    let request_id = router.request_id(&head.headers);
     let picked = admitted
-        .pick(proxy, &req, &request_id)
+        .pick(router, &req, &request_id)
         .ok_or(ProxyError::NoWorkers)?;
-    let endpoint = Endpoint::of_url(&picked.target.url)
+    let endpoint_name = Endpoint::of_url(&picked.target.url)
         .ok_or_else(|| {
             ProxyError::internal(format!(
                 "worker `{}` has no host in its URL {}",
@@ -123,18 +90,21 @@ pub async fn pick(
     if picked.target.ranks.len() > 1 {
         headers.push((RANK_HEADER, picked.scored.key.rank.0.to_string()));
     }
+    let remember =
+        (endpoint == Some(ApiEndpoint::Responses)).then(|| (picked.scored.key, req.owner));
     Ok(Pick {
         accounting: Accounting {
-            proxy: proxy.clone(),
+            router: router.clone(),
             guard: Some(picked.guard),
             prediction: picked.prediction,
             arrived,
             first_chunk: None,
             sse: false,
             watch: None,
-            endpoint: endpoint.clone(),
+            endpoint: endpoint_name.clone(),
+            response: remember.map(|(rank, owner)| ResponseWatch::new(rank, owner)),
         },
-        endpoint,
+        endpoint: endpoint_name,
         headers,
         request_id,
         body_share,
@@ -147,7 +117,7 @@ pub async fn pick(
 /// engine's `cached_tokens` compared with the prediction.
 #[derive(Debug)]
 pub struct Accounting {
-    proxy: Arc<Proxy>,
+    router: Arc<Router>,
     guard: Option<ActiveGuard>,
     prediction: Option<Prediction>,
     arrived: Instant,
@@ -155,6 +125,8 @@ pub struct Accounting {
     sse: bool,
     watch: Option<UsageWatch>,
     endpoint: String,
+    /// A Responses API answer's id, remembered for its continuations.
+    response: Option<ResponseWatch>,
 }
 
 impl Accounting {
@@ -172,6 +144,10 @@ impl Accounting {
             self.prediction = None;
         }
         self.watch = self.prediction.is_some().then(|| UsageWatch::new(head.sse));
+        if let Some(w) = &mut self.response {
+            let success = head.status.is_none_or(|s| (200..300).contains(&s));
+            w.head(head.sse, success);
+        }
         if head.end_of_stream {
             self.end();
         }
@@ -188,6 +164,9 @@ impl Accounting {
         if let Some(reported) = self.watch.as_mut().and_then(|w| w.feed(bytes)) {
             self.settle(reported);
         }
+        if let Some(w) = &mut self.response {
+            w.feed(&self.router, bytes);
+        }
         if end_of_stream {
             self.end();
         }
@@ -195,7 +174,7 @@ impl Accounting {
 
     fn settle(&mut self, reported: u64) {
         if let Some(p) = self.prediction.take() {
-            p.settle(&self.proxy, reported);
+            p.settle(&self.router, reported);
         }
         self.watch = None;
     }
@@ -209,9 +188,12 @@ impl Accounting {
         if let Some(reported) = self.watch.as_mut().and_then(UsageWatch::finish) {
             self.settle(reported);
         }
+        if let Some(w) = &mut self.response {
+            w.end(&self.router);
+        }
         drop(guard);
         let first = self.first_chunk.filter(|_| self.sse);
-        self.proxy.timed(self.arrived, first);
+        self.router.timed(self.arrived, first);
     }
 }
 

@@ -19,6 +19,7 @@ use serde_json::json;
 use super::body::pieces;
 use super::subset::LB_NAMESPACE;
 use crate::api::{ErrorKind, ProxyError};
+use crate::dialect::Dialect;
 
 /// The request header, and the `envoy.lb` metadata key, naming the
 /// endpoint the request goes to.
@@ -169,8 +170,17 @@ pub fn status_of(kind: ErrorKind) -> u16 {
 
 /// The immediate answer to an error: OpenAI's error body with the
 /// picker's status, and `retry-after` on a shed request.
-pub fn for_error(error: &ProxyError) -> ProcessingResponse {
-    for_kind(error.kind(), &error.to_string())
+pub fn for_error(error: &ProxyError, dialect: Dialect) -> ProcessingResponse {
+    let status = status_of(error.kind());
+    // The body `kvroute serve` answers the same error with, in the API's
+    // shape, its code the picker's status where the two differ.
+    let mut body = error.body_in(dialect);
+    if status != error.status().as_u16() {
+        if let Some(code) = body.pointer_mut("/error/code") {
+            *code = json!(status);
+        }
+    }
+    immediate_error(status, &body)
 }
 
 /// [`for_error`] for an error of `kind` that says `message`.
@@ -182,6 +192,12 @@ pub fn for_kind(kind: ErrorKind, message: &str) -> ProcessingResponse {
         "param": null,
         "code": status,
     }});
+    immediate_error(status, &body)
+}
+
+/// The immediate answer of an error `body` with `status`, and
+/// `retry-after` on a shed request.
+fn immediate_error(status: u16, body: &serde_json::Value) -> ProcessingResponse {
     let retry = RETRY_AFTER_SECS.to_string();
     let mut headers = vec![("content-type", "application/json")];
     if status == 429 {
@@ -230,7 +246,7 @@ mod tests {
 
     #[test]
     fn shedding_is_a_429_with_retry_after_and_no_worker_a_503() {
-        let shed = for_error(&ProxyError::Overloaded("busy".into()));
+        let shed = for_error(&ProxyError::Overloaded("busy".into()), Dialect::OpenAi);
         let Some(Response::ImmediateResponse(r)) = &shed.response else {
             panic!("immediate");
         };
@@ -242,7 +258,7 @@ mod tests {
         let doc: serde_json::Value = serde_json::from_slice(&r.body).expect("json");
         assert_eq!(doc["error"]["code"], 429);
         assert_eq!(doc["error"]["type"], "overloaded");
-        let none = for_error(&ProxyError::NoWorkers);
+        let none = for_error(&ProxyError::NoWorkers, Dialect::OpenAi);
         let Some(Response::ImmediateResponse(r)) = &none.response else {
             panic!("immediate");
         };

@@ -24,8 +24,9 @@ use super::exchange::{Exchange, Input, WholeRequest};
 use super::pick::{pick, Accounting};
 use super::reply::{self, Side};
 use crate::api::{ErrorKind, ProxyError};
+use crate::dialect::Dialect;
 use crate::metrics::epp::{EppLabel, EppMetrics};
-use crate::proxy::Proxy;
+use crate::router::{Endpoint as ApiEndpoint, Router};
 
 /// Answers queued for Envoy per stream before the task waits for it to
 /// read them (a body of 1 MB is 17 pieces: backpressure, not a bound on size).
@@ -33,21 +34,21 @@ const OUT_QUEUE: usize = 8;
 
 type Out = mpsc::Sender<Result<ProcessingResponse, Status>>;
 
-/// The ext_proc service: the proxy's routing state, the picker's metrics
+/// The ext_proc service: the router's routing state, the picker's metrics
 /// and its body bound.
 #[derive(Debug, Clone)]
 pub struct Picker {
-    proxy: Arc<Proxy>,
+    router: Arc<Router>,
     metrics: Arc<EppMetrics>,
     max_body_bytes: usize,
 }
 
 impl Picker {
-    /// A picker routing with `proxy`, counting in `metrics`, reading
+    /// A picker routing with `router`, counting in `metrics`, reading
     /// request bodies of at most `max_body_bytes` (larger: 413).
-    pub fn new(proxy: Arc<Proxy>, metrics: Arc<EppMetrics>, max_body_bytes: usize) -> Self {
+    pub fn new(router: Arc<Router>, metrics: Arc<EppMetrics>, max_body_bytes: usize) -> Self {
         Picker {
-            proxy,
+            router,
             metrics,
             max_body_bytes,
         }
@@ -102,7 +103,7 @@ impl Picker {
         self.metrics.open.inc();
         let _open = Open(self.metrics.clone());
         let arrived = Instant::now();
-        let rules = self.proxy.body_rules(self.max_body_bytes);
+        let rules = self.router.body_rules(self.max_body_bytes);
         let mut exchange = Exchange::new(rules, arrived);
         // Dropped with the task: frees the request's load however it ends.
         let mut accounting: Option<Accounting> = None;
@@ -114,7 +115,7 @@ impl Picker {
                 () = out.closed() => return,
                 () = body_late(deadline) => {
                     if let Some(refusal) = exchange.body_timed_out() {
-                        self.refuse(&refusal.into(), None, &out).await;
+                        self.refuse(&refusal.into(), (None, Dialect::OpenAi), &out).await;
                     }
                     return;
                 }
@@ -142,7 +143,8 @@ impl Picker {
             let going = match input {
                 Input::Buffered => true,
                 Input::Refused(e) => {
-                    self.refuse(&ProxyError::from(e), None, &out).await;
+                    self.refuse(&ProxyError::from(e), (None, Dialect::OpenAi), &out)
+                        .await;
                     return;
                 }
                 Input::Whole(whole) => match self
@@ -204,13 +206,15 @@ impl Picker {
         let picked = tokio::select! {
             biased;
             () = out.closed() => return None,
-            picked = pick(&self.proxy, &head, (&body, share), has_body, arrived) => picked,
+            picked = pick(&self.router, &head, (&body, share), has_body, arrived) => picked,
         };
         let picked = match picked {
             Ok(picked) => picked,
             Err(e) => {
                 let subset = head.subset.as_ref().map(|s| s.len());
-                self.refuse(&e, subset, out).await;
+                let dialect =
+                    ApiEndpoint::of_path(&head.path).map_or(Dialect::OpenAi, |e| e.dialect());
+                self.refuse(&e, (subset, dialect), out).await;
                 return None;
             }
         };
@@ -235,19 +239,24 @@ impl Picker {
     }
 
     /// Answers the client with `error` (the immediate answer ends the
-    /// stream), counting it as `kvroute serve` counts its errors, and by
-    /// status. With a subset hint of `subset` entries, no worker available
-    /// says that none of them was.
-    async fn refuse(&self, error: &ProxyError, subset: Option<usize>, out: &Out) {
+    /// stream) in its API's `dialect`, counting it as `kvroute serve`
+    /// counts its errors, and by status. With a subset hint of `subset`
+    /// entries, no worker available says that none of them was.
+    async fn refuse(
+        &self,
+        error: &ProxyError,
+        (subset, dialect): (Option<usize>, Dialect),
+        out: &Out,
+    ) {
         let kind = error.kind();
-        self.proxy.metrics.answered(kind);
+        self.router.metrics.answered(kind);
         self.metrics.answered(reply::status_of(kind));
         let answer = match (kind, subset) {
             (ErrorKind::NoWorkers, Some(n)) => reply::for_kind(
                 kind,
                 &format!("none of the {n} endpoint(s) of the subset hint is an available worker"),
             ),
-            _ => reply::for_error(error),
+            _ => reply::for_error(error, dialect),
         };
         let _ = out.send(Ok(answer)).await;
     }

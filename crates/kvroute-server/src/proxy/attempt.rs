@@ -12,7 +12,6 @@
 //! answer cut off) gets no other worker the request, and its breaker opens;
 //! any other answer, a 500 included, is the worker's and goes to the client.
 
-use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -21,262 +20,24 @@ use axum::http::{header, HeaderMap, HeaderValue};
 use axum::response::Response;
 use futures_util::StreamExt as _;
 use kvroute_core::event::WorkerFlavor;
-use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
+use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::WorkerRank;
-use kvroute_core::scheduler::{order, Policy, Scored};
+use kvroute_core::scheduler::Scored;
 
-use super::active::{ActiveGuard, ActiveRanks};
 use super::answer::{self, UpTo};
-use super::candidates::{request_hashes, Candidates, Target};
-use super::continuations::response_id_in_body;
-use super::observe::{CandidateView, Decision, CANDIDATES_KEPT};
 use super::outcome::{self, Ending, Next};
-use super::queue::QueueWait;
-use super::relay::{reported_cached_tokens, Learn, Passthrough, Prediction, StreamOrigin};
+use super::relay::{reported_cached_tokens, Passthrough, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
-use super::{on_cpu, Endpoint, Proxy};
+use super::Proxy;
 use crate::api::{error_chain, ErrorKind, ProxyError};
-use crate::ingest::stats::RankState;
-use kvroute_prompt::body::{ParseError, RoutingRequest};
+use crate::router::active::ActiveGuard;
+use crate::router::admission;
+use crate::router::candidates::{Candidates, Target};
+use crate::router::continuations::response_id_in_body;
+use crate::router::intake::RoutedRequest;
+use crate::router::{on_cpu, Endpoint, REQUEST_ID};
+use kvroute_prompt::body::ParseError;
 use kvroute_prompt::sampling::check_context;
-
-/// The header naming a request in logs, upstream and in the answer.
-pub const REQUEST_ID: &str = "x-request-id";
-
-/// A request's candidates, in the order they will be tried.
-#[derive(Debug)]
-pub struct Admitted {
-    candidates: Candidates,
-    ordered: Vec<usize>,
-    /// The first candidate, already charged with the request.
-    first: Option<(usize, ActiveGuard)>,
-}
-
-impl Admitted {
-    /// Candidates to try in `ordered`, the first already charged (`first`).
-    pub(super) fn new(
-        candidates: Candidates,
-        ordered: Vec<usize>,
-        first: Option<(usize, ActiveGuard)>,
-    ) -> Self {
-        Admitted {
-            candidates,
-            ordered,
-            first,
-        }
-    }
-}
-
-/// Scores the request and orders its candidates; when every rank is busy,
-/// waits (woken as load drops) in the bounded queue, or refuses with 503.
-pub async fn admit(
-    proxy: &Arc<Proxy>,
-    req: &Arc<RoutingRequest>,
-    large: bool,
-) -> Result<Admitted, ProxyError> {
-    admit_among(proxy, req, large, None).await
-}
-
-/// Which workers a request may go to (the endpoint picker's subset hint);
-/// `None`: any.
-pub(crate) type Eligible = Option<Arc<dyn Fn(&Target) -> bool + Send + Sync>>;
-
-/// [`admit`] among the workers `eligible` keeps: none of them available is
-/// [`ProxyError::NoWorkers`], all of them busy the queue or its 503.
-pub(crate) async fn admit_among(
-    proxy: &Arc<Proxy>,
-    req: &Arc<RoutingRequest>,
-    large: bool,
-    eligible: Eligible,
-) -> Result<Admitted, ProxyError> {
-    let mut wait = QueueWait::new(proxy, req);
-    let mut count = 0;
-    loop {
-        if wait.may_try() {
-            let (admitted, ranks) = {
-                let (proxy, req, eligible) = (proxy.clone(), req.clone(), eligible.clone());
-                on_cpu(large, move || place(&proxy, &req, eligible.as_deref())).await?
-            };
-            if ranks == 0 {
-                return Err(ProxyError::NoWorkers);
-            }
-            if !admitted.ordered.is_empty() {
-                return Ok(admitted);
-            }
-            count = ranks;
-        }
-        wait.busy(count).await?;
-    }
-}
-
-/// Scores and orders the request's candidates and charges the first of
-/// them while the loads they were scored on are held, so that requests
-/// arriving together are placed one after another, each against the load
-/// of those placed before it (a request of a cold burst sees its group's
-/// prefix in flight).
-fn place(
-    proxy: &Arc<Proxy>,
-    req: &RoutingRequest,
-    eligible: Option<&(dyn Fn(&Target) -> bool + Send + Sync)>,
-) -> (Admitted, usize) {
-    let config = proxy.config();
-    let (candidates, (ordered, first, count)) = proxy.candidates_for(req, |candidates, ranks| {
-        let turn = proxy
-            .turn
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let scored = &candidates.scored;
-        let kept: Option<Vec<usize>> = eligible.map(|keep| {
-            (0..scored.len())
-                .filter(|&i| candidates.targets.get(scored[i].worker).is_some_and(keep))
-                .collect()
-        });
-        let sub: Option<Vec<Scored>> = kept
-            .as_ref()
-            .map(|kept| kept.iter().map(|&i| scored[i].clone()).collect());
-        let among = sub.as_deref().unwrap_or(scored);
-        let ordered = order(
-            among,
-            config.policy,
-            config.temperature,
-            proxy.random(),
-            turn,
-        );
-        let (ordered, dealt) = super::candidates::kv_rules(proxy, among, ordered);
-        let ordered = super::candidates::peer_order(proxy, req, among).unwrap_or(ordered);
-        let ordered: Vec<usize> = match &kept {
-            Some(kept) => ordered.into_iter().map(|j| kept[j]).collect(),
-            None => ordered,
-        };
-        let ordered = proxy.order_for_session(req, candidates, ordered);
-        let ordered = proxy.order_for_continuation(req, candidates, ordered);
-        let first = ordered
-            .first()
-            .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
-        if let Some((i, _)) = &first {
-            proxy.record_session(req, candidates, *i);
-            let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
-            let s = &scored[*i];
-            super::candidates::record_dealt(proxy, s, request_tokens, dealt == Some(s.worker));
-        }
-        (ordered, first, among.len())
-    });
-    let admitted = Admitted {
-        candidates,
-        ordered,
-        first,
-    };
-    (admitted, count)
-}
-
-/// The candidate the endpoint picker names for a request: charged with it
-/// (the guard holds its place in the rank's load until the answer ends),
-/// with what the answer's `cached_tokens` will be compared against.
-pub(crate) struct Picked {
-    /// Its worker.
-    pub target: Target,
-    /// Its score.
-    pub scored: Scored,
-    /// The request's place in the rank's load.
-    pub guard: ActiveGuard,
-    /// The prediction to compare the engine's report with (requests with
-    /// token ids only).
-    pub prediction: Option<Prediction>,
-}
-
-impl Admitted {
-    /// The first candidate that can be charged, with the decision recorded
-    /// as [`forward`] records a sent attempt (the dashboard's ring, the
-    /// routed totals, the approximate index); `None` when every worker
-    /// left meanwhile. Nothing is sent: the gateway sends the request.
-    pub(crate) fn pick(
-        self,
-        proxy: &Arc<Proxy>,
-        req: &RoutingRequest,
-        request_id: &str,
-    ) -> Option<Picked> {
-        let Admitted {
-            candidates,
-            ordered,
-            first,
-        } = self;
-        let (index, guard) = first.or_else(|| {
-            let mut ranks = proxy.active.lock();
-            ordered
-                .iter()
-                .find_map(|&i| Some((i, charge(proxy, &mut ranks, &candidates, req, i)?)))
-        })?;
-        let s = candidates.scored.get(index)?;
-        let target = candidates.targets.get(s.worker)?;
-        let (locals, _) = hashes_for(&candidates, req, s);
-        remember_for_approx(proxy, s, &locals);
-        let chosen = Chosen {
-            candidates: &candidates,
-            ordered: &ordered,
-            index,
-            retries: 0,
-        };
-        proxy
-            .observed
-            .routed(decision(proxy, req, request_id, target, chosen));
-        let prediction = req
-            .tokens
-            .as_ref()
-            .map(|t| prediction(s, target, t.len() as u64, &locals));
-        Some(Picked {
-            target: target.clone(),
-            scored: s.clone(),
-            guard,
-            prediction,
-        })
-    }
-}
-
-/// Adds the request to the load of candidate `i` in `ranks`, the proxy's
-/// table held by the caller (`None`: its worker is gone).
-pub(super) fn charge(
-    proxy: &Arc<Proxy>,
-    ranks: &mut ActiveRanks,
-    candidates: &Candidates,
-    req: &RoutingRequest,
-    i: usize,
-) -> Option<ActiveGuard> {
-    charge_as(proxy, ranks, (candidates, req, i), true)
-}
-
-/// [`charge`], with the prompt's uncached tokens in the rank's prefill load
-/// only when it `prefills` (a decode rank of a split request does not).
-pub(super) fn charge_as(
-    proxy: &Arc<Proxy>,
-    ranks: &mut ActiveRanks,
-    (candidates, req, i): (&Candidates, &RoutingRequest, usize),
-    prefills: bool,
-) -> Option<ActiveGuard> {
-    let s = candidates.scored.get(i)?;
-    let target = candidates.targets.get(s.worker)?;
-    let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
-    let (_, seqs) = hashes_for(candidates, req, s);
-    let prefill = if prefills {
-        s.uncached_prefill_tokens(request_tokens)
-    } else {
-        0
-    };
-    Some(ActiveGuard::add(
-        proxy,
-        ranks,
-        (s.key, &target.name),
-        &seqs,
-        prefill,
-    ))
-}
-
-/// Under `--policy approx`, records that the request's blocks went to
-/// `s`'s rank: the index's stand-in for the events the engine does not send.
-fn remember_for_approx(proxy: &Proxy, s: &Scored, locals: &[LocalBlockHash]) {
-    if proxy.config().policy == Policy::Approx && !locals.is_empty() {
-        let now = proxy.now_ms();
-        proxy.index().record_routing_decision(s.key, locals, now);
-    }
-}
 
 /// What one attempt sends, besides the client's headers.
 pub(super) struct Outgoing {
@@ -292,7 +53,7 @@ pub(super) struct Outgoing {
 /// rewrites it needs (`dp_rank_in_body`: the rank always goes in the body).
 pub(super) fn outgoing(
     dp_rank_in_body: bool,
-    req: &RoutingRequest,
+    req: &RoutedRequest,
     s: &Scored,
     ranks: usize,
     body: &Bytes,
@@ -304,12 +65,15 @@ pub(super) fn outgoing(
     if multi_rank && rank_in_body {
         payload = Bytes::from(inject_dp_rank(&payload, s.key.rank).map_err(bad)?);
     }
-    let added_usage = req.stream && !req.include_usage && req.tokens.is_some();
+    let added_usage = req.body.stream && !req.body.include_usage && req.body.tokens.is_some();
     if added_usage {
         payload = Bytes::from(inject_include_usage(&payload).map_err(bad)?);
     }
-    if s.flavor == WorkerFlavor::Sglang && !req.images.is_empty() && req.mm_hashes.is_none() {
-        let hashes: Vec<u64> = req.images.iter().map(|i| i.identity.hash).collect();
+    if s.flavor == WorkerFlavor::Sglang
+        && !req.body.images.is_empty()
+        && req.body.mm_hashes.is_none()
+    {
+        let hashes: Vec<u64> = req.body.images.iter().map(|i| i.identity.hash).collect();
         payload = Bytes::from(inject_mm_hashes(&payload, &hashes).map_err(bad)?);
     }
     Ok(Outgoing {
@@ -323,7 +87,7 @@ pub(super) fn outgoing(
 #[derive(Debug, Clone, Copy)]
 pub struct Request<'a> {
     /// What routing read of the body.
-    pub req: &'a Arc<RoutingRequest>,
+    pub req: &'a Arc<RoutedRequest>,
     /// The client's headers.
     pub headers: &'a HeaderMap,
     /// The client's body.
@@ -344,14 +108,10 @@ pub struct Request<'a> {
 /// (see the module docs for which failures move on) gives the response.
 pub async fn forward(
     proxy: &Arc<Proxy>,
-    admitted: Admitted,
+    admitted: admission::Admitted,
     request: Request<'_>,
 ) -> Result<Response, ProxyError> {
-    let Admitted {
-        candidates,
-        ordered,
-        mut first,
-    } = admitted;
+    let (candidates, ordered, mut first) = admitted.into_parts();
     let Request {
         req,
         headers,
@@ -362,34 +122,34 @@ pub async fn forward(
         arrived,
         disagg,
     } = request;
-    let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
+    let request_tokens = req.body.tokens.as_ref().map_or(0, |t| t.len() as u64);
     let mut last_error = String::new();
-    let max_attempts = proxy.config().max_attempts.max(1);
+    let max_attempts = proxy.router.config().max_attempts.max(1);
     for (attempt, &i) in ordered.iter().take(max_attempts).enumerate() {
         let Some((s, target)) = open_candidate(proxy, &candidates, i) else {
             continue;
         };
-        if let Some(limit) = proxy.context_length(target) {
-            if let Err(message) = check_context(request_tokens, req.max_tokens, limit) {
+        if let Some(limit) = proxy.router.context_length(target) {
+            if let Err(message) = check_context(request_tokens, req.body.max_tokens, limit) {
                 return Err(ProxyError::ContextTooLong(message));
             }
         }
         if attempt > 0 {
-            proxy.metrics.retries.inc();
+            proxy.router.metrics.retries.inc();
         }
-        let (locals, _) = hashes_for(&candidates, req, s);
+        let (locals, _) = admission::hashes_for(&candidates, req, s);
         // The first candidate was charged when it was chosen; a candidate
         // tried after it is charged now (and the first's charge dropped).
         let guard = match first.take() {
             Some((charged, guard)) if charged == i => guard,
-            _ => match charge(proxy, &mut proxy.active.lock(), &candidates, req, i) {
+            _ => match admission::charge_later(&proxy.router, &candidates, req, i) {
                 Some(guard) => guard,
                 None => continue,
             },
         };
         let rewritten = {
             let (req, s, body) = (req.clone(), s.clone(), body.clone());
-            let (in_body, ranks) = (proxy.config().dp_rank_in_body, target.ranks.len());
+            let (in_body, ranks) = (proxy.router.config().dp_rank_in_body, target.ranks.len());
             on_cpu(large, move || outgoing(in_body, &req, &s, ranks, &body)).await
         };
         let out = rewritten??;
@@ -402,16 +162,16 @@ pub async fn forward(
             }
             Sent::Failed(error) => return Err(error),
         };
-        remember_for_approx(proxy, s, &locals);
-        let chosen = Chosen {
+        admission::remember_for_approx(&proxy.router, s, &locals);
+        let chosen = admission::Chosen {
             candidates: &candidates,
             ordered: &ordered,
             index: i,
             retries: attempt,
         };
-        let mut decision = decision(proxy, req, request_id, target, chosen);
+        let mut decision = admission::decision(&proxy.router, req, request_id, target, chosen);
         decision.disagg = disagg.map(str::to_owned);
-        proxy.observed.routed(decision);
+        proxy.router.observed.routed(decision);
         let relay = Relay {
             guard,
             added_usage,
@@ -436,26 +196,10 @@ pub(super) fn open_candidate<'c>(
     let s = candidates.scored.get(i)?;
     let target = candidates.targets.get(s.worker)?;
     proxy
-        .breakers
-        .begin_attempt(&target.name)
+        .router
+        .breakers()
+        .begin_attempt(&target.route.name)
         .then_some((s, target))
-}
-
-/// The request's local and sequence hashes for candidate `s`'s block size
-/// and flavour, as scoring computed them (or computed now if it did not).
-pub(super) fn hashes_for<'a>(
-    candidates: &'a Candidates,
-    req: &RoutingRequest,
-    s: &Scored,
-) -> (Cow<'a, [LocalBlockHash]>, Cow<'a, [SequenceHash]>) {
-    match candidates.hashes.get(s.block_size, s.flavor) {
-        Some(set) => (Cow::Borrowed(&set.locals), Cow::Borrowed(&set.seqs)),
-        None => {
-            let locals = request_hashes(req, s.block_size, s.flavor);
-            let seqs = sequence_hashes(&locals);
-            (Cow::Owned(locals), Cow::Owned(seqs))
-        }
-    }
 }
 
 /// What relaying the chosen worker's answer needs besides the answer.
@@ -476,90 +220,6 @@ pub(super) struct Relay<'a> {
     /// The endpoint the request came in on (its stream's conventions, and
     /// whether the answer names a response to remember).
     pub endpoint: Endpoint,
-}
-
-/// The candidate a request was sent to, among those it was scored against.
-pub(super) struct Chosen<'a> {
-    /// What it was scored against.
-    pub candidates: &'a Candidates,
-    /// The order the candidates would be tried in.
-    pub ordered: &'a [usize],
-    /// Its index in `candidates.scored`.
-    pub index: usize,
-    /// Candidates that refused before it.
-    pub retries: usize,
-}
-
-/// The routing decision as the dashboard shows it: the first candidates in
-/// the order they would be tried (and the chosen one), and why it won.
-pub(super) fn decision(
-    proxy: &Proxy,
-    req: &RoutingRequest,
-    request_id: &str,
-    target: &Target,
-    chosen: Chosen<'_>,
-) -> Decision {
-    let Chosen {
-        candidates,
-        ordered,
-        index,
-        retries,
-    } = chosen;
-    let name_of = |s: &Scored| {
-        candidates
-            .targets
-            .get(s.worker)
-            .map_or_else(|| Arc::from(""), |t| t.name.clone())
-    };
-    let mut shown: Vec<usize> = ordered.iter().copied().take(CANDIDATES_KEPT).collect();
-    if !shown.contains(&index) {
-        shown.push(index);
-    }
-    let views: Vec<CandidateView> = shown
-        .iter()
-        .filter_map(|&i| candidates.scored.get(i))
-        .map(|s| CandidateView::of(s, name_of(s)))
-        .collect();
-    let chosen_at = shown.iter().position(|&i| i == index).unwrap_or(0);
-    let policy = proxy.config().policy;
-    let s = &candidates.scored[index];
-    let state = target
-        .stats_of(s.key.rank)
-        .map_or(RankState::Live, |st| st.state());
-    let prompt_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
-    let load_only = if req.tokens.is_none() {
-        Some("no tokens: no tokenizer for this request".to_owned())
-    } else if !matches!(policy, Policy::Kv | Policy::Approx) {
-        Some(format!("policy {}", policy.as_str()))
-    } else if matches!(
-        state,
-        RankState::Degraded | RankState::Disconnected | RankState::Error
-    ) {
-        Some(format!(
-            "rank {}: its cache history is incomplete",
-            state.as_str()
-        ))
-    } else {
-        None
-    };
-    Decision {
-        at_ms: unix_ms(),
-        request_id: request_id.to_owned(),
-        prompt_tokens,
-        policy: policy.as_str(),
-        chosen: chosen_at,
-        retries,
-        load_only,
-        candidates: views,
-        disagg: None,
-    }
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn unix_ms() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
 }
 
 /// How sending one attempt ended, as the retry rule sorted it.
@@ -595,7 +255,7 @@ pub(super) async fn send(
     let mut upstream = proxy
         .client
         .post(format!("{}{}", target.url, endpoint.path()))
-        .timeout(proxy.config().request_timeout)
+        .timeout(proxy.router.config().request_timeout)
         .header(header::CONTENT_TYPE, "application/json")
         .header(REQUEST_ID, request_id)
         .body(out.payload);
@@ -613,7 +273,7 @@ pub(super) async fn send(
         Err(_) => Ending::LostBeforeAnswer,
         Ok(resp) => Ending::Head(resp.status()),
     };
-    let verdict = outcome::settle(proxy, &target.name, ending, request_id);
+    let verdict = outcome::settle(&proxy.router, &target.name, ending, request_id);
     match (verdict.next, sent) {
         (Next::Retry, Err(e)) => {
             Sent::Refused(format!("worker `{}`: {}", target.name, error_chain(&e)))
@@ -639,7 +299,7 @@ pub(super) async fn send(
 /// with the prediction.
 pub(super) async fn respond(
     proxy: &Proxy,
-    req: &RoutingRequest,
+    req: &RoutedRequest,
     s: &Scored,
     target: &Target,
     resp: reqwest::Response,
@@ -656,13 +316,14 @@ pub(super) async fn respond(
     } = relay;
     let status = resp.status();
     // A continuation's prompt holds turns the router never saw.
-    let continues = req.previous_response_id.is_some();
+    let continues = req.body.previous_response_id.is_some();
     let remembers = endpoint == Endpoint::Responses && status.is_success();
     let prediction = req
+        .body
         .tokens
         .as_ref()
         .filter(|_| predict && !continues && status.is_success())
-        .map(|t| prediction(s, target, t.len() as u64, locals));
+        .map(|t| crate::router::accuracy::prediction(s, target, t.len() as u64, locals));
     let mut builder = Response::builder()
         .status(status.as_u16())
         .header("x-kvroute-worker", &*target.name)
@@ -680,13 +341,13 @@ pub(super) async fn respond(
         dialect: endpoint.dialect(),
     };
     let remember = remembers.then_some((s.key, req.owner));
-    let body = if req.stream || sse {
+    let body = if req.body.stream || sse {
         let strip = added_usage && status.is_success();
         let stream = Box::pin(resp.bytes_stream());
         let relayed = Passthrough::new(stream, guard, prediction, strip, (origin, arrived));
         relayed_body(relayed, remember)
     } else {
-        let cap = proxy.config().max_answer_bytes;
+        let cap = proxy.router.config().max_answer_bytes;
         let read = match answer::read_up_to(resp, cap).await {
             Ok(UpTo::Over(read, rest)) => {
                 // Too long to hold: passed on as it comes, unread.
@@ -704,7 +365,7 @@ pub(super) async fn respond(
             Ok(_) => Ending::Complete(status),
             Err(_) => Ending::CutOff,
         };
-        let verdict = outcome::settle(proxy, &target.name, ending, request_id);
+        let verdict = outcome::settle(&proxy.router, &target.name, ending, request_id);
         let bytes = match read {
             Ok(b) => b,
             Err(e) => {
@@ -718,13 +379,13 @@ pub(super) async fn respond(
         };
         drop(guard);
         let id = remembers.then(|| response_id_in_body(&bytes)).flatten();
-        if let (Some(id), Some(owner)) = (id, &req.owner) {
-            proxy.record_response(&id, owner, s.key);
+        if let Some(id) = id {
+            proxy.router.record_response(&id, &req.owner, s.key);
         }
         if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
-            p.settle(proxy, reported);
+            p.settle(&proxy.router, reported);
         }
-        proxy.timed(arrived, None);
+        proxy.router.timed(arrived, None);
         Body::from(bytes)
     };
     builder
@@ -734,36 +395,12 @@ pub(super) async fn respond(
 
 /// The client's body relaying `relayed`, which remembers the response it
 /// names as produced by `remember`'s rank for its owner, if given.
-fn relayed_body<S>(
-    relayed: Passthrough<S>,
-    remember: Option<(WorkerRank, Option<[u8; 32]>)>,
-) -> Body
+fn relayed_body<S>(relayed: Passthrough<S>, remember: Option<(WorkerRank, [u8; 32])>) -> Body
 where
     S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Unpin + Send + 'static,
 {
     match remember {
         Some((rank, owner)) => Body::from_stream(relayed.remembering_response(rank, owner)),
         None => Body::from_stream(relayed),
-    }
-}
-
-/// What the response will be checked against: the prediction, the state of
-/// the rank it came from, and what to learn from the answer.
-fn prediction(s: &Scored, target: &Target, tokens: u64, locals: &[LocalBlockHash]) -> Prediction {
-    let stats = target.stats_of(s.key.rank);
-    let state = stats.map_or(RankState::Live, |st| st.state());
-    let learn = stats.filter(|_| !locals.is_empty()).map(|stats| {
-        Arc::new(Learn {
-            key: s.key,
-            locals: locals.to_vec(),
-            block_size: target.block_size,
-            stats: stats.clone(),
-        })
-    });
-    Prediction {
-        predicted: s.predicted_cached_tokens(tokens),
-        prompt_tokens: tokens,
-        state,
-        learn,
     }
 }

@@ -23,78 +23,32 @@ use std::sync::Arc;
 use axum::body::Bytes;
 use axum::response::Response;
 use kvroute_core::event::WorkerFlavor;
-use kvroute_core::scheduler::disagg::{pick_decode, prefill_order};
-use kvroute_core::scheduler::policy::keep_on_holder;
-use kvroute_core::scheduler::{order, DecodeCost, LocalPrefillRule, Policy, Scored, WorkerRole};
 use serde_json::Value;
 
-use super::active::ActiveGuard;
 use super::answer::{self, AnswerError};
-use super::attempt::{
-    self, charge, charge_as, open_candidate, outgoing, send, Admitted, Outgoing, Request, Sent,
-};
-use super::candidates::{Candidates, Target};
+use super::attempt::{self, open_candidate, outgoing, send, Outgoing, Request, Sent};
 use super::handoff::{self, Bootstrap};
 use super::merge;
 use super::outcome::{self, Ending};
-use super::queue::QueueWait;
-use super::{on_cpu, Proxy};
+use super::Proxy;
 use crate::api::{ErrorKind, ProxyError};
-use kvroute_prompt::body::RoutingRequest;
-
-/// Whether requests to this fleet are split: it has prefill workers and
-/// decode workers.
-pub fn splits(targets: &[Target]) -> bool {
-    targets.iter().any(|t| t.role == WorkerRole::Prefill)
-        && targets.iter().any(|t| t.role == WorkerRole::Decode)
-}
-
-/// Where a request's phases go, each chosen rank already charged.
-struct Placed {
-    /// The decode rank (a position in the candidates).
-    decode: usize,
-    decode_guard: ActiveGuard,
-    /// Prefill ranks in the order to try them; empty when the decode rank
-    /// prefills the request itself.
-    prefill: Vec<usize>,
-    /// The first of them, charged with the prefill.
-    first_prefill: Option<(usize, ActiveGuard)>,
-    /// Where each phase goes and why, for the decisions ring and logs.
-    why: String,
-}
+use crate::router::active::ActiveGuard;
+use crate::router::admission::{self, Admitted};
+use crate::router::candidates::{Candidates, Target};
+use crate::router::intake::RoutedRequest;
+use crate::router::on_cpu;
+use crate::router::split::{self, Placed};
 
 /// Routes one parsed request through the disaggregated fleet.
 pub async fn route(
     proxy: &Arc<Proxy>,
-    req: &Arc<RoutingRequest>,
+    req: &Arc<RoutedRequest>,
     request: Request<'_>,
 ) -> Result<Response, ProxyError> {
-    let mut wait = QueueWait::new(proxy, req);
-    let mut ranks = 0;
-    let (candidates, placed) = loop {
-        if wait.may_try() {
-            let (candidates, placed) = {
-                let (proxy, req) = (proxy.clone(), req.clone());
-                on_cpu(request.large, move || place(&proxy, &req)).await?
-            };
-            match placed {
-                Some(placed) => break (candidates, placed),
-                // No rank may take a phase now: busy ranks wait in the queue
-                // as an aggregated request does, when it is on.
-                None if !candidates.scored.is_empty() && proxy.config().queue_capacity > 0 => {
-                    ranks = candidates.scored.len();
-                }
-                None => {
-                    proxy.metrics.no_workers.inc();
-                    return Err(ProxyError::NoWorkers);
-                }
-            }
-        }
-        wait.busy(ranks).await?;
-    };
+    let (candidates, placed) = split::admit(&proxy.router, req, request.large).await?;
     tracing::debug!(request_id = request.request_id, placement = %placed.why, "disaggregated");
     if placed.prefill.is_empty() {
-        proxy.metrics.disagg_local.inc();
+        proxy.router.metrics.disagg_local.inc();
         let first = Some((placed.decode, placed.decode_guard));
         let admitted = Admitted::new(candidates, vec![placed.decode], first);
         let request = Request {
@@ -103,154 +57,13 @@ pub async fn route(
         };
         return attempt::forward(proxy, admitted, request).await;
     }
-    proxy.metrics.disagg_split.inc();
+    proxy.router.metrics.disagg_split.inc();
     let flavor = candidates.scored[placed.decode].flavor;
     match flavor {
         WorkerFlavor::Vllm => vllm(proxy, &candidates, placed, request).await,
         WorkerFlavor::Sglang => sglang(proxy, &candidates, placed, request).await,
         // Worker specs refuse prefill and decode roles on TensorRT-LLM workers.
         WorkerFlavor::Trtllm => Err(ProxyError::NoWorkers),
-    }
-}
-
-/// Where a request's phases would go, before anything is charged.
-pub struct Plan {
-    /// The decode rank (a position in the candidates).
-    pub decode: usize,
-    /// Its decode cost, and whether it prefills the request itself.
-    pub cost: DecodeCost,
-    /// Prefill ranks in the order to try them; empty when the decode rank
-    /// prefills.
-    pub prefill: Vec<usize>,
-    /// Where each phase goes and why, in words.
-    pub why: String,
-}
-
-/// Places a request of `tokens` prompt tokens (`None`: unknown, no
-/// KV-aware choice) on scored `candidates`; `turn` is the round-robin
-/// counter's value. `None` when no rank may decode it, or when an SGLang
-/// decode rank would need a prefill worker and there is none.
-pub fn plan(
-    proxy: &Proxy,
-    candidates: &Candidates,
-    tokens: Option<u64>,
-    turn: u64,
-) -> Option<Plan> {
-    let config = proxy.config();
-    let kv = matches!(config.policy, Policy::Kv | Policy::Approx) && tokens.is_some();
-    let tokens = tokens.unwrap_or(0);
-    // SGLang decode engines take no request without a bootstrap room:
-    // they never prefill locally.
-    let sglang_decodes = candidates
-        .targets
-        .iter()
-        .any(|t| t.role == WorkerRole::Decode && t.flavor == WorkerFlavor::Sglang);
-    let rule = if kv && !sglang_decodes {
-        config.local_prefill
-    } else {
-        LocalPrefillRule::NEVER
-    };
-    let role = |s: &Scored| {
-        candidates
-            .targets
-            .get(s.worker)
-            .map_or(WorkerRole::Both, |t| t.role)
-    };
-    let random = proxy.random();
-    let by_policy = |subset: &[Scored]| {
-        let ordered = order(subset, config.policy, config.temperature, random, turn);
-        match config.policy {
-            Policy::Kv => keep_on_holder(subset, ordered, config.holder_stickiness),
-            _ => ordered,
-        }
-    };
-    let scored = &candidates.scored;
-    let (decode, cost) = if kv {
-        pick_decode(scored, |s| role(s).decodes(), tokens, &rule, random)?
-    } else {
-        let i = *prefill_order(scored, |s| role(s).decodes(), by_policy).first()?;
-        (i, DecodeCost::of(&scored[i], tokens, &rule))
-    };
-    let aggregated = role(&scored[decode]) == WorkerRole::Both;
-    let prefill = if cost.local || aggregated {
-        Vec::new()
-    } else {
-        prefill_order(scored, |s| role(s) == WorkerRole::Prefill, by_policy)
-    };
-    if prefill.is_empty()
-        && !cost.local
-        && !aggregated
-        && scored[decode].flavor == WorkerFlavor::Sglang
-    {
-        return None;
-    }
-    let why = explain(candidates, (decode, &cost), &prefill, tokens, &rule);
-    Some(Plan {
-        decode,
-        cost,
-        prefill,
-        why,
-    })
-}
-
-/// Scores the request and places its phases while the loads they were
-/// scored on are held; `None` when no rank may decode it.
-fn place(proxy: &Arc<Proxy>, req: &RoutingRequest) -> (Candidates, Option<Placed>) {
-    proxy.candidates_for(req, |candidates, ranks| {
-        let tokens = req.tokens.as_ref().map(|t| t.len() as u64);
-        let turn = proxy
-            .turn
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let Plan {
-            decode,
-            prefill,
-            why,
-            ..
-        } = plan(proxy, candidates, tokens, turn)?;
-        let decode_guard = charge_as(proxy, ranks, (candidates, req, decode), prefill.is_empty())?;
-        let first_prefill = prefill
-            .first()
-            .and_then(|&i| Some((i, charge(proxy, ranks, candidates, req, i)?)));
-        Some(Placed {
-            decode,
-            decode_guard,
-            prefill,
-            first_prefill,
-            why,
-        })
-    })
-}
-
-/// In words: where each phase goes and why.
-fn explain(
-    candidates: &Candidates,
-    (decode, cost): (usize, &DecodeCost),
-    prefill: &[usize],
-    tokens: u64,
-    rule: &LocalPrefillRule,
-) -> String {
-    let name = |i: usize| {
-        let s = &candidates.scored[i];
-        let worker = candidates.targets.get(s.worker).map_or("?", |t| &t.name);
-        format!("{worker}/{}", s.key.rank)
-    };
-    let uncached = format!(
-        "{} of {tokens} prompt tokens uncached on decode rank {} (decode cost {:.1})",
-        cost.uncached_tokens,
-        name(decode),
-        cost.total
-    );
-    match prefill.first() {
-        _ if cost.local => format!(
-            "prefilled on the decode rank: {uncached}, under {} tokens and {} of the prompt",
-            rule.max_uncached_tokens, rule.max_uncached_fraction
-        ),
-        None => format!("prefilled on the decode rank (no prefill worker to split to): {uncached}"),
-        Some(&p) => format!(
-            "split: {uncached}; prefill on {} ({} tokens uncached there)",
-            name(p),
-            candidates.scored[p].uncached_prefill_tokens(tokens)
-        ),
     }
 }
 
@@ -268,7 +81,7 @@ async fn leg(
         .targets
         .get(s.worker)
         .map_or(1, |t| t.ranks.len());
-    let in_body = proxy.config().dp_rank_in_body;
+    let in_body = proxy.router.config().dp_rank_in_body;
     let (req, body) = (request.req.clone(), request.body.clone());
     on_cpu(request.large, move || {
         let mut out = outgoing(in_body, &req, &s, ranks, &body)?;
@@ -332,24 +145,24 @@ async fn vllm_prefill(
     request: &Request<'_>,
 ) -> Result<Prefilled, ProxyError> {
     let mut last_error = String::from("no prefill worker available");
-    let max_attempts = proxy.config().max_attempts.max(1);
+    let max_attempts = proxy.router.config().max_attempts.max(1);
     for (attempt, &i) in prefill.iter().take(max_attempts).enumerate() {
         let Some((_, target)) = open_candidate(proxy, candidates, i) else {
             continue;
         };
         if attempt > 0 {
-            proxy.metrics.retries.inc();
+            proxy.router.metrics.retries.inc();
         }
         let guard = match first.take() {
             Some((charged, guard)) if charged == i => guard,
-            _ => match charge(proxy, &mut proxy.active.lock(), candidates, request.req, i) {
+            _ => match admission::charge_later(&proxy.router, candidates, request.req, i) {
                 Some(guard) => guard,
                 None => continue,
             },
         };
         let out = leg(proxy, candidates, i, request, handoff::vllm_prefill_body).await?;
         let sent = tokio::time::timeout(
-            proxy.config().prefill_timeout,
+            proxy.router.config().prefill_timeout,
             send(
                 proxy,
                 target,
@@ -379,10 +192,15 @@ async fn vllm_prefill(
 /// The error for a prefill leg that got no answer in `--prefill-timeout-secs`:
 /// the worker took it and failed, so the rule opens its breaker.
 fn prefill_timed_out(proxy: &Proxy, target: &Target, request_id: &str) -> ProxyError {
-    outcome::settle(proxy, &target.name, Ending::LostBeforeAnswer, request_id);
+    outcome::settle(
+        &proxy.router,
+        &target.name,
+        Ending::LostBeforeAnswer,
+        request_id,
+    );
     let detail = format!(
         "no prefill answer within {} s",
-        proxy.config().prefill_timeout.as_secs()
+        proxy.router.config().prefill_timeout.as_secs()
     );
     ProxyError::lost(ErrorKind::UpstreamFailed, &target.name, request_id, detail)
 }
@@ -396,9 +214,9 @@ async fn read_whole(
     request_id: &str,
 ) -> Result<Prefilled, ProxyError> {
     let status = resp.status();
-    let cap = proxy.config().max_answer_bytes;
+    let cap = proxy.router.config().max_answer_bytes;
     let read = tokio::time::timeout(
-        proxy.config().prefill_timeout,
+        proxy.router.config().prefill_timeout,
         answer::read_capped(resp, cap),
     )
     .await;
@@ -406,7 +224,7 @@ async fn read_whole(
         Err(_) => return Err(prefill_timed_out(proxy, target, request_id)),
         Ok(Err(e @ AnswerError::TooLarge { .. })) => {
             // A worker's fault, not the client's: its breaker hears of it.
-            outcome::settle(proxy, &target.name, Ending::CutOff, request_id);
+            outcome::settle(&proxy.router, &target.name, Ending::CutOff, request_id);
             let detail = format!("reading its prefill answer: {e}");
             return Err(ProxyError::lost(
                 ErrorKind::UpstreamFailed,
@@ -416,7 +234,7 @@ async fn read_whole(
             ));
         }
         Ok(Err(e)) => {
-            outcome::settle(proxy, &target.name, Ending::CutOff, request_id);
+            outcome::settle(&proxy.router, &target.name, Ending::CutOff, request_id);
             let detail = format!(
                 "reading its prefill answer: {}",
                 crate::api::error_chain(&e)
@@ -430,7 +248,12 @@ async fn read_whole(
         }
         Ok(Ok(bytes)) => bytes,
     };
-    outcome::settle(proxy, &target.name, Ending::Complete(status), request_id);
+    outcome::settle(
+        &proxy.router,
+        &target.name,
+        Ending::Complete(status),
+        request_id,
+    );
     if !status.is_success() {
         let response = Response::builder()
             .status(status.as_u16())
@@ -505,15 +328,21 @@ fn record(
     let Some(target) = candidates.targets.get(candidates.scored[decode].worker) else {
         return;
     };
-    let chosen = attempt::Chosen {
+    let chosen = admission::Chosen {
         candidates,
         ordered: &[decode],
         index: decode,
         retries: 0,
     };
-    let mut decision = attempt::decision(proxy, request.req, request.request_id, target, chosen);
+    let mut decision = admission::decision(
+        &proxy.router,
+        request.req,
+        request.request_id,
+        target,
+        chosen,
+    );
     decision.disagg = Some(why);
-    proxy.observed.routed(decision);
+    proxy.router.observed.routed(decision);
 }
 
 /// The most prompts one request may carry to SGLang: one bootstrap room each.
@@ -550,7 +379,11 @@ async fn sglang(
         .targets
         .get(candidates.scored[p].worker)
         .ok_or(ProxyError::NoWorkers)?;
-    if !proxy.breakers.begin_attempt(&prefill_target.name) {
+    if !proxy
+        .router
+        .breakers()
+        .begin_attempt(&prefill_target.route.name)
+    {
         return Err(ProxyError::UpstreamUnreachable(format!(
             "prefill worker `{}` is out of rotation",
             prefill_target.name
@@ -571,7 +404,7 @@ async fn sglang(
                 .unwrap_or(handoff::DEFAULT_BOOTSTRAP_PORT),
         ),
         rooms: (0..batch.unwrap_or(1))
-            .map(|_| Bootstrap::room(proxy.random_u64()))
+            .map(|_| Bootstrap::room(proxy.router.random_u64()))
             .collect(),
     };
     let legs = |i: usize| {
@@ -606,7 +439,7 @@ async fn sglang(
     )
     .await?;
     record(proxy, candidates, decode, &request, why);
-    if request.req.input_logprobs && !request.req.stream {
+    if request.req.body.input_logprobs && !request.req.body.stream {
         let rank = candidates.scored[decode].key.rank.0;
         let prefill = merge::LegAnswer {
             target: prefill_target,
@@ -619,7 +452,7 @@ async fn sglang(
             guard: decode_guard,
         };
         let answer = merge::respond(proxy, prefill, decode, (rank, request.request_id)).await;
-        proxy.timed(request.arrived, None);
+        proxy.router.timed(request.arrived, None);
         return answer;
     }
     drain_prefill(
@@ -688,14 +521,14 @@ fn drain_prefill(
     request_id: &str,
 ) {
     let (proxy, request_id) = (proxy.clone(), request_id.to_owned());
-    let timeout = proxy.config().prefill_timeout;
+    let timeout = proxy.router.config().prefill_timeout;
     tokio::spawn(async move {
         let status = resp.status();
         let ending = match tokio::time::timeout(timeout, answer::drain(resp)).await {
             Ok(Ok(())) => Ending::Complete(status),
             Ok(Err(_)) | Err(_) => Ending::CutOff,
         };
-        outcome::settle(&proxy, &worker, ending, &request_id);
+        outcome::settle(&proxy.router, &worker, ending, &request_id);
         drop(guard);
     });
 }

@@ -11,13 +11,13 @@ use axum::http::header;
 use axum::response::Response;
 use serde_json::Value;
 
-use super::active::ActiveGuard;
 use super::answer;
-use super::candidates::Target;
 use super::handoff;
 use super::outcome::{self, Ending};
 use super::Proxy;
 use crate::api::{error_chain, ErrorKind, ProxyError};
+use crate::router::active::ActiveGuard;
+use crate::router::candidates::Target;
 
 /// One leg's answer, from the worker it went to, and the load it holds.
 pub struct LegAnswer<'a> {
@@ -88,12 +88,12 @@ async fn read(
     } = leg;
     let status = resp.status();
     guard.prefill_done();
-    let read = answer::read_capped(resp, proxy.config().max_answer_bytes).await;
+    let read = answer::read_capped(resp, proxy.router.config().max_answer_bytes).await;
     let ending = match &read {
         Ok(_) => Ending::Complete(status),
         Err(_) => Ending::CutOff,
     };
-    let verdict = outcome::settle(proxy, &target.name, ending, request_id);
+    let verdict = outcome::settle(&proxy.router, &target.name, ending, request_id);
     drop(guard);
     match read {
         Ok(bytes) => Ok((status, bytes)),

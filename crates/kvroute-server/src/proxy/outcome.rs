@@ -28,8 +28,8 @@
 use axum::http::StatusCode;
 use tracing::{debug, warn};
 
-use super::Proxy;
 use crate::api::ErrorKind;
+use crate::router::Router;
 
 /// How one attempt on a worker ended, as far as the rule cares.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -136,16 +136,16 @@ fn refuses(status: StatusCode) -> bool {
 /// Applies the rule to an attempt on `worker` that ended so: records the
 /// breaker's outcome and counts the upstream error; returns the verdict for
 /// the caller to act on.
-pub fn settle(proxy: &Proxy, worker: &str, ending: Ending, request_id: &str) -> Verdict {
+pub fn settle(router: &Router, worker: &str, ending: Ending, request_id: &str) -> Verdict {
     let v = verdict(ending);
     if v.upstream_error {
-        proxy.metrics.upstream_errors.inc();
+        router.metrics.upstream_errors.inc();
     }
     match v.breaker {
         BreakerOutcome::Pending => {}
-        BreakerOutcome::Success => proxy.breakers.record_outcome(worker, true),
-        BreakerOutcome::Failure => proxy.breakers.record_outcome(worker, false),
-        BreakerOutcome::Trip => proxy.breakers.trip(worker),
+        BreakerOutcome::Success => router.breakers().record_outcome(worker, true),
+        BreakerOutcome::Failure => router.breakers().record_outcome(worker, false),
+        BreakerOutcome::Trip => router.breakers().trip(worker),
     }
     match v.next {
         Next::Fail(kind) => warn!(

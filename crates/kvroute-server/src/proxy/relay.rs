@@ -6,7 +6,6 @@
 //! [`super::outcome`] like every other end of an attempt.
 
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -16,75 +15,14 @@ use axum::http::StatusCode;
 use futures_util::Stream;
 use serde_json::Value;
 
-use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::WorkerRank;
 
-use super::active::ActiveGuard;
-use super::continuations::ResponseIdScanner;
 use super::outcome::{self, Ending};
-use super::Proxy;
 use crate::api::{error_chain, ErrorKind, ProxyError};
 use crate::dialect::Dialect;
-use crate::ingest::stats::{RankState, RankStats};
-
-/// What the accuracy check needs after the response.
-#[derive(Debug, Clone)]
-pub struct Prediction {
-    /// The cached tokens the index predicted.
-    pub predicted: u64,
-    /// The request's prompt tokens.
-    pub prompt_tokens: u64,
-    /// The state of the rank the prediction came from, when it was made.
-    pub state: RankState,
-    /// What to learn from the engine's answer.
-    pub learn: Option<Arc<Learn>>,
-}
-
-/// What an engine's `cached_tokens` can teach the index: which of the
-/// request's leading blocks the rank holds (the only source for blocks a
-/// degraded rank's event history lost).
-#[derive(Debug)]
-pub struct Learn {
-    /// The rank.
-    pub key: WorkerRank,
-    /// The request's local block hashes at the worker's block size.
-    pub locals: Vec<LocalBlockHash>,
-    /// Tokens per block.
-    pub block_size: u32,
-    /// The rank's shared state (its run of exact predictions).
-    pub stats: Arc<RankStats>,
-}
-
-impl Prediction {
-    /// Compares the prediction with the engine's report, and teaches the
-    /// index what the report says about the request's leading blocks (see
-    /// `Index::learn_cached_prefix`: guesses that expire unless confirmed).
-    /// On a degraded rank, exact predictions of a cache hit count towards
-    /// trusting its history again.
-    pub fn settle(&self, proxy: &Proxy, reported: u64) {
-        proxy.metrics.compare(self.predicted, reported, self.state);
-        proxy
-            .observed
-            .compared(self.prompt_tokens, self.predicted, reported);
-        let Some(learn) = &self.learn else {
-            return;
-        };
-        if self.state == RankState::Degraded {
-            if self.predicted != reported {
-                learn.stats.exact_streak.store(0, Ordering::Relaxed);
-            } else if reported > 0 {
-                learn.stats.exact_streak.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        if self.predicted != reported && learn.block_size > 0 {
-            let held = usize::try_from(reported / u64::from(learn.block_size)).unwrap_or(0);
-            let now = proxy.now_ms();
-            proxy
-                .index()
-                .learn_cached_prefix(learn.key, &learn.locals, held, now);
-        }
-    }
-}
+use crate::router::accuracy::Prediction;
+use crate::router::active::ActiveGuard;
+use crate::router::continuations::ResponseIdScanner;
 
 /// What an engine's `usage` reports, of what the router reads.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -180,16 +118,6 @@ fn usage_in_sse(chunk: &[u8]) -> Option<Usage> {
         .find(|u| u.cached.is_some() || u.completion.is_some())
 }
 
-/// The end of the first complete SSE event in `buf` (after its blank line).
-pub(super) fn sse_event_end(buf: &[u8]) -> Option<usize> {
-    let lf = buf.windows(2).position(|w| w == b"\n\n").map(|i| i + 2);
-    let crlf = buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4);
-    match (lf, crlf) {
-        (Some(a), Some(b)) => Some(a.min(b)),
-        (a, b) => a.or(b),
-    }
-}
-
 /// Whether JSON text has `"choices"` followed by an empty array.
 fn has_empty_choices(text: &[u8]) -> bool {
     let key = b"\"choices\"";
@@ -244,7 +172,7 @@ impl UsageStripper {
         let mut out = Vec::with_capacity(self.pending.len());
         let mut reported = None;
         let mut start = 0;
-        while let Some(len) = sse_event_end(&self.pending[start..]) {
+        while let Some(len) = crate::sse::event_end(&self.pending[start..]) {
             let event = &self.pending[start..start + len];
             match usage_only_event(event) {
                 Some(usage) => reported = reported.or(Some(usage)),
@@ -331,10 +259,9 @@ impl<S> Passthrough<S> {
     }
 
     /// The same relay, remembering that `rank` produced the response the
-    /// stream names (for a later `previous_response_id` of `owner`'s; a
-    /// request of no owner's is not remembered).
-    pub fn remembering_response(mut self, rank: WorkerRank, owner: Option<[u8; 32]>) -> Self {
-        self.response = owner.map(|owner| (ResponseIdScanner::default(), rank, owner));
+    /// stream names (for a later `previous_response_id` of `owner`'s).
+    pub fn remembering_response(mut self, rank: WorkerRank, owner: [u8; 32]) -> Self {
+        self.response = Some((ResponseIdScanner::default(), rank, owner));
         self
     }
 
@@ -344,13 +271,13 @@ impl<S> Passthrough<S> {
     fn failed(&mut self, error: &reqwest::Error) -> Option<Bytes> {
         let origin = &self.origin;
         let g = self.guard.take()?;
-        let proxy = g.proxy();
-        let verdict = outcome::settle(proxy, &origin.worker, Ending::CutOff, &origin.request_id);
+        let router = g.router();
+        let verdict = outcome::settle(router, &origin.worker, Ending::CutOff, &origin.request_id);
         let kind = verdict
             .next
             .error()
             .unwrap_or(ErrorKind::UpstreamIncomplete);
-        proxy.metrics.answered(kind);
+        router.metrics.answered(kind);
         if !origin.sse {
             return None;
         }
@@ -369,7 +296,7 @@ impl<S> Passthrough<S> {
         };
         self.completion_tokens = usage.completion.or(self.completion_tokens);
         if let (Some(p), Some(g), Some(cached)) = (&self.prediction, &self.guard, usage.cached) {
-            p.settle(g.proxy(), cached);
+            p.settle(g.router(), cached);
             self.prediction = None;
         }
     }
@@ -380,7 +307,7 @@ impl<S> Passthrough<S> {
             return;
         };
         if let (Some(id), Some(g)) = (scanner.feed(out), &self.guard) {
-            g.proxy().record_response(&id, owner, *rank);
+            g.router().record_response(&id, owner, *rank);
         }
     }
 
@@ -393,11 +320,11 @@ impl<S> Passthrough<S> {
         };
         let origin = &self.origin;
         let ending = Ending::Complete(origin.status);
-        outcome::settle(g.proxy(), &origin.worker, ending, &origin.request_id);
+        outcome::settle(g.router(), &origin.worker, ending, &origin.request_id);
         if let (Some(first), Some(tokens)) = (self.first_chunk, self.completion_tokens) {
             g.decoded(first.elapsed(), self.load_at_first, tokens);
         }
-        g.proxy().timed(self.arrived, self.first_chunk);
+        g.router().timed(self.arrived, self.first_chunk);
     }
 }
 

@@ -13,7 +13,7 @@
 //!
 //! **No id in the clear.** A pin is stored under a keyed hash
 //! ([`PinKeys`], HMAC-SHA256) of its kind, its owner (the client it is
-//! bound to, `crate::proxy::owners`) and its session or response id, and
+//! bound to, `crate::router::owners`) and its session or response id, and
 //! its value names only the worker, the rank and the history in tokens: a
 //! NATS client that reads the bucket learns no id it could use. The key is
 //! the `--nats-pins-key` every replica shares; without one it is a public

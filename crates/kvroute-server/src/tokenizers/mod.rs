@@ -31,7 +31,7 @@ use kvroute_prompt::{ImageTokenRule, Prompt, Renderer, Tokenizer};
 use serde_json::{json, Value};
 use tracing::{info, warn};
 
-use crate::proxy::model_list::Model;
+use crate::router::model_list::Model;
 use hub::HubConfig;
 
 /// Where a model's tokenizer may be looked for (`--tokenizer-sources`).
@@ -375,24 +375,24 @@ impl ModelTokenizers {
 /// Starts looking for the tokenizer of every model the workers list that
 /// is due a look (unless `--tokenizer` covers every model), each on a task
 /// of its own: a download may take a while.
-pub fn discover_due(proxy: &Arc<crate::proxy::Proxy>) {
-    if proxy.config().renderer.is_some() {
+pub fn discover_due(router: &Arc<crate::router::Router>) {
+    if router.config().renderer.is_some() {
         return;
     }
-    let learned = proxy.learned_models();
-    let explicit = &proxy.config().model_renderers;
+    let learned = router.learned_models();
+    let explicit = &router.config().model_renderers;
     let learned: Vec<Model> = learned
         .into_iter()
         .filter(|m| !explicit.contains_key(&m.id))
         .collect();
-    for model in proxy.tokenizers().due(&learned, Instant::now()) {
-        let proxy = proxy.clone();
+    for model in router.tokenizers().due(&learned, Instant::now()) {
+        let router = router.clone();
         tokio::spawn(async move {
             let asker = Asker {
-                client: proxy.client(),
-                urls: proxy.urls_serving(&model.id),
+                client: router.client(),
+                urls: router.urls_serving(&model.id),
             };
-            proxy.tokenizers().discover(&model, asker).await;
+            router.tokenizers().discover(&model, asker).await;
         });
     }
 }
@@ -402,7 +402,7 @@ pub fn discover_due(proxy: &Arc<crate::proxy::Proxy>) {
 /// ask leaves it routed on load alone. `client_body` is the body as the
 /// client sent it, `chat` whether it came to the chat endpoint.
 pub async fn complete_from_engine(
-    proxy: &crate::proxy::Proxy,
+    router: &crate::router::Router,
     req: &mut kvroute_prompt::body::RoutingRequest,
     client_body: &[u8],
     chat: bool,
@@ -410,24 +410,24 @@ pub async fn complete_from_engine(
     if req.tokens.is_some() || req.text.is_none() {
         return;
     }
-    let Some(model) = req.model.clone().or_else(|| proxy.only_model()) else {
+    let Some(model) = req.model.clone().or_else(|| router.only_model()) else {
         return;
     };
-    if !proxy.tokenizers().uses_engine(&model) {
+    if !router.tokenizers().uses_engine(&model) {
         return;
     }
     let Some(body) = engine::tokenize_body(req, client_body, chat) else {
         return;
     };
     let key = engine::AnswerCache::key(&body);
-    let answers = &proxy.tokenizers().answers;
+    let answers = &router.tokenizers().answers;
     if let Some(tokens) = answers.get(key) {
         req.tokens = Some(tokens.to_vec());
         req.text = None;
         return;
     }
-    for url in proxy.urls_serving(&model) {
-        match engine::ask(proxy.client(), &url, &body).await {
+    for url in router.urls_serving(&model) {
+        match engine::ask(router.client(), &url, &body).await {
             Ok(tokens) => {
                 answers.put(key, Arc::from(tokens.as_slice()));
                 req.tokens = Some(tokens);
@@ -442,8 +442,8 @@ pub async fn complete_from_engine(
 /// Every model's tokenizer as `/workers` and `/api/stats` show it: the
 /// model, where its tokens come from (`root`, `cache`, `hub`, `parent`,
 /// `engine`, or `none`: routed on load alone) and, for a file, its path.
-pub fn tokenizers_json(proxy: &crate::proxy::Proxy) -> Value {
-    let rows: Vec<Value> = proxy
+pub fn tokenizers_json(router: &crate::router::Router) -> Value {
+    let rows: Vec<Value> = router
         .tokenizers()
         .snapshot()
         .into_iter()
@@ -462,7 +462,7 @@ pub fn tokenizers_json(proxy: &crate::proxy::Proxy) -> Value {
 /// `kvroute_model_tokenizer{model,source}` (1 for each model the workers
 /// list, by where its tokens come from).
 #[derive(Debug)]
-pub struct TokenizerCollector(pub Arc<crate::proxy::Proxy>);
+pub struct TokenizerCollector(pub Arc<crate::router::Router>);
 
 impl prometheus_client::collector::Collector for TokenizerCollector {
     fn encode(

@@ -19,8 +19,8 @@ use kvroute_server::ingest::rank::Timing;
 use kvroute_server::ingest::registry::{default_max_ranks, IngestConfig, RankLimitSource};
 use kvroute_server::ingest::spec::{parse_config, WorkerSpec};
 use kvroute_server::listen::{default_max_connections, raise_fd_limit};
-use kvroute_server::proxy::sessions::SessionConfig;
 use kvroute_server::proxy::ProxyConfig;
+use kvroute_server::proxy::SessionConfig;
 use kvroute_server::replica::pins::PinsSecret;
 use kvroute_server::replica::ReplicaConfig;
 use kvroute_server::{serve_with_epp, ServeConfig, StateConfig};
@@ -135,6 +135,12 @@ pub struct ServeArgs {
     /// unless that rank costs over this many times the cheapest (below 1: off).
     #[arg(long, default_value_t = ProxyConfig::default().holder_stickiness, env = "KVROUTE_HOLDER_STICKINESS")]
     holder_stickiness: f64,
+    /// Seeds the placements' random draws (ties between equal costs,
+    /// `--temperature` sampling, `--policy random`), so that the same
+    /// requests on the same fleet state are placed alike run after run, as
+    /// `kvroute bench sim --seeds` places them. Default: a seed from the clock.
+    #[arg(long, value_name = "N", env = "KVROUTE_ROUTING_SEED")]
+    routing_seed: Option<u64>,
     /// A rank with this many prompt tokens in prefill is skipped (busy).
     #[arg(long, value_name = "TOKENS", env = "KVROUTE_BUSY_PREFILL_TOKENS")]
     busy_prefill_tokens: Option<u64>,
@@ -506,6 +512,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         temperature: args.temperature,
         deal_new_prefixes: args.deal_new_prefixes.0,
         holder_stickiness: args.holder_stickiness,
+        routing_seed: args.routing_seed,
         busy: BusyThresholds {
             prefill_tokens: args.busy_prefill_tokens,
             decode_blocks: args.busy_decode_blocks,

@@ -2,14 +2,14 @@
 //! header, or the tenant its API key is bound to, or the key's
 //! fingerprint), which priorities it may use, what each tenant weighs in
 //! the overload queue's fair order, and how many tenants the queue tells
-//! apart (`kvroute_server::proxy::tenants`).
+//! apart (`kvroute_server::router::tenants`).
 
 use std::io::Read as _;
 
 use anyhow::{bail, Result};
 use clap::Args;
-use kvroute_core::scheduler::fair::{key_digest, WEIGHT_RANGE};
-use kvroute_server::proxy::tenants::{PriorityRange, TenantConfig, MAX_TENANT};
+use kvroute_core::scheduler::fair::WEIGHT_RANGE;
+use kvroute_server::proxy::{key_digest, PriorityRange, TenantConfig, MAX_TENANT};
 
 /// The longest key file read (an API key is far shorter).
 const MAX_KEY_FILE: u64 = 4_096;

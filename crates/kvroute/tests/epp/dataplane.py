@@ -5,12 +5,14 @@ Envoy's ext_proc filter and an ORIGINAL_DST cluster do, in a few lines.
     dataplane.py --epp HOST:PORT [--fail-open ENDPOINT,...]
 
 For each HTTP request it opens one ext_proc stream to the picker (the
-messages of `client.py`: FULL_DUPLEX_STREAMED, the request headers, the
-body), forwards the echoed body to the endpoint the picker named in
+messages of `client.py`: FULL_DUPLEX_STREAMED, the request headers with
+the client's own, the body), forwards the echoed body and the client's
+headers to the endpoint the picker named in
 `x-gateway-destination-endpoint`, relays the answer to the client as it
 comes, and feeds the response phase (headers, then each body chunk, then
 the end) back to the picker, so its load, TTFT and accuracy work as in
-`kvroute serve`. An ImmediateResponse is the client's answer. With
+`kvroute serve`. An ImmediateResponse (its status, headers and body) is
+the client's answer. With
 `--fail-open`, a picker that cannot be reached sends the request to the
 next of these endpoints in turn (Envoy's FailOpen); without it the client
 gets a 503 (FailClose). It prints `listening on PORT` once it serves.
@@ -32,6 +34,17 @@ from client import FULL_DUPLEX, Stream, ep, header_map, served_metadata  # noqa:
 
 CHUNK = 16 * 1024
 
+# Hop-by-hop headers, and those the data plane sets itself: never passed on.
+NOT_PASSED = {
+    "connection", "keep-alive", "proxy-connection", "transfer-encoding", "te",
+    "trailer", "upgrade", "host", "content-length",
+}
+
+
+def passed_on(headers):
+    """The client's headers a proxy passes on (lower-cased names)."""
+    return [(k.lower(), v) for k, v in headers.items() if k.lower() not in NOT_PASSED]
+
 
 class Picker:
     """The picker's channel (one, shared) and the fallback endpoints."""
@@ -48,15 +61,17 @@ class Picker:
             return next(self.fallback)
 
 
-def pick(stream, path, body):
-    """The request phase: the endpoint named, or (status, body) of an
-    ImmediateResponse."""
+def pick(stream, path, body, headers):
+    """The request phase (the client's `headers` with the pseudo-headers):
+    the endpoint named, or (status, body) of an ImmediateResponse."""
     config = ep.ProtocolConfiguration(
         request_body_mode=FULL_DUPLEX,
         response_body_mode=FULL_DUPLEX,
         send_body_without_waiting_for_header_response=True,
     )
-    pairs = [(":method", "POST"), (":path", path), ("content-type", "application/json")]
+    pairs = [(":method", "POST"), (":path", path)] + headers
+    if not any(k == "content-type" for k, _ in headers):
+        pairs.append(("content-type", "application/json"))
     stream.send(
         ep.ProcessingRequest(
             request_headers=ep.HttpHeaders(headers=header_map(pairs), end_of_stream=False),
@@ -66,7 +81,11 @@ def pick(stream, path, body):
     stream.send(ep.ProcessingRequest(request_body=ep.HttpBody(body=body, end_of_stream=True)))
     kind, answer = betterproto2.which_one_of(stream.next(), "response")
     if kind == "immediate_response":
-        return None, (int(answer.status.code), answer.body)
+        headers = [
+            (o.header.key, (o.header.raw_value or o.header.value.encode()).decode())
+            for o in (answer.headers.set_headers if answer.headers else [])
+        ]
+        return None, (int(answer.status.code), answer.body, headers)
     endpoint = None
     for option in answer.response.header_mutation.set_headers:
         if option.header.key == "x-gateway-destination-endpoint":
@@ -83,6 +102,13 @@ def pick(stream, path, body):
     return endpoint, None
 
 
+def finish(stream):
+    """Ends a picker stream and its watchdog: a watchdog left running would
+    close the channel every stream shares when its deadline came."""
+    stream.close()
+    stream.watchdog.cancel()
+
+
 def tell(stream, step):
     """Runs `step` on the picker's stream; a picker gone meanwhile (it
     restarted) is dropped, and the answer keeps flowing without it."""
@@ -92,7 +118,7 @@ def tell(stream, step):
         step(stream)
         return stream
     except (grpc.RpcError, StopIteration, ValueError):
-        stream.close()
+        finish(stream)
         return None
 
 
@@ -108,26 +134,31 @@ class Handler(http.server.BaseHTTPRequestHandler):
         stream = None
         try:
             stream = Stream(picker.channel)
-            endpoint, immediate = pick(stream, self.path, body)
+            endpoint, immediate = pick(stream, self.path, body, passed_on(self.headers))
         except (grpc.RpcError, RuntimeError, StopIteration) as e:
             if stream is not None:
-                stream.close()
+                finish(stream)
             stream, immediate = None, None
             endpoint = picker.next_fallback()
             if endpoint is None:
-                return self.answer(503, b'{"error": "the endpoint picker is unavailable: %s"}' % str(e).encode())
+                return self.answer(503, b'{"error": "the endpoint picker is unavailable: %s"}' % str(e).encode(), [])
         if immediate is not None:
-            stream.close()
+            finish(stream)
             return self.answer(*immediate)
         try:
             self.forward(endpoint, body, stream)
         finally:
             if stream is not None:
-                stream.close()
+                finish(stream)
 
-    def answer(self, status, body):
+    def answer(self, status, body, headers):
+        """The picker's immediate answer: its status, headers and body."""
         self.send_response(status)
-        self.send_header("content-type", "application/json")
+        names = {k.lower() for k, _ in headers}
+        for k, v in headers:
+            self.send_header(k, v)
+        if "content-type" not in names:
+            self.send_header("content-type", "application/json")
         self.send_header("content-length", str(len(body)))
         self.end_headers()
         self.wfile.write(body)
@@ -137,7 +168,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
         shown to the picker's response phase)."""
         host, port = endpoint.rsplit(":", 1)
         upstream = http.client.HTTPConnection(host, int(port), timeout=120)
-        upstream.request("POST", self.path, body=body, headers={"content-type": "application/json"})
+        headers = dict(passed_on(self.headers))
+        headers.setdefault("content-type", "application/json")
+        upstream.request("POST", self.path, body=body, headers=headers)
         resp = upstream.getresponse()
         pairs = [(":status", str(resp.status)), ("content-type", resp.getheader("content-type", ""))]
         stream = tell(stream, lambda s: s.send(
@@ -148,6 +181,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
         ) or s.next())
         self.send_response(resp.status)
         self.send_header("content-type", resp.getheader("content-type", "application/json"))
+        # Which endpoint served it, for tests (Envoy's upstream host).
+        self.send_header("x-dataplane-endpoint", endpoint)
         self.send_header("transfer-encoding", "chunked")
         self.end_headers()
         while True:

@@ -13,6 +13,7 @@ use std::time::Duration;
 use kvroute_loadgen::nats::NatsServer;
 use serde_json::{json, Value};
 
+use crate::support::door::Door;
 use crate::support::http::{count, dechunk, request, request_with, Reply};
 use crate::support::{eventually, spawn_serve_with_env, start_mocker_with, start_serve, Proc};
 
@@ -110,10 +111,16 @@ fn a_repeated_system_prompt_hits_in_both_apis() {
     assert!(count(&serve, "kvroute_proxy_load_only_total") == 0);
 }
 
-/// One Responses API turn at `serve`: its id, the worker it went to, and
-/// its usage (cached and prompt tokens).
+/// The worker `kvroute serve` says answered.
+fn routed_by(reply: &Reply) -> String {
+    reply.header("x-kvroute-worker").expect("routed")
+}
+
+/// One Responses API turn at `serve`: its id, the worker it went to (as
+/// `worker` reads it off the answer), and its usage (cached and prompt
+/// tokens).
 fn respond(
-    serve: &str,
+    (serve, worker): (&str, &dyn Fn(&Reply) -> String),
     previous: Option<&str>,
     q: usize,
     stream: bool,
@@ -127,7 +134,7 @@ fn respond(
     }
     let reply = post(serve, "/v1/responses", &body);
     assert_eq!(reply.status, 200, "{}", reply.body);
-    let worker = reply.header("x-kvroute-worker").expect("routed");
+    let worker = worker(&reply);
     let (id, usage) = if stream {
         let events = sse_events(&reply.body);
         let created = events.iter().find(|e| e["type"] == "response.created");
@@ -153,15 +160,19 @@ fn sse_events(body: &str) -> Vec<Value> {
         .collect()
 }
 
-#[test]
-fn a_continuation_goes_back_to_the_engine_that_holds_its_response() {
+fn a_continuation_goes_back_to_the_engine_that_holds_its_response(door: Door) {
     let (_mocker, lines) = engines(3);
     // Round-robin would send each turn elsewhere; only the response's pin
     // keeps the conversation where the engine can continue it.
-    let (_serve, serve) = start_serve(&lines, &["--policy", "round-robin"]);
-    let (mut id, first, (_, mut prompt)) = respond(&serve, None, 1, false);
+    let front = door.start(&lines, &["--policy", "round-robin"], &[]);
+    let worker = |r: &Reply| front.worker_of(r);
+    let (serve, at) = (
+        &front.router,
+        (front.addr.as_str(), &worker as &dyn Fn(&Reply) -> String),
+    );
+    let (mut id, first, (_, mut prompt)) = respond(at, None, 1, false);
     for turn in 0..6 {
-        let (next, worker, (hit, tokens)) = respond(&serve, Some(&id), 10 + turn, turn % 2 == 1);
+        let (next, worker, (hit, tokens)) = respond(at, Some(&id), 10 + turn, turn % 2 == 1);
         assert_eq!(worker, first, "turn {turn} left the conversation's engine");
         assert!(
             hit >= prompt / 16 * 16 && tokens > prompt,
@@ -169,16 +180,29 @@ fn a_continuation_goes_back_to_the_engine_that_holds_its_response() {
         );
         (id, prompt) = (next, tokens);
     }
-    assert_eq!(count(&serve, "kvroute_proxy_continuation_kept_total"), 6);
-    // An id no engine wrote: the engine's own 404, passed on.
+    assert_eq!(count(serve, "kvroute_proxy_continuation_kept_total"), 6);
+    // An id no engine wrote: the engine's own 404, answered by the router.
     let body = json!({"model": "mock-model", "input": "hi", "previous_response_id": "resp_nope"});
-    let reply = post(&serve, "/v1/responses", &body);
+    let reply = post(&front.addr, "/v1/responses", &body);
     assert_eq!(reply.status, 404, "{}", reply.body);
-    assert!(
-        reply.json()["error"]["message"].is_string(),
+    assert_eq!(
+        reply.json()["error"]["param"],
+        "previous_response_id",
         "{}",
         reply.body
     );
+}
+
+#[test]
+fn a_continuation_goes_back_to_the_engine_that_holds_its_response_over_http() {
+    a_continuation_goes_back_to_the_engine_that_holds_its_response(Door::Http);
+}
+
+/// The picker reads each response's id off the answer as it passes (its
+/// response phase), as the proxy does.
+#[test]
+fn a_continuation_goes_back_to_the_engine_that_holds_its_response_through_the_picker() {
+    a_continuation_goes_back_to_the_engine_that_holds_its_response(Door::Picker);
 }
 
 #[test]
@@ -208,7 +232,7 @@ fn replicas_share_sessions_and_responses() {
     let before = pins();
     // A response made at A, continued at B, which never saw it: round-robin
     // there would rotate the turns over the three engines.
-    let (id, first, _) = respond(&a, None, 3, false);
+    let (id, first, _) = respond((&a, &routed_by), None, 3, false);
     eventually("B applied A's response pin", || pins() > before);
     for turn in 0..3 {
         let body = json!({"model": "mock-model", "input": "and?", "previous_response_id": id,

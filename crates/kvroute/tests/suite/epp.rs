@@ -2,10 +2,7 @@
 //! picker, driven over real gRPC by a client kvroute does not share code
 //! with: `tests/epp/client.py`, Envoy's ext_proc v3 messages from PyPI's
 //! `envoy-data-plane` over `grpcio`, and `grpcio-health-checking`.
-//!
-//! The Python comes from `KVROUTE_EPP_PYTHON`, or the virtual environment
-//! `scripts/test` makes under `~/.cache/kvroute/epp`; without it these
-//! tests fail naming the command that installs it (never skip).
+//! Its Python and the picker's start are in `crate::support::picker`.
 
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -15,25 +12,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 
 use crate::support::http::{count, metric, metric_where, request};
-use crate::support::{eventually, free_port, kvroute, lines_of, start_mocker_with, Proc};
-
-/// The packages the client imports.
-const PACKAGES: &str = "envoy-data-plane grpcio grpcio-health-checking";
-
-/// The Python with the client's packages (see the module docs).
-fn python() -> PathBuf {
-    crate::support::python_with(
-        "KVROUTE_EPP_PYTHON",
-        "epp",
-        PACKAGES,
-        "import envoy_data_plane, grpc, grpc_health",
-    )
-}
-
-/// The client script.
-fn script() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/epp/client.py")
-}
+use crate::support::picker::{
+    python, script, start_dataplane, start_picker, start_picker_with_env, Picker,
+};
+use crate::support::{eventually, free_port, start_mocker_with, Proc};
 
 /// A file holding `body`, removed when dropped.
 struct BodyFile(PathBuf);
@@ -100,85 +82,6 @@ fn client_in_background(args: &[&str]) -> Proc {
         .spawn()
         .expect("python runs");
     Proc(child)
-}
-
-/// A router with the picker on: its HTTP, ext_proc and health addresses.
-struct Picker {
-    _proc: Proc,
-    http: String,
-    ext_proc: String,
-    health: String,
-}
-
-/// `kvroute serve` on ephemeral ports with the picker on (`--epp-port 0
-/// --epp-health-port 0`), the `workers` and `extra` flags; waits until it
-/// printed both listening lines and every worker's rank is connected.
-fn start_picker(workers: &[String], extra: &[&str]) -> Picker {
-    start_picker_with_env(workers, extra, &[])
-}
-
-/// [`start_picker`] with `env` set for the router.
-fn start_picker_with_env(workers: &[String], extra: &[&str], env: &[(&str, &str)]) -> Picker {
-    let mut command = kvroute();
-    command.envs(env.iter().copied());
-    command.args(["serve", "--port", "0", "--log", "warn"]);
-    if !extra.contains(&"--epp-port") {
-        command.args(["--epp-port", "0"]);
-    }
-    command.args(["--epp-health-port", "0"]);
-    for w in workers {
-        command.arg("--worker").arg(w);
-    }
-    let mut child = command
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kvroute serve runs");
-    let lines = lines_of(child.stderr.take().expect("stderr"));
-    let proc = Proc(child);
-    let (mut http, mut picker) = (None, None);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while http.is_none() || picker.is_none() {
-        let wait = deadline.saturating_duration_since(Instant::now());
-        let line = lines
-            .recv_timeout(wait)
-            .expect("serve prints its listening lines within 30 s");
-        if let Some((_, rest)) = line.split_once("listening on http://") {
-            http = rest.split_whitespace().next().map(str::to_owned);
-        }
-        if let Some((_, rest)) = line.split_once("endpoint picker (ext_proc) listening on ") {
-            picker = Some(rest.to_owned());
-        }
-    }
-    let picker = picker.unwrap_or_default();
-    let after_scheme = |s: &str| s.split_once("://").map(|(_, a)| a.to_owned());
-    let ext_proc = picker
-        .split(',')
-        .next()
-        .and_then(after_scheme)
-        .expect("the ext_proc address");
-    let health = picker
-        .split_once("gRPC health on ")
-        .and_then(|(_, h)| after_scheme(h.trim()))
-        .expect("the health address");
-    let http = http.unwrap_or_default();
-    eventually("every worker's rank connected", || {
-        let doc = request(&http, "GET", "/workers", "").json();
-        let list = doc["workers"].as_array().cloned().unwrap_or_default();
-        list.len() == workers.len()
-            && list.iter().all(|w| {
-                w["ranks"]
-                    .as_array()
-                    .is_some_and(|r| r.iter().all(|r| r["connected"] == true))
-            })
-    });
-    Picker {
-        _proc: proc,
-        http,
-        ext_proc,
-        health,
-    }
 }
 
 /// `ip:port` of a mocker's `--worker` line (its `url=`).
@@ -410,26 +313,6 @@ fn a_busy_fleet_sheds_with_429_and_a_closed_stream_frees_its_load_over_tls() {
     assert_eq!(count(http, "kvroute_proxy_overloaded_total"), 1);
 }
 
-/// The data plane (`tests/epp/dataplane.py`) in front of the picker at
-/// `ext_proc`, falling open to `fail_open` when given: its `host:port`.
-fn start_dataplane(ext_proc: &str, fail_open: &[String]) -> (Proc, String) {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/epp/dataplane.py");
-    let mut child = Command::new(python())
-        .arg(script)
-        .args(["--epp", ext_proc, "--fail-open", &fail_open.join(",")])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("python runs");
-    let lines = lines_of(child.stdout.take().expect("stdout"));
-    let proc = Proc(child);
-    let line = lines
-        .recv_timeout(Duration::from_secs(30))
-        .expect("the data plane says where it listens");
-    let port = line.trim().strip_prefix("listening on ").expect("its port");
-    (proc, format!("127.0.0.1:{port}"))
-}
-
 /// `kvroute bench` at `host:port` on a shared-prefix workload whose groups
 /// do not fit every engine: its report of the run, checked complete.
 fn bench_at(host_port: &str, requests: u32) -> Value {
@@ -565,7 +448,7 @@ fn unfinished_request_bodies_cannot_hold_the_pickers_memory() {
         );
     }
     crate::support::assert_peak_rss_under(
-        picker._proc.0.id(),
+        picker.proc.0.id(),
         256 << 20,
         "under twenty unfinished 10 MB picker streams",
     );

@@ -3,10 +3,7 @@
 //! (`kvroute_server`, in this process) subscribes, and the index is checked
 //! through lookups.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use kvroute_core::hash::{local_block_hashes, sequence_hashes, HASH_SEED};
@@ -16,45 +13,9 @@ use kvroute_server::ingest::registry::Registry;
 use kvroute_server::ingest::spec::{RankEndpoints, WorkerSpec};
 
 use crate::support::eventually;
+use crate::support::publisher::{batch, removed, stored, Publisher as Engine};
 
 const BS: usize = 4;
-
-use kvroute_core::wire::write as mp;
-
-/// A store of `blocks` blocks of `BS` tokens starting at token `first`, chained to `parent`.
-fn stored(out: &mut Vec<u8>, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) {
-    mp::map(out, 5);
-    mp::str(out, "type");
-    mp::str(out, "BlockStored");
-    mp::str(out, "block_hashes");
-    mp::array(out, hashes.len());
-    for &h in hashes {
-        mp::uint64(out, h);
-    }
-    mp::str(out, "parent_block_hash");
-    match parent {
-        Some(p) => mp::uint64(out, p),
-        None => out.push(0xc0),
-    }
-    mp::str(out, "token_ids");
-    mp::array(out, tokens.len());
-    for &t in tokens {
-        mp::uint64(out, u64::from(t));
-    }
-    mp::str(out, "block_size");
-    mp::uint64(out, BS as u64);
-}
-
-fn batch(events: &[Vec<u8>], rank: u64) -> Vec<u8> {
-    let mut out = vec![0x93, 0xcb];
-    out.extend_from_slice(&1.5f64.to_be_bytes());
-    mp::array(&mut out, events.len());
-    for e in events {
-        out.extend_from_slice(e);
-    }
-    mp::uint64(&mut out, rank);
-    out
-}
 
 /// The tokens of "conversation" `c`, block `b`.
 fn tokens_of(c: u32, blocks: usize) -> Vec<u32> {
@@ -72,127 +33,8 @@ fn conversation_batch(c: u32, blocks: usize, rank: u64) -> Vec<u8> {
         .map(|i| u64::from(c) * 100 + i + 1)
         .collect();
     let mut e = Vec::new();
-    stored(&mut e, &hashes, None, &tokens_of(c, blocks));
+    stored(&mut e, &hashes, None, &tokens_of(c, blocks), BS);
     batch(&[e], rank)
-}
-
-/// The replay ring: `(seq, payload)`, oldest first.
-type Ring = Arc<Mutex<VecDeque<(u64, Vec<u8>)>>>;
-
-/// A fake engine rank: live PUB and a replay ROUTER serving its ring.
-struct Engine {
-    publisher: zmq::Socket,
-    events: String,
-    replay: String,
-    ring: Ring,
-    stop: Arc<AtomicBool>,
-    router: Option<JoinHandle<()>>,
-}
-
-impl Engine {
-    fn start(ctx: &zmq::Context, frames: usize, ring_size: usize) -> Engine {
-        let publisher = ctx.socket(zmq::PUB).expect("pub");
-        publisher.bind("tcp://127.0.0.1:*").expect("bind pub");
-        let events = publisher
-            .get_last_endpoint()
-            .expect("endpoint")
-            .expect("utf-8");
-        let router = ctx.socket(zmq::ROUTER).expect("router");
-        router.bind("tcp://127.0.0.1:*").expect("bind router");
-        let replay = router
-            .get_last_endpoint()
-            .expect("endpoint")
-            .expect("utf-8");
-        let ring: Ring = Arc::new(Mutex::new(VecDeque::new()));
-        let stop = Arc::new(AtomicBool::new(false));
-        let thread = {
-            let ring = ring.clone();
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                let _ = ring_size;
-                while !stop.load(Ordering::Relaxed) {
-                    let mut items = [router.as_poll_item(zmq::POLLIN)];
-                    if zmq::poll(&mut items, 50).is_err() || !items[0].is_readable() {
-                        continue;
-                    }
-                    let Ok(req) = router.recv_multipart(0) else {
-                        continue;
-                    };
-                    if req.len() != 3 || !req[1].is_empty() || req[2].len() != 8 {
-                        continue;
-                    }
-                    let start = u64::from_be_bytes(req[2].as_slice().try_into().expect("8 bytes"));
-                    let id = req[0].clone();
-                    let entries: Vec<(u64, Vec<u8>)> = ring
-                        .lock()
-                        .expect("ring")
-                        .iter()
-                        .filter(|(s, _)| *s >= start)
-                        .cloned()
-                        .collect();
-                    for (seq, payload) in entries {
-                        let seq = seq.to_be_bytes().to_vec();
-                        let reply: Vec<Vec<u8>> = if frames == 4 {
-                            vec![id.clone(), vec![], vec![], seq, payload]
-                        } else {
-                            vec![id.clone(), vec![], seq, payload]
-                        };
-                        router.send_multipart(reply, 0).expect("reply");
-                    }
-                    let end: Vec<Vec<u8>> = if frames == 4 {
-                        vec![id.clone(), vec![], vec![], vec![0xff; 8], vec![]]
-                    } else {
-                        vec![id.clone(), vec![], vec![0xff; 8], vec![]]
-                    };
-                    router.send_multipart(end, 0).expect("end");
-                }
-            })
-        };
-        Engine {
-            publisher,
-            events,
-            replay,
-            ring,
-            stop,
-            router: Some(thread),
-        }
-    }
-
-    /// Publishes `payload` as `seq`; `live: false` keeps it only in the ring (a lost batch).
-    fn publish(&self, seq: u64, payload: &[u8], live: bool, ring_size: usize) {
-        {
-            let mut ring = self.ring.lock().expect("ring");
-            ring.push_back((seq, payload.to_vec()));
-            while ring.len() > ring_size {
-                ring.pop_front();
-            }
-        }
-        if live {
-            let frames: [&[u8]; 3] = [b"", &seq.to_be_bytes(), payload];
-            self.publisher.send_multipart(frames, 0).expect("publish");
-        }
-    }
-
-    fn restart_ring(&self) {
-        self.ring.lock().expect("ring").clear();
-    }
-
-    fn endpoints(&self, rank: u32) -> RankEndpoints {
-        RankEndpoints {
-            rank: DpRank(rank),
-            events: self.events.clone(),
-            replay: Some(self.replay.clone()),
-        }
-    }
-}
-
-impl Drop for Engine {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.router.take() {
-            let _ = t.join();
-        }
-    }
 }
 
 struct Fixture {
@@ -439,19 +281,13 @@ fn a_malformed_envelope_is_skipped_and_a_malformed_event_loses_only_itself() {
     let (engine, f, key) = follow(&ctx, 4, 10_000);
     engine.publish(0, &conversation_batch(1, 2, 0), true, 10_000);
     // Seq 1 is garbage, live and in the ring.
-    engine
-        .ring
-        .lock()
-        .expect("ring")
-        .push_back((1, vec![0xc1, 0x00]));
-    let frames: [&[u8]; 3] = [b"", &1u64.to_be_bytes(), &[0xc1, 0x00]];
-    engine.publisher.send_multipart(frames, 0).expect("publish");
+    engine.publish(1, &[0xc1, 0x00], true, 10_000);
     // Seq 2: a bad event between two good ones.
     let mut good_a = Vec::new();
-    stored(&mut good_a, &[301, 302], None, &tokens_of(3, 2));
+    stored(&mut good_a, &[301, 302], None, &tokens_of(3, 2), BS);
     let bad = vec![0x81, 0xa4, b't', b'y', b'p', b'e', 0x07];
     let mut good_b = Vec::new();
-    stored(&mut good_b, &[401, 402], None, &tokens_of(4, 2));
+    stored(&mut good_b, &[401, 402], None, &tokens_of(4, 2), BS);
     engine.publish(2, &batch(&[good_a, bad, good_b], 0), true, 10_000);
     eventually("all good data applied", || {
         [1, 3, 4]
@@ -525,7 +361,13 @@ fn a_flood_of_events_does_not_stop_lookups() {
             .map(|i| {
                 let c = (seq * PER_BATCH + i) as u32;
                 let mut e = Vec::new();
-                stored(&mut e, &[u64::from(c) * 100 + 1], None, &tokens_of(c, 1));
+                stored(
+                    &mut e,
+                    &[u64::from(c) * 100 + 1],
+                    None,
+                    &tokens_of(c, 1),
+                    BS,
+                );
                 e
             })
             .collect();
@@ -595,18 +437,6 @@ fn a_worker_unreachable_past_the_grace_period_loses_its_blocks() {
     assert_eq!(registry.len(), 1, "the worker stays registered");
 }
 
-/// A removal of `hashes`.
-fn removed(out: &mut Vec<u8>, hashes: &[u64]) {
-    mp::map(out, 2);
-    mp::str(out, "type");
-    mp::str(out, "BlockRemoved");
-    mp::str(out, "block_hashes");
-    mp::array(out, hashes.len());
-    for &h in hashes {
-        mp::uint64(out, h);
-    }
-}
-
 #[test]
 fn an_engine_hash_reaches_only_the_blocks_of_the_worker_that_published_it() {
     // w0 stores block x as engine hash 10, w1 stores x as 11; then w1's
@@ -636,7 +466,7 @@ fn an_engine_hash_reaches_only_the_blocks_of_the_worker_that_published_it() {
     let x = tokens_of(1, 1);
     let one = |hashes: &[u64], parent: Option<u64>, tokens: &[u32]| {
         let mut e = Vec::new();
-        stored(&mut e, hashes, parent, tokens);
+        stored(&mut e, hashes, parent, tokens, BS);
         batch(&[e], 0)
     };
     eventually("both connected", || {

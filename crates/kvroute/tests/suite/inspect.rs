@@ -144,14 +144,22 @@ fn inspect_shows_the_image_items_of_every_key_form() {
             .iter()
             .filter_map(|l| l["image_items"].as_array())
             .flatten()
-            .map(|i| (i["block"].as_u64().expect("block"), i["item"].as_u64().expect("item")))
+            .map(|i| {
+                (
+                    i["block"].as_u64().expect("block"),
+                    i["item"].as_u64().expect("item"),
+                )
+            })
             .collect()
     };
     // TensorRT-LLM: one image over the 3 blocks of the first store, a second
     // image (with a uuid) over the child store's 2 blocks.
     let trt = items(fixture("trtllm_multimodal_mm_keys.hex"));
     assert_eq!(trt.len(), 5, "{trt:?}");
-    assert!(trt[..3].iter().all(|&(_, item)| item == 0x2a2688f3dfbb1087), "{trt:?}");
+    assert!(
+        trt[..3].iter().all(|&(_, item)| item == 0x2a2688f3dfbb1087),
+        "{trt:?}"
+    );
     // The same digest-first image without mm_keys is still named, on every
     // block its positions reach in the event.
     let bare = items(hand_built_seed("trtllm_digest_without_mm_keys.hex"));
@@ -171,14 +179,32 @@ fn inspect_shows_hybrid_groups_tiers_and_placeholders() {
     let path = fixture("vllm_0.34.0_offload_storage_remote.hex");
     let (code, lines, _) = inspect(&["--hex", path.to_str().expect("utf-8 path")]);
     assert_eq!(code, 0);
-    let kinds: Vec<Value> = lines.iter().map(|l| l["kind"].clone()).collect();
-    assert_eq!(kinds, ["stored", "stored", "removed", Value::Null, "group"]);
-    assert_eq!((lines[0]["tier"].as_str(), lines[1]["tier"].as_str()), (Some("host"), Some("external")));
+    let kinds: Vec<Option<&str>> = lines.iter().map(|l| l["kind"].as_str()).collect();
+    assert_eq!(
+        kinds,
+        [
+            Some("stored"),
+            Some("stored"),
+            Some("removed"),
+            None,
+            Some("group")
+        ]
+    );
+    assert_eq!(
+        (lines[0]["tier"].as_str(), lines[1]["tier"].as_str()),
+        (Some("host"), Some("external"))
+    );
     assert_eq!(lines[3]["reason"], "placeholder");
-    assert_eq!((lines[4]["rule"].as_str(), lines[4]["group"].as_u64()), (Some("state"), Some(2)));
+    assert_eq!(
+        (lines[4]["rule"].as_str(), lines[4]["group"].as_u64()),
+        (Some("state"), Some(2))
+    );
     let path = fixture("vllm_0.34.0_hybrid_sliding_window.hex");
     let (_, lines, _) = inspect(&["--hex", path.to_str().expect("utf-8 path")]);
     assert_eq!(lines[1]["kind"], "group");
     assert_eq!(lines[1]["rule"]["window_blocks"], 2);
-    assert_eq!((lines[2]["kind"].as_str(), lines[2]["stored"].as_bool()), (Some("group"), Some(false)));
+    assert_eq!(
+        (lines[2]["kind"].as_str(), lines[2]["stored"].as_bool()),
+        (Some("group"), Some(false))
+    );
 }

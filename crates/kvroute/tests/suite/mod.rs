@@ -8,6 +8,7 @@ mod conversations;
 mod dashboard;
 mod demo;
 mod deploy;
+mod differential;
 mod disagg;
 mod discovery;
 mod engine_load;

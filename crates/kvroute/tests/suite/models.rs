@@ -4,6 +4,8 @@
 //! the adapter, as the engines hash it. A worker's list is read within
 //! bounds: one over them leaves the worker's models unknown (no catch-all),
 //! and clients are answered from the lists learned, not by asking workers.
+//! Models and adapters are checked at both front doors (HTTP and the
+//! endpoint picker).
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -12,8 +14,9 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
+use crate::support::door::{Door, Front};
 use crate::support::http::{count, request};
-use crate::support::{eventually, free_port, spawn_serve, start_mocker_with, start_serve};
+use crate::support::{eventually, free_port, spawn_serve, start_mocker_with};
 
 /// One mock engine serving `model` (and `adapters`), its `--worker` line named `name`.
 fn engine(model: &str, adapters: &str, name: &str) -> (crate::support::Proc, String) {
@@ -28,7 +31,23 @@ fn engine(model: &str, adapters: &str, name: &str) -> (crate::support::Proc, Str
     (proc, line)
 }
 
-fn complete(serve: &str, model: &str, seed: u32) -> (u16, Option<String>, Value) {
+/// A completion of `model` through `front`: its status, the worker that
+/// answered and the answer.
+fn complete(front: &Front, model: &str, seed: u32) -> (u16, String, Value) {
+    let prompt: Vec<u32> = (0..128).map(|i| 7_000 + seed * 500 + i).collect();
+    let body = json!({"model": model, "prompt": prompt, "max_tokens": 2});
+    let reply = request(&front.addr, "POST", "/v1/completions", &body.to_string());
+    // Whole, or chunked by the data plane.
+    let doc = if reply.body.contains('{') {
+        reply.json()
+    } else {
+        Value::Null
+    };
+    (reply.status, front.worker_of(&reply), doc)
+}
+
+/// [`complete`] straight at `kvroute serve` at `serve`.
+fn complete_at(serve: &str, model: &str, seed: u32) -> (u16, Option<String>, Value) {
     let prompt: Vec<u32> = (0..128).map(|i| 7_000 + seed * 500 + i).collect();
     let body = json!({"model": model, "prompt": prompt, "max_tokens": 2});
     let reply = request(serve, "POST", "/v1/completions", &body.to_string());
@@ -36,11 +55,11 @@ fn complete(serve: &str, model: &str, seed: u32) -> (u16, Option<String>, Value)
     (reply.status, reply.header("x-kvroute-worker"), doc)
 }
 
-#[test]
-fn requests_reach_only_workers_that_serve_their_model() {
+fn requests_reach_only_workers_that_serve_their_model(door: Door) {
     let (_a, a) = engine("alpha", "sql", "a");
     let (_b, b) = engine("beta", "", "b");
-    let (_serve, serve) = start_serve(&[a, b], &["--public-introspection"]);
+    let front = door.start(&[a, b], &["--public-introspection"], &[]);
+    let serve = front.router.clone();
     eventually("both workers' models learned", || {
         let doc: Value = request(&serve, "GET", "/workers", "").json();
         let models = |name: &str| {
@@ -55,17 +74,13 @@ fn requests_reach_only_workers_that_serve_their_model() {
     });
     for seed in 0..6 {
         for (model, worker) in [("alpha", "a"), ("beta", "b"), ("sql", "a")] {
-            let (status, served_by, doc) = complete(&serve, model, seed);
+            let (status, served_by, doc) = complete(&front, model, seed);
             assert_eq!(status, 200, "{model}: {doc}");
-            assert_eq!(
-                served_by.as_deref(),
-                Some(worker),
-                "{model} went to the wrong worker"
-            );
+            assert_eq!(served_by, worker, "{model} went to the wrong worker");
         }
     }
     // Unknown: OpenAI's answer.
-    let (status, _, doc) = complete(&serve, "gamma", 0);
+    let (status, _, doc) = complete(&front, "gamma", 0);
     assert_eq!(status, 404, "{doc}");
     assert_eq!(doc["error"]["code"], "model_not_found", "{doc}");
     assert_eq!(doc["error"]["param"], "model", "{doc}");
@@ -76,7 +91,7 @@ fn requests_reach_only_workers_that_serve_their_model() {
         count(&serve, "kvroute_accuracy_comparisons_total"),
     );
     eventually("the adapter's blocks are indexed", || {
-        let (_, _, doc) = complete(&serve, "sql", 0);
+        let (_, _, doc) = complete(&front, "sql", 0);
         doc["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() >= Some(112)
     });
     eventually("its prediction compared", || {
@@ -99,6 +114,16 @@ fn requests_reach_only_workers_that_serve_their_model() {
         .collect();
     ids.sort_unstable();
     assert_eq!(ids, ["alpha", "beta", "sql"], "the union");
+}
+
+#[test]
+fn requests_reach_only_workers_that_serve_their_model_over_http() {
+    requests_reach_only_workers_that_serve_their_model(Door::Http);
+}
+
+#[test]
+fn requests_reach_only_workers_that_serve_their_model_through_the_picker() {
+    requests_reach_only_workers_that_serve_their_model(Door::Picker);
 }
 
 /// What a [`FakeWorker`] answers to `GET /v1/models`.
@@ -283,7 +308,7 @@ fn a_worker_whose_model_list_is_over_the_bound_is_no_catch_all() {
             .body
             .contains("\"alpha\"")
     });
-    let (status, worker, doc) = complete(&serve, "nonexistent-model", 0);
+    let (status, worker, doc) = complete_at(&serve, "nonexistent-model", 0);
     assert_eq!(
         (status, worker.as_deref()),
         (404, None),
@@ -291,7 +316,7 @@ fn a_worker_whose_model_list_is_over_the_bound_is_no_catch_all() {
     );
     assert_eq!(doc["error"]["code"], "model_not_found", "{doc}");
     for seed in 1..5 {
-        let (status, worker, doc) = complete(&serve, "alpha", seed);
+        let (status, worker, doc) = complete_at(&serve, "alpha", seed);
         assert_eq!((status, worker.as_deref()), (200, Some("a")), "{doc}");
     }
     assert_eq!(fake.completions(), 0, "the fake took a request");
@@ -309,7 +334,7 @@ fn with_no_list_known_a_named_model_is_still_routed() {
     let fake = FakeWorker::start(ListShape::Small("not a list"));
     let (_serve, serve) = spawn_serve(&[fake.line("fake")], &["--public-introspection"]);
     eventually("its list asked", || fake.lists() > 0);
-    let (status, worker, doc) = complete(&serve, "any-model", 0);
+    let (status, worker, doc) = complete_at(&serve, "any-model", 0);
     assert_eq!((status, worker.as_deref()), (200, Some("fake")), "{doc}");
 }
 
@@ -407,6 +432,6 @@ fn clients_get_the_learned_models_without_the_workers_being_asked() {
         more <= 1,
         "the worker was asked {more} times for 5 client calls"
     );
-    let (status, worker, doc) = complete(&serve, "gamma", 0);
+    let (status, worker, doc) = complete_at(&serve, "gamma", 0);
     assert_eq!((status, worker.as_deref()), (200, Some("g")), "{doc}");
 }

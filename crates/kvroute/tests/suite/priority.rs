@@ -2,13 +2,13 @@
 //! requests take a freed rank in `x-priority` order (lower first), then in
 //! arrival order, whatever order they came in; a client the router does not
 //! trust cannot ask to go before the default, a key granted a range can.
-
-use std::sync::{Arc, Mutex};
+//! At both front doors (HTTP and the endpoint picker).
 
 use serde_json::json;
 
-use crate::support::http::{count, request_with, Reply};
-use crate::support::{eventually, start_mocker, start_serve_with_env};
+use crate::support::door::{admission_of, Door, Front};
+use crate::support::http::{count, metric, request_with, Reply};
+use crate::support::{eventually, start_mocker};
 
 /// A completion of 32 token ids from `base + 100 × seed`, with `header`.
 pub(super) fn complete_with(
@@ -37,66 +37,85 @@ pub(super) fn complete_with_headers(
 /// gateway's word (in the environment, which a build before it ignores).
 pub(super) const TRUST_HEADERS: (&str, &str) = ("KVROUTE_TRUST_TENANT_HEADER", "true");
 
-/// Sends one long request (400 tokens) that holds the router's only rank,
-/// and waits until it runs; the thread gives its status.
-pub(super) fn hold_the_only_rank(serve: &str) -> std::thread::JoinHandle<u16> {
-    let router = serve.to_owned();
-    let holder = std::thread::spawn(move || complete_with(&router, None, (20_000, 0), 400).status);
+/// Sends one long request (400 tokens) through `front` that holds the
+/// router's only rank, and waits until it runs; the thread gives its status.
+pub(super) fn hold_the_only_rank(front: &Front) -> std::thread::JoinHandle<u16> {
+    let addr = front.addr.clone();
+    let holder = std::thread::spawn(move || complete_with(&addr, None, (20_000, 0), 400).status);
     eventually("the long request runs", || {
-        count(serve, "kvroute_proxy_requests_total") == 1
+        metric(&front.router, "kvroute_active_requests") == Some(1.0)
     });
     holder
 }
 
-fn complete(serve: &str, priority: Option<&str>, seed: u32, max_tokens: u32) -> u16 {
-    let header = priority.map(|p| ("x-priority", p));
-    complete_with(serve, header, (30_000, seed), max_tokens).status
-}
-
-#[test]
-fn queued_requests_take_a_freed_rank_by_priority_then_arrival() {
-    let (_mocker, lines) = start_mocker(1, "1");
-    let flags = [
-        "--busy-requests",
-        "1",
-        "--queue-capacity",
-        "8",
-        "--queue-timeout-ms",
-        "60000",
-    ];
-    let (_serve, serve) = start_serve_with_env(&lines, &flags, &[TRUST_HEADERS]);
-    let holder = hold_the_only_rank(&serve);
-    let done: Arc<Mutex<Vec<&'static str>>> = Arc::default();
+/// Sends `sent` (a name and its headers each) one after another while the
+/// only rank is held, each waited for until queued; their names in the
+/// order the engine admitted them, every one answered 200.
+fn admitted_in_order(
+    front: &Front,
+    sent: &[(&'static str, Vec<(&'static str, &'static str)>)],
+    base: u32,
+) -> Vec<&'static str> {
+    let holder = hold_the_only_rank(front);
     let mut waiting = Vec::new();
-    for (k, (name, priority)) in [
-        ("high", "0"),
-        ("low", "5"),
-        ("urgent", "-1"),
-        ("high-later", "0"),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        let (router, done) = (serve.clone(), done.clone());
+    for (k, (name, headers)) in sent.iter().cloned().enumerate() {
+        let addr = front.addr.clone();
         waiting.push(std::thread::spawn(move || {
-            let status = complete(&router, Some(priority), 1 + k as u32, 1);
-            done.lock().expect("the list").push(name);
-            status
+            let reply = complete_with_headers(&addr, &headers, (base, 1 + k as u32), 1);
+            (name, reply)
         }));
         eventually("it queued", || {
-            count(&serve, "kvroute_proxy_queued_total") == k as u64 + 1
+            count(&front.router, "kvroute_proxy_queued_total") == k as u64 + 1
         });
     }
     assert_eq!(holder.join().expect("the long request"), 200);
-    for w in waiting {
-        assert_eq!(w.join().expect("a queued request"), 200);
-    }
-    assert_eq!(
-        *done.lock().expect("the list"),
-        ["urgent", "high", "high-later", "low"]
-    );
+    let mut done: Vec<(u64, &'static str)> = waiting
+        .into_iter()
+        .map(|w| {
+            let (name, reply) = w.join().expect("a queued request");
+            assert_eq!(reply.status, 200, "{name}: {}", reply.body);
+            (admission_of(&reply), name)
+        })
+        .collect();
+    done.sort();
+    done.into_iter().map(|(_, name)| name).collect()
+}
+
+/// The flags of a fleet of one rank that takes one request at a time and
+/// queues the rest.
+const ONE_AT_A_TIME: [&str; 6] = [
+    "--busy-requests",
+    "1",
+    "--queue-capacity",
+    "8",
+    "--queue-timeout-ms",
+    "60000",
+];
+
+fn queued_requests_take_a_freed_rank_by_priority_then_arrival(door: Door) {
+    let (_mocker, lines) = start_mocker(1, "1");
+    let front = door.start(&lines, &ONE_AT_A_TIME, &[TRUST_HEADERS]);
+    let sent = [
+        ("high", vec![("x-priority", "0")]),
+        ("low", vec![("x-priority", "5")]),
+        ("urgent", vec![("x-priority", "-1")]),
+        ("high-later", vec![("x-priority", "0")]),
+    ];
+    let order = admitted_in_order(&front, &sent, 30_000);
+    assert_eq!(order, ["urgent", "high", "high-later", "low"]);
     // A priority that is not an integer is the client's error.
-    assert_eq!(complete(&serve, Some("soon"), 9, 1), 400);
+    let reply = complete_with(&front.addr, Some(("x-priority", "soon")), (30_000, 9), 1);
+    assert_eq!(reply.status, 400, "{}", reply.body);
+}
+
+#[test]
+fn queued_requests_take_a_freed_rank_by_priority_then_arrival_over_http() {
+    queued_requests_take_a_freed_rank_by_priority_then_arrival(Door::Http);
+}
+
+#[test]
+fn queued_requests_take_a_freed_rank_by_priority_then_arrival_through_the_picker() {
+    queued_requests_take_a_freed_rank_by_priority_then_arrival(Door::Picker);
 }
 
 /// The probe's flood at `x-priority: -2147483648` from a client the router
@@ -104,57 +123,40 @@ fn queued_requests_take_a_freed_rank_by_priority_then_arrival() {
 /// still takes its turn (the build before served the flood first, and under
 /// a steady flood the other client got 0 of 8 served); a key granted
 /// `-10..0` still goes first, clamped to -10.
-#[test]
-fn an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first() {
+fn an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first(door: Door) {
     let (_mocker, lines) = start_mocker(1, "1");
-    let flags = [
-        "--busy-requests",
-        "1",
-        "--queue-capacity",
-        "8",
-        "--queue-timeout-ms",
-        "60000",
-    ];
     // printf %s sk-gold | sha256sum
     let gold = "gold=83a9d60338d134e3e8f33851f115498635f1090262307ce959b86e5eee88bb90";
     let env = [
         ("KVROUTE_TENANT_KEYS", gold),
         ("KVROUTE_TENANT_PRIORITIES", "gold=-10..0"),
     ];
-    let (_serve, serve) = start_serve_with_env(&lines, &flags, &env);
-    let holder = hold_the_only_rank(&serve);
-    let done: Arc<Mutex<Vec<&'static str>>> = Arc::default();
-    let mut waiting = Vec::new();
+    let front = door.start(&lines, &ONE_AT_A_TIME, &env);
     let lowest = "-2147483648";
-    let sent: [(&str, &str, Option<&str>); 5] = [
-        ("flood-1", "Bearer sk-flood", Some(lowest)),
-        ("flood-2", "Bearer sk-flood", Some(lowest)),
-        ("flood-3", "Bearer sk-flood", Some(lowest)),
-        ("other", "Bearer sk-other", None),
-        ("gold", "Bearer sk-gold", Some(lowest)),
+    let flood = vec![("authorization", "Bearer sk-flood"), ("x-priority", lowest)];
+    let sent = [
+        ("flood-1", flood.clone()),
+        ("flood-2", flood.clone()),
+        ("flood-3", flood),
+        ("other", vec![("authorization", "Bearer sk-other")]),
+        (
+            "gold",
+            vec![("authorization", "Bearer sk-gold"), ("x-priority", lowest)],
+        ),
     ];
-    for (k, (name, key, priority)) in sent.into_iter().enumerate() {
-        let (router, done) = (serve.clone(), done.clone());
-        waiting.push(std::thread::spawn(move || {
-            let mut headers = vec![("authorization", key)];
-            headers.extend(priority.map(|p| ("x-priority", p)));
-            let reply = complete_with_headers(&router, &headers, (50_000, 1 + k as u32), 1);
-            done.lock().expect("the list").push(name);
-            reply.status
-        }));
-        eventually("it queued", || {
-            count(&serve, "kvroute_proxy_queued_total") == k as u64 + 1
-        });
-    }
-    assert_eq!(holder.join().expect("the long request"), 200);
-    for w in waiting {
-        assert_eq!(w.join().expect("a queued request"), 200);
-    }
+    let order = admitted_in_order(&front, &sent, 50_000);
     // gold at -10; then the flood's first, the other client's (its first
     // request, as early in the fair order as the flood's first), the rest.
-    assert_eq!(
-        *done.lock().expect("the list"),
-        ["gold", "flood-1", "other", "flood-2", "flood-3"]
-    );
-    assert_eq!(count(&serve, "kvroute_priority_clamped_total"), 4);
+    assert_eq!(order, ["gold", "flood-1", "other", "flood-2", "flood-3"]);
+    assert_eq!(count(&front.router, "kvroute_priority_clamped_total"), 4);
+}
+
+#[test]
+fn an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first_over_http() {
+    an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first(Door::Http);
+}
+
+#[test]
+fn an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first_through_the_picker() {
+    an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first(Door::Picker);
 }

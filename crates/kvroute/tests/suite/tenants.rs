@@ -3,13 +3,15 @@
 //! full queue refuses the tenant most over its share with a 429 — a small
 //! tenant arriving at a queue the big one filled takes the place of the big
 //! one's newest request; and names made up per request (a Sybil flood)
-//! cannot crowd out a tenant bound to its API key.
+//! cannot crowd out a tenant bound to its API key. At both front doors
+//! (HTTP and the endpoint picker).
 
 use std::sync::{Arc, Mutex};
 
 use super::priority::{complete_with, complete_with_headers, hold_the_only_rank, TRUST_HEADERS};
+use crate::support::door::{admission_of, Door};
 use crate::support::http::{count, metric_where, Reply};
-use crate::support::{eventually, start_mocker, start_serve_with_env};
+use crate::support::{eventually, start_mocker};
 
 fn complete(serve: &str, tenant: &str, seed: u32, max_tokens: u32) -> Reply {
     complete_with(
@@ -20,8 +22,7 @@ fn complete(serve: &str, tenant: &str, seed: u32, max_tokens: u32) -> Reply {
     )
 }
 
-#[test]
-fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_backlog() {
+fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_backlog(door: Door) {
     let (_mocker, lines) = start_mocker(1, "1");
     let flags = [
         "--busy-requests",
@@ -35,22 +36,23 @@ fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_b
         "--tenant-weight",
         "small=1",
     ];
-    let (_serve, serve) = start_serve_with_env(&lines, &flags, &[TRUST_HEADERS]);
-    let holder = hold_the_only_rank(&serve);
+    let front = door.start(&lines, &flags, &[TRUST_HEADERS]);
+    let (addr, serve) = (&front.addr, &front.router);
+    let holder = hold_the_only_rank(&front);
     // Each answer with the engine's admission number (its id's suffix,
     // `cmpl-w0-N`): the order the router let requests out of the queue,
     // whatever order the client threads wake up in on a loaded machine.
     let done: Arc<Mutex<Vec<(u64, String)>>> = Arc::default();
     let mut waiting = Vec::new();
     let mut send = |name: &'static str, tenant: &'static str, seed: u32| {
-        let (router, done) = (serve.clone(), done.clone());
+        let (router, done) = (addr.clone(), done.clone());
         waiting.push(std::thread::spawn(move || {
             let reply = complete(&router, tenant, seed, 1);
-            let admitted = (reply.status == 200)
-                .then(|| reply.json()["id"].as_str().map(str::to_owned))
-                .flatten()
-                .and_then(|id| id.rsplit('-').next().and_then(|n| n.parse().ok()))
-                .unwrap_or(u64::MAX);
+            let admitted = if reply.status == 200 {
+                admission_of(&reply)
+            } else {
+                u64::MAX
+            };
             done.lock()
                 .expect("the list")
                 .push((admitted, name.to_owned()));
@@ -61,16 +63,16 @@ fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_b
     for (k, name) in ["big-1", "big-2", "big-3", "big-4"].into_iter().enumerate() {
         send(name, "big", 1 + k as u32);
         eventually("it queued", || {
-            count(&serve, "kvroute_proxy_queued_total") == k as u64 + 1
+            count(serve, "kvroute_proxy_queued_total") == k as u64 + 1
         });
     }
     // The small tenant's request takes the place of the big one's newest.
     send("small-1", "small", 9);
     eventually("the small tenant queued", || {
-        count(&serve, "kvroute_proxy_queued_total") == 5
+        count(serve, "kvroute_proxy_queued_total") == 5
     });
     // The big tenant, over its share of the full queue, is refused at once.
-    let refused = complete(&serve, "big", 10, 1);
+    let refused = complete(addr, "big", 10, 1);
     assert_eq!(refused.status, 429, "{}", refused.body);
     assert_eq!(refused.header("retry-after").as_deref(), Some("1"));
     let error = &refused.json()["error"];
@@ -95,15 +97,28 @@ fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_b
     assert_eq!(order, ["big-1", "small-1", "big-2", "big-3", "big-4"]);
     let refused = |tenant: &str| {
         let label = format!("tenant=\"{tenant}\"");
-        metric_where(&serve, "kvroute_tenant_refused_over_share_total", &label)
+        metric_where(serve, "kvroute_tenant_refused_over_share_total", &label)
     };
     assert_eq!(refused("big"), Some(2.0));
     assert_eq!(refused("small"), Some(0.0));
     assert_eq!(refused("other"), Some(0.0));
     let label = "tenant=\"small\"";
     assert_eq!(
-        metric_where(&serve, "kvroute_tenant_queued_total", label),
+        metric_where(serve, "kvroute_tenant_queued_total", label),
         Some(1.0)
+    );
+}
+
+#[test]
+fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_backlog_over_http() {
+    a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_backlog(Door::Http);
+}
+
+#[test]
+fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_backlog_through_the_picker(
+) {
+    a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_backlog(
+        Door::Picker,
     );
 }
 
@@ -118,8 +133,7 @@ fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_b
 /// request takes the place of the pool's newest until `small` holds as
 /// many places as the pool (3 and 3); only then is it refused. The bound:
 /// at most 3 of 6 refused, and every one queued is served.
-#[test]
-fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key() {
+fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key(door: Door) {
     let (_mocker, lines) = start_mocker(1, "1");
     let flags = [
         "--busy-requests",
@@ -135,10 +149,11 @@ fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key() {
         ("KVROUTE_TENANT_KEYS", small),
         ("KVROUTE_QUEUE_MAX_TENANTS", "2"),
     ];
-    let (_serve, serve) = start_serve_with_env(&lines, &flags, &env);
-    let holder = hold_the_only_rank(&serve);
+    let front = door.start(&lines, &flags, &env);
+    let (addr, serve) = (&front.addr, &front.router);
+    let holder = hold_the_only_rank(&front);
     let send = |headers: Vec<(String, String)>, seed: u32| {
-        let router = serve.clone();
+        let router = addr.clone();
         std::thread::spawn(move || {
             let headers: Vec<(&str, &str)> = headers
                 .iter()
@@ -151,10 +166,10 @@ fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key() {
     // thread, if it was queued.
     let mut flood = Vec::new();
     let admit = |headers: Vec<(String, String)>, seed: u32| {
-        let before = count(&serve, "kvroute_proxy_queued_total");
+        let before = count(serve, "kvroute_proxy_queued_total");
         let thread = send(headers, seed);
         eventually("the request queued or answered", || {
-            count(&serve, "kvroute_proxy_queued_total") > before || thread.is_finished()
+            count(serve, "kvroute_proxy_queued_total") > before || thread.is_finished()
         });
         thread
     };
@@ -171,7 +186,7 @@ fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key() {
         ];
         flood.push(admit(headers, 1 + i));
     }
-    assert_eq!(count(&serve, "kvroute_proxy_queued_total"), 8);
+    assert_eq!(count(serve, "kvroute_proxy_queued_total"), 8);
     let honest_key = vec![("authorization".to_owned(), "Bearer sk-small".to_owned())];
     let mut honest = Vec::new();
     let mut refused = 0;
@@ -204,11 +219,21 @@ fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key() {
         .map(|f| f.join().expect("a flood request"))
         .collect();
     assert_eq!(flood.iter().filter(|&&s| s == 429).count(), 3, "{flood:?}");
-    assert!(count(&serve, "kvroute_tenant_pooled_total") >= 6);
+    assert!(count(serve, "kvroute_tenant_pooled_total") >= 6);
     let label = "tenant=\"small\"";
     assert_eq!(
-        metric_where(&serve, "kvroute_tenant_requests_total", label),
+        metric_where(serve, "kvroute_tenant_requests_total", label),
         Some(6.0),
         "only the key's requests are `small`"
     );
+}
+
+#[test]
+fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key_over_http() {
+    made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key(Door::Http);
+}
+
+#[test]
+fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key_through_the_picker() {
+    made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key(Door::Picker);
 }

@@ -10,7 +10,11 @@
 //! it (see there).
 #![allow(dead_code)]
 
+pub mod door;
+pub mod held;
 pub mod http;
+pub mod picker;
+pub mod publisher;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{TcpListener, TcpStream};

@@ -1,20 +1,15 @@
-//! The simulated router's placement of a request in a disaggregated fleet,
-//! as `kvroute serve`'s `proxy::disagg::place` makes it: the decode rank
-//! first (`scheduler::disagg::pick_decode` under `kv` and `approx`, the
-//! policy's order among the ranks that decode otherwise), then, unless the
-//! decode rank prefills the request itself under the [`LocalPrefillRule`],
-//! the prefill rank by the policy's order among the prefill ranks
-//! (`scheduler::disagg::prefill_order`: the KV-aware cost under `kv`).
-//! Each chosen rank is charged as the proxy charges it: the decode rank
-//! with the prompt's uncached tokens only when it prefills them itself,
-//! the prefill rank with them always.
+//! The simulated router's placement of a request in a disaggregated fleet:
+//! the plan is the core placer's, as `kvroute serve` makes it
+//! (`Placer::plan_split`: the decode rank, then the prefill ranks unless
+//! the decode rank prefills the request itself). Each chosen rank is
+//! charged as the proxy charges it: the decode rank with the prompt's
+//! uncached tokens only when it prefills them itself, the prefill rank
+//! with them always.
 
-use kvroute_core::event::WorkerFlavor;
-use kvroute_core::scheduler::disagg::{pick_decode, prefill_order};
-use kvroute_core::scheduler::{order, DecodeCost, LocalPrefillRule, Policy, Scored, WorkerRole};
+use kvroute_core::scheduler::Policy;
 
-use super::{relax, Placement, Scoring, SimRouter};
-use crate::contender::{Contender, Routing};
+use super::{Placement, Scoring, SimRouter};
+use crate::contender::Contender;
 
 /// Where a request's phases went in a disaggregated fleet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,29 +25,11 @@ pub struct Split {
     pub prefill: Option<Placement>,
 }
 
-/// The positions chosen among the scored ranks.
-struct Chosen {
-    decode: usize,
-    /// Prefill ranks in the policy's order; empty: the decode rank
-    /// prefills (the rule says so, or no prefill rank is free).
-    prefill: Vec<usize>,
-}
-
-/// What the choice is made with: the request's size, the rule, and the
-/// policy's turn and random draw.
-#[derive(Clone, Copy)]
-struct Ask<'a> {
-    request_tokens: u64,
-    routing: &'a Routing,
-    rule: &'a LocalPrefillRule,
-    turn: u64,
-    random: f64,
-}
-
 impl SimRouter {
     /// Places a request in a fleet with prefill and decode engines and
     /// charges its ranks; `None` for the oracle or pinned groups (which
-    /// place whole requests) or a fleet with no engine that decodes.
+    /// place whole requests), a fleet with no engine that decodes, or an
+    /// SGLang decode engine with no prefill engine.
     pub fn route_split(&mut self, tokens: &[u32], now_ms: u64) -> Option<Split> {
         let Contender::Router(routing) = self.policy else {
             return None;
@@ -60,33 +37,14 @@ impl SimRouter {
         if self.pins.is_some() {
             return None;
         }
-        let Scoring {
-            mut scored,
-            hashes,
-            turn,
-            random,
-        } = self.score_request(tokens, &routing);
-        let rule = self.local_prefill_rule(&routing);
+        let Scoring { scored, hashes } = self.score_request(tokens, &routing);
         let request_tokens = tokens.len() as u64;
-        let ask = Ask {
-            request_tokens,
-            routing: &routing,
-            rule: &rule,
-            turn,
-            random,
-        };
-        let choose = |scored: &[Scored]| self.choose(scored, ask);
-        // Every decode rank busy: placed with the thresholds ignored, as
-        // aggregated requests are.
-        let chosen = match choose(&scored) {
-            Some(c) => c,
-            None => {
-                relax(&mut scored);
-                choose(&scored)?
-            }
-        };
-        let d = &scored[chosen.decode];
-        let local = chosen.prefill.is_empty();
+        let targets = self.targets.clone();
+        let plan = self
+            .placer
+            .plan_split(&scored, &targets, Some(request_tokens))?;
+        let d = &scored[plan.decode];
+        let local = plan.prefill.is_empty();
         let decode_prefill = if local {
             d.uncached_prefill_tokens(request_tokens)
         } else {
@@ -102,7 +60,7 @@ impl SimRouter {
         if local && routing.policy == Policy::Approx {
             self.record_decision(d, &hashes, now_ms);
         }
-        let prefill = chosen.prefill.first().map(|&p| {
+        let prefill = plan.prefill.first().map(|&p| {
             let s = &scored[p];
             let uncached = s.uncached_prefill_tokens(request_tokens);
             Placement {
@@ -112,60 +70,5 @@ impl SimRouter {
             }
         });
         Some(Split { decode, prefill })
-    }
-
-    /// The rule the proxy prefills locally by: the contender's own under
-    /// `kv` and `approx`, never under the load-only policies (which know
-    /// nothing of the decode rank's cache), nor when SGLang engines decode
-    /// (they take no request without a bootstrap room).
-    fn local_prefill_rule(&self, routing: &Routing) -> LocalPrefillRule {
-        let kv = matches!(routing.policy, Policy::Kv | Policy::Approx);
-        let sglang_decodes = self
-            .targets
-            .iter()
-            .any(|t| t.role == WorkerRole::Decode && t.flavor == WorkerFlavor::Sglang);
-        if kv && !sglang_decodes {
-            routing.disagg.local_prefill()
-        } else {
-            LocalPrefillRule::NEVER
-        }
-    }
-
-    fn role(&self, s: &Scored) -> WorkerRole {
-        self.roles.get(s.worker).copied().unwrap_or_default()
-    }
-
-    /// The decode rank and the prefill ranks among `scored`, as the proxy
-    /// chooses them; `None` when no rank that decodes is free.
-    fn choose(&self, scored: &[Scored], ask: Ask<'_>) -> Option<Chosen> {
-        let Ask {
-            request_tokens,
-            routing,
-            rule,
-            turn,
-            random,
-        } = ask;
-        let by_policy =
-            |subset: &[Scored]| order(subset, routing.policy, routing.temperature, random, turn);
-        let kv = matches!(routing.policy, Policy::Kv | Policy::Approx);
-        let (decode, cost) = if kv {
-            pick_decode(
-                scored,
-                |s| self.role(s).decodes(),
-                request_tokens,
-                rule,
-                random,
-            )?
-        } else {
-            let i = *prefill_order(scored, |s| self.role(s).decodes(), by_policy).first()?;
-            (i, DecodeCost::of(&scored[i], request_tokens, rule))
-        };
-        let aggregated = self.role(&scored[decode]) == WorkerRole::Both;
-        let prefill = if cost.local || aggregated {
-            Vec::new()
-        } else {
-            prefill_order(scored, |s| self.role(s) == WorkerRole::Prefill, by_policy)
-        };
-        Some(Chosen { decode, prefill })
     }
 }

@@ -16,7 +16,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 
 use super::candidates::Target;
-use super::Proxy;
+use super::Router;
 use crate::metrics::{
     encode_rank_family, encode_rank_ratios, RankLabels, ACTIVE_DECODE_BLOCKS,
     ACTIVE_PREFILL_TOKENS, ACTIVE_REQUESTS, RANK_SPEED,
@@ -70,7 +70,7 @@ impl ActiveTable {
 /// A request's place in its rank's load, freed when dropped.
 #[derive(Debug)]
 pub struct ActiveGuard {
-    proxy: Arc<Proxy>,
+    router: Arc<Router>,
     key: WorkerRank,
     id: u64,
     /// The worker's name, when peer replicas are told of the request.
@@ -79,26 +79,26 @@ pub struct ActiveGuard {
 
 impl ActiveGuard {
     /// Adds a request with these blocks and uncached prompt tokens to the
-    /// load of `key` (a rank of worker `name`) in `ranks`, the proxy's table
+    /// load of `key` (a rank of worker `name`) in `ranks`, the router's table
     /// held by the caller, and tells the peer replicas.
     pub fn add(
-        proxy: &Arc<Proxy>,
+        router: &Arc<Router>,
         ranks: &mut ActiveRanks,
         (key, name): (WorkerRank, &Arc<str>),
         blocks: &[SequenceHash],
         prefill: u64,
     ) -> Self {
-        let id = tagged_id(0, proxy.next_id.fetch_add(1, Ordering::Relaxed));
-        let now = proxy.now_ms();
+        let id = tagged_id(0, router.next_id.fetch_add(1, Ordering::Relaxed));
+        let now = router.now_ms();
         ranks.entry(key).or_default().add(id, blocks, prefill, now);
-        let outbox = proxy.outbox();
+        let outbox = router.outbox();
         if let Some(outbox) = outbox {
-            let ttl = proxy.config.active_expiry.as_millis() as u64;
+            let ttl = router.config.active_expiry.as_millis() as u64;
             let hashes = blocks.iter().map(|b| b.0).collect();
             outbox.admitted(request_ref(id, name, key), hashes, prefill, ttl);
         }
         ActiveGuard {
-            proxy: proxy.clone(),
+            router: router.clone(),
             key,
             id,
             shared_as: outbox.map(|_| name.clone()),
@@ -107,26 +107,26 @@ impl ActiveGuard {
 
     fn reference(&self) -> Option<(&Outbox, RequestRef)> {
         let name = self.shared_as.as_ref()?;
-        Some((self.proxy.outbox()?, request_ref(self.id, name, self.key)))
+        Some((self.router.outbox()?, request_ref(self.id, name, self.key)))
     }
 
-    /// The proxy the request runs in.
-    pub fn proxy(&self) -> &Proxy {
-        &self.proxy
+    /// The router the request runs in.
+    pub fn router(&self) -> &Router {
+        &self.router
     }
 
     /// The request's prefill is over (its first byte came back); returns
     /// the blocks in flight on its rank now.
     pub fn prefill_done(&self) -> u64 {
         let mut load = 0;
-        if let Some(a) = self.proxy.active.lock().get_mut(&self.key) {
+        if let Some(a) = self.router.active.lock().get_mut(&self.key) {
             a.prefill_done(self.id);
             load = a.active_blocks();
         }
         if let Some((outbox, at)) = self.reference() {
             outbox.prefilled(at);
         }
-        self.proxy.load_dropped.notify_waiters();
+        self.router.load_dropped.notify_waiters();
         load
     }
 
@@ -134,17 +134,17 @@ impl ActiveGuard {
     /// generated, its rank having had `load_then` blocks in flight at the
     /// first byte: an observation of the rank's speed, when learning.
     pub fn decoded(&self, decoding: Duration, load_then: u64, tokens: u64) {
-        let Some(book) = &self.proxy.speeds else {
+        let Some(book) = &self.router.speeds else {
             return;
         };
         let now = self
-            .proxy
+            .router
             .active
             .lock()
             .get(&self.key)
             .map_or(load_then, ActiveSequences::active_blocks);
         book.observe(self.key, (load_then, now), decoding, tokens);
-        if let (Some(share), Some(worker)) = (self.proxy.speed_share.get(), &self.shared_as) {
+        if let (Some(share), Some(worker)) = (self.router.speed_share.as_ref(), &self.shared_as) {
             share.push(SpeedObservation {
                 worker: worker.to_string(),
                 rank: self.key.rank,
@@ -156,21 +156,21 @@ impl ActiveGuard {
         }
     }
 
-    /// Whether the proxy learns speeds, so the response's token count matters.
+    /// Whether the router learns speeds, so the response's token count matters.
     pub fn learns_speeds(&self) -> bool {
-        self.proxy.learns_speeds()
+        self.router.learns_speeds()
     }
 }
 
 impl Drop for ActiveGuard {
     fn drop(&mut self) {
-        if let Some(a) = self.proxy.active.lock().get_mut(&self.key) {
+        if let Some(a) = self.router.active.lock().get_mut(&self.key) {
             a.free(self.id);
         }
         if let Some((outbox, at)) = self.reference() {
             outbox.released(at);
         }
-        self.proxy.load_dropped.notify_waiters();
+        self.router.load_dropped.notify_waiters();
     }
 }
 
@@ -185,21 +185,21 @@ fn request_ref(id: u64, name: &str, key: WorkerRank) -> RequestRef {
 /// The load gauges (`kvroute_active_*`), read from the table at scrape time.
 #[derive(Debug)]
 pub struct ActiveCollector {
-    proxy: Arc<Proxy>,
+    router: Arc<Router>,
 }
 
 impl ActiveCollector {
-    /// A collector over `proxy`'s load.
-    pub fn new(proxy: Arc<Proxy>) -> Self {
-        ActiveCollector { proxy }
+    /// A collector over `router`'s load.
+    pub fn new(router: Arc<Router>) -> Self {
+        ActiveCollector { router }
     }
 }
 
 impl Collector for ActiveCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        let targets = self.proxy.targets();
+        let targets = self.router.targets();
         let rows: Vec<(RankLabels, [u64; 3])> = self
-            .proxy
+            .router
             .active
             .snapshot()
             .into_iter()
@@ -232,7 +232,7 @@ impl ActiveCollector {
         encoder: &mut DescriptorEncoder,
         targets: &[Target],
     ) -> Result<(), std::fmt::Error> {
-        let learned = self.proxy.learned_speeds();
+        let learned = self.router.learned_speeds();
         let rows = targets.iter().flat_map(|t| {
             t.ranks.iter().map(|&rank| {
                 let key = WorkerRank { worker: t.id, rank };

@@ -1,11 +1,11 @@
-//! Sessions at the proxy: the session a request names in its header
+//! Sessions at the router: the session a request names in its header
 //! (`--session-header`, default `x-session-id`), looked up before its
-//! candidates are ordered and recorded once it is placed
-//! (`kvroute_core::scheduler::session`).
+//! candidates are ordered (the placer prefers its rank:
+//! `kvroute_core::scheduler::session`) and recorded once it is placed.
 //!
 //! A session is its owner's ([`super::owners`]): the table is keyed by a
 //! keyed hash of the owner and the session id
-//! ([`crate::replica::pins::PinKeys`], [`Proxy::session_key`]), so the same
+//! ([`crate::replica::pins::PinKeys`], [`Router::session_key`]), so the same
 //! id named by another client is another session, and no client can steer
 //! its requests to the rank of someone else's conversation.
 
@@ -14,10 +14,12 @@ use std::time::Duration;
 
 use axum::http::HeaderMap;
 use kvroute_core::index::WorkerRank;
-use kvroute_core::scheduler::session::{prefer_session, SessionTable};
+use kvroute_core::scheduler::placer::Preference;
+use kvroute_core::scheduler::session::{SessionEntry, SessionTable};
 
 use super::candidates::Candidates;
-use super::Proxy;
+use super::intake::RoutedRequest;
+use super::Router;
 use crate::api::ProxyError;
 use crate::replica::pins::PinKind;
 use kvroute_prompt::body::{RoutingRequest, TextPrompt};
@@ -46,7 +48,7 @@ impl Default for SessionConfig {
     }
 }
 
-/// The proxy's session table.
+/// The router's session table.
 #[derive(Debug)]
 pub struct Sessions {
     table: Mutex<SessionTable>,
@@ -74,7 +76,7 @@ impl Sessions {
         self.len() == 0
     }
 
-    /// Whether the session under `key` ([`Proxy::session_key`]) is
+    /// Whether the session under `key` ([`Router::session_key`]) is
     /// remembered and not expired.
     pub fn contains(&self, key: &str, now_ms: u64) -> bool {
         self.lock().get(key, now_ms).is_some()
@@ -106,7 +108,7 @@ pub(super) fn history_tokens(req: &RoutingRequest) -> u64 {
     serde_json::to_vec(text).map_or(0, |b| b.len() as u64 / 4)
 }
 
-impl Proxy {
+impl Router {
     /// The session a request's headers name: `None` without the header; a
     /// 400 when it is not printable ASCII of 1 to [`MAX_SESSION_ID`] bytes.
     pub fn session_of(&self, headers: &HeaderMap) -> Result<Option<String>, ProxyError> {
@@ -127,57 +129,40 @@ impl Proxy {
         }
     }
 
-    /// The key session `id` of `owner` is pinned under: what the proxy puts
-    /// in [`RoutingRequest::session`] (never the id itself).
+    /// The key session `id` of `owner` is pinned under: what the router puts
+    /// in [`RoutedRequest::session`] (never the id itself).
     pub fn session_key(&self, owner: &[u8; 32], id: &str) -> String {
         self.pin_keys().key(PinKind::Session, owner, id)
     }
 
-    /// `ordered` with the request's session rank first where the cost keeps
-    /// it there ([`prefer_session`]); counts the session kept or moved.
-    pub(super) fn order_for_session(
-        &self,
-        req: &RoutingRequest,
-        candidates: &Candidates,
-        ordered: Vec<usize>,
-    ) -> Vec<usize> {
-        let Some(id) = req.session.as_deref() else {
-            return ordered;
-        };
-        let entry = self
-            .sessions
-            .table
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .get(id, self.now_ms());
-        let Some(entry) = entry else {
-            return ordered;
-        };
-        let tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
-        let weights = &self.config.weights;
-        let ordered = prefer_session(&candidates.scored, ordered, &entry, tokens, weights);
-        let kept = ordered
-            .first()
-            .is_some_and(|&i| candidates.scored[i].key == entry.rank);
-        if kept {
-            self.metrics.session_kept.inc();
-        } else {
-            self.metrics.session_moved.inc();
+    /// Where the request's session went last, if it names one this
+    /// router remembers: what the placer prefers
+    /// ([`kvroute_core::scheduler::session::prefer_session`]).
+    pub(super) fn session_entry(&self, req: &RoutedRequest) -> Option<SessionEntry> {
+        let id = req.session.as_deref()?;
+        self.sessions.lock().get(id, self.now_ms())
+    }
+
+    /// Counts how the request's session fared in its placement.
+    pub(super) fn count_session(&self, outcome: Preference) {
+        match outcome {
+            Preference::Kept => _ = self.metrics.session_kept.inc(),
+            Preference::Moved => _ = self.metrics.session_moved.inc(),
+            Preference::None => {}
         }
-        ordered
     }
 
     /// Records where the request's session went: candidate `chosen`.
     pub(super) fn record_session(
         &self,
-        req: &RoutingRequest,
+        req: &RoutedRequest,
         candidates: &Candidates,
         chosen: usize,
     ) {
         let (Some(id), Some(s)) = (req.session.as_deref(), candidates.scored.get(chosen)) else {
             return;
         };
-        let tokens = history_tokens(req);
+        let tokens = history_tokens(&req.body);
         self.sessions.put(id, s.key, tokens, self.now_ms());
         self.share_pin(PinKind::Session, id.to_owned(), s.key, tokens);
     }

@@ -23,12 +23,12 @@
 
 use std::sync::{Mutex, PoisonError};
 
+use super::intake::RoutedRequest;
 use kvroute_core::index::WorkerRank;
+use kvroute_core::scheduler::placer::Preference;
 use kvroute_core::scheduler::session::SessionTable;
-use kvroute_prompt::body::RoutingRequest;
 
-use super::candidates::Candidates;
-use super::Proxy;
+use super::Router;
 use crate::api::ProxyError;
 use crate::replica::pins::{Pin, PinKind, SharedPins};
 
@@ -116,7 +116,7 @@ impl ResponseIdScanner {
         self.pending
             .extend_from_slice(&chunk[..chunk.len().min(room)]);
         let mut start = 0;
-        while let Some(len) = super::relay::sse_event_end(&self.pending[start..]) {
+        while let Some(len) = crate::sse::event_end(&self.pending[start..]) {
             let event = &self.pending[start..start + len];
             start += len;
             if let Some(id) = created_id(event) {
@@ -131,6 +131,75 @@ impl ResponseIdScanner {
             self.pending = Vec::new();
         }
         None
+    }
+}
+
+/// An answer watched for the response it names, as it passes the
+/// endpoint picker (the router's relay does the same with
+/// [`ResponseIdScanner`] and [`response_id_in_body`]): a stream's
+/// `response.created` event, or a whole body's `id` (read up to
+/// `--max-answer-mib`), remembered as produced by `rank` for `owner`.
+#[derive(Debug)]
+pub struct ResponseWatch {
+    rank: WorkerRank,
+    owner: [u8; 32],
+    /// `None` until the head says whether it streams; then `Some(sse)`.
+    sse: Option<bool>,
+    scanner: ResponseIdScanner,
+    whole: Vec<u8>,
+    /// Nothing more to look for: found, over the bound, or not a success.
+    done: bool,
+}
+
+impl ResponseWatch {
+    /// A watch for an answer from `rank` to a request of `owner`'s.
+    pub fn new(rank: WorkerRank, owner: [u8; 32]) -> Self {
+        ResponseWatch {
+            rank,
+            owner,
+            sse: None,
+            scanner: ResponseIdScanner::default(),
+            whole: Vec::new(),
+            done: false,
+        }
+    }
+
+    /// The answer's head: whether it streams, and whether it succeeded
+    /// (only a success names a response to remember).
+    pub fn head(&mut self, sse: bool, success: bool) {
+        self.sse = Some(sse);
+        self.done |= !success;
+    }
+
+    /// A piece of the answer.
+    pub fn feed(&mut self, router: &Router, bytes: &[u8]) {
+        if self.done {
+            return;
+        }
+        if self.sse == Some(true) {
+            if let Some(id) = self.scanner.feed(bytes) {
+                self.done = true;
+                router.record_response(&id, &self.owner, self.rank);
+            }
+            return;
+        }
+        if self.whole.len() + bytes.len() > router.config().max_answer_bytes {
+            self.done = true;
+            self.whole = Vec::new();
+            return;
+        }
+        self.whole.extend_from_slice(bytes);
+    }
+
+    /// The answer ended: a whole body's id is remembered.
+    pub fn end(&mut self, router: &Router) {
+        if self.done || self.sse == Some(true) {
+            return;
+        }
+        self.done = true;
+        if let Some(id) = response_id_in_body(&std::mem::take(&mut self.whole)) {
+            router.record_response(&id, &self.owner, self.rank);
+        }
     }
 }
 
@@ -156,21 +225,21 @@ fn created_id(event: &[u8]) -> Option<String> {
     (created.kind == "response.created" && valid_response_id(&id)).then_some(id)
 }
 
-impl Proxy {
+impl Router {
     /// The key the request's previous response is pinned under: `None`
     /// without one, or without an owner (the endpoint picker), or for an id
     /// no engine writes.
-    fn previous_key(&self, req: &RoutingRequest) -> Option<String> {
-        let id = req.previous_response_id.as_deref()?;
-        let owner = req.owner.as_ref()?;
+    fn previous_key(&self, req: &RoutedRequest) -> Option<String> {
+        let id = req.body.previous_response_id.as_deref()?;
+        let owner = &req.owner;
         valid_response_id(id).then(|| self.pin_keys().key(PinKind::Response, owner, id))
     }
 
     /// Refuses a continuation whose previous response no replica knows as
     /// this owner's, with the engine's 404 for an unknown id (see the
     /// module docs); anything else passes.
-    pub(super) fn check_continuation(&self, req: &RoutingRequest) -> Result<(), ProxyError> {
-        let Some(id) = req.previous_response_id.as_deref() else {
+    pub(super) fn check_continuation(&self, req: &RoutedRequest) -> Result<(), ProxyError> {
+        let Some(id) = req.body.previous_response_id.as_deref() else {
             return Ok(());
         };
         let known = self
@@ -184,40 +253,29 @@ impl Proxy {
         Err(ProxyError::ResponseNotFound(shown))
     }
 
-    /// `ordered` with the rank that produced the request's
-    /// `previous_response_id` first, when it is among the candidates.
-    pub(super) fn order_for_continuation(
-        &self,
-        req: &RoutingRequest,
-        candidates: &Candidates,
-        mut ordered: Vec<usize>,
-    ) -> Vec<usize> {
-        if req.previous_response_id.is_none() {
-            return ordered;
+    /// The rank that produced the request's `previous_response_id`, if
+    /// this router knows it: what the placer puts first.
+    pub(super) fn continued_rank(&self, req: &RoutedRequest) -> Option<WorkerRank> {
+        req.body.previous_response_id.as_ref()?;
+        let key = self.previous_key(req)?;
+        self.continuations.rank(&key, self.now_ms())
+    }
+
+    /// Counts how a continuation fared in its placement: kept on its rank,
+    /// or its rank unknown or not among the candidates.
+    pub(super) fn count_continuation(&self, req: &RoutedRequest, outcome: Preference) {
+        if req.body.previous_response_id.is_none() {
+            return;
         }
-        let rank = self
-            .previous_key(req)
-            .and_then(|key| self.continuations.rank(&key, self.now_ms()));
-        let Some(rank) = rank else {
-            self.metrics.continuation_unknown.inc();
-            return ordered;
-        };
-        let at = ordered
-            .iter()
-            .position(|&i| candidates.scored.get(i).is_some_and(|s| s.key == rank));
-        if let Some(at) = at {
-            let i = ordered.remove(at);
-            ordered.insert(0, i);
-            self.metrics.continuation_kept.inc();
-        } else {
-            self.metrics.continuation_unknown.inc();
+        match outcome {
+            Preference::Kept => _ = self.metrics.continuation_kept.inc(),
+            Preference::Moved | Preference::None => _ = self.metrics.continuation_unknown.inc(),
         }
-        ordered
     }
 
     /// Records that `rank` produced response `id` for `owner`, here and at
     /// the other replicas.
-    pub(super) fn record_response(&self, id: &str, owner: &[u8; 32], rank: WorkerRank) {
+    pub(crate) fn record_response(&self, id: &str, owner: &[u8; 32], rank: WorkerRank) {
         if !valid_response_id(id) {
             return;
         }
@@ -228,7 +286,7 @@ impl Proxy {
 
     /// Tells the other replicas (`--nats`) where the pin under `key` goes.
     pub(super) fn share_pin(&self, kind: PinKind, key: String, rank: WorkerRank, tokens: u64) {
-        let Some(share) = self.pin_share.get() else {
+        let Some(share) = self.pin_share.as_ref() else {
             return;
         };
         let targets = self.targets();
@@ -247,8 +305,8 @@ impl Proxy {
     /// Looks up in the replicas' bucket the request's session and previous
     /// response when this replica has not seen them (pinned before it
     /// started), so the turn is placed as if it had.
-    pub async fn fetch_pins(&self, req: &RoutingRequest) {
-        let Some(share) = self.pin_share.get() else {
+    pub async fn fetch_pins(&self, req: &RoutedRequest) {
+        let Some(share) = self.pin_share.as_ref() else {
             return;
         };
         let now = self.now_ms();
@@ -269,7 +327,7 @@ impl Proxy {
     }
 }
 
-impl SharedPins for Proxy {
+impl SharedPins for Router {
     fn apply_pin(&self, pin: &Pin) -> bool {
         let targets = self.targets();
         let Some(target) = targets.iter().find(|t| *t.name == *pin.worker) else {
@@ -294,6 +352,7 @@ impl SharedPins for Proxy {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use kvroute_prompt::body::RoutingRequest;
 
     #[test]
     fn an_answer_names_its_response_id_in_its_body_or_its_first_event() {
@@ -328,29 +387,27 @@ mod tests {
     fn a_continuation_passes_only_for_the_owner_that_made_the_response() {
         use kvroute_core::index::SharedIndex;
         let index = std::sync::Arc::new(SharedIndex::default());
-        let proxy = Proxy::new(super::super::ProxyConfig::default(), index).expect("a proxy");
+        let router = Router::builder(super::super::ProxyConfig::default(), index)
+            .build()
+            .expect("a router");
         let (alice, bob) = ([1u8; 32], [2u8; 32]);
-        proxy.record_response("resp_a", &alice, WorkerRank::new(0, 0));
-        let ask = |owner: Option<[u8; 32]>, id: &str| RoutingRequest {
+        router.record_response("resp_a", &alice, WorkerRank::new(0, 0));
+        let ask = |owner: [u8; 32], id: &str| RoutedRequest {
             owner,
-            previous_response_id: Some(id.to_owned()),
-            ..RoutingRequest::default()
+            body: RoutingRequest {
+                previous_response_id: Some(id.to_owned()),
+                ..RoutingRequest::default()
+            },
+            ..RoutedRequest::default()
         };
-        assert!(proxy
-            .check_continuation(&ask(Some(alice), "resp_a"))
-            .is_ok());
-        assert!(proxy.check_continuation(&RoutingRequest::default()).is_ok());
-        let theirs = proxy
-            .check_continuation(&ask(Some(bob), "resp_a"))
+        assert!(router.check_continuation(&ask(alice, "resp_a")).is_ok());
+        assert!(router.check_continuation(&RoutedRequest::default()).is_ok());
+        let theirs = router
+            .check_continuation(&ask(bob, "resp_a"))
             .expect_err("another owner's");
-        let unknown = proxy
-            .check_continuation(&ask(Some(alice), "resp_b"))
+        let unknown = router
+            .check_continuation(&ask(alice, "resp_b"))
             .expect_err("an unknown id");
-        let no_owner = proxy.check_continuation(&ask(None, "resp_a"));
-        assert!(
-            no_owner.is_err(),
-            "a request of no owner's continues nothing"
-        );
         assert_eq!(theirs.status().as_u16(), 404);
         let body = theirs.body();
         assert_eq!(
@@ -364,9 +421,50 @@ mod tests {
             "the same answer, whoever made the id"
         );
         let long = "r".repeat(10 * MAX_RESPONSE_ID);
-        let refused = proxy.check_continuation(&ask(Some(alice), &long));
+        let refused = router.check_continuation(&ask(alice, &long));
         assert!(refused.is_err_and(|e| e.message().len() < 2 * MAX_RESPONSE_ID));
-        assert_eq!(proxy.metrics.continuation_refused.get(), 4);
+        assert_eq!(router.metrics.continuation_refused.get(), 3);
+    }
+
+    #[test]
+    fn an_answer_watched_at_the_picker_remembers_the_response_it_names() {
+        use kvroute_core::index::SharedIndex;
+        let index = std::sync::Arc::new(SharedIndex::default());
+        let router = Router::builder(super::super::ProxyConfig::default(), index)
+            .build()
+            .expect("a router");
+        let (owner, rank) = ([7u8; 32], WorkerRank::new(0, 1));
+        let continues = |id: &str| RoutedRequest {
+            owner,
+            body: RoutingRequest {
+                previous_response_id: Some(id.to_owned()),
+                ..RoutingRequest::default()
+            },
+            ..RoutedRequest::default()
+        };
+        let mut stream = ResponseWatch::new(rank, owner);
+        stream.head(true, true);
+        let event = b"data: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_s\"}}\n\n";
+        let (a, b) = event.split_at(20);
+        stream.feed(&router, a);
+        stream.feed(&router, b);
+        assert_eq!(router.continued_rank(&continues("resp_s")), Some(rank));
+        let mut whole = ResponseWatch::new(rank, owner);
+        whole.head(false, true);
+        whole.feed(&router, br#"{"id":"resp_w","object":"#);
+        whole.feed(&router, br#""response","output":[]}"#);
+        assert_eq!(
+            router.continued_rank(&continues("resp_w")),
+            None,
+            "not before its end"
+        );
+        whole.end(&router);
+        assert_eq!(router.continued_rank(&continues("resp_w")), Some(rank));
+        let mut failed = ResponseWatch::new(rank, owner);
+        failed.head(false, false);
+        failed.feed(&router, br#"{"id":"resp_f","object":"response"}"#);
+        failed.end(&router);
+        assert!(router.check_continuation(&continues("resp_f")).is_err());
     }
 
     #[test]

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use crate::index::WorkerRank;
+use kvroute_core::index::WorkerRank;
 
 /// How caps are learned.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -27,7 +27,7 @@ use tracing::{debug, warn};
 
 use super::candidates::Target;
 use super::model_list::{self, ListError, Model, MAX_LIST_BYTES};
-use super::Proxy;
+use super::Router;
 
 /// How often a worker's `/v1/models` is asked.
 pub const ASK_EVERY: Duration = Duration::from_secs(10);
@@ -55,7 +55,7 @@ enum Listed {
 type WorkerNames = (Arc<str>, Option<Arc<str>>);
 
 /// A worker's spec-named model and its list, if known.
-type WorkerModels<'a> = (Option<&'a str>, Option<Arc<[Model]>>);
+type ListedModels<'a> = (Option<&'a str>, Option<Arc<[Model]>>);
 
 /// One worker's answers.
 #[derive(Debug, Default)]
@@ -68,7 +68,7 @@ struct Worker {
 /// Context lengths and served models learned from the workers, by worker
 /// name, and the union clients are answered with.
 #[derive(Debug)]
-pub struct ContextLengths {
+pub struct WorkerModels {
     workers: RwLock<HashMap<Arc<str>, Worker>>,
     /// Whether some current worker's list is known.
     any_learned: AtomicBool,
@@ -80,9 +80,9 @@ pub struct ContextLengths {
     union: RwLock<Bytes>,
 }
 
-impl Default for ContextLengths {
+impl Default for WorkerModels {
     fn default() -> Self {
-        ContextLengths {
+        WorkerModels {
             workers: RwLock::default(),
             any_learned: AtomicBool::new(false),
             changed: AtomicBool::new(false),
@@ -92,7 +92,7 @@ impl Default for ContextLengths {
     }
 }
 
-impl ContextLengths {
+impl WorkerModels {
     /// What `worker` reported, if anything.
     pub fn get(&self, worker: &str) -> Option<u64> {
         self.read().get(worker).and_then(|w| w.context_length)
@@ -161,7 +161,7 @@ impl ContextLengths {
     /// Records `worker`'s answer: a list learned (and its context length),
     /// or refused; `false` when it was refused. What depends on every
     /// worker's list is rebuilt at the end of the round
-    /// ([`ContextLengths::rebuild`]), so that the answers of one round
+    /// ([`WorkerModels::rebuild`]), so that the answers of one round
     /// take effect together.
     fn record(&self, worker: &Arc<str>, answer: Result<Vec<Model>, ListError>) -> bool {
         let mut workers = self.write();
@@ -215,7 +215,7 @@ impl ContextLengths {
             Some(Listed::Learned(_, models)) => Some(models.clone()),
             _ => None,
         };
-        let lists: Vec<WorkerModels> = targets
+        let lists: Vec<ListedModels> = targets
             .iter()
             .map(|t| (t.model.as_deref(), learned(t)))
             .collect();
@@ -256,20 +256,44 @@ impl ContextLengths {
     }
 }
 
-impl Proxy {
+impl Router {
+    /// Every model the workers' learned lists hold.
+    pub(crate) fn learned_models(&self) -> Vec<model_list::Model> {
+        self.models.learned_models()
+    }
+
+    /// The URLs of the workers that serve `model`, in the workers' order.
+    pub(crate) fn urls_serving(&self, model: &str) -> Vec<String> {
+        self.targets()
+            .iter()
+            .filter(|t| self.serves(t, model))
+            .map(|t| t.url.clone())
+            .collect()
+    }
+
+    /// The one model every worker's list holds, when there is exactly one
+    /// (what a request that names none is taken to ask for).
+    pub(crate) fn only_model(&self) -> Option<String> {
+        let models = self.models.learned_models();
+        match models.as_slice() {
+            [one] => Some(one.id.clone()),
+            _ => None,
+        }
+    }
+
     /// Whether `target` serves `model`: its spec names it, or its
     /// `/v1/models` lists it; a worker whose list is unknown and whose spec
     /// names no model only while no worker's list is known (see the module
     /// docs).
     pub fn serves(&self, target: &Target, model: &str) -> bool {
-        let listed = self.context.models_of(&target.name);
-        let known = self.context.any_learned();
+        let listed = self.models.models_of(&target.name);
+        let known = self.models.any_learned();
         serves_model(target.model.as_deref(), listed.as_deref(), known, model)
     }
 
     /// The models `worker`'s `/v1/models` listed last (adapters included).
     pub fn listed_models(&self, worker: &str) -> Option<Arc<[String]>> {
-        self.context.models_of(worker)
+        self.models.models_of(worker)
     }
 
     /// Whether any worker serves `model`.
@@ -279,7 +303,7 @@ impl Proxy {
 
     /// The context length to check requests to `target` against.
     pub fn context_length(&self, target: &Target) -> Option<u64> {
-        self.context.get(&target.name).or(self.config.max_model_len)
+        self.models.get(&target.name).or(self.config.max_model_len)
     }
 
     /// Rebuilds what depends on every current worker's list, if an answer
@@ -287,13 +311,13 @@ impl Proxy {
     /// docs): called at the end of each round of asking, and when the
     /// workers change.
     pub fn rebuild_models(&self) {
-        self.context.rebuild(|| self.targets());
+        self.models.rebuild(|| self.targets());
     }
 
     /// The answer to a client's `GET /v1/models`: the union of the lists
     /// learned (and the models specs name), as last built.
     pub fn models_answer(&self) -> Bytes {
-        self.context.union()
+        self.models.union()
     }
 
     /// Asks each worker that is due (new, or not asked for [`ASK_EVERY`])
@@ -305,18 +329,18 @@ impl Proxy {
         let now = Instant::now();
         let due: Vec<&Target> = targets
             .iter()
-            .filter(|t| self.context.due(&t.name, now))
+            .filter(|t| self.models.due(&t.name, now))
             .collect();
         futures_util::stream::iter(due)
             .for_each_concurrent(ASKED_AT_ONCE, |t| async move {
                 if let Some(answer) = self.ask_models(t).await {
-                    if !self.context.record(&t.name, answer) {
+                    if !self.models.record(&t.name, answer) {
                         self.metrics.model_lists_refused.inc();
                     }
                 }
             })
             .await;
-        self.context.changed.store(true, Ordering::Relaxed);
+        self.models.changed.store(true, Ordering::Relaxed);
         self.rebuild_models();
     }
 

@@ -1,4 +1,4 @@
-//! Tenants at the proxy: whose request it is, which priorities it may ask
+//! Tenants at the router: whose request it is, which priorities it may ask
 //! for, what it weighs in the overload queue's fair order, and the label
 //! its metrics go under.
 //!
@@ -9,7 +9,7 @@
 //! 2. the tenant `--tenant-key NAME=…` binds its API key to
 //!    (`Authorization: Bearer …`, matched by the key's whole SHA-256);
 //! 3. the fingerprint of its API key
-//!    ([`key_fingerprint`](kvroute_core::scheduler::fair::key_fingerprint):
+//!    ([`key_fingerprint`]:
 //!    `key-` and 12 hex digits of the key's SHA-256; the key itself is never
 //!    logged or exported);
 //! 4. [`ANONYMOUS`].
@@ -35,9 +35,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use axum::http::{header, HeaderMap};
-use kvroute_core::scheduler::fair::{clamp_weight, digest_fingerprint, key_digest};
+use kvroute_core::scheduler::fair::clamp_weight;
+use ring::digest;
 
-use super::Proxy;
+use super::Router;
 use crate::api::ProxyError;
 use crate::metrics::tenants::{TenantLabel, OTHER_TENANT};
 
@@ -250,7 +251,7 @@ impl Tenants {
     }
 }
 
-impl Proxy {
+impl Router {
     /// Who a request is (see the module docs); a 400 when the header is
     /// trusted and not printable ASCII of 1 to [`MAX_TENANT`] bytes.
     pub fn identify(&self, headers: &HeaderMap) -> Result<Identity, ProxyError> {
@@ -282,7 +283,7 @@ impl Proxy {
         Ok(tenants.identify(from_header, key))
     }
 
-    /// The tenant a request's headers name (see [`Proxy::identify`]).
+    /// The tenant a request's headers name (see [`Router::identify`]).
     pub fn tenant_of(&self, headers: &HeaderMap) -> Result<String, ProxyError> {
         self.identify(headers).map(|i| i.tenant)
     }
@@ -310,13 +311,47 @@ fn bearer_token(value: &str) -> Option<&str> {
     (scheme.eq_ignore_ascii_case("bearer") && !token.is_empty()).then_some(token)
 }
 
+/// The SHA-256 of an API key: what an operator binds to a tenant (the key
+/// itself need not be written in flags or files the router reads).
+pub fn key_digest(api_key: &str) -> [u8; 32] {
+    let mut out = [0u8; 32];
+    out.copy_from_slice(digest::digest(&digest::SHA256, api_key.as_bytes()).as_ref());
+    out
+}
+
+/// The name an API key's tenant goes by in metrics, logs and
+/// `--tenant-weight`: `key-` and the first 12 hex digits of the key's
+/// SHA-256, stable across restarts and replicas and never the key itself
+/// (`printf %s "$KEY" | sha256sum | cut -c1-12` gives the digits).
+pub fn key_fingerprint(api_key: &str) -> String {
+    digest_fingerprint(&key_digest(api_key))
+}
+
+/// [`key_fingerprint`] of the key whose [`key_digest`] is `digest`.
+pub fn digest_fingerprint(digest: &[u8; 32]) -> String {
+    let mut name = String::with_capacity(16);
+    name.push_str("key-");
+    for byte in &digest[..6] {
+        name.push_str(&format!("{byte:02x}"));
+    }
+    name
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_api_keys_fingerprint_is_stable_and_hides_the_key() {
+        // printf %s sk-test | sha256sum
+        assert_eq!(key_fingerprint("sk-test"), "key-f3abf2a6cc4f");
+        assert!(!key_fingerprint("sk-test").contains("sk-test"));
+        assert_ne!(key_fingerprint("sk-test"), key_fingerprint("sk-tesu"));
+    }
     use axum::http::HeaderValue;
     use kvroute_core::index::SharedIndex;
 
-    fn proxy(trust_header: bool) -> Proxy {
+    fn router(trust_header: bool) -> Router {
         let config = super::super::ProxyConfig {
             tenants: TenantConfig {
                 header: "x-team".to_owned(),
@@ -337,7 +372,9 @@ mod tests {
             },
             ..Default::default()
         };
-        Proxy::new(config, Arc::new(SharedIndex::default())).expect("a proxy")
+        Router::builder(config, Arc::new(SharedIndex::default()))
+            .build()
+            .expect("a router")
     }
 
     fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {
@@ -348,68 +385,68 @@ mod tests {
         map
     }
 
-    fn who(proxy: &Proxy, pairs: &[(&'static str, &str)]) -> (String, PriorityRange) {
-        let id = proxy.identify(&headers(pairs)).expect("an identity");
+    fn who(router: &Router, pairs: &[(&'static str, &str)]) -> (String, PriorityRange) {
+        let id = router.identify(&headers(pairs)).expect("an identity");
         (id.tenant, id.priorities)
     }
 
     #[test]
     fn an_untrusted_header_is_ignored_and_the_api_key_names_the_tenant() {
-        let proxy = proxy(false);
+        let router = router(false);
         let untrusted = PriorityRange::UNTRUSTED;
         let both = [("x-team", "gold"), ("authorization", "Bearer sk-test")];
-        assert_eq!(who(&proxy, &both), ("key-f3abf2a6cc4f".into(), untrusted));
+        assert_eq!(who(&router, &both), ("key-f3abf2a6cc4f".into(), untrusted));
         // Not even checked: the header is not the router's business.
         assert_eq!(
-            who(&proxy, &[("x-team", "a b")]),
+            who(&router, &[("x-team", "a b")]),
             (ANONYMOUS.into(), untrusted)
         );
         let key = [("authorization", "bearer  sk-test ")];
-        assert_eq!(who(&proxy, &key), ("key-f3abf2a6cc4f".into(), untrusted));
+        assert_eq!(who(&router, &key), ("key-f3abf2a6cc4f".into(), untrusted));
         let basic = [("authorization", "Basic dXNlcjpwYXNz")];
-        assert_eq!(who(&proxy, &basic), (ANONYMOUS.into(), untrusted));
-        assert_eq!(who(&proxy, &[]), (ANONYMOUS.into(), untrusted));
+        assert_eq!(who(&router, &basic), (ANONYMOUS.into(), untrusted));
+        assert_eq!(who(&router, &[]), (ANONYMOUS.into(), untrusted));
         // A bound key is its tenant, with the priorities granted to it.
         let gold = [("x-team", "batch"), ("authorization", "Bearer sk-gold")];
         let range = PriorityRange::parse("-10..5").expect("a range");
-        assert_eq!(who(&proxy, &gold), ("gold".into(), range));
+        assert_eq!(who(&router, &gold), ("gold".into(), range));
     }
 
     #[test]
     fn a_trusted_header_names_the_tenant_then_the_api_key_then_no_one() {
-        let proxy = proxy(true);
+        let router = router(true);
         let both = [("x-team", "batch"), ("authorization", "Bearer sk-gold")];
         let batch = PriorityRange::parse("3..9").expect("a range");
-        assert_eq!(who(&proxy, &both), ("batch".into(), batch));
+        assert_eq!(who(&router, &both), ("batch".into(), batch));
         // The gateway's tenants may use any priority unless narrowed.
         let other = [("x-team", "someone")];
-        assert_eq!(who(&proxy, &other), ("someone".into(), PriorityRange::ANY));
+        assert_eq!(who(&router, &other), ("someone".into(), PriorityRange::ANY));
         let key = [("authorization", "Bearer sk-gold")];
         let gold = PriorityRange::parse("-10..5").expect("a range");
-        assert_eq!(who(&proxy, &key), ("gold".into(), gold));
+        assert_eq!(who(&router, &key), ("gold".into(), gold));
         // Requests without the header: the gateway's word too.
         let other_key = [("authorization", "Bearer sk-test")];
         let any = PriorityRange::ANY;
-        assert_eq!(who(&proxy, &other_key), ("key-f3abf2a6cc4f".into(), any));
-        assert_eq!(who(&proxy, &[]), (ANONYMOUS.into(), any));
+        assert_eq!(who(&router, &other_key), ("key-f3abf2a6cc4f".into(), any));
+        assert_eq!(who(&router, &[]), (ANONYMOUS.into(), any));
         let long = "t".repeat(MAX_TENANT + 1);
-        assert!(proxy.identify(&headers(&[("x-team", &long)])).is_err());
-        assert!(proxy.identify(&headers(&[("x-team", "a b")])).is_err());
+        assert!(router.identify(&headers(&[("x-team", &long)])).is_err());
+        assert!(router.identify(&headers(&[("x-team", "a b")])).is_err());
     }
 
     #[test]
     fn priorities_are_clamped_into_the_tenants_range() {
-        let proxy = proxy(false);
-        let anyone = proxy.identify(&HeaderMap::new()).expect("an identity");
-        assert_eq!(proxy.allowed_priority(&anyone, -2_147_483_648), 0);
-        assert_eq!(proxy.allowed_priority(&anyone, 7), 7);
-        let gold = proxy
+        let router = router(false);
+        let anyone = router.identify(&HeaderMap::new()).expect("an identity");
+        assert_eq!(router.allowed_priority(&anyone, -2_147_483_648), 0);
+        assert_eq!(router.allowed_priority(&anyone, 7), 7);
+        let gold = router
             .identify(&headers(&[("authorization", "Bearer sk-gold")]))
             .expect("an identity");
-        assert_eq!(proxy.allowed_priority(&gold, -5), -5);
-        assert_eq!(proxy.allowed_priority(&gold, -50), -10);
-        assert_eq!(proxy.allowed_priority(&gold, 50), 5);
-        assert_eq!(proxy.metrics.tenants.priority_clamped.get(), 3);
+        assert_eq!(router.allowed_priority(&gold, -5), -5);
+        assert_eq!(router.allowed_priority(&gold, -50), -10);
+        assert_eq!(router.allowed_priority(&gold, 50), 5);
+        assert_eq!(router.metrics.tenants.priority_clamped.get(), 3);
         for bad in ["5", "5..", "..5", "a..b", "5..-5", "0..3000000000"] {
             assert!(PriorityRange::parse(bad).is_err(), "{bad}");
         }
@@ -417,7 +454,7 @@ mod tests {
 
     #[test]
     fn named_tenants_have_their_weight_and_label_and_the_rest_are_other() {
-        let tenants = Tenants::new(&proxy(false).config.tenants);
+        let tenants = Tenants::new(&router(false).config.tenants);
         assert_eq!(tenants.weight("gold"), 4.0);
         assert!(tenants.weight("free") > 0.0, "clamped above 0");
         assert_eq!(tenants.weight("batch"), 1.0);

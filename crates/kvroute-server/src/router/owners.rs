@@ -7,7 +7,7 @@
 //! only place that can refuse another client's `previous_response_id`, and
 //! it binds each pin to the request's owner: a digest of the API key the
 //! request carried (`Authorization: Bearer …` or `x-api-key`), if any,
-//! and of its tenant as [`Proxy::tenant_of`](super::Proxy::tenant_of)
+//! and of its tenant as [`Router::tenant_of`](super::Router::tenant_of)
 //! resolves it (its tenant header, else the key's fingerprint, else
 //! `anonymous`). Two requests have one owner when they carry the same key
 //! (or none) and name the same tenant. Without keys the owner is the

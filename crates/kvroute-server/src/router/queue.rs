@@ -36,12 +36,12 @@ use std::time::Duration;
 use kvroute_core::scheduler::fair::{Admission, FairQueue, Place};
 use tokio::sync::futures::Notified;
 
-use super::tenants::{TenantConfig, Tenants, ANONYMOUS};
-use super::Proxy;
+use super::intake::RoutedRequest;
+use super::tenants::{TenantConfig, Tenants};
+use super::Router;
 use crate::api::ProxyError;
 use crate::metrics::tenants::OTHER_TENANT;
 use crate::metrics::tenants::{PriorityClass, TenantLabel};
-use kvroute_prompt::body::RoutingRequest;
 
 /// The requests waiting in the queue, in the order they take ranks.
 #[derive(Debug)]
@@ -119,7 +119,7 @@ impl Waiting {
 /// A request's wait in the queue, for as long as `--queue-timeout-ms`
 /// allows; leaving it (dropping it) gives its turn to the next.
 pub(super) struct QueueWait<'a> {
-    proxy: &'a Proxy,
+    router: &'a Router,
     tenant: Arc<str>,
     label: TenantLabel,
     weight: f64,
@@ -141,19 +141,19 @@ pub(super) struct QueueWait<'a> {
 impl<'a> QueueWait<'a> {
     /// A wait that has not started for `req`: no place in the queue taken
     /// yet; counts the request under its tenant.
-    pub(super) fn new(proxy: &'a Proxy, req: &RoutingRequest) -> Self {
-        let tenants = &proxy.waiting.tenants;
-        let tenant: Arc<str> = Arc::from(req.tenant.as_deref().unwrap_or(ANONYMOUS));
+    pub(super) fn new(router: &'a Router, req: &RoutedRequest) -> Self {
+        let tenants = &router.waiting.tenants;
+        let tenant: Arc<str> = Arc::from(req.tenant.as_str());
         let label = tenants.label(&tenant).clone();
-        proxy.metrics.tenants.requests.get_or_create(&label).inc();
+        router.metrics.tenants.requests.get_or_create(&label).inc();
         QueueWait {
-            proxy,
+            router,
             weight: tenants.weight(&tenant),
             tenant,
             label,
             priority: req.priority,
-            cost: super::sessions::history_tokens(req).max(1),
-            until: tokio::time::Instant::now() + proxy.config().queue_timeout,
+            cost: super::sessions::history_tokens(&req.body).max(1),
+            until: tokio::time::Instant::now() + router.config().queue_timeout,
             place: None,
             bell: Arc::default(),
             armed: None,
@@ -167,7 +167,7 @@ impl<'a> QueueWait<'a> {
     pub(super) fn may_try(&mut self) -> bool {
         let may = self.is_first();
         if may {
-            let mut listen = Box::pin(self.proxy.load_dropped.notified());
+            let mut listen = Box::pin(self.router.load_dropped.notified());
             listen.as_mut().enable();
             self.armed = Some(listen);
         }
@@ -176,8 +176,8 @@ impl<'a> QueueWait<'a> {
 
     fn is_first(&self) -> bool {
         match self.place {
-            None => self.proxy.waiting.is_empty(),
-            Some((place, _)) => self.proxy.waiting.is_first(place),
+            None => self.router.waiting.is_empty(),
+            Some((place, _)) => self.router.waiting.is_first(place),
         }
     }
 
@@ -187,15 +187,15 @@ impl<'a> QueueWait<'a> {
     /// the queue is off or the wait is over, the 429 when a full queue
     /// refuses it (see the module docs).
     pub(super) async fn busy(&mut self, ranks: usize) -> Result<(), ProxyError> {
-        let proxy = self.proxy;
+        let router = self.router;
         match self.place {
             None => {
                 let place = self.enter(ranks)?;
-                if proxy.waiting.is_first(place) {
+                if router.waiting.is_first(place) {
                     return Ok(());
                 }
             }
-            Some((place, _)) if proxy.waiting.take_evicted(place) => {
+            Some((place, _)) if router.waiting.take_evicted(place) => {
                 self.place = None;
                 return Err(self.refuse(true));
             }
@@ -203,7 +203,7 @@ impl<'a> QueueWait<'a> {
         }
         if tokio::time::Instant::now() >= self.until {
             self.refused = true;
-            return Err(overloaded(proxy, ranks, true));
+            return Err(overloaded(router, ranks, true));
         }
         if self.is_first() {
             // First: woken when a prefill or a request ends since it was
@@ -213,7 +213,7 @@ impl<'a> QueueWait<'a> {
                 (tokio::time::Instant::now() + Duration::from_millis(100)).min(self.until);
             let listen = match self.armed.take() {
                 Some(listen) => listen,
-                None => Box::pin(proxy.load_dropped.notified()),
+                None => Box::pin(router.load_dropped.notified()),
             };
             let _ = tokio::time::timeout_at(recheck, listen).await;
         } else {
@@ -229,15 +229,15 @@ impl<'a> QueueWait<'a> {
     /// another tenant's request (woken to answer); the 503 when the queue
     /// is off, the 429 when this request is the one refused.
     fn enter(&mut self, ranks: usize) -> Result<Place, ProxyError> {
-        let proxy = self.proxy;
-        if self.proxy.waiting.capacity == 0 {
-            return Err(overloaded(proxy, ranks, false));
+        let router = self.router;
+        if self.router.waiting.capacity == 0 {
+            return Err(overloaded(router, ranks, false));
         }
         let admission = {
-            let mut state = proxy.waiting.lock();
+            let mut state = router.waiting.lock();
             self.pool_unless_told_apart(&state.queue);
             let admission = state.queue.admit(
-                proxy.waiting.capacity,
+                router.waiting.capacity,
                 &self.tenant,
                 self.weight,
                 self.priority,
@@ -263,8 +263,8 @@ impl<'a> QueueWait<'a> {
             Admission::Queued(place) | Admission::Evicting(place, _) => place,
             Admission::Refused => return Err(self.refuse(false)),
         };
-        proxy.metrics.queued.inc();
-        let tenants = &proxy.metrics.tenants;
+        router.metrics.queued.inc();
+        let tenants = &router.metrics.tenants;
         tenants.queued.get_or_create(&self.label).inc();
         tenants.waiting.get_or_create(&self.label).inc();
         self.place = Some((place, tokio::time::Instant::now()));
@@ -274,7 +274,7 @@ impl<'a> QueueWait<'a> {
     /// Waits as `other` when the queue already tells `--queue-max-tenants`
     /// tenants the flags do not name apart and this is another one.
     fn pool_unless_told_apart(&mut self, queue: &FairQueue<Arc<str>>) {
-        let tenants = &self.proxy.waiting.tenants;
+        let tenants = &self.router.waiting.tenants;
         let pool: Arc<str> = Arc::from(OTHER_TENANT);
         let waits_as = queue.queue_as(&self.tenant, tenants.max_tenants(), &pool, |k| {
             tenants.is_known(k)
@@ -282,7 +282,7 @@ impl<'a> QueueWait<'a> {
         if **waits_as != *self.tenant {
             self.tenant = pool;
             self.weight = tenants.weight(OTHER_TENANT);
-            self.proxy.metrics.tenants.pooled.inc();
+            self.router.metrics.tenants.pooled.inc();
         }
     }
 
@@ -290,8 +290,8 @@ impl<'a> QueueWait<'a> {
     /// queue (`waited`: refused after queueing, to make room).
     fn refuse(&mut self, waited: bool) -> ProxyError {
         self.refused = true;
-        let proxy = self.proxy;
-        let tenants = &proxy.metrics.tenants;
+        let router = self.router;
+        let tenants = &router.metrics.tenants;
         tenants.refused.get_or_create(&self.label).inc();
         if waited {
             tenants.waiting.get_or_create(&self.label).dec();
@@ -304,7 +304,7 @@ impl<'a> QueueWait<'a> {
         let pooled = if *self.tenant == *OTHER_TENANT {
             format!(
                 " (where the tenants beyond the {} the queue tells apart wait as one)",
-                proxy.waiting.tenants.max_tenants()
+                router.waiting.tenants.max_tenants()
             )
         } else {
             String::new()
@@ -312,23 +312,23 @@ impl<'a> QueueWait<'a> {
         ProxyError::RateLimited(format!(
             "tenant `{}`{pooled} has the most requests waiting for its weight ({}) in the full \
              overload queue ({} places): {when}; retry later",
-            self.tenant, self.weight, proxy.waiting.capacity,
+            self.tenant, self.weight, router.waiting.capacity,
         ))
     }
 }
 
 impl Drop for QueueWait<'_> {
     fn drop(&mut self) {
-        let proxy = self.proxy;
+        let router = self.router;
         let class = PriorityClass::of(self.priority);
         let waited = self.place.map_or(0.0, |(_, at)| at.elapsed().as_secs_f64());
-        let tenants = &proxy.metrics.tenants;
+        let tenants = &router.metrics.tenants;
         tenants.queue_wait.get_or_create(&class).observe(waited);
         let Some((place, _)) = self.place.take() else {
             return;
         };
         tenants.waiting.get_or_create(&self.label).dec();
-        let mut state = proxy.waiting.lock();
+        let mut state = router.waiting.lock();
         // Refused to make room but placed meanwhile: nothing to answer.
         state.evicted.remove(&place);
         state.bells.remove(&place);
@@ -338,8 +338,8 @@ impl Drop for QueueWait<'_> {
 }
 
 /// The 503 for a request no rank can take (`queued`: after its wait in the queue).
-fn overloaded(proxy: &Proxy, ranks: usize, queued: bool) -> ProxyError {
-    let config = proxy.config();
+fn overloaded(router: &Router, ranks: usize, queued: bool) -> ProxyError {
+    let config = router.config();
     let wait = if queued {
         format!(
             " after {} ms in the queue",

@@ -14,13 +14,13 @@ use kvroute_core::hash::SequenceHash;
 use kvroute_core::index::{DpRank, WorkerRank};
 
 use super::candidates::Target;
-use super::Proxy;
+use super::Router;
 use crate::replica::bus::SharedLoad;
 use crate::replica::message::{Admission, Event, RequestRef};
 use crate::replica::peers::{slot_of, tagged_id};
 use crate::replica::speeds::{SharedSpeeds, SpeedObservation};
 
-impl Proxy {
+impl Router {
     fn expiry_ms(&self) -> u64 {
         self.config.active_expiry.as_millis() as u64
     }
@@ -34,7 +34,7 @@ fn key_of(targets: &[Target], worker: &str, rank: DpRank) -> Option<WorkerRank> 
         .map(|t| WorkerRank { worker: t.id, rank })
 }
 
-impl SharedLoad for Proxy {
+impl SharedLoad for Router {
     fn apply_peer(&self, slot: u32, events: &[Event]) -> u64 {
         // One read of the workers and one lock of the table per message.
         let targets = self.targets();
@@ -124,7 +124,7 @@ impl SharedLoad for Proxy {
     }
 }
 
-impl SharedSpeeds for Proxy {
+impl SharedSpeeds for Router {
     fn observe_peer(&self, observations: &[SpeedObservation]) -> u64 {
         // One read of the workers per message.
         let targets = self.targets();

@@ -10,23 +10,19 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use kvroute_core::event::WorkerFlavor;
-use kvroute_core::hash::{namespace_seed, LocalBlockHash};
+use kvroute_core::hash::LocalBlockHash;
 use kvroute_core::index::{DpRank, WorkerRank};
-use kvroute_core::multimodal::prompt_local_hashes;
-use kvroute_core::scheduler::peers::tenant_of;
-use kvroute_core::scheduler::policy::keep_on_holder;
 use kvroute_core::scheduler::{
-    order_from, score, FleetView, Load, Policy, Pricing, RequestHashes, RouteTarget, Scored,
+    score, FleetView, Load, Pricing, RequestHashes, RouteTarget, Scored,
 };
-use kvroute_prompt::body::TextPrompt;
 
 use super::active::ActiveRanks;
-use super::Proxy;
+use super::Router;
 use crate::ingest::registry::WorkerView;
 use crate::ingest::stats::RankStats;
 use kvroute_prompt::body::RoutingRequest;
 
-/// A worker as the proxy sees it: what routing sees of it (reached through
+/// A worker as the router sees it: what routing sees of it (reached through
 /// [`Deref`]), where to send its requests, and its ranks' ingest state.
 #[derive(Debug, Clone)]
 pub struct Target {
@@ -130,21 +126,6 @@ impl Target {
     }
 }
 
-/// The local block hashes of a request at `block_size`, as a worker of
-/// `flavor` publishes them (the flavour matters only for prompts with images:
-/// SGLang's folded wide pads, or vLLM's item hashes on overlapping blocks).
-pub fn request_hashes(
-    req: &RoutingRequest,
-    block_size: u32,
-    flavor: WorkerFlavor,
-) -> Vec<LocalBlockHash> {
-    let Some(tokens) = &req.tokens else {
-        return Vec::new();
-    };
-    let seed = namespace_seed(req.lora_name.as_deref(), req.cache_salt.as_deref());
-    prompt_local_hashes(tokens, &req.images, flavor, block_size as usize, seed)
-}
-
 /// A request's candidates, with the workers and hashes they came from.
 #[derive(Debug)]
 pub struct Candidates {
@@ -156,7 +137,7 @@ pub struct Candidates {
     pub hashes: RequestHashes,
 }
 
-impl Proxy {
+impl Router {
     /// The candidates for a parsed (and tokenized) request, and what `then`
     /// does with them while the loads they were scored on cannot change.
     pub fn candidates_for<R>(
@@ -166,7 +147,7 @@ impl Proxy {
     ) -> (Candidates, R) {
         let request_tokens = req.tokens.as_ref().map_or(0, |t| t.len() as u64);
         self.candidates_then(
-            &mut |bs, flavor| request_hashes(req, bs, flavor),
+            &mut |bs, flavor| req.local_hashes(bs, flavor),
             (request_tokens, req.model.as_deref()),
             !req.images.is_empty(),
             then,
@@ -186,7 +167,7 @@ impl Proxy {
             .0
     }
 
-    /// [`Proxy::candidates`] among the workers that serve `model` (any
+    /// [`Router::candidates`] among the workers that serve `model` (any
     /// worker without one), then `then` under the same hold of the ranks'
     /// loads: a request charged there is seen by the next one scored.
     fn candidates_then<R>(
@@ -240,143 +221,5 @@ impl Proxy {
         };
         let r = then(&candidates, &mut ranks);
         (candidates, r)
-    }
-}
-
-/// The symbols SGLang's `cache_aware` tree keys a request by: its token ids
-/// when the router has them (sglang's gRPC path), else the characters of
-/// its prompt as the body gives it (its HTTP path keys by text).
-pub fn sglang_symbols(req: &RoutingRequest) -> Vec<u32> {
-    if let Some(tokens) = &req.tokens {
-        return tokens.clone();
-    }
-    let chars = |s: &str| s.chars().map(u32::from).collect();
-    match &req.text {
-        Some(TextPrompt::Completion(serde_json::Value::String(s))) => chars(s),
-        Some(TextPrompt::Completion(v) | TextPrompt::Chat(v)) => chars(&v.to_string()),
-        None => Vec::new(),
-    }
-}
-
-/// The `kv` policy's placement rules over the cost's `ordered`
-/// (`--policy kv` only): a request whose prefix no rank holds is dealt
-/// (`--deal-new-prefixes`), else the rank holding most of its prefix keeps
-/// it within `--holder-stickiness` ([`keep_on_holder`]). Returns the order
-/// and the worker it was dealt to, if it was ([`record_dealt`] once placed).
-pub(crate) fn kv_rules(
-    proxy: &Proxy,
-    among: &[Scored],
-    ordered: Vec<usize>,
-) -> (Vec<usize>, Option<usize>) {
-    let config = proxy.config();
-    if config.policy != Policy::Kv {
-        return (ordered, None);
-    }
-    let dealt = proxy.dealer.as_ref().and_then(|dealer| {
-        dealer
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .choose(among)
-    });
-    match dealt {
-        Some(first) => (order_from(among, first), Some(among[first].worker)),
-        None => (
-            keep_on_holder(among, ordered, config.holder_stickiness),
-            None,
-        ),
-    }
-}
-
-/// Counts what a `request_tokens`-token request placed on `s` gave its
-/// worker, for dealing the next new prefix.
-pub(super) fn record_dealt(proxy: &Proxy, s: &Scored, request_tokens: u64, dealt: bool) {
-    if let Some(dealer) = &proxy.dealer {
-        dealer
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .record(s, request_tokens, dealt);
-    }
-}
-
-/// The order of a policy whose state the proxy keeps (`--policy
-/// sglang-cache-aware`: its tree chooses among `among`, loaded with the
-/// requests this router has in flight on each); `None` under the others,
-/// which the core orders alone.
-pub(super) fn peer_order(
-    proxy: &Proxy,
-    req: &RoutingRequest,
-    among: &[Scored],
-) -> Option<Vec<usize>> {
-    if proxy.config().policy != Policy::SglangCacheAware {
-        return None;
-    }
-    let loads: Vec<(u32, u64)> = among
-        .iter()
-        .map(|s| (tenant_of(s.key), s.candidate.active_requests))
-        .collect();
-    let now = proxy.now_ms();
-    let mut tree = proxy
-        .sglang
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    let (first, _) = tree.choose(&sglang_symbols(req), &loads, now)?;
-    Some(order_from(among, first))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use kvroute_core::hash::{local_block_hashes, HASH_SEED};
-    use kvroute_core::multimodal::{ImageIdentity, ImageSpan};
-
-    #[test]
-    fn a_request_hashes_its_tokens_and_images_as_each_flavour_publishes_them() {
-        let plain = RoutingRequest {
-            tokens: Some((0..16).collect()),
-            ..RoutingRequest::default()
-        };
-        assert_eq!(
-            request_hashes(&plain, 4, WorkerFlavor::Vllm),
-            local_block_hashes(&(0..16).collect::<Vec<_>>(), 4, HASH_SEED, 0)
-        );
-        assert!(request_hashes(&RoutingRequest::default(), 4, WorkerFlavor::Vllm).is_empty());
-        let mut tokens: Vec<u32> = (0..4).collect();
-        tokens.extend([151_655; 8]);
-        let req = RoutingRequest {
-            tokens: Some(tokens.clone()),
-            images: vec![ImageSpan {
-                start: 4,
-                len: 8,
-                identity: ImageIdentity::from_hash(42),
-            }],
-            ..RoutingRequest::default()
-        };
-        let vllm = request_hashes(&req, 4, WorkerFlavor::Vllm);
-        let sglang = request_hashes(&req, 4, WorkerFlavor::Sglang);
-        assert_eq!(vllm.len(), 3);
-        assert_eq!(vllm[0], sglang[0], "the text block is the same");
-        assert_ne!(vllm[1..], sglang[1..], "the image blocks differ");
-        assert_ne!(vllm[1], local_block_hashes(&tokens, 4, HASH_SEED, 0)[1]);
-    }
-
-    #[test]
-    fn sglang_keys_a_request_by_its_tokens_else_by_its_text() {
-        let tokens = RoutingRequest {
-            tokens: Some(vec![7, 8, 9]),
-            text: Some(TextPrompt::Completion(serde_json::json!("ab"))),
-            ..RoutingRequest::default()
-        };
-        assert_eq!(sglang_symbols(&tokens), [7, 8, 9]);
-        let text = RoutingRequest {
-            text: Some(TextPrompt::Completion(serde_json::json!("hé"))),
-            ..RoutingRequest::default()
-        };
-        assert_eq!(sglang_symbols(&text), [u32::from('h'), u32::from('é')]);
-        let chat = RoutingRequest {
-            text: Some(TextPrompt::Chat(serde_json::json!([{"content": "x"}]))),
-            ..RoutingRequest::default()
-        };
-        assert_eq!(sglang_symbols(&chat).len(), r#"[{"content":"x"}]"#.len());
-        assert!(sglang_symbols(&RoutingRequest::default()).is_empty());
     }
 }

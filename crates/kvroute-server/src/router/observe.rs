@@ -229,19 +229,19 @@ impl Observed {
 /// `kvroute_quality_*`), read at scrape time.
 #[derive(Debug)]
 pub struct ObservedCollector {
-    proxy: Arc<super::Proxy>,
+    router: Arc<super::Router>,
 }
 
 impl ObservedCollector {
-    /// A collector over `proxy`'s totals.
-    pub fn new(proxy: Arc<super::Proxy>) -> Self {
-        ObservedCollector { proxy }
+    /// A collector over `router`'s totals.
+    pub fn new(router: Arc<super::Router>) -> Self {
+        ObservedCollector { router }
     }
 }
 
 impl Collector for ObservedCollector {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
-        encode_totals(&self.proxy.observed.totals(), &mut encoder)
+        encode_totals(&self.router.observed.totals(), &mut encoder)
     }
 }
 
@@ -351,7 +351,7 @@ mod tests {
         assert_eq!(observed.timings_since(6).len(), 1);
     }
 
-    /// A collector that encodes fixed totals, as `ObservedCollector` does a proxy's.
+    /// A collector that encodes fixed totals, as `ObservedCollector` does a router's.
     #[derive(Debug)]
     struct Fixed(Totals);
 

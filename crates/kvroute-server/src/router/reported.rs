@@ -200,7 +200,7 @@ impl Reports {
     }
 }
 
-impl super::Proxy {
+impl super::Router {
     /// Reads every worker's `/metrics` once (at most `timeout` each, all at
     /// once) and records the load each reports.
     pub async fn scrape_engines(&self, timeout: Duration) {
