@@ -120,6 +120,12 @@ pub async fn prepare(
         endpoint,
     } = arrival;
     let caller = Caller::of(router, headers)?;
+    if endpoint.is_some() {
+        router
+            .tokenizers()
+            .settled(crate::tokenizers::LOOK_WAIT)
+            .await;
+    }
     let (mut read, share) = match endpoint {
         Some(endpoint) => {
             let (router, bytes, priorities) = (router.clone(), body.clone(), caller.priorities);

@@ -301,11 +301,35 @@ impl Router {
     }
 
     /// The workers requests can go to now.
+    ///
+    /// A worker whose block size its stream taught since the last refresh
+    /// gets it at once: the first requests after a start are hashed at the
+    /// engine's block size, not at 0 until the next refresh.
     pub fn targets(&self) -> Arc<Vec<Target>> {
-        self.targets
+        let targets = self
+            .targets
             .read()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()
+            .clone();
+        if targets
+            .iter()
+            .all(|t| t.newly_learned_block_size().is_none())
+        {
+            return targets;
+        }
+        let updated: Vec<Target> = targets
+            .iter()
+            .map(|t| {
+                let mut t = t.clone();
+                if let Some(size) = t.newly_learned_block_size() {
+                    t.route.block_size = size;
+                }
+                t
+            })
+            .collect();
+        let updated = Arc::new(updated);
+        *self.targets.write().unwrap_or_else(PoisonError::into_inner) = updated.clone();
+        updated
     }
 
     /// The workers' circuit breakers (fed by the forwarder's attempts).

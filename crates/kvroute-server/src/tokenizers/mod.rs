@@ -145,9 +145,16 @@ pub struct ModelTokenizers {
     table: RwLock<HashMap<String, Entry>>,
     /// Models being looked for now.
     pending: Mutex<HashSet<String>>,
+    /// Woken whenever a look ends, for requests waiting on one.
+    looked: tokio::sync::Notify,
     /// `/tokenize` answers.
     pub answers: engine::AnswerCache,
 }
+
+/// The longest a request waits for a tokenizer being looked for: the first
+/// requests after a start are tokenized with what the look finds, not
+/// routed on load alone, while a slow download does not hold them long.
+pub const LOOK_WAIT: Duration = Duration::from_secs(5);
 
 /// What the discovery of one model may ask of the rest of the router.
 pub struct Asker<'a> {
@@ -164,6 +171,7 @@ impl ModelTokenizers {
             config,
             table: RwLock::default(),
             pending: Mutex::default(),
+            looked: tokio::sync::Notify::new(),
             answers: engine::AnswerCache::new(ENGINE_CACHE_TOKENS),
         }
     }
@@ -245,6 +253,28 @@ impl ModelTokenizers {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&model.id);
+        self.looked.notify_waiters();
+    }
+
+    /// Waits, at most `limit`, until no tokenizer is being looked for: a
+    /// request that arrives while its model's look runs (just after a
+    /// start) is tokenized with what it finds. Returns at once when no look
+    /// runs.
+    pub async fn settled(&self, limit: Duration) {
+        let deadline = tokio::time::Instant::now() + limit;
+        loop {
+            let notified = self.looked.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let looking = !self
+                .pending
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_empty();
+            if !looking || tokio::time::timeout_at(deadline, notified).await.is_err() {
+                return;
+            }
+        }
     }
 
     /// A tokenizer file for `model` from the sources allowed, or its base

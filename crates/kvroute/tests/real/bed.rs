@@ -240,13 +240,28 @@ impl Bed {
     }
 
     /// [`Bed::router`] with `env` set for the router.
+    ///
+    /// The router looks for tokenizers as a router does by default
+    /// (`KVROUTE_TOKENIZER_SOURCES=root,cache,hub,engine`, the hub offline),
+    /// unless `env` says otherwise; without `--tokenizer` or `--model`, it
+    /// is returned once the model's tokenizer is no longer being looked for.
     pub fn router_with_env(&self, extra: &[&str], env: &[(&str, &str)]) -> (Proc, String) {
-        let (proc, serve) = start_serve_with_env(&self.workers(), extra, env);
+        let mut env_all = vec![("KVROUTE_TOKENIZER_SOURCES", "root,cache,hub,engine")];
+        env_all.extend_from_slice(env);
+        let (proc, serve) = start_serve_with_env(&self.workers(), extra, &env_all);
         eventually("every rank live", || {
             workers(&serve)
                 .iter()
                 .all(|w| w["ranks"][0]["state"] == "live")
         });
+        if !extra.iter().any(|a| *a == "--tokenizer" || *a == "--model") {
+            eventually("the model's tokenizer looked for", || {
+                let shown = http::request(&serve, "GET", "/workers", "").json();
+                shown["tokenizers"]
+                    .as_array()
+                    .is_some_and(|rows| rows.iter().any(|r| r["model"] == self.served.as_str()))
+            });
+        }
         (proc, serve)
     }
 
