@@ -45,6 +45,19 @@ fn image_hash() -> u64 {
     u64::from_be_bytes(d[..8].try_into().expect("8 bytes"))
 }
 
+/// Posts `body` as a chat to the fleet's first engine and returns its
+/// answer once the engine published the request's batch: it answers before
+/// it publishes, so a replay read right after the answer could be empty.
+fn post_published(fleet: &TestFleet, body: &serde_json::Value) -> HttpResponse {
+    let sub = subscribe(&fleet.events(0, 0));
+    let answer = post(fleet.http(0), "/v1/chat/completions", body);
+    assert!(
+        !recv_n(&sub, 1).is_empty(),
+        "the engine published no batch for the request"
+    );
+    answer
+}
+
 /// Raw `token_ids` of every BlockStored, as u64 (the decoder folds them; this does not).
 fn raw_stored_tokens(payloads: &[(u64, Vec<u8>)]) -> Vec<Vec<u64>> {
     let mut out = Vec::new();
@@ -65,7 +78,7 @@ fn sglang_image_pads_are_the_four_wide_values_cycled_and_decode_cleanly() {
     let mut c = config(WorkerFlavor::Sglang);
     c.mm_tokens_per_image = 24;
     let fleet = TestFleet::start(c);
-    let r = post(fleet.http(0), "/v1/chat/completions", &chat_with_image());
+    let r = post_published(&fleet, &chat_with_image());
     assert_eq!(r.status, 200, "{}", r.text());
     let payloads = replay(&fleet.replay(0, 0), 0, ReplayFrames::Four);
     let pads = pad_values(image_hash());
@@ -115,7 +128,7 @@ fn supplied_mm_hashes_choose_the_pads() {
     let fleet = TestFleet::start(config(WorkerFlavor::Sglang));
     let mut body = chat_with_image();
     body["mm_hashes"] = json!([15603577931234569631u64]);
-    post(fleet.http(0), "/v1/chat/completions", &body);
+    post_published(&fleet, &body);
     let payloads = replay(&fleet.replay(0, 0), 0, ReplayFrames::Four);
     let tokens = raw_stored_tokens(&payloads).concat();
     // Vector S5's values.
@@ -128,7 +141,7 @@ fn vllm_images_are_placeholders_with_mm_extra_keys_per_block() {
     let mut c = config(WorkerFlavor::Vllm);
     c.mm_tokens_per_image = 30;
     let fleet = TestFleet::start(c);
-    let r = post(fleet.http(0), "/v1/chat/completions", &chat_with_image());
+    let r = post_published(&fleet, &chat_with_image());
     assert_eq!(r.status, 200, "{}", r.text());
     let payloads = replay(&fleet.replay(0, 0), 0, ReplayFrames::Four);
     let identifier = Sha256::digest(IMAGE_BYTES)

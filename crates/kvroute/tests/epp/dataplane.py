@@ -187,13 +187,31 @@ class Handler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         while True:
             chunk = resp.read1(CHUNK)
-            self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
-            self.wfile.flush()
             body = ep.HttpBody(body=chunk, end_of_stream=not chunk)
-            stream = tell(stream, lambda s: s.send(ep.ProcessingRequest(response_body=body)))
-            if not chunk:
-                break
+            if chunk:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                self.wfile.flush()
+                stream = tell(stream, lambda s: s.send(ep.ProcessingRequest(response_body=body)))
+                continue
+            # As Envoy does, the client's answer ends once the picker has
+            # answered its end: what the picker learns from the answer (a
+            # response id, the usage) is known before the client can act on it.
+            stream = tell(stream, lambda s: s.send(ep.ProcessingRequest(response_body=body)) or through_end(s))
+            self.wfile.write(b"0\r\n\r\n")
+            self.wfile.flush()
+            break
         upstream.close()
+
+
+def through_end(stream):
+    """Reads the picker's answers to the response body up to the one that
+    ends it."""
+    while True:
+        kind, answer = betterproto2.which_one_of(stream.next(), "response")
+        if kind != "response_body":
+            continue
+        if answer.response.body_mutation.streamed_response.end_of_stream:
+            return
 
 
 def main():

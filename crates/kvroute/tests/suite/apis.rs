@@ -8,7 +8,6 @@
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::Duration;
 
 use kvroute_loadgen::nats::NatsServer;
 use serde_json::{json, Value};
@@ -97,8 +96,13 @@ fn a_repeated_system_prompt_hits_in_both_apis() {
         let doc = reply.json();
         got += cached(&doc);
         prompt_tokens += doc["usage"]["input_tokens"].as_u64().unwrap_or(0);
-        // The engines' events reach the index before the next request.
-        std::thread::sleep(Duration::from_millis(30));
+        // The engines' events reach the index before the next request: the
+        // router's best match for the conversation is the engines' own.
+        let held = oracle(&urls, &chat);
+        eventually("the answer's blocks in the router's index", || {
+            crate::support::indexed(&serve, &json!({"model": "mock-model", "messages": chat}))
+                >= held
+        });
     }
     assert!(
         best > prompt_tokens / 2,
@@ -228,7 +232,12 @@ fn replicas_share_sessions_and_responses() {
     }
     // Each pin A makes from here on is one more that B applies.
     let pins = || count(&b, "kvroute_replica_pins_received_total");
-    std::thread::sleep(Duration::from_millis(500));
+    let settled = || {
+        eventually("B applied every pin A sent so far", || {
+            pins() >= count(&a, "kvroute_replica_pins_sent_total")
+        })
+    };
+    settled();
     let before = pins();
     // A response made at A, continued at B, which never saw it: round-robin
     // there would rotate the turns over the three engines.
@@ -258,7 +267,7 @@ fn replicas_share_sessions_and_responses() {
         assert_eq!(reply.status, 200, "{}", reply.body);
         reply.header("x-kvroute-worker").expect("routed")
     };
-    std::thread::sleep(Duration::from_millis(300));
+    settled();
     let before = pins();
     let at_a = turn(&a);
     eventually("B applied A's session pin", || pins() > before);

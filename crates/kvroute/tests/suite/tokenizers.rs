@@ -116,14 +116,49 @@ fn router(line: &str, env: &[(&str, &str)]) -> (Proc, String, Value) {
     (proc, serve, found)
 }
 
+/// The most of `body`'s prompt one rank of the engine at `addr` holds
+/// (its `/internal/cache_match`).
+fn engine_best(addr: &str, body: &Value) -> u64 {
+    let doc = request(addr, "POST", "/internal/cache_match", &body.to_string());
+    assert_eq!(doc.status, 200, "{}", doc.body);
+    doc.json()["ranks"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| r["matched_tokens"].as_u64())
+        .max()
+        .unwrap_or(0)
+}
+
 /// Two chat turns sharing a long system prompt; both predictions must
 /// equal the engine's `cached_tokens` and none may be routed on load.
 fn predictions_are_exact(serve: &str, model: &str) {
     let system: Vec<String> = (100..260).map(|i| format!("w{i}")).collect();
+    let url = request(serve, "GET", "/workers", "").json()["workers"][0]["url"]
+        .as_str()
+        .map(|u| u.trim_start_matches("http://").to_owned())
+        .expect("the worker's url");
     for turn in 0..2 {
-        let body = json!({"model": model, "max_tokens": 2, "messages": [
+        let messages = json!([
             {"role": "system", "content": system.join(" ")},
-            {"role": "user", "content": format!("w{} w{}", 300 + turn, 400 + turn)}]});
+            {"role": "user", "content": format!("w{} w{}", 300 + turn, 400 + turn)}]);
+        // The earlier turn's events are in the index before this turn is
+        // routed: the router's best match is the engine's own.
+        let held = engine_best(&url, &json!({"model": model, "messages": messages}));
+        // Asked by the engine's token ids: the router's own tokens for the
+        // chat are what the test checks, not what it waits with.
+        let tokenized = request(
+            &url,
+            "POST",
+            "/tokenize",
+            &json!({"model": model, "messages": messages}).to_string(),
+        );
+        assert_eq!(tokenized.status, 200, "{}", tokenized.body);
+        let ids = tokenized.json()["tokens"].clone();
+        eventually("the earlier turn's blocks in the router's index", || {
+            crate::support::indexed(serve, &json!({"model": model, "prompt": ids})) >= held
+        });
+        let body = json!({"model": model, "max_tokens": 2, "messages": messages});
         let reply = request(serve, "POST", "/v1/chat/completions", &body.to_string());
         assert_eq!(reply.status, 200, "{}", reply.body);
     }

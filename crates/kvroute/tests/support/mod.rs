@@ -86,6 +86,22 @@ pub fn free_port_pair(avoid: &[u16]) -> u16 {
     }
 }
 
+/// The most of `body`'s prompt the router at `serve` holds on any one rank,
+/// as its `/query` scores it: a test compares it with what the engines hold
+/// to know their events reached the index.
+pub fn indexed(serve: &str, body: &serde_json::Value) -> u64 {
+    let q = http::request(serve, "POST", "/query", &body.to_string()).json();
+    q["scores"]
+        .as_object()
+        .into_iter()
+        .flat_map(|workers| workers.values())
+        .filter_map(serde_json::Value::as_object)
+        .flat_map(|ranks| ranks.values())
+        .filter_map(serde_json::Value::as_u64)
+        .max()
+        .unwrap_or(0)
+}
+
 /// Waits (at most 30 s, polling every 20 ms) until `check` holds.
 pub fn eventually(what: &str, check: impl FnMut() -> bool) {
     eventually_within(what, Duration::from_secs(30), check);
