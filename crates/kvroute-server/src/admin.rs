@@ -10,7 +10,8 @@ use axum::Json;
 use kvroute_core::index::{DpRank, WorkerRank};
 use serde_json::{json, Value};
 
-use crate::api::{Body, ProxyError};
+use crate::api::ProxyError;
+use crate::bodies::Body;
 use crate::ingest::registry::{Registry, RegistryError};
 use crate::ingest::spec::{
     parse_flavor, parse_role_as, RankEndpoints, Speed, WorkerFlavor, WorkerRole, WorkerSpec,
@@ -131,7 +132,7 @@ pub async fn workers(State(state): State<AdminState>) -> Json<Value> {
             }
         }
     }
-    let tokenizers = crate::tokenizers::tokenizers_json(&state.router);
+    let tokenizers = crate::tokenizers::tokenizers_json(state.router.tokenizers());
     Json(json!({ "workers": workers, "replicas": replicas, "tokenizers": tokenizers }))
 }
 

@@ -1,18 +1,14 @@
 //! What every endpoint shares: the one error type, [`ProxyError`], answered
-//! as OpenAI's error body, and the body extractor that answers its own
-//! failures (a body over the size limit, a broken upload) with that error too.
+//! as OpenAI's error body (the body extractor, `bodies::Body`, answers its
+//! own failures with it too).
 
 use std::sync::Arc;
 
-use axum::body::Bytes;
-use axum::extract::{FromRequest, Request};
+use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
-
-use crate::bodies::BodyRules;
-use crate::budget::Share;
 
 /// What an error is, without its details: the bounded set that gives each
 /// [`ProxyError`] its HTTP status, OpenAI `type` and metric label, and that
@@ -357,41 +353,6 @@ pub fn error_chain(e: &dyn std::error::Error) -> String {
 impl IntoResponse for ProxyError {
     fn into_response(self) -> Response {
         (self.status(), Json(self.body())).into_response()
-    }
-}
-
-/// A request body, read to its end under the route's [`BodyRules`] (a
-/// request extension the app's layers set): over the size limit a 413,
-/// slower than the read rule a 408, past the memory budget a 503, a broken
-/// upload a 400, all as [`ProxyError`]s. The [`Share`] holds the body's part
-/// of the budget: keep it while the bytes are in use.
-///
-/// Without rules (an app built without them, as some tests build it) the
-/// body is read up to axum's `DefaultBodyLimit`, with no deadline or budget.
-#[derive(Debug)]
-pub struct Body(pub Bytes, pub Share);
-
-impl<S: Send + Sync> FromRequest<S> for Body {
-    type Rejection = ProxyError;
-
-    async fn from_request(req: Request, state: &S) -> Result<Self, ProxyError> {
-        if let Some(rules) = req.extensions().get::<BodyRules>().cloned() {
-            let declared = req
-                .headers()
-                .get(axum::http::header::CONTENT_LENGTH)
-                .and_then(|v| v.to_str().ok())
-                .and_then(|v| v.parse::<usize>().ok());
-            let (bytes, share) =
-                crate::bodies::read_body(req.into_body(), declared, &rules).await?;
-            return Ok(Body(bytes, share));
-        }
-        match Bytes::from_request(req, state).await {
-            Ok(bytes) => Ok(Body(bytes, Share::unbounded())),
-            Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => {
-                Err(ProxyError::TooLarge(rejection.body_text()))
-            }
-            Err(rejection) => Err(ProxyError::BadRequest(rejection.body_text())),
-        }
     }
 }
 

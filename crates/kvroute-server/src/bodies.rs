@@ -20,6 +20,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Bytes;
+use axum::extract::{FromRequest, Request};
+use axum::http::StatusCode;
 use futures_util::StreamExt as _;
 
 use crate::api::ProxyError;
@@ -250,6 +252,40 @@ pub async fn read_body(
                     crate::api::error_chain(&e)
                 )))
             }
+        }
+    }
+}
+
+/// A request body, read to its end under the route's [`BodyRules`] (a
+/// request extension the app's layers set): over the size limit a 413,
+/// slower than the read rule a 408, past the memory budget a 503, a broken
+/// upload a 400, all as [`ProxyError`]s. The [`Share`] holds the body's part
+/// of the budget: keep it while the bytes are in use.
+///
+/// Without rules (an app built without them, as some tests build it) the
+/// body is read up to axum's `DefaultBodyLimit`, with no deadline or budget.
+#[derive(Debug)]
+pub struct Body(pub Bytes, pub Share);
+
+impl<S: Send + Sync> FromRequest<S> for Body {
+    type Rejection = ProxyError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ProxyError> {
+        if let Some(rules) = req.extensions().get::<BodyRules>().cloned() {
+            let declared = req
+                .headers()
+                .get(axum::http::header::CONTENT_LENGTH)
+                .and_then(|v| v.to_str().ok())
+                .and_then(|v| v.parse::<usize>().ok());
+            let (bytes, share) = read_body(req.into_body(), declared, &rules).await?;
+            return Ok(Body(bytes, share));
+        }
+        match Bytes::from_request(req, state).await {
+            Ok(bytes) => Ok(Body(bytes, Share::unbounded())),
+            Err(rejection) if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE => {
+                Err(ProxyError::TooLarge(rejection.body_text()))
+            }
+            Err(rejection) => Err(ProxyError::BadRequest(rejection.body_text())),
         }
     }
 }

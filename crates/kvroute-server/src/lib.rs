@@ -27,6 +27,7 @@ pub mod epp;
 pub mod ingest;
 pub mod listen;
 pub mod metrics;
+pub mod model_list;
 pub mod proxy;
 pub mod query;
 pub mod replica;
@@ -219,14 +220,7 @@ pub async fn serve_with_epp(
         pins.clone(),
     )?);
     router.refresh(&registry);
-    let mut collectors: Vec<Box<dyn prometheus_client::collector::Collector>> = vec![
-        Box::new(IngestCollector::new(registry.clone(), index.clone())),
-        Box::new(ActiveCollector::new(router.clone())),
-        Box::new(ObservedCollector::new(router.clone())),
-        Box::new(budget::BudgetCollector(router.body_budget().clone())),
-        Box::new(tokenizers::TokenizerCollector(router.clone())),
-        Box::new(saved.clone()),
-    ];
+    let mut collectors = base_collectors(&registry, &index, &router, &saved);
     // Exported whether or not a source is followed (at 0 without one).
     let counters = discovery::DiscoveryCounters::default();
     collectors.push(Box::new(counters.clone()));
@@ -255,24 +249,25 @@ pub async fn serve_with_epp(
     background.extend(discovered);
     background.extend(spawn_engine_scrapes(&router));
     background.extend(replica_tasks.into_iter().flatten());
+    let admin = admin::AdminState {
+        registry: registry.clone(),
+        router: router.clone(),
+        access: config.access.clone(),
+        default_block_size: config.block_size,
+        replica: replica.as_ref().map(|r| r.sync.clone()),
+        series: series.clone(),
+    };
     let state = AppState {
-        admin: admin::AdminState {
-            registry: registry.clone(),
-            router: router.clone(),
-            access: config.access.clone(),
-            default_block_size: config.block_size,
-            replica: replica.as_ref().map(|r| r.sync.clone()),
-            series: series.clone(),
-        },
+        admin,
         proxy: Arc::new(Proxy::new(router)?),
         metrics,
         max_body_bytes: config.max_body_bytes,
         query: config.query,
     };
     info!(addr = ?listener.local_addr().ok(), "kvroute listening");
-    if config.announce_access {
-        log_access(&config.access, &config.allowed_worker_hosts);
-    }
+    config
+        .announce_access
+        .then(|| log_access(&config.access, &config.allowed_worker_hosts));
     let shutdown = async move {
         shutdown.await;
         let _ = stopping.send(true);
@@ -286,17 +281,29 @@ pub async fn serve_with_epp(
         shutdown,
     );
     let result = served.await;
-    for task in background {
-        task.abort();
-    }
-    stop(
-        replica.as_ref(),
-        registry,
-        config.state.map(|s| s.dir),
-        saved,
-    )
-    .await;
+    background.iter().for_each(tokio::task::JoinHandle::abort);
+    let state_dir = config.state.map(|s| s.dir);
+    stop(replica.as_ref(), registry, state_dir, saved).await;
     result.map_err(ServeError::Http)
+}
+
+/// The collectors `/metrics` reads at every scrape that every router has:
+/// the index and streams, the load, the observed requests, the body budget,
+/// the models' tokenizers and the state snapshots.
+fn base_collectors(
+    registry: &Arc<Registry>,
+    index: &Arc<SharedIndex>,
+    router: &Arc<Router>,
+    saved: &state::SnapshotCounters,
+) -> Vec<Box<dyn prometheus_client::collector::Collector>> {
+    vec![
+        Box::new(IngestCollector::new(registry.clone(), index.clone())),
+        Box::new(ActiveCollector::new(router.clone())),
+        Box::new(ObservedCollector::new(router.clone())),
+        Box::new(budget::BudgetCollector(router.body_budget().clone())),
+        Box::new(tokenizers::TokenizerCollector(router.shared_tokenizers())),
+        Box::new(saved.clone()),
+    ]
 }
 
 /// The pins bucket the replicas share sessions and responses in.
@@ -430,7 +437,7 @@ fn spawn_housekeeping(
             loop {
                 tick.tick().await;
                 router.learn_context_lengths().await;
-                tokenizers::discover_due(&router);
+                crate::router::tokens::discover_due(&router);
             }
         })
     };

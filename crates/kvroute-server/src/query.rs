@@ -13,7 +13,8 @@ use kvroute_core::event::WorkerFlavor;
 use kvroute_core::hash::LocalBlockHash;
 use serde_json::{json, Map, Value};
 
-use crate::api::{Body, ProxyError};
+use crate::api::ProxyError;
+use crate::bodies::Body;
 use crate::router::candidates::Candidates;
 use crate::router::split as disagg;
 use crate::router::Router;

@@ -135,7 +135,7 @@ pub fn stats(state: &AdminState) -> Value {
             "ttft_p99_ms": latest.and_then(|s| s.ttft_p99_ms),
         },
         "workers": workers,
-        "tokenizers": crate::tokenizers::tokenizers_json(router),
+        "tokenizers": crate::tokenizers::tokenizers_json(router.tokenizers()),
         "series": samples,
         "decisions": decisions(&router.observed.decisions()),
     })

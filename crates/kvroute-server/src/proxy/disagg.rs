@@ -375,38 +375,8 @@ async fn sglang(
         }
     };
     debug_assert_eq!(prefill.first(), Some(&p));
-    let prefill_target = candidates
-        .targets
-        .get(candidates.scored[p].worker)
-        .ok_or(ProxyError::NoWorkers)?;
-    if !proxy
-        .router
-        .breakers()
-        .begin_attempt(&prefill_target.route.name)
-    {
-        return Err(ProxyError::UpstreamUnreachable(format!(
-            "prefill worker `{}` is out of rotation",
-            prefill_target.name
-        )));
-    }
-    let batch =
-        handoff::batch_size(request.body).map_err(|e| ProxyError::bad_request(e.to_string()))?;
-    if batch.is_some_and(|n| n > MAX_BATCH) {
-        return Err(ProxyError::bad_request(format!(
-            "at most {MAX_BATCH} prompts per disaggregated request"
-        )));
-    }
-    let bootstrap = Bootstrap {
-        host: host_of(&prefill_target.url),
-        port: Some(
-            prefill_target
-                .bootstrap_port
-                .unwrap_or(handoff::DEFAULT_BOOTSTRAP_PORT),
-        ),
-        rooms: (0..batch.unwrap_or(1))
-            .map(|_| Bootstrap::room(proxy.router.random_u64()))
-            .collect(),
-    };
+    let prefill_target = in_rotation(proxy, candidates, p)?;
+    let (bootstrap, batch) = sglang_bootstrap(proxy, prefill_target, request.body)?;
     let legs = |i: usize| {
         let bootstrap = bootstrap.clone();
         leg(proxy, candidates, i, &request, move |body| {
@@ -473,6 +443,55 @@ async fn sglang(
     };
     let s = &candidates.scored[decode];
     attempt::respond(proxy, request.req, s, decode_target, decode_resp, relay).await
+}
+
+/// The target of candidate `p`, its attempt begun: an error when its
+/// breaker has it out of rotation (the SGLang prefill worker, which has no
+/// second try).
+fn in_rotation<'a>(
+    proxy: &Proxy,
+    candidates: &'a Candidates,
+    p: usize,
+) -> Result<&'a Target, ProxyError> {
+    let target = candidates
+        .targets
+        .get(candidates.scored[p].worker)
+        .ok_or(ProxyError::NoWorkers)?;
+    if !proxy.router.breakers().begin_attempt(&target.route.name) {
+        return Err(ProxyError::UpstreamUnreachable(format!(
+            "prefill worker `{}` is out of rotation",
+            target.name
+        )));
+    }
+    Ok(target)
+}
+
+/// The bootstrap both SGLang legs name: the prefill worker's host and
+/// bootstrap port, and one fresh room per prompt of the body (at most
+/// [`MAX_BATCH`]); with the body's prompt count when it is a batch.
+fn sglang_bootstrap(
+    proxy: &Proxy,
+    prefill_target: &Target,
+    body: &[u8],
+) -> Result<(Bootstrap, Option<usize>), ProxyError> {
+    let batch = handoff::batch_size(body).map_err(|e| ProxyError::bad_request(e.to_string()))?;
+    if batch.is_some_and(|n| n > MAX_BATCH) {
+        return Err(ProxyError::bad_request(format!(
+            "at most {MAX_BATCH} prompts per disaggregated request"
+        )));
+    }
+    let bootstrap = Bootstrap {
+        host: host_of(&prefill_target.url),
+        port: Some(
+            prefill_target
+                .bootstrap_port
+                .unwrap_or(handoff::DEFAULT_BOOTSTRAP_PORT),
+        ),
+        rooms: (0..batch.unwrap_or(1))
+            .map(|_| Bootstrap::room(proxy.router.random_u64()))
+            .collect(),
+    };
+    Ok((bootstrap, batch))
 }
 
 /// Sends both SGLang legs at once and waits for both heads; the first leg

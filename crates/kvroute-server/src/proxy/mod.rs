@@ -35,7 +35,8 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue};
 use axum::response::{IntoResponse, Response};
 
-use crate::api::{Body, ProxyError};
+use crate::api::ProxyError;
+use crate::bodies::Body;
 use crate::router::candidates::Target;
 use crate::router::split::splits;
 use crate::router::{admission, intake, Endpoint, Router, LARGE_BODY, REQUEST_ID};

@@ -140,7 +140,7 @@ pub async fn prepare(
     };
     if let Some(endpoint) = endpoint {
         let chat = endpoint == Endpoint::Chat;
-        crate::tokenizers::complete_from_engine(router, &mut read, body, chat).await;
+        super::tokens::complete_from_engine(router, &mut read, body, chat).await;
     }
     let req = RoutedRequest {
         body: read,

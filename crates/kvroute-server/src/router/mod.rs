@@ -36,7 +36,6 @@ pub mod config;
 pub mod continuations;
 pub mod endpoint;
 pub mod intake;
-pub mod model_list;
 pub mod models;
 pub mod observe;
 pub mod owners;
@@ -47,6 +46,7 @@ pub mod shared;
 pub mod speeds;
 pub mod split;
 pub mod tenants;
+pub mod tokens;
 
 pub use config::ProxyConfig;
 pub use endpoint::Endpoint;
@@ -145,7 +145,7 @@ pub struct Router {
     /// The memory every request body in flight shares, over both doors.
     budget: Arc<crate::budget::MemoryBudget>,
     /// Each model's tokenizer, as the router found it.
-    tokenizers: crate::tokenizers::ModelTokenizers,
+    tokenizers: Arc<crate::tokenizers::ModelTokenizers>,
 }
 
 /// Builds a [`Router`]: its configuration and index, and what it shares
@@ -203,7 +203,9 @@ impl RouterBuilder {
             client,
             placer: Mutex::new(Placer::new(config.placer(seed))),
             budget: config.bodies.budget(),
-            tokenizers: crate::tokenizers::ModelTokenizers::new(config.tokenizer_discovery.clone()),
+            tokenizers: Arc::new(crate::tokenizers::ModelTokenizers::new(
+                config.tokenizer_discovery.clone(),
+            )),
             speeds: config.learn_speeds.map(speeds::SpeedBook::new),
             load_dropped: tokio::sync::Notify::new(),
             breakers: Breakers::new(config.breaker_failures, config.breaker_open),
@@ -277,6 +279,11 @@ impl Router {
     /// Each model's tokenizer, as found.
     pub fn tokenizers(&self) -> &crate::tokenizers::ModelTokenizers {
         &self.tokenizers
+    }
+
+    /// The models' tokenizers, shared (for the metric that lists them).
+    pub fn shared_tokenizers(&self) -> Arc<crate::tokenizers::ModelTokenizers> {
+        self.tokenizers.clone()
     }
 
     /// Whether the router learns speeds (`--learn-speeds`).

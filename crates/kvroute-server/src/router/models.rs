@@ -26,8 +26,8 @@ use futures_util::StreamExt as _;
 use tracing::{debug, warn};
 
 use super::candidates::Target;
-use super::model_list::{self, ListError, Model, MAX_LIST_BYTES};
 use super::Router;
+use crate::model_list::{self, ListError, Model, MAX_LIST_BYTES};
 
 /// How often a worker's `/v1/models` is asked.
 pub const ASK_EVERY: Duration = Duration::from_secs(10);

@@ -31,7 +31,7 @@ use kvroute_prompt::{ImageTokenRule, Prompt, Renderer, Tokenizer};
 use serde_json::{json, Value};
 use tracing::{info, warn};
 
-use crate::router::model_list::Model;
+use crate::model_list::Model;
 use hub::HubConfig;
 
 /// Where a model's tokenizer may be looked for (`--tokenizer-sources`).
@@ -402,79 +402,11 @@ impl ModelTokenizers {
     }
 }
 
-/// Starts looking for the tokenizer of every model the workers list that
-/// is due a look (unless `--tokenizer` covers every model), each on a task
-/// of its own: a download may take a while.
-pub fn discover_due(router: &Arc<crate::router::Router>) {
-    if router.config().renderer.is_some() {
-        return;
-    }
-    let learned = router.learned_models();
-    let explicit = &router.config().model_renderers;
-    let learned: Vec<Model> = learned
-        .into_iter()
-        .filter(|m| !explicit.contains_key(&m.id))
-        .collect();
-    for model in router.tokenizers().due(&learned, Instant::now()) {
-        let router = router.clone();
-        tokio::spawn(async move {
-            let asker = Asker {
-                client: router.client(),
-                urls: router.urls_serving(&model.id),
-            };
-            router.tokenizers().discover(&model, asker).await;
-        });
-    }
-}
-
-/// Fills in `req.tokens` from the engine's `/tokenize` when its model's
-/// tokens come from there (and it has text, and no tokens yet); a failed
-/// ask leaves it routed on load alone. `client_body` is the body as the
-/// client sent it, `chat` whether it came to the chat endpoint.
-pub async fn complete_from_engine(
-    router: &crate::router::Router,
-    req: &mut kvroute_prompt::body::RoutingRequest,
-    client_body: &[u8],
-    chat: bool,
-) {
-    if req.tokens.is_some() || req.text.is_none() {
-        return;
-    }
-    let Some(model) = req.model.clone().or_else(|| router.only_model()) else {
-        return;
-    };
-    if !router.tokenizers().uses_engine(&model) {
-        return;
-    }
-    let Some(body) = engine::tokenize_body(req, client_body, chat) else {
-        return;
-    };
-    let key = engine::AnswerCache::key(&body);
-    let answers = &router.tokenizers().answers;
-    if let Some(tokens) = answers.get(key) {
-        req.tokens = Some(tokens.to_vec());
-        req.text = None;
-        return;
-    }
-    for url in router.urls_serving(&model) {
-        match engine::ask(router.client(), &url, &body).await {
-            Ok(tokens) => {
-                answers.put(key, Arc::from(tokens.as_slice()));
-                req.tokens = Some(tokens);
-                req.text = None;
-                return;
-            }
-            Err(e) => tracing::debug!(model = %model, url = %url, error = %e, "/tokenize failed"),
-        }
-    }
-}
-
 /// Every model's tokenizer as `/workers` and `/api/stats` show it: the
 /// model, where its tokens come from (`root`, `cache`, `hub`, `parent`,
 /// `engine`, or `none`: routed on load alone) and, for a file, its path.
-pub fn tokenizers_json(router: &crate::router::Router) -> Value {
-    let rows: Vec<Value> = router
-        .tokenizers()
+pub fn tokenizers_json(tokenizers: &ModelTokenizers) -> Value {
+    let rows: Vec<Value> = tokenizers
         .snapshot()
         .into_iter()
         .map(|(model, found)| {
@@ -492,7 +424,7 @@ pub fn tokenizers_json(router: &crate::router::Router) -> Value {
 /// `kvroute_model_tokenizer{model,source}` (1 for each model the workers
 /// list, by where its tokens come from).
 #[derive(Debug)]
-pub struct TokenizerCollector(pub Arc<crate::router::Router>);
+pub struct TokenizerCollector(pub Arc<ModelTokenizers>);
 
 impl prometheus_client::collector::Collector for TokenizerCollector {
     fn encode(
@@ -503,7 +435,7 @@ impl prometheus_client::collector::Collector for TokenizerCollector {
         let info = crate::metrics::catalogue::MODEL_TOKENIZER;
         let mut family =
             encoder.encode_descriptor(info.family(), info.help, None, info.kind.metric_type())?;
-        for (model, found) in self.0.tokenizers().snapshot() {
+        for (model, found) in self.0.snapshot() {
             let labels = [("model", model), ("source", found.label().to_owned())];
             let metric = family.encode_family(&labels)?;
             prometheus_client::metrics::gauge::ConstGauge::new(1i64).encode(metric)?;

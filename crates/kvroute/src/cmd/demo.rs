@@ -213,6 +213,25 @@ fn real_engines(args: &DemoArgs) -> Result<Option<RealEngines>> {
     })?))
 }
 
+/// The routers `--policies` names (by default the demo's, or the P/D
+/// demo's when the fleet is split), each under its name.
+fn contenders(args: &DemoArgs, split: bool) -> Result<Vec<(String, Contender)>> {
+    let default_policies = if split { PD_POLICIES } else { POLICIES };
+    let names: Vec<String> = match &args.policies {
+        Some(names) => names.clone(),
+        None => default_policies.split(',').map(str::to_owned).collect(),
+    };
+    let mut contenders = Vec::new();
+    for name in &names {
+        let contender: Contender = name.parse().with_context(|| "--policies".to_owned())?;
+        contenders.push((name.clone(), contender));
+    }
+    if contenders.is_empty() {
+        bail!("--policies is empty");
+    }
+    Ok(contenders)
+}
+
 fn config(args: &DemoArgs) -> Result<DemoConfig> {
     let real = real_engines(args)?;
     let (kind, preset) = match args.workload {
@@ -276,23 +295,7 @@ fn config(args: &DemoArgs) -> Result<DemoConfig> {
             )
         }
     };
-    let default_policies = if layout.is_some() {
-        PD_POLICIES
-    } else {
-        POLICIES
-    };
-    let names: Vec<String> = match &args.policies {
-        Some(names) => names.clone(),
-        None => default_policies.split(',').map(str::to_owned).collect(),
-    };
-    let mut contenders = Vec::new();
-    for name in &names {
-        let contender: Contender = name.parse().with_context(|| "--policies".to_owned())?;
-        contenders.push((name.clone(), contender));
-    }
-    if contenders.is_empty() {
-        bail!("--policies is empty");
-    }
+    let contenders = contenders(args, layout.is_some())?;
     Ok(DemoConfig {
         flavor: args.flavor,
         workers,

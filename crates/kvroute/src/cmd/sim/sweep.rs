@@ -32,8 +32,10 @@ pub(super) struct SweepArgs {
     /// Requests in flight at which a rank is skipped (busy).
     #[arg(long, value_delimiter = ',')]
     busy_requests: Vec<f64>,
-    /// A new prefix goes to the rank dealt the least: 1 prefixes, 2 work (default), 3 requests; 0 cheapest.
-    #[arg(long, value_delimiter = ',')]
+    /// A new prefix goes to the rank dealt the least `prefixes`, `work`
+    /// (default) or `requests`, or with `off` to the cheapest: the names
+    /// `serve --deal-new-prefixes` takes (or their numbers 1, 2, 3, 0).
+    #[arg(long, value_delimiter = ',', value_parser = parse_deal)]
     deal_new_prefixes: Vec<f64>,
     /// A request stays on its prefix's holder up to this × the cheapest's cost (below 1: off).
     #[arg(long, value_delimiter = ',')]
@@ -41,6 +43,20 @@ pub(super) struct SweepArgs {
     /// Per-rank caps on requests in flight learned against this time to first token, ms (0: off).
     #[arg(long, value_delimiter = ',')]
     cap_ttft_ms: Vec<f64>,
+}
+
+/// A `--deal-new-prefixes` value: `serve`'s names, as the sweep's numbers
+/// ([`deal_from_value`]), or a number.
+fn parse_deal(value: &str) -> Result<f64, String> {
+    match value {
+        "off" => Ok(0.0),
+        "prefixes" => Ok(1.0),
+        "work" => Ok(2.0),
+        "requests" => Ok(3.0),
+        _ => value
+            .parse()
+            .map_err(|_| format!("`{value}`: off, prefixes, work, requests (or 0-3)")),
+    }
 }
 
 /// One axis of the sweep: its short name, its values, and how it sets a routing.
