@@ -220,22 +220,29 @@ pub fn spawn_serve_with_env(
     extra: &[&str],
     env: &[(&str, &str)],
 ) -> (Proc, String) {
+    let mut child = serve_child(lines, extra, env);
+    let stderr = child.stderr.take().expect("stderr");
+    let child = Proc(child);
+    let addr = listening_addr(stderr);
+    (child, addr)
+}
+
+/// `kvroute serve --port 0 --log warn` with `env`, a `--worker` for each of
+/// `lines` and the `extra` flags, started with its stderr piped (where it
+/// prints its listening lines).
+pub fn serve_child(lines: &[String], extra: &[&str], env: &[(&str, &str)]) -> std::process::Child {
     let mut command = kvroute();
     command.args(["serve", "--port", "0", "--log", "warn"]);
     command.envs(env.iter().copied());
     for line in lines {
         command.arg("--worker").arg(line);
     }
-    let mut child = command
+    command
         .args(extra)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("kvroute serve runs");
-    let stderr = child.stderr.take().expect("stderr");
-    let child = Proc(child);
-    let addr = listening_addr(stderr);
-    (child, addr)
+        .expect("kvroute serve runs")
 }
 
 /// The `host:port` in `kvroute serve`'s `listening on http://ADDR` line on

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use super::http::request;
-use super::{eventually, kvroute, lines_of, Proc};
+use super::{eventually, lines_of, Proc};
 
 /// The packages the client imports.
 pub const PACKAGES: &str = "envoy-data-plane grpcio grpcio-health-checking";
@@ -61,22 +61,12 @@ pub fn start_picker(workers: &[String], extra: &[&str]) -> Picker {
 
 /// [`start_picker`] with `env` set for the router.
 pub fn start_picker_with_env(workers: &[String], extra: &[&str], env: &[(&str, &str)]) -> Picker {
-    let mut command = kvroute();
-    command.envs(env.iter().copied());
-    command.args(["serve", "--port", "0", "--log", "warn"]);
+    let mut flags = vec!["--epp-health-port", "0"];
     if !extra.contains(&"--epp-port") {
-        command.args(["--epp-port", "0"]);
+        flags.extend(["--epp-port", "0"]);
     }
-    command.args(["--epp-health-port", "0"]);
-    for w in workers {
-        command.arg("--worker").arg(w);
-    }
-    let mut child = command
-        .args(extra)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("kvroute serve runs");
+    flags.extend_from_slice(extra);
+    let mut child = super::serve_child(workers, &flags, env);
     let lines = lines_of(child.stderr.take().expect("stderr"));
     let proc = Proc(child);
     let (mut http, mut picker) = (None, None);
