@@ -4,6 +4,8 @@
 use std::collections::BTreeMap;
 use std::time::Duration;
 
+use kvroute_server::prom_text::samples;
+
 use crate::error::{Error, Result};
 
 /// The router's accuracy counters (comparisons, exact agreements) from its
@@ -58,14 +60,11 @@ fn parse_accuracy(metrics: &str) -> Option<(u64, u64)> {
 /// The sum of every sample of the metric `name` in `text`, whatever its
 /// labels; `None` when `text` has no sample of it.
 pub(crate) fn total(text: &str, name: &str) -> Option<u64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter_map(|l| {
-            let (key, value) = l.rsplit_once(' ')?;
-            let metric = key.split('{').next()?;
-            (metric == name).then(|| value.trim().parse::<f64>().ok())?
+    samples(text)
+        .filter(|s| s.name == name)
+        .fold(None, |sum: Option<f64>, s| {
+            Some(sum.unwrap_or(0.0) + s.value)
         })
-        .fold(None, |sum: Option<f64>, v| Some(sum.unwrap_or(0.0) + v))
         .map(|v| v as u64)
 }
 
@@ -74,35 +73,12 @@ pub(crate) fn total(text: &str, name: &str) -> Option<u64> {
 /// `dp_rank`s); samples without that label are left out.
 pub(crate) fn by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
-    for line in text.lines().filter(|l| !l.starts_with('#')) {
-        let Some((key, value)) = line.rsplit_once(' ') else {
-            continue;
-        };
-        let Some((metric, labels)) = key.split_once('{') else {
-            continue;
-        };
-        let Ok(value) = value.trim().parse::<f64>() else {
-            continue;
-        };
-        if metric != name {
-            continue;
-        }
-        if let Some(v) = label_value(labels, label) {
-            *out.entry(v.to_owned()).or_insert(0) += value as u64;
+    for s in samples(text).filter(|s| s.name == name) {
+        if let Some(v) = s.label(label) {
+            *out.entry(v.to_owned()).or_insert(0) += s.value as u64;
         }
     }
     out
-}
-
-/// The value of `label` in a sample's label set (`a="x",b="y"}`), when it
-/// has one; values are taken up to their closing quote (no escapes: the
-/// labels read here are worker names and ranks).
-fn label_value<'a>(labels: &'a str, label: &str) -> Option<&'a str> {
-    labels
-        .trim_end_matches('}')
-        .split(',')
-        .find_map(|pair| pair.trim().strip_prefix(label)?.strip_prefix("=\""))
-        .and_then(|rest| rest.split('"').next())
 }
 
 /// [`total`], 0 when there is no sample.

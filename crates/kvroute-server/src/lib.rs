@@ -28,6 +28,7 @@ pub mod ingest;
 pub mod listen;
 pub mod metrics;
 pub mod model_list;
+pub mod prom_text;
 pub mod proxy;
 pub mod query;
 pub mod replica;

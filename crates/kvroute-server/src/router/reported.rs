@@ -66,41 +66,6 @@ fn names(flavor: WorkerFlavor) -> Names {
     }
 }
 
-/// One sample of the text format: its name, its labels and its value.
-type Sample<'a> = (&'a str, Vec<(&'a str, &'a str)>, f64);
-
-/// One sample line; `None` for comments, blanks and lines that do not parse.
-fn sample(line: &str) -> Option<Sample<'_>> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let (head, rest) = match line.find('{') {
-        Some(open) => {
-            let close = open + line[open..].find('}')?;
-            (&line[..close + 1], &line[close + 1..])
-        }
-        None => line.split_at(line.find(char::is_whitespace)?),
-    };
-    let value: f64 = rest.split_whitespace().next()?.parse().ok()?;
-    let (name, labels) = match head.split_once('{') {
-        None => (head, Vec::new()),
-        Some((name, body)) => {
-            let body = body.strip_suffix('}')?;
-            let labels = body
-                .split(',')
-                .filter(|kv| !kv.trim().is_empty())
-                .filter_map(|kv| {
-                    let (k, v) = kv.split_once('=')?;
-                    Some((k.trim(), v.trim().trim_matches('"')))
-                })
-                .collect();
-            (name, labels)
-        }
-    };
-    Some((name.trim(), labels, value))
-}
-
 /// Each rank's report in one engine's `/metrics` text (ranks without a
 /// rank label are rank 0).
 pub fn parse_engine_metrics(text: &str, flavor: WorkerFlavor) -> BTreeMap<DpRank, EngineReport> {
@@ -112,11 +77,12 @@ pub fn parse_engine_metrics(text: &str, flavor: WorkerFlavor) -> BTreeMap<DpRank
         capacity: Option<f64>,
     }
     let mut seen: BTreeMap<u32, Seen> = BTreeMap::new();
-    for (name, labels, value) in text.lines().filter_map(sample) {
+    for sample in crate::prom_text::samples(text) {
+        let (name, value) = (sample.name, sample.value);
         if !value.is_finite() || value < 0.0 {
             continue;
         }
-        let label = |key: &str| labels.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+        let label = |key: &str| sample.label(key);
         let rank = label(n.rank_label)
             .and_then(|r| r.parse().ok())
             .unwrap_or(0);

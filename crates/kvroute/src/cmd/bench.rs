@@ -222,7 +222,7 @@ struct ProxyArgs {
     /// PREFILL:DECODE engines (e.g. `2:2`) instead: the router splits every
     /// request into a prefill leg and a decode leg, so its CPU per request
     /// compares with an aggregated run's.
-    #[arg(long, value_name = "P:D", value_parser = super::demo::parse_layout)]
+    #[arg(long, value_name = "P:D", value_parser = super::args::parse_layout)]
     pd: Option<kvroute_loadgen::PdLayout>,
     /// Requests per phase (direct, then through the router), at each concurrency.
     #[arg(long, default_value_t = 20_000)]
@@ -292,7 +292,7 @@ struct ReplicasArgs {
     #[arg(long, default_value_t = 16)]
     concurrency: usize,
     /// The traffic (the same seeded requests in every phase).
-    #[arg(long, default_value = "shared-prefix", value_parser = workload_parser())]
+    #[arg(long, default_value = "shared-prefix", value_parser = super::args::workload_parser())]
     workload: load::WorkloadKind,
     /// Multiplies every workload size.
     #[arg(long, default_value_t = 0.05)]
@@ -500,21 +500,6 @@ fn run_replicas(a: &ReplicasArgs) -> Result<ExitCode> {
         print!("{report}");
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// `--workload`: the load generator's names, listed in `--help`.
-pub fn workload_parser() -> impl clap::builder::TypedValueParser<Value = load::WorkloadKind> {
-    use clap::builder::TypedValueParser as _;
-    clap::builder::PossibleValuesParser::new(load::WorkloadKind::ALL.map(load::WorkloadKind::name))
-        .try_map(|s| s.parse::<load::WorkloadKind>())
-}
-
-/// `--preset`'s value.
-pub fn parse_preset(name: &str) -> Result<load::Preset, String> {
-    load::Preset::parse(name).ok_or_else(|| {
-        let names: Vec<&str> = load::Preset::ALL.iter().map(|p| p.name()).collect();
-        format!("unknown preset `{name}` (known: {})", names.join(", "))
-    })
 }
 
 #[cfg(test)]

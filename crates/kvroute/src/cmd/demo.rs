@@ -37,7 +37,7 @@ pub struct DemoArgs {
     /// A disaggregated fleet of PREFILL:DECODE engines (e.g. `2:2`) with any
     /// workload; the default policies become kv, kv-split, round-robin and
     /// aggregated (the same engines registered as aggregated ones).
-    #[arg(long, value_name = "P:D", value_parser = parse_layout)]
+    #[arg(long, value_name = "P:D", value_parser = super::args::parse_layout)]
     pd: Option<PdLayout>,
     /// Requests per policy (default 400; 160 with `--quick`).
     #[arg(long)]
@@ -85,7 +85,7 @@ pub struct DemoArgs {
     /// A named workload (`long`, `short`, `pd`): its prefix groups and sizes,
     /// engines' cache, requests and concurrency, with no time limit (add
     /// `--speedup 1` for real time).
-    #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["workload", "groups", "scale", "question_tokens", "gpu_blocks", "requests", "concurrency", "quick", "max_tokens"])]
+    #[arg(long, value_parser = super::args::parse_preset, conflicts_with_all = ["workload", "groups", "scale", "question_tokens", "gpu_blocks", "requests", "concurrency", "quick", "max_tokens"])]
     preset: Option<kvroute_loadgen::Preset>,
     /// Replay a Mooncake-format trace (JSONL: timestamp, input_length,
     /// output_length, hash_ids) at its own times instead of a workload.
@@ -143,11 +143,6 @@ fn workload_parser() -> impl clap::builder::TypedValueParser<Value = DemoWorkloa
         }
         s.parse::<WorkloadKind>().map(DemoWorkload::Kind)
     })
-}
-
-/// `--pd`'s value.
-pub(super) fn parse_layout(s: &str) -> Result<PdLayout, String> {
-    s.parse().map_err(|e: kvroute_loadgen::Error| e.to_string())
 }
 
 /// Requests in flight and requests per policy: the flags', else the

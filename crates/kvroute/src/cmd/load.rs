@@ -11,7 +11,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_loadgen as load;
 
-use super::bench::{parse_preset, workload_parser};
+use super::args::{parse_preset, workload_parser};
 
 /// The load generator's flags (`kvroute bench` without a subcommand).
 #[derive(Debug, Args)]

@@ -49,7 +49,7 @@ pub struct MockerArgs {
     num_gpu_blocks: usize,
     /// The engines of a named workload (`long`, `short`): its KV-cache
     /// blocks of 16 tokens per rank; send it with `kvroute bench --preset`.
-    #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["num_gpu_blocks", "block_size"])]
+    #[arg(long, value_parser = super::args::parse_preset, conflicts_with_all = ["num_gpu_blocks", "block_size"])]
     preset: Option<kvroute_loadgen::Preset>,
     /// Tokens per block.
     #[arg(long, default_value_t = 16)]

@@ -1,5 +1,6 @@
 //! One module per subcommand: turn arguments into a call of the core or server.
 
+pub mod args;
 pub mod bench;
 pub mod bounds;
 pub mod demo;

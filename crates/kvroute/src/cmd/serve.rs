@@ -296,7 +296,7 @@ pub struct ServeArgs {
     engine_metrics_ms: Option<u64>,
     /// The header naming a request's session: its turns go back to the rank
     /// the last one went to while the cost agrees (docs/serving.md)
-    #[arg(long, default_value_t = SessionConfig::default().header, env = "KVROUTE_SESSION_HEADER", value_parser = parse_header_name)]
+    #[arg(long, default_value_t = SessionConfig::default().header, env = "KVROUTE_SESSION_HEADER", value_parser = super::args::parse_header_name)]
     session_header: String,
     /// Sessions remembered at most (the oldest forgotten first).
     #[arg(long, default_value_t = SessionConfig::default().capacity, value_parser = clap::value_parser!(usize), env = "KVROUTE_SESSION_CAPACITY")]
@@ -441,22 +441,6 @@ pub fn renderer(tokenizer: Tokenizer, mm_tokens_per_image: usize) -> Arc<Rendere
         tokenizer,
         ImageTokenRule::fixed(mm_tokens_per_image),
     ))
-}
-
-/// `--session-header`'s value: a valid header name, in lower case.
-pub(super) fn parse_header_name(value: &str) -> Result<String, String> {
-    let valid = !value.is_empty()
-        && value.len() <= 64
-        && value
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
-    if valid {
-        Ok(value.to_ascii_lowercase())
-    } else {
-        Err(format!(
-            "`{value}` is not a header name (letters, digits, - and _)"
-        ))
-    }
 }
 
 /// `--deal-new-prefixes`: a tally, or `off`.

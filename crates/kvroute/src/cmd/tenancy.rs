@@ -24,7 +24,7 @@ pub struct TenancyArgs {
     /// `anonymous`. While the queue is used, tenants share the fleet in
     /// proportion to their weights, and a full queue refuses the tenant most
     /// over its share (docs/serving.md, "Who may do what")
-    #[arg(long, default_value_t = TenantConfig::default().header, env = "KVROUTE_TENANT_HEADER", value_parser = super::serve::parse_header_name)]
+    #[arg(long, default_value_t = TenantConfig::default().header, env = "KVROUTE_TENANT_HEADER", value_parser = super::args::parse_header_name)]
     tenant_header: String,
     /// Take the tenant header and `x-priority` as the word of a gateway in
     /// front that sets or strips both on every request. Off by default: the

@@ -70,10 +70,9 @@ impl FleetView {
 /// Ranks in state `live` according to the `kvroute_ingest_ranks{state}`
 /// gauge, if the router exports it.
 pub(crate) fn live_from_metrics(text: &str) -> Option<u64> {
-    text.lines()
-        .filter(|l| l.starts_with("kvroute_ingest_ranks{") && l.contains("state=\"live\""))
-        .find_map(|l| l.rsplit_once(' ')?.1.trim().parse::<f64>().ok())
-        .map(|v| v as u64)
+    kvroute_server::prom_text::samples(text)
+        .find(|s| s.name == "kvroute_ingest_ranks" && s.label("state") == Some("live"))
+        .map(|s| s.value as u64)
 }
 
 /// Block operations the index has applied so far, and where the figure

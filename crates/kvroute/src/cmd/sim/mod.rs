@@ -30,14 +30,14 @@ use sweep::{SweepArgs, MAX_RUNS};
 pub struct SimArgs {
     /// A named workload and its engines' cache (`long`, `short`, `pd`: on a
     /// 2:2 prefill/decode fleet unless `--pd` says otherwise).
-    #[arg(long, value_parser = super::bench::parse_preset, conflicts_with_all = ["workload", "trace", "max_tokens"])]
+    #[arg(long, value_parser = crate::cmd::args::parse_preset, conflicts_with_all = ["workload", "trace", "max_tokens"])]
     preset: Option<load::Preset>,
     /// A Mooncake-format trace (JSONL: timestamp, input_length,
     /// output_length, hash_ids), replayed at its own times.
     #[arg(long, value_name = "FILE", conflicts_with = "workload")]
     trace: Option<PathBuf>,
     /// The traffic (token-id workloads: shared-prefix, multi-turn, long-doc, random).
-    #[arg(long, default_value = "shared-prefix", value_parser = super::bench::workload_parser())]
+    #[arg(long, default_value = "shared-prefix", value_parser = crate::cmd::args::workload_parser())]
     workload: load::WorkloadKind,
     /// Requests per run (a trace: at most this many; 0: all of it).
     #[arg(long)]
@@ -71,7 +71,7 @@ pub struct SimArgs {
     /// engine when that engine caches all but a short part of it,
     /// `kv-split` never does, `aggregated` serves whole requests on every
     /// engine, roles ignored.
-    #[arg(long, value_name = "P:D", value_parser = parse_layout, conflicts_with_all = ["pin_search", "pins"])]
+    #[arg(long, value_name = "P:D", value_parser = crate::cmd::args::parse_layout, conflicts_with_all = ["pin_search", "pins"])]
     pd: Option<PdLayout>,
     /// Modelled microseconds per KV block a decode engine reads from a
     /// prefill engine (divided by `--speedup`, as `kvroute mocker
@@ -168,11 +168,6 @@ const DEFAULT_POLICIES: [&str; 5] = ["kv", "dynamo", "least-loaded", "round-robi
 /// The same on a prefill/decode fleet: conditional and forced
 /// disaggregation, a load-only baseline, and the engines without roles.
 const PD_POLICIES: [&str; 4] = ["kv", "kv-split", "round-robin", "aggregated"];
-
-/// `--pd`'s value.
-fn parse_layout(s: &str) -> Result<PdLayout, String> {
-    s.parse().map_err(|e: load::Error| e.to_string())
-}
 
 impl SimArgs {
     /// The fleet's prefill/decode layout: `--pd`, else the preset's.
