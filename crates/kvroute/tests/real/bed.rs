@@ -8,12 +8,12 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
 use crate::support::http::{self, count, Reply};
-use crate::support::{eventually, start_serve_with_env, Proc};
+use crate::support::{eventually, polled_until, start_serve_with_env, Proc};
 
 /// The variable naming the bed's `engines.json`.
 pub const ENV: &str = "KVROUTE_REAL_ENGINES";
@@ -279,24 +279,21 @@ impl Bed {
     /// machine, sometimes hundreds of milliseconds after): a test of what
     /// the index knows sends its next request after this.
     pub fn caught_up(&self, serve: &str) -> bool {
-        let deadline = Instant::now() + Duration::from_secs(30);
         let mut behind = false;
         for e in &self.engines {
-            loop {
+            let (mut seq, mut newer) = (None, 0);
+            let caught = polled_until(Duration::from_secs(30), || {
                 let routed = workers(serve);
-                let seq = worker(&routed, &e.name)["ranks"][0]["last_seq"].as_u64();
-                let newer = self.replay_from(e, seq.map_or(0, |s| s + 1)).batches;
-                if newer == 0 {
-                    break;
-                }
-                behind = true;
-                assert!(
-                    Instant::now() < deadline,
-                    "{}: the router's last_seq stayed at {seq:?} for 30 s while the engine published {newer} batches after it",
-                    e.name
-                );
-                std::thread::sleep(Duration::from_millis(5));
-            }
+                seq = worker(&routed, &e.name)["ranks"][0]["last_seq"].as_u64();
+                newer = self.replay_from(e, seq.map_or(0, |s| s + 1)).batches;
+                behind |= newer > 0;
+                newer == 0
+            });
+            assert!(
+                caught,
+                "{}: the router's last_seq stayed at {seq:?} for 30 s while the engine published {newer} batches after it",
+                e.name
+            );
         }
         behind
     }
@@ -305,12 +302,12 @@ impl Bed {
     /// blocks as the engine's replay says it stores, up to the same last
     /// sequence number (at most 60 s); returns each engine's replay.
     pub fn settled(&self, serve: &str) -> Vec<Replay> {
-        let deadline = Instant::now() + Duration::from_secs(60);
-        loop {
-            let replays: Vec<Replay> = self.engines.iter().map(|e| self.replay(e)).collect();
+        let (mut replays, mut seen) = (Vec::new(), Vec::new());
+        let same = polled_until(Duration::from_secs(60), || {
+            replays = self.engines.iter().map(|e| self.replay(e)).collect();
             let routed = workers(serve);
             let mut same = true;
-            let mut seen = Vec::new();
+            seen.clear();
             for (e, r) in self.engines.iter().zip(&replays) {
                 let rank = &worker(&routed, &e.name)["ranks"][0];
                 same &= rank["blocks"]["device"].as_u64() == Some(r.blocks.len() as u64)
@@ -324,16 +321,14 @@ impl Bed {
                     r.last_seq
                 ));
             }
-            if same {
-                return replays;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "the router's index did not come to hold what the engines' replays hold in 60 s: {}",
-                seen.join("; ")
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            same
+        });
+        assert!(
+            same,
+            "the router's index did not come to hold what the engines' replays hold in 60 s: {}",
+            seen.join("; ")
+        );
+        replays
     }
 }
 
@@ -476,16 +471,15 @@ pub fn ask(serve: &str, path: &str, body: &Value) -> Answer {
     let doc = reply.json();
     let (prompt_tokens, cached) = usage(&doc);
     // The router compares as it relays the usage: by the answer's end.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    while count(serve, "kvroute_accuracy_comparisons_total") == compared {
-        assert!(
-            Instant::now() < deadline,
-            "{path}: the router made no prediction to compare with the engine's cached_tokens \
-             ({} requests routed on load alone so far)",
-            count(serve, "kvroute_proxy_load_only_total")
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    let compared_now = polled_until(Duration::from_secs(5), || {
+        count(serve, "kvroute_accuracy_comparisons_total") != compared
+    });
+    assert!(
+        compared_now,
+        "{path}: the router made no prediction to compare with the engine's cached_tokens \
+         ({} requests routed on load alone so far)",
+        count(serve, "kvroute_proxy_load_only_total")
+    );
     assert_eq!(
         count(serve, "kvroute_accuracy_comparisons_total"),
         compared + 1,

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::restarts::{
+use crate::support::engine::{
     call, completion, engine_match, predicted, prompt, rank, send_to_engine, settle, Engine, TOKEN,
 };
 use crate::support::http::{count, metric};

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use kvroute_loadgen::nats::NatsServer;
 use serde_json::Value;
 
-use super::restarts::{call, completion, predicted, prompt, rank, settle, Engine, TOKEN};
+use crate::support::engine::{call, completion, predicted, prompt, rank, settle, Engine, TOKEN};
 use crate::support::*;
 
 /// A replica named `id` following `lines`, sharing state over `nats`.

@@ -8,7 +8,7 @@ use std::net::TcpStream;
 
 use serde_json::{json, Value};
 
-use super::restarts::{
+use crate::support::engine::{
     call, counter, engine_match, predicted, prompt, rank, send_to_engine, settle, Engine, TOKEN,
 };
 use crate::support::http::{metric, request_with};
@@ -175,7 +175,7 @@ fn batches_for_a_rank_the_worker_does_not_have_are_counted_and_dropped() {
             "POST",
             "/v1/completions",
             &rank3,
-            &super::restarts::completion(&prompt(n)),
+            &crate::support::engine::completion(&prompt(n)),
         );
         assert_eq!(r.status, 200, "{}", r.body);
         assert_eq!(engine_match(&engine.http, &prompt(n), 3), 64);

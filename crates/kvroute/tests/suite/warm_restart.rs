@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use super::restarts::{
+use crate::support::engine::{
     call, completion, counter, engine_match, predicted_on, prompt, rank, settle, Engine, TOKEN,
 };
 use crate::support::http::count;

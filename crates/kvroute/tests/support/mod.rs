@@ -11,6 +11,7 @@
 #![allow(dead_code)]
 
 pub mod door;
+pub mod engine;
 pub mod held;
 pub mod http;
 pub mod picker;
@@ -109,14 +110,22 @@ pub fn eventually(what: &str, check: impl FnMut() -> bool) {
 
 /// Waits (at most `limit`, polling every 20 ms) until `check` holds;
 /// panics naming `what` and the limit otherwise.
-pub fn eventually_within(what: &str, limit: Duration, mut check: impl FnMut() -> bool) {
+pub fn eventually_within(what: &str, limit: Duration, check: impl FnMut() -> bool) {
+    if !polled_until(limit, check) {
+        panic!("timed out after {limit:?} waiting for: {what}");
+    }
+}
+
+/// Polls `check` every 20 ms until it holds (true) or `limit` has passed
+/// (false): for a wait whose failure message needs what was last seen.
+pub fn polled_until(limit: Duration, mut check: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + limit;
     loop {
         if check() {
-            return;
+            return true;
         }
         if Instant::now() >= deadline {
-            panic!("timed out after {limit:?} waiting for: {what}");
+            return false;
         }
         std::thread::sleep(Duration::from_millis(20));
     }
