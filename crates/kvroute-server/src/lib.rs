@@ -15,6 +15,11 @@
 //! also runs [`epp`], the Gateway API Inference Extension endpoint picker
 //! (Envoy's ext_proc over gRPC), on the same routing state.
 
+// The router's modules are private to the crate (both front doors reach
+// them through `router::Router` and the intake); their docs link to one
+// another for the crate's developers: `cargo doc --document-private-items`.
+#![allow(rustdoc::private_intra_doc_links)]
+
 pub mod admin;
 pub mod api;
 pub mod app;

@@ -27,26 +27,26 @@
 //! Built once by a [`RouterBuilder`], with whatever it shares with peer
 //! replicas; nothing is attached later.
 
-pub mod accuracy;
-pub mod active;
-pub mod admission;
-pub mod breaker;
-pub mod candidates;
+pub(crate) mod accuracy;
+pub(crate) mod active;
+pub(crate) mod admission;
+pub(crate) mod breaker;
+pub(crate) mod candidates;
 pub mod config;
-pub mod continuations;
-pub mod endpoint;
-pub mod intake;
-pub mod models;
-pub mod observe;
-pub mod owners;
-pub mod queue;
-pub mod reported;
-pub mod sessions;
-pub mod shared;
-pub mod speeds;
-pub mod split;
-pub mod tenants;
-pub mod tokens;
+pub(crate) mod continuations;
+pub(crate) mod endpoint;
+pub(crate) mod intake;
+pub(crate) mod models;
+pub(crate) mod observe;
+pub(crate) mod owners;
+pub(crate) mod queue;
+pub(crate) mod reported;
+pub(crate) mod sessions;
+pub(crate) mod shared;
+pub(crate) mod speeds;
+pub(crate) mod split;
+pub(crate) mod tenants;
+pub(crate) mod tokens;
 
 pub use config::ProxyConfig;
 pub use endpoint::Endpoint;

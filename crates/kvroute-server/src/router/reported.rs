@@ -158,6 +158,7 @@ impl Reports {
     }
 
     /// How many ranks have a report younger than `max_age`.
+    #[cfg(test)]
     pub fn count_fresh(&self, max_age: Duration) -> usize {
         self.0
             .values()

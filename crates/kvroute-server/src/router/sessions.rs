@@ -63,19 +63,6 @@ impl Sessions {
         }
     }
 
-    /// Sessions remembered now.
-    pub fn len(&self) -> usize {
-        self.table
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .len()
-    }
-
-    /// Whether none is.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// Whether the session under `key` ([`Router::session_key`]) is
     /// remembered and not expired.
     pub fn contains(&self, key: &str, now_ms: u64) -> bool {

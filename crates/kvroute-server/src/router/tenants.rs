@@ -9,7 +9,7 @@
 //! 2. the tenant `--tenant-key NAME=…` binds its API key to
 //!    (`Authorization: Bearer …`, matched by the key's whole SHA-256);
 //! 3. the fingerprint of its API key
-//!    ([`key_fingerprint`]:
+//!    ([`digest_fingerprint`]:
 //!    `key-` and 12 hex digits of the key's SHA-256; the key itself is never
 //!    logged or exported);
 //! 4. [`ANONYMOUS`].
@@ -323,11 +323,16 @@ pub fn key_digest(api_key: &str) -> [u8; 32] {
 /// `--tenant-weight`: `key-` and the first 12 hex digits of the key's
 /// SHA-256, stable across restarts and replicas and never the key itself
 /// (`printf %s "$KEY" | sha256sum | cut -c1-12` gives the digits).
+#[cfg(test)]
 pub fn key_fingerprint(api_key: &str) -> String {
     digest_fingerprint(&key_digest(api_key))
 }
 
-/// [`key_fingerprint`] of the key whose [`key_digest`] is `digest`.
+/// The name an API key's tenant goes by in metrics, logs and
+/// `--tenant-weight`, from the key's [`key_digest`]: `key-` and the first 12
+/// hex digits of the key's SHA-256, stable across restarts and replicas and
+/// never the key itself (`printf %s "$KEY" | sha256sum | cut -c1-12` gives
+/// the digits).
 pub fn digest_fingerprint(digest: &[u8; 32]) -> String {
     let mut name = String::with_capacity(16);
     name.push_str("key-");
