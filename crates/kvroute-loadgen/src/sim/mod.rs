@@ -32,6 +32,7 @@ pub mod caps;
 mod clock;
 pub mod frontier;
 pub mod routing;
+pub mod runs;
 
 use kvroute_mocker::engine::EngineConfig;
 
