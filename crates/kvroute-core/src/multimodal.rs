@@ -18,10 +18,14 @@
 //!   [`fold_token_id`], so a prompt's blocks hash like the event's.
 //! * **vLLM 0.33**: the span holds the model's placeholder id repeated, and
 //!   each block that overlaps the span names the item in its `extra_keys` as
-//!   `[identifier, item start − block start]`. The identifier is a 64-hex
-//!   digest whose first 16 hex digits are the identity (the full SHA-256 of the
-//!   image bytes or URL, or the client's hash followed by 48 zeros); its item
-//!   hash is [`mm_hash_from_identifier`], exactly as the decoder computes it.
+//!   `[identifier, item start − block start]`. For a `data:` URL image of a
+//!   model whose engine-side name (`root`, vLLM's `--model`) is known, the
+//!   identifier is vLLM's own: [`vllm_image_identifier`], BLAKE3 over the
+//!   encoded bytes and that name. Otherwise it is a 64-hex digest whose first
+//!   16 hex digits are the identity (the full SHA-256 of the image bytes or
+//!   URL, or the client's hash followed by 48 zeros). A client's `uuid` on
+//!   the content part is the identifier as given. Its item hash is
+//!   [`mm_hash_from_identifier`], exactly as the decoder computes it.
 //! * **TensorRT-LLM** (streaming KV events): the engine lays an image out
 //!   digest-first (its digest, then ids above the vocabulary) and names it
 //!   in each overlapping block's `mm_keys`; the decoder rewrites image
@@ -73,26 +77,52 @@ pub struct ImageIdentity {
 }
 
 impl ImageIdentity {
-    /// The identity of an image given by URL (data URLs are decoded, others hashed as text).
+    /// The identity of an image given by URL (data URLs are decoded, others
+    /// hashed as text), with no engine-side model name: SHA-256 throughout.
     pub fn from_url(url: &str) -> Result<Self, ImageError> {
+        ImageIdentity::from_url_for(url, None)
+    }
+
+    /// The identity of an image given by URL for a model the engine loaded
+    /// from `model_id` (its `/v1/models` `root`): a `data:` URL's
+    /// identifier is then vLLM's ([`vllm_image_identifier`]); the 64-bit
+    /// hash (SGLang's pad seed) is SHA-256's either way. A URL that is not a
+    /// `data:` URL is hashed as its text (the engine fetches and hashes its
+    /// bytes, which the router never does).
+    pub fn from_url_for(url: &str, model_id: Option<&str>) -> Result<Self, ImageError> {
         if url.is_empty() {
             return Err(ImageError::Empty);
         }
-        let digest = match url.strip_prefix("data:") {
-            Some(rest) => {
-                let (header, data) = rest.split_once(',').ok_or(ImageError::NoComma)?;
-                if header.ends_with(";base64") {
-                    sha256(&decode_base64(data)?)
-                } else {
-                    sha256(data.as_bytes())
-                }
-            }
-            None => sha256(url.as_bytes()),
+        let Some(rest) = url.strip_prefix("data:") else {
+            return Ok(ImageIdentity::of_digest(sha256(url.as_bytes())));
         };
-        Ok(ImageIdentity {
+        let (header, data) = rest.split_once(',').ok_or(ImageError::NoComma)?;
+        let bytes = if header.ends_with(";base64") {
+            std::borrow::Cow::Owned(decode_base64(data)?)
+        } else {
+            std::borrow::Cow::Borrowed(data.as_bytes())
+        };
+        let mut identity = ImageIdentity::of_digest(sha256(&bytes));
+        if let Some(model_id) = model_id {
+            identity.identifier = vllm_image_identifier(&bytes, model_id);
+        }
+        Ok(identity)
+    }
+
+    fn of_digest(digest: [u8; 32]) -> Self {
+        ImageIdentity {
             hash: be_u64(&digest[..8]),
             identifier: hex(&digest),
-        })
+        }
+    }
+
+    /// The identity of an image the client named with a `uuid` on its
+    /// content part: vLLM keys the item by the uuid itself.
+    pub fn from_uuid(uuid: &str) -> Self {
+        ImageIdentity {
+            hash: mm_hash_from_identifier(uuid),
+            identifier: uuid.to_owned(),
+        }
     }
 
     /// The identity of an image whose hash the client supplied (`mm_hashes`).
@@ -103,11 +133,16 @@ impl ImageIdentity {
         }
     }
 
-    /// The identity rule in one call: the client's hash when given, else the URL's.
-    pub fn resolve(client_hash: Option<u64>, url: &str) -> Result<Self, ImageError> {
+    /// The identity rule in one call: the client's hash when given, else the
+    /// URL's ([`ImageIdentity::from_url_for`] with `model_id`).
+    pub fn resolve(
+        client_hash: Option<u64>,
+        url: &str,
+        model_id: Option<&str>,
+    ) -> Result<Self, ImageError> {
         match client_hash {
             Some(hash) => Ok(ImageIdentity::from_hash(hash)),
-            None => ImageIdentity::from_url(url),
+            None => ImageIdentity::from_url_for(url, model_id),
         }
     }
 
@@ -121,6 +156,33 @@ impl ImageIdentity {
     pub fn sglang_pad_values(&self) -> [u64; 4] {
         sglang_pad_values(self.hash)
     }
+}
+
+/// vLLM's identifier of an image given as encoded bytes (a `data:` URL's),
+/// served by an engine that loaded its model from `model_id`: the hex
+/// BLAKE3 digest of vLLM's framed serialization of the item's fields in
+/// key order, `image` (its type name, then the bytes) and `model_id`: each
+/// key, type name and value framed as `len as u64 LE ‖ bytes`, each key and
+/// type name followed by the tag byte 3 (`vllm/multimodal/hasher.py`; checked
+/// against it by the vector in `tests/data/vllm_image_hash.json`). This is
+/// vLLM's default `--mm-hash-algorithm` with no processor or media kwargs.
+pub fn vllm_image_identifier(bytes: &[u8], model_id: &str) -> String {
+    /// The tag vLLM's hasher writes after a key or a type name.
+    const LEAF: &[u8] = &[3];
+    fn framed(h: &mut blake3::Hasher, part: &[u8]) {
+        h.update(&(part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    let mut h = blake3::Hasher::new();
+    framed(&mut h, b"image");
+    h.update(LEAF);
+    framed(&mut h, b"image");
+    h.update(LEAF);
+    framed(&mut h, bytes);
+    framed(&mut h, b"model_id");
+    h.update(LEAF);
+    framed(&mut h, model_id.as_bytes());
+    hex(h.finalize().as_bytes())
 }
 
 fn sha256(bytes: &[u8]) -> [u8; 32] {
@@ -409,9 +471,40 @@ mod tests {
             hex(&sha256(b"https://example.invalid/cat.png"))
         );
         // A client hash wins over the URL.
-        let e = ImageIdentity::resolve(Some(7), "https://example.invalid/cat.png").expect("ok");
+        let e = ImageIdentity::resolve(Some(7), "https://example.invalid/cat.png", Some("m"))
+            .expect("ok");
         assert_eq!((e.hash, e.vllm_mm_hash()), (7, 7));
-        assert_eq!(ImageIdentity::resolve(None, "data:text/plain,hello"), Ok(c));
+        assert_eq!(
+            ImageIdentity::resolve(None, "data:text/plain,hello", None),
+            Ok(c)
+        );
+    }
+
+    #[test]
+    fn a_vllm_model_names_a_data_url_image_by_blake3_of_its_bytes_and_the_model() {
+        let url = "data:image/png;base64,aGVsbG8=";
+        let a = ImageIdentity::from_url_for(url, Some("/models/tiny-vl")).expect("valid");
+        // The framing of vLLM's hasher, computed independently (Python's blake3).
+        assert_eq!(
+            a.identifier,
+            "981209f5d7e4b49464df9125dfa3981b62854d0d5e4f7c9b81c83a61ca0c9697"
+        );
+        assert_eq!(a.vllm_mm_hash(), 0x981209f5d7e4b494);
+        // SGLang's seed is the bytes' either way.
+        assert_eq!(a.hash, ImageIdentity::from_url(url).expect("valid").hash);
+        // Another model folder, another identifier.
+        let b = ImageIdentity::from_url_for(url, Some("/models/other")).expect("valid");
+        assert_ne!(a.identifier, b.identifier);
+        // A URL the router never fetches is named by its text.
+        let web = "https://example.invalid/cat.png";
+        assert_eq!(
+            ImageIdentity::from_url_for(web, Some("/m")),
+            ImageIdentity::from_url(web)
+        );
+        // A client's uuid is the identifier as given.
+        let u = ImageIdentity::from_uuid("my-image-1");
+        assert_eq!(u.identifier, "my-image-1");
+        assert_eq!(u.vllm_mm_hash(), mm_hash_from_identifier("my-image-1"));
     }
 
     #[test]

@@ -66,6 +66,10 @@ pub struct Prompt {
     pub mm_hashes: Option<Vec<u64>>,
     /// The `model` field, for per-model image rules.
     pub model: Option<String>,
+    /// Where the serving engine loaded the model from (its `/v1/models`
+    /// `root`, vLLM's `--model`), when known: vLLM names a `data:` URL image
+    /// by its bytes and this (see [`kvroute_core::multimodal::vllm_image_identifier`]).
+    pub model_id: Option<String>,
 }
 
 impl Prompt {

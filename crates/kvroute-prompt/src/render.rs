@@ -114,8 +114,9 @@ impl Renderer {
                         .as_ref()
                         .and_then(|h| h.get(index))
                         .copied();
-                    let identity = ImageIdentity::resolve(client_hash, url)
-                        .map_err(|source| PromptError::Image { index, source })?;
+                    let identity =
+                        ImageIdentity::resolve(client_hash, url, prompt.model_id.as_deref())
+                            .map_err(|source| PromptError::Image { index, source })?;
                     let len = self.rule.tokens_for(prompt.model.as_deref(), &identity);
                     tokens.push(specials.vision_start);
                     let start = tokens.len();

@@ -402,3 +402,30 @@ fn sglang_namespace_strings_in_extra_keys_are_not_salts() {
         assert_eq!(s.cache_salt.as_deref(), expected_salt, "lora {lora}");
     }
 }
+
+/// vLLM names a `data:` URL image by BLAKE3 over its encoded bytes and the
+/// engine's model folder: the identifiers its own hasher printed
+/// (`scripts/vllm-image-hash.py`, run in vLLM 0.32's environment) are the
+/// request side's.
+#[test]
+fn a_data_url_image_is_named_as_vllms_own_hasher_names_it() {
+    let path = super::common::fixtures_dir().join("vllm_0.32_image_hash.json");
+    let text = std::fs::read_to_string(&path).expect("the vector file");
+    let doc: serde_json::Value = serde_json::from_str(&text).expect("JSON");
+    let vectors = doc["vectors"].as_array().expect("vectors");
+    assert!(vectors.len() >= 2);
+    for v in vectors {
+        let (png, model, want) = (
+            v["png_base64"].as_str().expect("png"),
+            v["model_id"].as_str().expect("model"),
+            v["identifier"].as_str().expect("identifier"),
+        );
+        let url = format!("data:image/png;base64,{png}");
+        let identity = ImageIdentity::from_url_for(&url, Some(model)).expect("a valid URL");
+        assert_eq!(identity.identifier, want, "model {model}");
+        assert_eq!(
+            identity.vllm_mm_hash(),
+            u64::from_str_radix(&want[..16], 16).expect("hex")
+        );
+    }
+}
