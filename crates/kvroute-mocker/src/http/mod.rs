@@ -478,11 +478,16 @@ async fn admit<'a>(
 
 /// `parsed`'s engine request, built (rendered, tokenized, images hashed)
 /// on the blocking pool: CPU work kept off the async workers. The parsed
-/// request comes back with it.
+/// request comes back with it. Images are named as vLLM names them, by
+/// their bytes and the folder the engine says it loaded the model from
+/// (its `root`).
 pub(super) async fn build_off_runtime(
     state: &EngineState,
-    parsed: ParsedRequest,
+    mut parsed: ParsedRequest,
 ) -> Result<(crate::engine::NewRequest, Vec<FillerToken>, ParsedRequest), ApiError> {
+    if parsed.prompt.image_count() > 0 {
+        parsed.prompt.model_id = Some(state.root.clone());
+    }
     let (renderer, filler) = (state.renderer.clone(), state.filler.clone());
     let (settings, capacity) = (state.prompt, state.capacity_tokens());
     tokio::task::spawn_blocking(move || {

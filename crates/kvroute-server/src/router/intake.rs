@@ -34,7 +34,7 @@ use axum::body::Bytes;
 use axum::http::HeaderMap;
 use kvroute_prompt::body::{RoutingRequest, TextPrompt};
 use kvroute_prompt::shape::{shape, BodyShape};
-use kvroute_prompt::{Prompt, PromptFields, PromptSource, Renderer};
+use kvroute_prompt::{Prompt, PromptError, PromptFields, PromptSource, Renderer};
 use serde_json::Value;
 
 use super::tenants::PriorityRange;
@@ -168,18 +168,32 @@ impl Router {
     /// names no model is taken to ask for the one model the workers list.
     pub fn renderer_for(&self, model: Option<&str>) -> Option<Arc<Renderer>> {
         let model = model.map(str::to_owned).or_else(|| self.only_model());
-        let explicit = model
-            .as_deref()
+        self.explicit_renderer(model.as_deref())
+            .or_else(|| model.as_deref().and_then(|m| self.tokenizers.renderer(m)))
+    }
+
+    /// The renderer the operator gave for `model` (`--model`, else
+    /// `--tokenizer`), if any.
+    fn explicit_renderer(&self, model: Option<&str>) -> Option<Arc<Renderer>> {
+        model
             .and_then(|m| self.config.model_renderers.get(m))
             .or(self.config.renderer.as_ref())
-            .cloned();
-        explicit.or_else(|| model.as_deref().and_then(|m| self.tokenizers.renderer(m)))
+            .cloned()
+    }
+
+    /// Whether the operator gave `model`'s renderer (`--model`, `--tokenizer`).
+    pub(crate) fn has_explicit_renderer(&self, model: &str) -> bool {
+        self.explicit_renderer(Some(model)).is_some()
     }
 
     /// Fills in `req.tokens` and `req.images` from its text with the
-    /// renderer of the model it names, else the default one, if there is one. Requests with token ids keep them as
-    /// given; a prompt the renderer refuses is routed on load alone (the
-    /// engine then answers the client).
+    /// renderer of the model it names, else the default one, if there is
+    /// one. Requests with token ids keep them as given; a prompt the
+    /// renderer refuses is routed on load alone (the engine then answers
+    /// the client). Images are named for the model's `root`; a chat with
+    /// images for a model whose tokenizer was found (not given) is left to
+    /// its engine's `/tokenize`, which alone knows the positions each image
+    /// takes ([`super::tokens::complete_from_engine`]).
     pub fn tokenize(&self, req: &mut RoutingRequest) {
         if req.tokens.is_some() {
             return;
@@ -197,13 +211,26 @@ impl Router {
             mm_hashes: req.mm_hashes.as_ref(),
             model: req.model.as_deref(),
         };
-        let rendered = Prompt::from_fields(&fields).and_then(|p| renderer.render_for_routing(&p));
+        let rendered = Prompt::from_fields(&fields).and_then(|mut p| {
+            if p.image_count() > 0 {
+                let model = req.model.clone().or_else(|| self.only_model());
+                if let Some(model) = model {
+                    if !self.has_explicit_renderer(&model) {
+                        return Err(PromptError::NoTokens);
+                    }
+                    p.model_id = self.model_root(&model);
+                }
+            }
+            renderer.render_for_routing(&p)
+        });
         match rendered {
             Ok(prompt) => {
                 req.tokens = Some(prompt.tokens);
                 req.images = prompt.images;
             }
-            Err(e) => tracing::debug!(error = %e, "prompt not rendered; routed on load alone"),
+            Err(e) => {
+                tracing::debug!(error = %e, "prompt not rendered here; routed by the engine's tokens or on load alone")
+            }
         }
     }
 }

@@ -129,6 +129,18 @@ impl WorkerModels {
         out
     }
 
+    /// Where the engines loaded `model`'s weights from (its `root`; a LoRA
+    /// adapter's base model's), as the first worker listing it says.
+    pub fn root_of(&self, model: &str) -> Option<String> {
+        let models = self.learned_models();
+        let listed = models.iter().find(|m| m.id == model)?;
+        let base = match (&listed.parent, listed.adapter) {
+            (Some(parent), true) => models.iter().find(|m| &m.id == parent)?,
+            _ => listed,
+        };
+        base.root.clone()
+    }
+
     /// Whether some worker lists `model` as a LoRA adapter (a model with a
     /// `parent`).
     pub fn is_adapter(&self, model: &str) -> bool {
@@ -260,6 +272,12 @@ impl Router {
     /// Every model the workers' learned lists hold.
     pub(crate) fn learned_models(&self) -> Vec<model_list::Model> {
         self.models.learned_models()
+    }
+
+    /// Where the engines loaded `model` from ([`WorkerModels::root_of`]):
+    /// what vLLM names a request's images with.
+    pub(crate) fn model_root(&self, model: &str) -> Option<String> {
+        self.models.root_of(model)
     }
 
     /// The URLs of the workers that serve `model`, in the workers' order.

@@ -8,7 +8,9 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use crate::model_list::Model;
-use crate::tokenizers::{engine, Asker};
+use kvroute_prompt::body::{RoutingRequest, TextPrompt};
+
+use crate::tokenizers::{engine, media, Asker};
 
 use super::Router;
 
@@ -38,12 +40,14 @@ pub fn discover_due(router: &Arc<Router>) {
 }
 
 /// Fills in `req.tokens` from the engine's `/tokenize` when its model's
-/// tokens come from there (and it has text, and no tokens yet); a failed
-/// ask leaves it routed on load alone. `client_body` is the body as the
-/// client sent it, `chat` whether it came to the chat endpoint.
+/// tokens come from there (and it has text, and no tokens yet), or when it
+/// is a chat with images for a vision-language model found by discovery
+/// (then `req.images` too: [`media`]); a failed ask leaves it routed on
+/// load alone. `client_body` is the body as the client sent it, `chat`
+/// whether it came to the chat endpoint.
 pub async fn complete_from_engine(
     router: &Router,
-    req: &mut kvroute_prompt::body::RoutingRequest,
+    req: &mut RoutingRequest,
     client_body: &[u8],
     chat: bool,
 ) {
@@ -53,28 +57,61 @@ pub async fn complete_from_engine(
     let Some(model) = req.model.clone().or_else(|| router.only_model()) else {
         return;
     };
-    if !router.tokenizers().uses_engine(&model) {
+    let with_media = chat_with_media(req);
+    let media = router
+        .tokenizers()
+        .media(&model)
+        .filter(|_| with_media && !router.has_explicit_renderer(&model));
+    if !router.tokenizers().uses_engine(&model) && media.is_none() {
         return;
     }
-    let Some(body) = engine::tokenize_body(req, client_body, chat) else {
+    let Some(body) = engine::tokenize_body(req, client_body, chat, media.is_some()) else {
         return;
     };
-    let key = engine::AnswerCache::key(&body);
+    let Some(tokens) = ask_engines(router, &model, &body).await else {
+        return;
+    };
+    let text = req.text.take();
+    let (Some(media), Some(TextPrompt::Chat(messages))) = (media, &text) else {
+        req.tokens = Some(tokens.to_vec());
+        return;
+    };
+    let parts = media::media_parts(messages);
+    let root = router.model_root(&model);
+    match media::locate(&tokens, media, &parts, root.as_deref()) {
+        media::Located::Spans(spans) => {
+            req.tokens = Some(tokens.to_vec());
+            req.images = spans;
+        }
+        media::Located::Prefix(keep) => {
+            tracing::debug!(model = %model, keep, "images not paired with the engine's tokens; text prefix only");
+            req.tokens = Some(tokens.get(..keep).unwrap_or(&tokens).to_vec());
+        }
+    }
+}
+
+/// The engine's tokens for `body`: from the answers cache, else asked of
+/// the model's workers in turn (and cached).
+async fn ask_engines(router: &Router, model: &str, body: &serde_json::Value) -> Option<Arc<[u32]>> {
+    let key = engine::AnswerCache::key(body);
     let answers = &router.tokenizers().answers;
     if let Some(tokens) = answers.get(key) {
-        req.tokens = Some(tokens.to_vec());
-        req.text = None;
-        return;
+        return Some(tokens);
     }
-    for url in router.urls_serving(&model) {
-        match engine::ask(router.client(), &url, &body).await {
+    for url in router.urls_serving(model) {
+        match engine::ask(router.client(), &url, body).await {
             Ok(tokens) => {
-                answers.put(key, Arc::from(tokens.as_slice()));
-                req.tokens = Some(tokens);
-                req.text = None;
-                return;
+                let tokens: Arc<[u32]> = Arc::from(tokens);
+                answers.put(key, tokens.clone());
+                return Some(tokens);
             }
             Err(e) => tracing::debug!(model = %model, url = %url, error = %e, "/tokenize failed"),
         }
     }
+    None
+}
+
+/// Whether `req` is a chat with image or video parts.
+fn chat_with_media(req: &RoutingRequest) -> bool {
+    matches!(&req.text, Some(TextPrompt::Chat(m)) if !media::media_parts(m).is_empty())
 }

@@ -38,9 +38,16 @@ const MAX_ANSWER_BYTES: usize = 16 << 20;
 
 /// The `/tokenize` body for `req` (read from `client_body`), if the
 /// engine's tokens would be this request's: a chat, or a completion of one
-/// text. Batches, prompts given as ids and prompts with images (whose
-/// identity `/tokenize` does not give) have none.
-pub fn tokenize_body(req: &RoutingRequest, client_body: &[u8], chat: bool) -> Option<Value> {
+/// text. Batches, prompts given as ids and client-hashed images have none;
+/// a chat with images has one only `with_images` (the caller pairs the
+/// answer's image spans with the chat's images: `/tokenize` does not say
+/// which image is which).
+pub fn tokenize_body(
+    req: &RoutingRequest,
+    client_body: &[u8],
+    chat: bool,
+    with_images: bool,
+) -> Option<Value> {
     if !req.images.is_empty() || req.mm_hashes.is_some() {
         return None;
     }
@@ -51,7 +58,7 @@ pub fn tokenize_body(req: &RoutingRequest, client_body: &[u8], chat: bool) -> Op
     let client: Option<Map<String, Value>> = serde_json::from_slice(client_body).ok();
     match req.text.as_ref()? {
         TextPrompt::Chat(messages) => {
-            if has_images(messages) {
+            if !with_images && has_images(messages) {
                 return None;
             }
             out.insert("messages".into(), messages.clone());
@@ -198,22 +205,22 @@ mod tests {
         let client = json!({"messages": messages, "add_generation_prompt": false,
             "chat_template_kwargs": {"thinking": true}, "temperature": 0.5});
         let req = request(TextPrompt::Chat(messages.clone()));
-        let body = tokenize_body(&req, client.to_string().as_bytes(), true).expect("a chat");
+        let body = tokenize_body(&req, client.to_string().as_bytes(), true, false).expect("a chat");
         assert_eq!(
             body,
             json!({"model": "m", "messages": messages, "add_generation_prompt": false,
                 "chat_template_kwargs": {"thinking": true}})
         );
         let text = request(TextPrompt::Completion(json!("once upon")));
-        let body = tokenize_body(&text, b"{}", false).expect("a text");
+        let body = tokenize_body(&text, b"{}", false, false).expect("a text");
         assert_eq!(body, json!({"model": "m", "prompt": "once upon"}));
         let batch = request(TextPrompt::Completion(json!(["a", "b"])));
-        assert_eq!(tokenize_body(&batch, b"{}", false), None);
+        assert_eq!(tokenize_body(&batch, b"{}", false, false), None);
         let image = json!([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]);
-        assert_eq!(
-            tokenize_body(&request(TextPrompt::Chat(image)), b"{}", true),
-            None
-        );
+        let image = request(TextPrompt::Chat(image));
+        assert_eq!(tokenize_body(&image, b"{}", true, false), None);
+        let asked = tokenize_body(&image, b"{}", true, true).expect("asked with images");
+        assert_eq!(asked["messages"][0]["content"][0]["image_url"]["url"], "x");
     }
 
     #[test]

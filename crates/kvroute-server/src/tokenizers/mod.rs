@@ -21,6 +21,7 @@
 
 pub mod engine;
 pub mod hub;
+pub mod media;
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -129,6 +130,9 @@ impl Found {
 struct Entry {
     found: Found,
     renderer: Option<Arc<Renderer>>,
+    /// The model's image placeholders, for a vision-language model whose
+    /// configuration the router could read.
+    media: Option<media::MediaTokens>,
     at: Instant,
 }
 
@@ -179,6 +183,14 @@ impl ModelTokenizers {
     /// The renderer found for `model`, if a file was.
     pub fn renderer(&self, model: &str) -> Option<Arc<Renderer>> {
         self.read().get(model).and_then(|e| e.renderer.clone())
+    }
+
+    /// The image placeholders of `model`, when it is a vision-language
+    /// model whose `config.json` was found beside its tokenizer or in its
+    /// root: its chats with images are tokenized by its engine, which
+    /// knows how many positions each image takes ([`media`]).
+    pub fn media(&self, model: &str) -> Option<media::MediaTokens> {
+        self.read().get(model).and_then(|e| e.media)
     }
 
     /// Whether `model`'s tokens come from the engine's `/tokenize`.
@@ -243,9 +255,11 @@ impl ModelTokenizers {
                 info!(model = %model.id, source = other.label(), found = ?other, "tokenizer found")
             }
         }
+        let media = media_of(model, &found);
         let entry = Entry {
             found,
             renderer,
+            media,
             at: Instant::now(),
         };
         self.write().insert(model.id.clone(), entry);
@@ -442,6 +456,23 @@ impl prometheus_client::collector::Collector for TokenizerCollector {
         }
         Ok(())
     }
+}
+
+/// The image placeholders in the `config.json` of `model`'s root folder,
+/// or beside the tokenizer file found for it.
+fn media_of(model: &Model, found: &Found) -> Option<media::MediaTokens> {
+    let root = model
+        .root
+        .as_deref()
+        .map(Path::new)
+        .filter(|d| d.is_absolute());
+    let beside = match found {
+        Found::File(_, file) => file.parent(),
+        _ => None,
+    };
+    root.into_iter()
+        .chain(beside)
+        .find_map(media::MediaTokens::read)
 }
 
 /// The chat every found tokenizer is checked on: roles, punctuation,
