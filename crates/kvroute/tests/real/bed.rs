@@ -20,7 +20,7 @@ pub const ENV: &str = "KVROUTE_REAL_ENGINES";
 
 /// What to run when the bed is missing.
 const HOW: &str = "run scripts/test (it installs vLLM and starts the engines), or by hand: \
-     `scripts/real-engines install && scripts/real-engines start 2 --dir /tmp/engines && \
+     `scripts/real-engines install && scripts/real-engines start 2 --vlm 2 --dir /tmp/engines && \
      KVROUTE_REAL_ENGINES=/tmp/engines/engines.json cargo test -p kvroute --test real_engines; \
      scripts/real-engines stop --dir /tmp/engines`";
 
@@ -82,8 +82,27 @@ fn since(engine: &Engine) -> u64 {
 /// every engine answers, and empties their caches. Fails, naming the
 /// command, when `KVROUTE_REAL_ENGINES` is unset or its engines are down.
 pub fn bed() -> (MutexGuard<'static, ()>, Bed) {
+    bed_of(Section::Text)
+}
+
+/// [`bed`] for the vision-language engines (`engines.json`'s `vlm`: the
+/// project's tiny Qwen2-VL, started by `scripts/real-engines start N --vlm M`).
+pub fn vlm_bed() -> (MutexGuard<'static, ()>, Bed) {
+    bed_of(Section::Vlm)
+}
+
+/// Which engines of `engines.json` a test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Section {
+    /// The text engines (at least two).
+    Text,
+    /// The vision-language engines (at least two).
+    Vlm,
+}
+
+fn bed_of(section: Section) -> (MutexGuard<'static, ()>, Bed) {
     let guard = SERIAL.lock().unwrap_or_else(|p| p.into_inner());
-    let bed = Bed::read();
+    let bed = Bed::read(section);
     for e in &bed.engines {
         let up = std::net::TcpStream::connect(e.addr()).is_ok()
             && http::request(e.addr(), "GET", "/health", "").status == 200;
@@ -100,7 +119,7 @@ pub fn bed() -> (MutexGuard<'static, ()>, Bed) {
 }
 
 impl Bed {
-    fn read() -> Bed {
+    fn read(section: Section) -> Bed {
         let path = std::env::var_os(ENV).map(PathBuf::from).unwrap_or_else(|| {
             panic!("{ENV} is not set: this suite runs against real vLLM engines only; {HOW}")
         });
@@ -108,9 +127,14 @@ impl Bed {
             .unwrap_or_else(|e| panic!("{ENV}={}: {e}; {HOW}", path.display()));
         let doc: Value = serde_json::from_str(&text).expect("engines.json is JSON");
         let s = |v: &Value| v.as_str().expect("a string in engines.json").to_owned();
-        let engines: Vec<Engine> = doc["engines"]
+        let (list, least) = match section {
+            Section::Text => (&doc["engines"], 2),
+            Section::Vlm => (&doc["vlm"]["engines"], 2),
+        };
+        let engines: Vec<Engine> = list
             .as_array()
-            .expect("engines")
+            .map(Vec::as_slice)
+            .unwrap_or_default()
             .iter()
             .map(|e| Engine {
                 name: s(&e["name"]),
@@ -120,17 +144,31 @@ impl Bed {
             })
             .collect();
         assert!(
-            engines.len() >= 2,
-            "the suite needs 2 engines, {} has {}; {HOW}",
+            engines.len() >= least,
+            "the suite needs {least} {section:?} engine(s), {} has {}; {HOW}",
             path.display(),
             engines.len()
         );
+        let (model, served) = match section {
+            Section::Text => (
+                PathBuf::from(s(&doc["model"])),
+                s(&doc["served_model_name"]),
+            ),
+            Section::Vlm => (
+                PathBuf::from(s(&doc["vlm"]["model_dir"])),
+                s(&doc["vlm"]["served_model"]),
+            ),
+        };
+        let tokenizer = match section {
+            Section::Text => s(&doc["tokenizer"]),
+            Section::Vlm => model.join("tokenizer.json").display().to_string(),
+        };
         Bed {
             dir: path.parent().expect("a directory").to_owned(),
-            model: PathBuf::from(s(&doc["model"])),
-            tokenizer: s(&doc["tokenizer"]),
+            model,
+            tokenizer,
             python: PathBuf::from(s(&doc["python"])),
-            served: s(&doc["served_model_name"]),
+            served,
             engines,
             path,
         }

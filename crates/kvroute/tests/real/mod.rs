@@ -4,6 +4,7 @@ pub mod bed;
 mod conversations;
 mod demo;
 mod discovery;
+mod images;
 mod ingest;
 mod predictions;
 mod restarts;
