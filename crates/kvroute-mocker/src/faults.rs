@@ -7,6 +7,7 @@
 //! | `--restart-every-secs S` | every S seconds each rank "restarts": in-flight requests fail with 503, the cache is emptied without events, the publisher's sockets are re-bound, seq starts again at 0 and the replay ring is emptied |
 //! | `--delay-ms MS` | every HTTP response is held back MS milliseconds |
 //! | `--fail-rate F` | a fraction F of completion and chat requests is answered 500 (drawn from a generator seeded by `--seed`) |
+//! | `--cut-streams F` | a fraction F of streamed answers is cut off after half their `max_tokens`: the connection closes in the middle of the body, as when an engine dies (drawn from its own seeded generator) |
 
 use std::time::Duration;
 
@@ -26,6 +27,8 @@ pub struct FaultConfig {
     pub delay: Duration,
     /// Fraction of inference requests answered 500, in `[0, 1]`.
     pub fail_rate: f64,
+    /// Fraction of streamed answers cut off half-way, in `[0, 1]`.
+    pub cut_streams: f64,
 }
 
 impl FaultConfig {
@@ -48,6 +51,13 @@ impl FaultConfig {
             return Err(ConfigError::OutOfRange {
                 flag: "fail-rate",
                 value: self.fail_rate,
+                expected: "between 0 and 1",
+            });
+        }
+        if !(0.0..=1.0).contains(&self.cut_streams) {
+            return Err(ConfigError::OutOfRange {
+                flag: "cut-streams",
+                value: self.cut_streams,
                 expected: "between 0 and 1",
             });
         }

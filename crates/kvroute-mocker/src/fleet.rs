@@ -256,6 +256,10 @@ impl Fleet {
                 config.faults.fail_rate,
                 config.seed.wrapping_add(u64::from(k)),
             )),
+            cut_dice: Mutex::new(FailureDice::new(
+                config.faults.cut_streams,
+                config.seed.wrapping_add(u64::from(k)) ^ 0xC07_C07,
+            )),
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),

@@ -78,6 +78,6 @@ pub use cache::CacheStats;
 pub use chat_template::{ChatTemplate, ChatTemplateError};
 pub use error::PromptError;
 pub use kvroute_core::multimodal::{ImageSpan, ImageTokenRule, RoutingPrompt};
-pub use prompt::{Prompt, PromptFields, PromptSource, Segment, SpecialToken};
+pub use prompt::{ChatEnding, Prompt, PromptFields, PromptSource, Segment, SpecialToken};
 pub use render::{NeutralPrompt, Renderer};
 pub use tokenizer::{Piece, Specials, TextPath, Tokenizer, TokenizerError};

@@ -70,6 +70,23 @@ pub struct Prompt {
     /// `root`, vLLM's `--model`), when known: vLLM names a `data:` URL image
     /// by its bytes and this (see [`kvroute_core::multimodal::vllm_image_identifier`]).
     pub model_id: Option<String>,
+    /// How a chat ends: with the assistant's header (the default), or
+    /// without it, or inside the final message, which the model continues.
+    pub ending: ChatEnding,
+}
+
+/// How a chat prompt ends (vLLM's `add_generation_prompt` and
+/// `continue_final_message`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ChatEnding {
+    /// The assistant's header follows the messages (`add_generation_prompt`).
+    #[default]
+    GenerationPrompt,
+    /// The messages alone (`add_generation_prompt: false`).
+    Messages,
+    /// Inside the final message: its end-of-turn left off, so the model
+    /// continues it (`continue_final_message: true`).
+    ContinueFinal,
 }
 
 impl Prompt {
@@ -89,6 +106,31 @@ impl Prompt {
             template_messages: messages.and_then(fields::template_messages),
             ..Prompt::default()
         })
+    }
+
+    /// The chat ended as `ending` asks: the ChatML layout loses the
+    /// assistant's header (and, to continue the final message, that
+    /// message's end of turn); a chat template renders so too.
+    pub fn end_chat(&mut self, ending: ChatEnding) {
+        self.ending = ending;
+        if ending == ChatEnding::GenerationPrompt {
+            return;
+        }
+        let header = [
+            Segment::Special(SpecialToken::ImStart),
+            Segment::Text("assistant\n".into()),
+        ];
+        if self.segments.ends_with(&header) {
+            self.segments.truncate(self.segments.len() - header.len());
+        }
+        let end_of_turn = [
+            Segment::Special(SpecialToken::ImEnd),
+            Segment::Text("\n".into()),
+        ];
+        if ending == ChatEnding::ContinueFinal && self.segments.ends_with(&end_of_turn) {
+            self.segments
+                .truncate(self.segments.len() - end_of_turn.len());
+        }
     }
 
     /// The prompt of a request's fields: the prompt source first, then

@@ -3,8 +3,9 @@
 use kvroute_core::multimodal::{ImageIdentity, ImageSpan, ImageTokenRule, RoutingPrompt};
 use kvroute_core::tokens::fold_token_id;
 
+use crate::chat_template::ChatTemplate;
 use crate::error::PromptError;
-use crate::prompt::{Prompt, Segment, SpecialToken};
+use crate::prompt::{ChatEnding, Prompt, Segment, SpecialToken};
 use crate::tokenizer::Tokenizer;
 
 /// A prompt laid out the flavour-neutral way: token ids with the image
@@ -29,6 +30,33 @@ impl NeutralPrompt {
             images: self.images,
         }
     }
+}
+
+/// `messages` through `template`, ending as `ending` asks; to continue the
+/// final message, the text is cut after that message's content (as vLLM
+/// does), which must be in it.
+fn render_template(
+    template: &ChatTemplate,
+    messages: &serde_json::Value,
+    ending: ChatEnding,
+) -> Result<String, PromptError> {
+    let generation_prompt = ending == ChatEnding::GenerationPrompt;
+    let mut text = template
+        .render(messages, generation_prompt)
+        .map_err(PromptError::Template)?;
+    if ending == ChatEnding::ContinueFinal {
+        let last = messages
+            .as_array()
+            .and_then(|m| m.last())
+            .and_then(|m| m.get("content"))
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("");
+        let end = text.rfind(last).map(|at| at + last.len()).ok_or_else(|| {
+            PromptError::invalid("messages", "a chat whose final message the template shows")
+        })?;
+        text.truncate(end);
+    }
+    Ok(text)
 }
 
 /// Renders prompts to token ids: a tokenizer (with the model's chat template,
@@ -73,9 +101,7 @@ impl Renderer {
         if let (Some(template), Some(messages)) =
             (self.tokenizer.chat_template(), &prompt.template_messages)
         {
-            let text = template
-                .render(messages, true)
-                .map_err(PromptError::Template)?;
+            let text = render_template(template, messages, prompt.ending)?;
             let tokens = self.tokenizer.encode(&text)?;
             if tokens.is_empty() {
                 return Err(PromptError::NoTokens);

@@ -32,7 +32,6 @@ pub mod response_store;
 pub mod responses;
 mod tokenize;
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -210,6 +209,8 @@ pub struct EngineState {
     pub delay: Duration,
     /// `--fail-rate`.
     pub dice: Mutex<FailureDice>,
+    /// `--cut-streams`.
+    pub cut_dice: Mutex<FailureDice>,
     /// Unix seconds at start.
     pub created: u64,
     /// For `/server_info`.
@@ -389,13 +390,22 @@ async fn generate(
         input_logprobs: run.input_logprobs,
     };
     if run.parsed.stream {
-        let include_usage = run.parsed.include_usage;
-        return Ok(stream_response(
+        let cut = match state.cut_dice.lock() {
+            Ok(mut dice) => dice.roll(),
+            Err(poisoned) => poisoned.into_inner().roll(),
+        };
+        let state = StreamState {
+            include_usage: run.parsed.include_usage,
+            filler: run.filler,
+            updates: run.updates,
+            pending: std::collections::VecDeque::new(),
+            text: String::new(),
+            done: false,
+            sent: 0,
+            cut_after: cut.then(|| (run.parsed.max_tokens / 2).max(1)),
             meta,
-            include_usage,
-            run.filler,
-            run.updates,
-        ));
+        };
+        return Ok(stream_response(state));
     }
     let mut answer = full_body(meta, run.filler, run.updates).await?;
     if let Some(params) = run.leg.transfer_params(&state, run.rank, run.id).await {
@@ -632,6 +642,10 @@ struct StreamState {
     /// The text so far (`/generate` streams it whole each time).
     text: String,
     done: bool,
+    /// Tokens sent so far.
+    sent: usize,
+    /// `--cut-streams`: the connection closes after this many tokens.
+    cut_after: Option<usize>,
 }
 
 impl StreamState {
@@ -648,38 +662,32 @@ impl StreamState {
     }
 }
 
-fn stream_response(
-    meta: ResponseMeta,
-    include_usage: bool,
-    filler: Vec<FillerToken>,
-    updates: mpsc::UnboundedReceiver<Update>,
-) -> Response {
-    let mut pending = std::collections::VecDeque::new();
-    if meta.endpoint == Endpoint::Chat {
-        pending.push_back(sse(&meta.chunk(ChunkPiece::Role, include_usage)));
+/// A streamed answer; a stream chosen by `--cut-streams` ends with an error
+/// after its tokens, so the connection closes in the middle of the body.
+fn stream_response(mut state: StreamState) -> Response {
+    if state.meta.endpoint == Endpoint::Chat {
+        let role = sse(&state.meta.chunk(ChunkPiece::Role, state.include_usage));
+        state.pending.push_back(role);
     }
-    let state = StreamState {
-        meta,
-        include_usage,
-        filler,
-        updates,
-        pending,
-        text: String::new(),
-        done: false,
-    };
     let stream = futures_util::stream::unfold(state, |mut s| async move {
         loop {
             if let Some(bytes) = s.pending.pop_front() {
-                return Some((Ok::<Bytes, Infallible>(bytes), s));
+                return Some((Ok::<Bytes, std::io::Error>(bytes), s));
             }
             if s.done {
                 return None;
+            }
+            if s.cut_after.is_some_and(|n| s.sent >= n) {
+                s.done = true;
+                let cut = std::io::Error::other("injected cut (--cut-streams)");
+                return Some((Err(cut), s));
             }
             match s.updates.recv().await {
                 Some(Update::Token(i)) => {
                     let text = s.filler.get(i).map(|t| t.text.clone()).unwrap_or_default();
                     let chunk = s.chunk(ChunkPiece::Text(&text), None);
                     s.pending.push_back(sse(&chunk));
+                    s.sent += 1;
                 }
                 Some(Update::Finished(usage)) => {
                     let chunk = s.chunk(ChunkPiece::Finish, Some(&usage));

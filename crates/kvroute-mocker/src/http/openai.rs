@@ -16,7 +16,7 @@ use crate::filler::{Filler, FillerToken};
 use crate::handoff::TransferFields;
 use crate::multimodal::sglang_padding;
 use kvroute_core::event::WorkerFlavor;
-use kvroute_prompt::{fields, NeutralPrompt, Prompt, PromptError, Renderer};
+use kvroute_prompt::{fields, ChatEnding, NeutralPrompt, Prompt, PromptError, Renderer};
 
 use super::ApiError;
 
@@ -118,6 +118,9 @@ pub fn parse(endpoint: Endpoint, body: &[u8]) -> Result<ParsedRequest, ApiError>
         },
         Some(_) => return Err(bad("`stream_options` must be an object")),
     };
+    if endpoint == Endpoint::Chat {
+        prompt.end_chat(chat_ending(&obj)?);
+    }
     prompt.mm_hashes = fields::mm_hashes(obj.get("mm_hashes"))?;
     let dp_rank = dp_rank(&obj)?;
     prompt.model = model(&obj)?;
@@ -163,6 +166,39 @@ pub fn converted_chat(
 }
 
 /// `data_parallel_rank`, if given.
+/// How a chat's prompt ends: vLLM's `add_generation_prompt` (default
+/// true) and `continue_final_message` (default false; it needs the first
+/// false, and continues an assistant's final message).
+fn chat_ending(obj: &Map<String, Value>) -> Result<ChatEnding, ApiError> {
+    let flag = |name: &str, default: bool| match obj.get(name) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(bad(format!("`{name}` must be a boolean"))),
+    };
+    let generation_prompt = flag("add_generation_prompt", true)?;
+    match (flag("continue_final_message", false)?, generation_prompt) {
+        (false, true) => Ok(ChatEnding::GenerationPrompt),
+        (false, false) => Ok(ChatEnding::Messages),
+        (true, true) => Err(bad(
+            "`continue_final_message` and `add_generation_prompt` cannot both be true",
+        )),
+        (true, false) => {
+            let last_role = obj
+                .get("messages")
+                .and_then(Value::as_array)
+                .and_then(|m| m.last())
+                .and_then(|m| m.get("role"))
+                .and_then(Value::as_str);
+            if last_role != Some("assistant") {
+                return Err(bad(
+                    "`continue_final_message` needs an assistant's final message",
+                ));
+            }
+            Ok(ChatEnding::ContinueFinal)
+        }
+    }
+}
+
 fn dp_rank(obj: &Map<String, Value>) -> Result<Option<u32>, ApiError> {
     match obj.get("data_parallel_rank") {
         None | Some(Value::Null) => Ok(None),
@@ -516,6 +552,33 @@ mod tests {
                 Segment::Text("assistant\n".into()),
             ]
         );
+    }
+
+    #[test]
+    fn a_final_assistant_message_is_continued_inside_its_turn() {
+        let body = br#"{"messages":[{"role":"user","content":"hi"},{"role":"assistant","content":"Hel"}],"continue_final_message":true,"add_generation_prompt":false}"#;
+        let p = parse(Endpoint::Chat, body).expect("ok");
+        assert_eq!(
+            p.prompt.segments[5..],
+            [
+                Segment::Special(SpecialToken::ImStart),
+                Segment::Text("assistant\n".into()),
+                Segment::Text("Hel".into()),
+            ],
+            "the final message stays open and no header follows"
+        );
+        let both =
+            br#"{"messages":[{"role":"assistant","content":"a"}],"continue_final_message":true}"#;
+        assert!(
+            parse_err(Endpoint::Chat, std::str::from_utf8(both).expect("utf8"))
+                .contains("cannot both be true")
+        );
+        let user_last = br#"{"messages":[{"role":"user","content":"a"}],"continue_final_message":true,"add_generation_prompt":false}"#;
+        assert!(parse_err(
+            Endpoint::Chat,
+            std::str::from_utf8(user_last).expect("utf8")
+        )
+        .contains("assistant"));
     }
 
     #[test]

@@ -77,6 +77,8 @@ catalogue! {
     PROXY_UPSTREAM_ERRORS:        kvroute_proxy_upstream_errors_total          Counter   NONE "Attempts a worker failed: connection errors, 503 and 429 refusals, 5xx answers, answers cut off.";
     PROXY_ERRORS:                 kvroute_proxy_errors_total                   Counter   KIND "Completion requests kvroute answered with an error of its own, by kind (a stream cut off mid-way counts as upstream_incomplete).";
     PROXY_RETRIES:                kvroute_proxy_retries_total                  Counter   NONE "Attempts on a further candidate after a failure.";
+    PROXY_MIGRATIONS:             kvroute_proxy_migrations_total               Counter   NONE "Requests moved to another rank after their worker failed them mid-way (a stream continued from what was generated, a whole answer asked again); --migration-limit per request.";
+    PROXY_MIGRATIONS_FAILED:      kvroute_proxy_migrations_failed_total        Counter   NONE "Requests whose worker failed them mid-way and that could not be moved on (limit reached, time spent, not continuable, or no other rank answered): the client got the error.";
     PROXY_OVERLOADED:             kvroute_proxy_overloaded_total               Counter   NONE "Requests refused because every candidate was busy.";
     PROXY_QUEUED:                 kvroute_proxy_queued_total                   Counter   NONE "Requests that waited in the overload queue.";
     PROXY_QUEUE_TIMEOUTS:         kvroute_proxy_queue_timeouts_total           Counter   NONE "Queued requests refused when their wait ran out.";

@@ -29,6 +29,10 @@ pub struct ProxyMetrics {
     pub upstream_errors: Counter,
     /// [`PROXY_RETRIES`].
     pub retries: Counter,
+    /// [`PROXY_MIGRATIONS`].
+    pub migrations: Counter,
+    /// [`PROXY_MIGRATIONS_FAILED`].
+    pub migrations_failed: Counter,
     /// [`PROXY_OVERLOADED`].
     pub overloaded: Counter,
     /// [`PROXY_QUEUED`].
@@ -82,6 +86,8 @@ impl Default for ProxyMetrics {
             bad_requests: Counter::default(),
             upstream_errors: Counter::default(),
             retries: Counter::default(),
+            migrations: Counter::default(),
+            migrations_failed: Counter::default(),
             overloaded: Counter::default(),
             queued: Counter::default(),
             queue_timeouts: Counter::default(),
@@ -151,6 +157,8 @@ impl ProxyMetrics {
             (PROXY_BAD_REQUESTS, &self.bad_requests),
             (PROXY_UPSTREAM_ERRORS, &self.upstream_errors),
             (PROXY_RETRIES, &self.retries),
+            (PROXY_MIGRATIONS, &self.migrations),
+            (PROXY_MIGRATIONS_FAILED, &self.migrations_failed),
             (PROXY_OVERLOADED, &self.overloaded),
             (PROXY_QUEUED, &self.queued),
             (PROXY_QUEUE_TIMEOUTS, &self.queue_timeouts),

@@ -25,6 +25,7 @@ use kvroute_core::index::WorkerRank;
 use kvroute_core::scheduler::Scored;
 
 use super::answer::{self, UpTo};
+use super::migrate::{Migration, Upstream};
 use super::outcome::{self, Ending, Next};
 use super::relay::{reported_cached_tokens, Passthrough, StreamOrigin};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
@@ -112,6 +113,7 @@ pub async fn forward(
     request: Request<'_>,
 ) -> Result<Response, ProxyError> {
     let (candidates, ordered, mut first) = admitted.into_parts();
+    let mut migration = Migration::of(proxy, &request);
     let Request {
         req,
         headers,
@@ -160,7 +162,20 @@ pub async fn forward(
                 last_error = message;
                 continue;
             }
-            Sent::Failed(error) => return Err(error),
+            Sent::Failed(error) => {
+                // Lost before its answer: asked again whole elsewhere, once.
+                let worker = &target.name;
+                match migration
+                    .as_mut()
+                    .map(|m| m.ask_again(worker, &error.message()))
+                {
+                    Some(Ok(())) => {
+                        last_error = error.message();
+                        continue;
+                    }
+                    _ => return Err(error),
+                }
+            }
         };
         admission::remember_for_approx(&proxy.router, s, &locals);
         let chosen = admission::Chosen {
@@ -180,8 +195,18 @@ pub async fn forward(
             arrived,
             predict: true,
             endpoint,
+            migration: migration.take(),
         };
-        return respond(proxy, req, s, target, resp, relay).await;
+        match respond(proxy, req, s, target, resp, relay).await? {
+            Responded::Answer(answer) => return Ok(answer),
+            Responded::AskAgain {
+                migration: m,
+                error,
+            } => {
+                migration = Some(*m);
+                last_error = error.to_string();
+            }
+        }
     }
     Err(ProxyError::UpstreamUnreachable(last_error))
 }
@@ -220,6 +245,9 @@ pub(super) struct Relay<'a> {
     /// The endpoint the request came in on (its stream's conventions, and
     /// whether the answer names a response to remember).
     pub endpoint: Endpoint,
+    /// Where a stream cut off by its worker may go on ([`super::migrate`];
+    /// `None`: it may not).
+    pub migration: Option<Migration>,
 }
 
 /// How sending one attempt ended, as the retry rule sorted it.
@@ -252,10 +280,34 @@ pub(super) async fn send(
     headers: &HeaderMap,
     request_id: &str,
 ) -> Sent {
+    let timeout = proxy.router.config().request_timeout;
+    send_within(proxy, target, (endpoint, out, headers), request_id, timeout).await
+}
+
+/// The client's headers that go on to the worker ([`FORWARDED_HEADERS`]).
+pub(super) fn forwarded_headers(headers: &HeaderMap) -> HeaderMap {
+    let mut kept = HeaderMap::new();
+    for name in FORWARDED_HEADERS {
+        if let Some(value) = headers.get(name) {
+            kept.insert(name, value.clone());
+        }
+    }
+    kept
+}
+
+/// [`send`] with `timeout` for the whole answer (a migrated request's
+/// continuation has what is left of the request's time).
+pub(super) async fn send_within(
+    proxy: &Proxy,
+    target: &Target,
+    (endpoint, out, headers): (Endpoint, Outgoing, &HeaderMap),
+    request_id: &str,
+    timeout: std::time::Duration,
+) -> Sent {
     let mut upstream = proxy
         .client
         .post(format!("{}{}", target.url, endpoint.path()))
-        .timeout(proxy.router.config().request_timeout)
+        .timeout(timeout)
         .header(header::CONTENT_TYPE, "application/json")
         .header(REQUEST_ID, request_id)
         .body(out.payload);
@@ -270,6 +322,7 @@ pub(super) async fn send(
     let sent = upstream.send().await;
     let ending = match &sent {
         Err(e) if e.is_connect() => Ending::NotConnected,
+        Err(e) if e.is_timeout() => Ending::OutOfTime { flowing: false },
         Err(_) => Ending::LostBeforeAnswer,
         Ok(resp) => Ending::Head(resp.status()),
     };
@@ -294,6 +347,32 @@ pub(super) async fn send(
     }
 }
 
+/// What [`respond`] made of a worker's answer.
+pub(super) enum Responded {
+    /// The client's response.
+    Answer(Response),
+    /// A whole answer was cut off and the request may be asked again whole
+    /// elsewhere ([`Migration::ask_again`] allowed it); `error` is what the
+    /// client gets if no other worker answers.
+    AskAgain {
+        /// The request's migration, one move further.
+        migration: Box<Migration>,
+        /// The cut-off answer's error.
+        error: ProxyError,
+    },
+}
+
+impl Responded {
+    /// The client's response, for a caller that never passes a migration
+    /// (an asked-again answer is then its error).
+    pub(super) fn answer(self) -> Result<Response, ProxyError> {
+        match self {
+            Responded::Answer(answer) => Ok(answer),
+            Responded::AskAgain { error, .. } => Err(error),
+        }
+    }
+}
+
 /// The client's response from the worker's: streams relayed as they come,
 /// whole bodies read, and in both the engine's `cached_tokens` compared
 /// with the prediction.
@@ -304,7 +383,7 @@ pub(super) async fn respond(
     target: &Target,
     resp: reqwest::Response,
     relay: Relay<'_>,
-) -> Result<Response, ProxyError> {
+) -> Result<Responded, ProxyError> {
     let Relay {
         guard,
         added_usage,
@@ -313,6 +392,7 @@ pub(super) async fn respond(
         arrived,
         predict,
         endpoint,
+        migration,
     } = relay;
     let status = resp.status();
     // A continuation's prompt holds turns the router never saw.
@@ -343,8 +423,11 @@ pub(super) async fn respond(
     let remember = remembers.then_some((s.key, req.owner));
     let body = if req.body.stream || sse {
         let strip = added_usage && status.is_success();
-        let stream = Box::pin(resp.bytes_stream());
-        let relayed = Passthrough::new(stream, guard, prediction, strip, (origin, arrived));
+        let stream: Upstream = Box::pin(resp.bytes_stream());
+        let mut relayed = Passthrough::new(stream, guard, prediction, strip, (origin, arrived));
+        if let Some(m) = migration.filter(|_| status.is_success() && sse) {
+            relayed = relayed.migrating(m);
+        }
         relayed_body(relayed, remember)
     } else {
         let cap = proxy.router.config().max_answer_bytes;
@@ -352,10 +435,12 @@ pub(super) async fn respond(
             Ok(UpTo::Over(read, rest)) => {
                 // Too long to hold: passed on as it comes, unread.
                 let head = futures_util::stream::once(async move { Ok(read) });
-                let stream = Box::pin(head.chain(rest.bytes_stream()));
+                let stream: Upstream = Box::pin(head.chain(rest.bytes_stream()));
                 let relayed = Passthrough::new(stream, guard, None, false, (origin, arrived));
                 let built = builder.body(relayed_body(relayed, remember));
-                return built.map_err(|e| ProxyError::internal(e.to_string()));
+                return built
+                    .map(Responded::Answer)
+                    .map_err(|e| ProxyError::internal(e.to_string()));
             }
             Ok(UpTo::Whole(bytes)) => Ok(bytes),
             Err(e) => Err(e),
@@ -374,7 +459,18 @@ pub(super) async fn respond(
                     .error()
                     .unwrap_or(ErrorKind::UpstreamIncomplete);
                 let detail = format!("reading the answer: {}", error_chain(&e));
-                return Err(ProxyError::lost(kind, &target.name, request_id, detail));
+                let error = ProxyError::lost(kind, &target.name, request_id, detail);
+                // A whole answer cut off is asked again whole elsewhere.
+                let Some(mut m) = migration else {
+                    return Err(error);
+                };
+                return match m.ask_again(&target.name, &error.to_string()) {
+                    Ok(()) => Ok(Responded::AskAgain {
+                        migration: Box::new(m),
+                        error,
+                    }),
+                    Err(_) => Err(error),
+                };
             }
         };
         drop(guard);
@@ -390,15 +486,13 @@ pub(super) async fn respond(
     };
     builder
         .body(body)
+        .map(Responded::Answer)
         .map_err(|e| ProxyError::internal(e.to_string()))
 }
 
 /// The client's body relaying `relayed`, which remembers the response it
 /// names as produced by `remember`'s rank for its owner, if given.
-fn relayed_body<S>(relayed: Passthrough<S>, remember: Option<(WorkerRank, [u8; 32])>) -> Body
-where
-    S: futures_util::Stream<Item = Result<Bytes, reqwest::Error>> + Unpin + Send + 'static,
-{
+fn relayed_body(relayed: Passthrough, remember: Option<(WorkerRank, [u8; 32])>) -> Body {
     match remember {
         Some((rank, owner)) => Body::from_stream(relayed.remembering_response(rank, owner)),
         None => Body::from_stream(relayed),

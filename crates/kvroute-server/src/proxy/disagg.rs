@@ -313,8 +313,11 @@ async fn relay_decode(
         arrived: request.arrived,
         predict: false,
         endpoint: request.endpoint,
+        migration: None,
     };
-    attempt::respond(proxy, request.req, s, target, resp, relay).await
+    attempt::respond(proxy, request.req, s, target, resp, relay)
+        .await?
+        .answer()
 }
 
 /// Puts the decision in the dashboard's ring.
@@ -440,9 +443,12 @@ async fn sglang(
         arrived: request.arrived,
         predict: false,
         endpoint: request.endpoint,
+        migration: None,
     };
     let s = &candidates.scored[decode];
-    attempt::respond(proxy, request.req, s, decode_target, decode_resp, relay).await
+    attempt::respond(proxy, request.req, s, decode_target, decode_resp, relay)
+        .await?
+        .answer()
 }
 
 /// The target of candidate `p`, its attempt begun: an error when its

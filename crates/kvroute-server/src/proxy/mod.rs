@@ -24,6 +24,7 @@ pub mod attempt;
 pub mod disagg;
 pub mod handoff;
 pub mod merge;
+pub mod migrate;
 pub mod outcome;
 pub mod relay;
 pub mod rewrite;

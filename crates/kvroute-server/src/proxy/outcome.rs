@@ -2,22 +2,30 @@
 //! request moves on to the next candidate, what the worker's circuit breaker
 //! records, what the client is told and what is counted.
 //!
-//! A request moves on only when it provably did not reach the worker, or
-//! the worker refused it before doing any work. A worker that took the
-//! request and then failed may have failed *because of* it, so the request
-//! is never sent to another worker, which it could take down too: the
-//! client gets a 502 naming the request id, and the worker's breaker opens.
-//! A worker's success is recorded only once its whole answer has arrived.
+//! A request moves on as a retry only when it provably did not reach the
+//! worker, or the worker refused it before doing any work. A worker that
+//! took the request and then failed gets its breaker opened; the request
+//! is then *migrated* ([`super::migrate`]): a stream is continued on
+//! another rank from what it had generated, a whole answer is asked again
+//! elsewhere — at most `--migration-limit` times, never on a worker that
+//! failed it, within the request's time. Only when that cannot be done does
+//! the client get the rule's error below, naming the request id. Running
+//! out of `--request-timeout-secs` is never migrated (the request's time is
+//! spent), and a stream still bringing tokens when it runs out is a long
+//! answer, not a failing worker: its breaker records nothing. A worker's
+//! success is recorded only once its whole answer has arrived.
 //!
 //! | the attempt… | kvroute | the worker's breaker | `kvroute_proxy_upstream_errors_total` |
 //! | --- | --- | --- | --- |
 //! | could not connect (refused, or `--connect-timeout-ms` passed) | next candidate (after the last: 502 `upstream_unreachable`) | one failure | +1 |
 //! | got 503 or 429 | next candidate (after the last: 502 `upstream_unreachable`) | one failure | +1 |
-//! | was sent, then the connection dropped or timed out before an answer | 502 `upstream_failed` naming the request id; no other worker | opens at once | +1 |
+//! | was sent, then the connection dropped before an answer | migrates the request to another worker; when it cannot, 502 `upstream_failed` naming the request id | opens at once | +1 |
 //! | got any other status | relays the answer | waits for the answer's end | - |
-//! | had its answer cut off after the head (body or stream) | 502 `upstream_incomplete` naming the request id; no other worker | opens at once | +1 |
+//! | had its answer cut off after the head (body or stream) | migrates the request to another worker; when it cannot, 502 `upstream_incomplete` naming the request id | opens at once | +1 |
 //! | got its whole answer, a 5xx | done: the worker's answer was the client's | one failure | +1 |
 //! | got its whole answer, any other status | done: the worker's answer was the client's | closes (a success) | - |
+//! | ran out of `--request-timeout-secs` before any answer | 502 `upstream_failed` naming the request id; no other worker | one failure | +1 |
+//! | ran out of `--request-timeout-secs` while its stream was flowing | 502 `upstream_incomplete` naming the request id; no other worker | nothing (the worker was working) | - |
 //!
 //! A stream cut off after its head has been relayed cannot become a 502:
 //! an SSE stream ends with a last `data: {"error": …}` event of that error
@@ -46,6 +54,12 @@ pub enum Ending {
     CutOff,
     /// The whole answer arrived, with this status.
     Complete(StatusCode),
+    /// `--request-timeout-secs` ran out; `flowing`: its stream was still
+    /// bringing tokens (a long answer, not a failing worker).
+    OutOfTime {
+        /// The stream had brought part of the answer.
+        flowing: bool,
+    },
 }
 
 /// What the proxy does after an attempt ended so.
@@ -83,6 +97,8 @@ pub enum BreakerOutcome {
     Failure,
     /// The breaker opens at once.
     Trip,
+    /// Nothing: the worker was doing the work asked of it.
+    Untouched,
 }
 
 /// The rule's answer for one [`Ending`].
@@ -117,6 +133,16 @@ pub fn verdict(ending: Ending) -> Verdict {
             (Next::Done, BreakerOutcome::Failure, true)
         }
         Ending::Complete(_) => (Next::Done, BreakerOutcome::Success, false),
+        Ending::OutOfTime { flowing: false } => (
+            Next::Fail(ErrorKind::UpstreamFailed),
+            BreakerOutcome::Failure,
+            true,
+        ),
+        Ending::OutOfTime { flowing: true } => (
+            Next::Fail(ErrorKind::UpstreamIncomplete),
+            BreakerOutcome::Untouched,
+            false,
+        ),
     };
     Verdict {
         next,
@@ -142,7 +168,7 @@ pub fn settle(router: &Router, worker: &str, ending: Ending, request_id: &str) -
         router.metrics.upstream_errors.inc();
     }
     match v.breaker {
-        BreakerOutcome::Pending => {}
+        BreakerOutcome::Pending | BreakerOutcome::Untouched => {}
         BreakerOutcome::Success => router.breakers().record_outcome(worker, true),
         BreakerOutcome::Failure => router.breakers().record_outcome(worker, false),
         BreakerOutcome::Trip => router.breakers().trip(worker),
@@ -153,7 +179,7 @@ pub fn settle(router: &Router, worker: &str, ending: Ending, request_id: &str) -
             request_id,
             ?ending,
             error = kind.label(),
-            "the worker failed a request it had taken; not sent to another worker"
+            "the worker failed a request it had taken"
         ),
         Next::Retry => debug!(worker, request_id, ?ending, "trying the next candidate"),
         Next::Relay | Next::Done => {}
@@ -201,7 +227,7 @@ mod tests {
         },
         Row {
             endings: &[Ending::LostBeforeAnswer],
-            attempt: "was sent, then the connection dropped or timed out before an answer",
+            attempt: "was sent, then the connection dropped before an answer",
             expected: v(FAILED, BreakerOutcome::Trip, true),
         },
         Row {
@@ -237,13 +263,33 @@ mod tests {
             attempt: "got its whole answer, any other status",
             expected: v(Next::Done, BreakerOutcome::Success, false),
         },
+        Row {
+            endings: &[Ending::OutOfTime { flowing: false }],
+            attempt: "ran out of `--request-timeout-secs` before any answer",
+            expected: v(FAILED, BreakerOutcome::Failure, true),
+        },
+        Row {
+            endings: &[Ending::OutOfTime { flowing: true }],
+            attempt: "ran out of `--request-timeout-secs` while its stream was flowing",
+            expected: v(INCOMPLETE, BreakerOutcome::Untouched, false),
+        },
     ];
 
     /// How the docs say what the proxy does.
-    fn next_text(next: Next) -> String {
+    /// A worker that took the request and then failed is migrated from;
+    /// running out of the request's time is not.
+    fn next_text(next: Next, endings: &[Ending]) -> String {
+        let migrates = endings
+            .iter()
+            .any(|e| matches!(e, Ending::LostBeforeAnswer | Ending::CutOff));
         match next {
             Next::Retry => "next candidate (after the last: 502 `upstream_unreachable`)".into(),
             Next::Relay => "relays the answer".into(),
+            Next::Fail(kind) if migrates => format!(
+                "migrates the request to another worker; when it cannot, {} `{}` naming the request id",
+                kind.status().as_u16(),
+                kind.openai_type()
+            ),
             Next::Fail(kind) => format!(
                 "{} `{}` naming the request id; no other worker",
                 kind.status().as_u16(),
@@ -260,6 +306,7 @@ mod tests {
             BreakerOutcome::Success => "closes (a success)",
             BreakerOutcome::Failure => "one failure",
             BreakerOutcome::Trip => "opens at once",
+            BreakerOutcome::Untouched => "nothing (the worker was working)",
         }
     }
 
@@ -275,7 +322,7 @@ mod tests {
             out.push_str(&format!(
                 "| {} | {} | {} | {counted} |\n",
                 row.attempt,
-                next_text(v.next),
+                next_text(v.next, row.endings),
                 breaker_text(v.breaker)
             ));
         }
@@ -298,6 +345,14 @@ mod tests {
         assert!(covered(|e| matches!(e, Ending::LostBeforeAnswer)));
         assert!(covered(|e| matches!(e, Ending::Head(_))));
         assert!(covered(|e| matches!(e, Ending::CutOff)));
+        assert!(covered(|e| matches!(
+            e,
+            Ending::OutOfTime { flowing: true }
+        )));
+        assert!(covered(|e| matches!(
+            e,
+            Ending::OutOfTime { flowing: false }
+        )));
         assert!(covered(|e| matches!(e, Ending::Complete(_))));
     }
 

@@ -17,6 +17,7 @@ use serde_json::Value;
 
 use kvroute_core::index::WorkerRank;
 
+use super::migrate::{Leg, Migration, PendingLeg, Step, Upstream};
 use super::outcome::{self, Ending};
 use crate::api::{error_chain, ErrorKind, ProxyError};
 use crate::dialect::Dialect;
@@ -206,8 +207,8 @@ pub struct StreamOrigin {
 }
 
 /// The upstream body, passed through chunk by chunk; holds the active entry.
-pub struct Passthrough<S> {
-    inner: S,
+pub struct Passthrough {
+    inner: Upstream,
     guard: Option<ActiveGuard>,
     first: bool,
     prediction: Option<Prediction>,
@@ -227,15 +228,19 @@ pub struct Passthrough<S> {
     /// A Responses API stream: finds its response id, to remember which
     /// rank produced it.
     response: Option<(ResponseIdScanner, WorkerRank, [u8; 32])>,
+    /// Where the stream goes on if its worker cuts it off.
+    migration: Option<Box<Migration>>,
+    /// A continuation being placed and sent.
+    pending: Option<PendingLeg>,
 }
 
-impl<S> Passthrough<S> {
+impl Passthrough {
     /// Relays `inner`, holding `guard` until it ends; compares `prediction`
     /// with the engine's `cached_tokens`; removes the usage-only chunk when
     /// `strip_usage` (the client did not ask for it). If the worker fails
     /// mid-stream, an SSE stream ends with an `error` event and `[DONE]`.
     pub fn new(
-        inner: S,
+        inner: Upstream,
         guard: ActiveGuard,
         prediction: Option<Prediction>,
         strip_usage: bool,
@@ -255,7 +260,16 @@ impl<S> Passthrough<S> {
             at_boundary: true,
             done: false,
             response: None,
+            migration: None,
+            pending: None,
         }
+    }
+
+    /// The same relay, continuing the answer on another rank if its
+    /// worker cuts it off ([`super::migrate`]).
+    pub fn migrating(mut self, migration: Migration) -> Self {
+        self.migration = Some(Box::new(migration));
+        self
     }
 
     /// The same relay, remembering that `rank` produced the response the
@@ -272,24 +286,81 @@ impl<S> Passthrough<S> {
         let origin = &self.origin;
         let g = self.guard.take()?;
         let router = g.router();
-        let verdict = outcome::settle(router, &origin.worker, Ending::CutOff, &origin.request_id);
+        // Out of time while tokens were coming: a long answer, not a
+        // failing worker.
+        let ending = if error.is_timeout() && !self.first {
+            Ending::OutOfTime { flowing: true }
+        } else {
+            Ending::CutOff
+        };
+        let verdict = outcome::settle(router, &origin.worker, ending, &origin.request_id);
         let kind = verdict
             .next
             .error()
             .unwrap_or(ErrorKind::UpstreamIncomplete);
         router.metrics.answered(kind);
+        self.end_with(kind, format!("mid-stream: {}", error_chain(error)))
+    }
+
+    /// The client's last event for an answer lost with `kind` (an SSE
+    /// stream's error event and `[DONE]`; nothing for other streams).
+    fn end_with(&self, kind: ErrorKind, detail: String) -> Option<Bytes> {
+        let origin = &self.origin;
         if !origin.sse {
             return None;
         }
-        let detail = format!("mid-stream: {}", error_chain(error));
         let lost = ProxyError::lost(kind, &origin.worker, &origin.request_id, detail);
         Some(Bytes::from(
             lost.stream_end(origin.dialect, self.at_boundary),
         ))
     }
+
+    /// The worker cut the stream off with `error`: the migration's next
+    /// step, the failed worker's breaker opened and its load released;
+    /// `None` when the stream does not move (then [`Passthrough::failed`]).
+    fn migrate(&mut self, error: &reqwest::Error) -> Option<Step> {
+        if error.is_timeout() {
+            return None;
+        }
+        let m = self.migration.as_mut()?;
+        let worker = self.origin.worker.clone();
+        let step = m.after_failure(&worker, &error_chain(error)).ok()?;
+        let proxy = m.proxy().clone();
+        outcome::settle(
+            &proxy.router,
+            &worker,
+            Ending::CutOff,
+            &self.origin.request_id,
+        );
+        self.guard = None;
+        self.prediction = None;
+        Some(step)
+    }
+
+    /// A continuation answered (`Ok`: relay it from now on) or could not
+    /// be had (`Err`: the client's stream ends with the error).
+    fn resumed(&mut self, leg: Result<Leg, String>) -> Option<Bytes> {
+        match leg {
+            Ok(leg) => {
+                self.inner = leg.stream;
+                self.guard = Some(leg.guard);
+                self.origin.worker = leg.worker;
+                None
+            }
+            Err(why) => {
+                self.done = true;
+                let proxy = self.migration.as_ref()?.proxy().clone();
+                let kind = ErrorKind::UpstreamIncomplete;
+                proxy.router.metrics.migrations_failed.inc();
+                proxy.router.metrics.answered(kind);
+                let detail = format!("mid-stream, and no other rank continued it: {why}");
+                self.end_with(kind, detail)
+            }
+        }
+    }
 }
 
-impl<S> Passthrough<S> {
+impl Passthrough {
     fn report(&mut self, reported: Option<Usage>) {
         let Some(usage) = reported else {
             return;
@@ -321,17 +392,17 @@ impl<S> Passthrough<S> {
         let origin = &self.origin;
         let ending = Ending::Complete(origin.status);
         outcome::settle(g.router(), &origin.worker, ending, &origin.request_id);
-        if let (Some(first), Some(tokens)) = (self.first_chunk, self.completion_tokens) {
+        let moved = self.migration.as_ref().is_some_and(|m| m.moves() > 0);
+        if let (Some(first), Some(tokens), false) =
+            (self.first_chunk, self.completion_tokens, moved)
+        {
             g.decoded(first.elapsed(), self.load_at_first, tokens);
         }
         g.router().timed(self.arrived, self.first_chunk);
     }
 }
 
-impl<S> Stream for Passthrough<S>
-where
-    S: Stream<Item = Result<Bytes, reqwest::Error>> + Unpin,
-{
+impl Stream for Passthrough {
     type Item = Result<Bytes, reqwest::Error>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
@@ -340,6 +411,19 @@ where
             return Poll::Ready(None);
         }
         loop {
+            if let Some(pending) = &mut this.pending {
+                let Poll::Ready(leg) = pending.as_mut().poll(cx) else {
+                    return Poll::Pending;
+                };
+                this.pending = None;
+                if let Some(last) = this.resumed(leg) {
+                    return Poll::Ready(Some(Ok(last)));
+                }
+                if this.done {
+                    return Poll::Ready(None);
+                }
+                continue;
+            }
             match Pin::new(&mut this.inner).poll_next(cx) {
                 Poll::Ready(Some(Ok(chunk))) => {
                     if this.first {
@@ -349,6 +433,10 @@ where
                             this.load_at_first = g.prefill_done();
                         }
                     }
+                    let chunk = match &mut this.migration {
+                        Some(m) => m.pass(chunk),
+                        None => chunk,
+                    };
                     let (out, reported) = match &mut this.strip {
                         Some(strip) => {
                             let (out, reported) = strip.feed(&chunk);
@@ -371,10 +459,21 @@ where
                     this.at_boundary = out.ends_with(b"\n\n") || out.ends_with(b"\r\n\r\n");
                     return Poll::Ready(Some(Ok(out)));
                 }
-                Poll::Ready(Some(Err(e))) => {
-                    this.done = true;
-                    return Poll::Ready(this.failed(&e).map(Ok));
-                }
+                Poll::Ready(Some(Err(e))) => match this.migrate(&e) {
+                    Some(Step::Resume(leg)) => this.pending = Some(leg),
+                    Some(Step::Finished) => {
+                        this.done = true;
+                        let done = this
+                            .origin
+                            .sse
+                            .then_some(Bytes::from_static(b"data: [DONE]\n\n"));
+                        return Poll::Ready(done.map(Ok));
+                    }
+                    None => {
+                        this.done = true;
+                        return Poll::Ready(this.failed(&e).map(Ok));
+                    }
+                },
                 Poll::Ready(None) => {
                     this.ended();
                     this.done = true;

@@ -352,5 +352,6 @@ pub(crate) fn decision(
         load_only,
         candidates: views,
         disagg: None,
+        migrated: None,
     }
 }

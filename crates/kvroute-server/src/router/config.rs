@@ -31,6 +31,9 @@ pub struct ProxyConfig {
     pub request_timeout: Duration,
     /// Time allowed to connect to a worker.
     pub connect_timeout: Duration,
+    /// How many times one request may be moved to another rank after its
+    /// worker failed it mid-way ([`crate::proxy::migrate`]); 0: never.
+    pub migration_limit: u32,
     /// Consecutive failures that open a worker's circuit breaker.
     pub breaker_failures: u32,
     /// How long an open breaker keeps the worker out.
@@ -103,6 +106,7 @@ impl Default for ProxyConfig {
             max_attempts: 3,
             request_timeout: Duration::from_secs(600),
             connect_timeout: Duration::from_secs(2),
+            migration_limit: 3,
             breaker_failures: 3,
             breaker_open: Duration::from_secs(10),
             active_expiry: Duration::from_secs(600),

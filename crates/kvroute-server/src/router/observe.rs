@@ -98,6 +98,9 @@ pub struct Decision {
     pub candidates: Vec<CandidateView>,
     /// In a disaggregated fleet: where each phase went and why.
     pub disagg: Option<String>,
+    /// A migrated request's continuation: from which worker, after what,
+    /// and why it moved.
+    pub migrated: Option<String>,
 }
 
 impl Decision {
@@ -116,6 +119,9 @@ impl Decision {
         }
         if let Some(disagg) = &self.disagg {
             reason = format!("{disagg}; decode rank: {reason}");
+        }
+        if let Some(migrated) = &self.migrated {
+            reason = format!("{migrated}; the continuation: {reason}");
         }
         reason
     }
@@ -299,6 +305,7 @@ mod tests {
                 overloaded: false,
             }],
             disagg: None,
+            migrated: None,
         }
     }
 

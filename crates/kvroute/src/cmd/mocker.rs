@@ -105,6 +105,10 @@ pub struct MockerArgs {
     /// Fraction of completion requests answered 500.
     #[arg(long, value_name = "F", default_value_t = 0.0)]
     fail_rate: f64,
+    /// Fraction of streamed answers cut off after half their tokens (the
+    /// connection closes mid-body, as when an engine dies).
+    #[arg(long, value_name = "F", default_value_t = 0.0)]
+    cut_streams: f64,
     /// Batch timestamps = SECONDS + the engine's simulated time, so runs with the
     /// same requests publish byte-identical payloads (default: the wall clock).
     #[arg(long, value_name = "SECONDS")]
@@ -180,6 +184,7 @@ impl MockerArgs {
                 restart_every,
                 delay: Duration::from_millis(self.delay_ms),
                 fail_rate: self.fail_rate,
+                cut_streams: self.cut_streams,
             },
             ts_source: match self.ts_start {
                 Some(start) => TsSource::Simulated { start },

@@ -155,6 +155,12 @@ pub struct ServeArgs {
     /// never reached a worker or the worker refused it with 503 or 429.
     #[arg(long, default_value_t = u32::try_from(ProxyConfig::default().max_attempts).unwrap_or(u32::MAX), value_parser = clap::value_parser!(u32).range(1..), env = "KVROUTE_MAX_ATTEMPTS")]
     max_attempts: u32,
+    /// Times one request may be moved to another rank after its worker
+    /// failed it mid-way (a stream continued from what it had generated, a
+    /// whole answer asked again elsewhere); 0: never. A request opts out with
+    /// the header `x-kvroute-migrate: 0`.
+    #[arg(long, default_value_t = ProxyConfig::default().migration_limit, env = "KVROUTE_MIGRATION_LIMIT")]
+    migration_limit: u32,
     /// Seconds allowed for a whole upstream request, streaming included.
     #[arg(long, default_value_t = ProxyConfig::default().request_timeout.as_secs(), env = "KVROUTE_REQUEST_TIMEOUT_SECS")]
     request_timeout_secs: u64,
@@ -505,6 +511,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         max_attempts: args.max_attempts as usize,
         request_timeout: Duration::from_secs(args.request_timeout_secs),
         connect_timeout: Duration::from_millis(args.connect_timeout_ms),
+        migration_limit: args.migration_limit,
         breaker_failures: args.breaker_failures,
         breaker_open: Duration::from_secs(args.breaker_open_secs),
         active_expiry: Duration::from_secs(args.active_expiry_secs),
@@ -644,6 +651,7 @@ mod tests {
         assert_eq!(p.max_attempts, q.max_attempts);
         assert_eq!(p.request_timeout, q.request_timeout);
         assert_eq!(p.connect_timeout, q.connect_timeout);
+        assert_eq!(p.migration_limit, q.migration_limit);
         assert_eq!(p.breaker_failures, q.breaker_failures);
         assert_eq!(p.breaker_open, q.breaker_open);
         assert_eq!(p.active_expiry, q.active_expiry);
@@ -696,6 +704,7 @@ mod tests {
                 millis(d.proxy.connect_timeout).to_string(),
             ),
             ("breaker-failures", d.proxy.breaker_failures.to_string()),
+            ("migration-limit", d.proxy.migration_limit.to_string()),
             ("breaker-open-secs", secs(d.proxy.breaker_open)),
             (
                 "queue-timeout-ms",

@@ -17,6 +17,7 @@ mod hostile;
 mod ingest;
 mod inspect;
 mod metrics;
+mod migration;
 mod mocker;
 mod models;
 mod multimodal;

@@ -495,9 +495,9 @@ fn dropping_worker() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>)
     (addr, taken)
 }
 
-/// A request a worker took and then dropped the connection on is not sent
-/// to another worker: the client gets a 502 naming the request, and the
-/// worker's breaker opens at once.
+/// With migration off (`--migration-limit 0`), a request a worker took and
+/// then dropped the connection on is not sent to another worker: the client
+/// gets a 502 naming the request, and the worker's breaker opens at once.
 #[test]
 fn a_request_a_worker_took_and_dropped_is_not_sent_to_another() {
     let (_mocker, lines) = start_mocker(1, "100");
@@ -509,7 +509,14 @@ fn a_request_a_worker_took_and_dropped_is_not_sent_to_another() {
     );
     let (_serve, serve) = spawn_serve(
         &[lines[0].clone(), fake_line],
-        &["--policy", "round-robin", "--breaker-failures", "5"],
+        &[
+            "--policy",
+            "round-robin",
+            "--breaker-failures",
+            "5",
+            "--migration-limit",
+            "0",
+        ],
     );
     eventually("serve answers", || {
         request(&serve, "GET", "/health", "").status == 200
@@ -625,7 +632,7 @@ fn cutting_worker(sse: bool) -> (String, Taken) {
 
 /// A router in front of a mocker engine `w0` and a [`cutting_worker`]
 /// `fake`, taking turns (round-robin) while neither's breaker is open.
-fn serve_with_cutting_worker(sse: bool) -> (Proc, Proc, String, Taken) {
+fn serve_with_cutting_worker(sse: bool, extra: &[&str]) -> (Proc, Proc, String, Taken) {
     let (mocker, lines) = start_mocker(1, "100");
     let (fake, taken) = cutting_worker(sse);
     let dead_events = format!("tcp://127.0.0.1:{}", free_port());
@@ -633,10 +640,9 @@ fn serve_with_cutting_worker(sse: bool) -> (Proc, Proc, String, Taken) {
     let fake_line = format!(
         "name=fake,url=http://{fake},events={dead_events},dp=1,block_size=16,model=mock-model"
     );
-    let (serve_proc, serve) = spawn_serve(
-        &[lines[0].clone(), fake_line],
-        &["--policy", "round-robin", "--breaker-failures", "5"],
-    );
+    let mut flags = vec!["--policy", "round-robin", "--breaker-failures", "5"];
+    flags.extend_from_slice(extra);
+    let (serve_proc, serve) = spawn_serve(&[lines[0].clone(), fake_line], &flags);
     eventually("serve answers", || {
         request(&serve, "GET", "/health", "").status == 200
     });
@@ -675,13 +681,14 @@ fn assert_breaker_open_and_counted(
     );
 }
 
-/// A worker that answers 200 and then cuts its body off: the client gets a
-/// 502 naming its request, the request goes to no other worker, the
+/// With migration off, a worker that answers 200 and then cuts its body
+/// off: the client gets a 502 naming its request, the request goes to no other worker, the
 /// worker's breaker opens, and the answer counts as an upstream failure,
 /// not a success.
 #[test]
 fn an_answer_a_worker_cut_off_is_a_502_and_opens_its_breaker() {
-    let (_mocker, _serve, serve, taken) = serve_with_cutting_worker(false);
+    let (_mocker, _serve, serve, taken) =
+        serve_with_cutting_worker(false, &["--migration-limit", "0"]);
     let body = json!({"model": "mock-model", "prompt": [9, 9, 9], "max_tokens": 1}).to_string();
     let replies: Vec<Reply> = (0..2)
         .map(|_| request(&serve, "POST", "/v1/completions", &body))
@@ -706,13 +713,14 @@ fn an_answer_a_worker_cut_off_is_a_502_and_opens_its_breaker() {
     );
 }
 
-/// A worker that cuts its stream off after the first event: the client's
-/// stream ends with an `upstream_incomplete` error event naming its request
+/// With migration off, a worker that cuts its stream off after the first
+/// event: the client's stream ends with an `upstream_incomplete` error event naming its request
 /// and `[DONE]`, and the worker is treated as for a cut-off body (breaker
 /// open, one upstream failure).
 #[test]
 fn a_stream_a_worker_cut_off_ends_with_an_error_event_and_opens_its_breaker() {
-    let (_mocker, _serve, serve, taken) = serve_with_cutting_worker(true);
+    let (_mocker, _serve, serve, taken) =
+        serve_with_cutting_worker(true, &["--migration-limit", "0"]);
     let body = json!({"model": "mock-model", "prompt": [9, 9, 9], "max_tokens": 1, "stream": true})
         .to_string();
     let replies: Vec<Reply> = (0..2)
@@ -755,4 +763,90 @@ fn every_refusal_is_openai_error_json() {
         assert_eq!(doc["error"]["code"], r.status, "{path}: {doc}");
         assert!(doc["error"]["message"].is_string(), "{path}: {doc}");
     }
+}
+
+/// With migration on (the default), each way a worker can fail a request it
+/// took — the connection dropped before an answer, a whole answer cut off,
+/// a stream cut off after its first token — ends in one whole answer from
+/// the other worker: the request migrated once, the failing worker's
+/// breaker open.
+#[test]
+fn requests_a_worker_took_and_failed_are_migrated_to_another() {
+    // Dropped before an answer: asked again whole.
+    let (_mocker, lines) = start_mocker(1, "100");
+    let (fake, taken) = dropping_worker();
+    let dead_events = format!("tcp://127.0.0.1:{}", free_port());
+    let fake_line = format!(
+        "name=fake,url=http://{fake},events={dead_events},dp=1,block_size=16,model=mock-model"
+    );
+    let flags = ["--policy", "round-robin", "--breaker-failures", "5"];
+    let (_serve, serve) = spawn_serve(&[lines[0].clone(), fake_line], &flags);
+    eventually("serve answers", || {
+        request(&serve, "GET", "/health", "").status == 200
+    });
+    let body = json!({"model": "mock-model", "prompt": [9, 9, 9], "max_tokens": 4}).to_string();
+    for _ in 0..2 {
+        let r = request(&serve, "POST", "/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-kvroute-worker").as_deref(), Some("w0"));
+    }
+    assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(count(&serve, "kvroute_proxy_migrations_total"), 1);
+
+    // A whole answer cut off: asked again whole.
+    let (_mocker, _serve, serve, taken) = serve_with_cutting_worker(false, &[]);
+    let body = json!({"model": "mock-model", "prompt": [9, 9, 9], "max_tokens": 4}).to_string();
+    for _ in 0..2 {
+        let r = request(&serve, "POST", "/v1/completions", &body);
+        assert_eq!(r.status, 200, "{}", r.body);
+        assert_eq!(r.header("x-kvroute-worker").as_deref(), Some("w0"));
+        assert_eq!(r.json()["usage"]["completion_tokens"], 4, "{}", r.body);
+    }
+    assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(count(&serve, "kvroute_proxy_migrations_total"), 1);
+
+    // A stream, continued from its first token under the same id (a text
+    // prompt: the fake sends no token ids, so an id prompt could not be
+    // continued).
+    let (_mocker, _serve, serve, taken) = serve_with_cutting_worker(true, &[]);
+    let body = json!({
+        "model": "mock-model", "prompt": "once upon a time", "max_tokens": 4, "stream": true,
+        "stream_options": {"include_usage": true},
+    })
+    .to_string();
+    let replies: Vec<Reply> = (0..2)
+        .map(|_| request(&serve, "POST", "/v1/completions", &body))
+        .collect();
+    let cut = replies
+        .iter()
+        .find(|r| r.header("x-kvroute-worker").as_deref() == Some("fake"))
+        .expect("one stream began on the cutting worker");
+    let (raw, _) = crate::support::http::dechunk(cut.body.as_bytes());
+    let events: Vec<Value> = String::from_utf8_lossy(&raw)
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).expect("JSON event"))
+        .collect();
+    assert!(
+        events.iter().all(|e| e.get("error").is_none()),
+        "{events:?}"
+    );
+    assert!(events.iter().all(|e| e["id"] == "cmpl-cut"), "{events:?}");
+    let pieces = events
+        .iter()
+        .filter(|e| {
+            e["choices"][0]["text"]
+                .as_str()
+                .is_some_and(|t| !t.is_empty())
+        })
+        .count();
+    assert_eq!(pieces, 4, "{events:?}");
+    let usage = events.iter().rev().find_map(|e| e["usage"].as_object());
+    assert_eq!(
+        usage.map(|u| u["completion_tokens"].clone()),
+        Some(json!(4))
+    );
+    assert_eq!(taken.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(count(&serve, "kvroute_proxy_migrations_total"), 1);
 }
