@@ -479,7 +479,11 @@ pub fn serve_replays_cut(
         }
         if *cut > 0 {
             *cut -= 1;
-            tracing::info!(start, left = *cut, "replay answer cut before its end marker");
+            tracing::info!(
+                start,
+                left = *cut,
+                "replay answer cut before its end marker"
+            );
             continue;
         }
         reply(router, frames, identity, &END_SEQ, &[]);
