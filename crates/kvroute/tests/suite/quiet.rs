@@ -99,11 +99,13 @@ fn last_seq(serve: &str, worker: &str) -> Option<u64> {
     rank(serve, worker, 0)["last_seq"].as_u64()
 }
 
-/// Mock engines dropping every third live batch, and a router whose
+/// Mock engines dropping every third live batch (with room for every
+/// prompt: an eviction would add batches of its own), and a router whose
 /// periodic check is an hour apart (only the early check can find a lost
 /// last batch within a test).
 fn bed(engines: usize, mocker: &[&str]) -> (Proc, Proc, String, Vec<Engine>) {
     let mut flags = vec!["--drop-every", "3", "--speedup", "100"];
+    flags.extend_from_slice(&["--num-gpu-blocks", "200000"]);
     flags.extend_from_slice(mocker);
     let (mocker, lines) = start_engines(engines, &flags);
     let env = [("KVROUTE_VERIFY_SECS", "3600")];
@@ -184,7 +186,7 @@ fn early_check_latencies(serve: &str, engine: &Engine, trials: usize, first: u32
             if seen == Some(last_live) && quiet_at.is_none() {
                 quiet_at = Some(now);
             }
-            if seen == Some(lost) {
+            if seen >= Some(lost) {
                 // Not seen at the last live batch: it came within one poll.
                 let from = quiet_at.unwrap_or(now);
                 out.push(now.duration_since(from).as_millis() as u64);
