@@ -546,7 +546,10 @@ impl Reactor {
                 continue;
             };
             match reply {
-                // Replies to an older, given-up request come before the current one's.
+                // Only while one request is out. A given-up request's late
+                // replies would come first: the same engine's batches, from
+                // no later a seq than the current request's, so the cursor
+                // takes them as the current answer's or as stale.
                 Replayed::Batch(seq, payload) if slot.ends.current() => {
                     slot.stream.replayed(seq, payload)
                 }

@@ -7,6 +7,8 @@
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use kvroute_core::rng::SplitMix64;
+
 use crate::support::engine::{counter, prompt, rank, send_to_engine};
 use crate::support::http::metric;
 use crate::support::{eventually, lines_of, start_serve_with_env, Proc};
@@ -99,24 +101,26 @@ fn last_seq(serve: &str, worker: &str) -> Option<u64> {
     rank(serve, worker, 0)["last_seq"].as_u64()
 }
 
+/// The router's periodic check an hour apart: within a test, only the
+/// early check can find a lost last batch.
+const HOURLY: &[(&str, &str)] = &[("KVROUTE_VERIFY_SECS", "3600")];
+
 /// Mock engines dropping every third live batch (with room for every
-/// prompt: an eviction would add batches of its own), and a router whose
-/// periodic check is an hour apart (only the early check can find a lost
-/// last batch within a test).
-fn bed(engines: usize, mocker: &[&str]) -> (Proc, Proc, String, Vec<Engine>) {
+/// prompt: an eviction would add batches of its own), and a router with
+/// `env`.
+fn bed(engines: usize, mocker: &[&str], env: &[(&str, &str)]) -> (Proc, Proc, String, Vec<Engine>) {
     let mut flags = vec!["--drop-every", "3", "--speedup", "100"];
     flags.extend_from_slice(&["--num-gpu-blocks", "200000"]);
     flags.extend_from_slice(mocker);
     let (mocker, lines) = start_engines(engines, &flags);
-    let env = [("KVROUTE_VERIFY_SECS", "3600")];
-    let (serve_proc, serve) = start_serve_with_env(&lines, &[], &env);
+    let (serve_proc, serve) = start_serve_with_env(&lines, &[], env);
     let engines = lines.iter().map(|l| Engine::of(l)).collect();
     (mocker, serve_proc, serve, engines)
 }
 
 #[test]
 fn a_bursts_lost_last_batch_is_found_by_the_early_check() {
-    let (_mocker, _serve_proc, serve, engines) = bed(2, &[]);
+    let (_mocker, _serve_proc, serve, engines) = bed(2, &[], HOURLY);
     let mut n = 0;
     for round in 0..2 {
         for engine in &engines {
@@ -145,7 +149,7 @@ fn a_bursts_lost_last_batch_is_found_by_the_early_check() {
 fn a_replay_that_lost_its_end_marker_does_not_stall_the_next_one() {
     // The engine's first replay answer (the router's resync on connecting)
     // comes without its end marker.
-    let (_mocker, _serve_proc, serve, engines) = bed(1, &["--cut-replay", "1"]);
+    let (_mocker, _serve_proc, serve, engines) = bed(1, &["--cut-replay", "1"], HOURLY);
     let engine = &engines[0];
     eventually("the cut replay times out", || {
         counter(&rank(&serve, &engine.name, 0), "replay_timeouts") >= 1
@@ -171,11 +175,15 @@ fn a_replay_that_lost_its_end_marker_does_not_stall_the_next_one() {
 }
 
 /// Latencies (ms) from the router applying a burst's last live batch to it
-/// applying the lost one after it, for `trials` bursts on `engine`.
+/// applying the lost one after it, for `trials` bursts on `engine`. Each
+/// burst starts after a random pause of up to 400 ms, so that bursts do not
+/// fall into step with the router's 200 ms timer.
 fn early_check_latencies(serve: &str, engine: &Engine, trials: usize, first: u32) -> Vec<u64> {
     let mut n = first;
+    let mut rng = SplitMix64::new(u64::from(first) + 7);
     let mut out = Vec::with_capacity(trials);
     while out.len() < trials {
+        std::thread::sleep(Duration::from_millis(rng.next_u64() % 400));
         let published = engine.burst_ending_on_a_drop(2, &mut n);
         let (last_live, lost) = (published - 2, published - 1);
         let mut quiet_at = None;
@@ -193,6 +201,7 @@ fn early_check_latencies(serve: &str, engine: &Engine, trials: usize, first: u32
                 break;
             }
             assert!(now < deadline, "{} never found seq {lost}", engine.name);
+            // Polled often: the figure's resolution.
             std::thread::sleep(Duration::from_millis(2));
         }
     }
@@ -212,7 +221,9 @@ fn the_early_check_latency_distribution() {
         .ok()
         .and_then(|t| t.parse().ok())
         .unwrap_or(150);
-    let (_mocker, _serve_proc, serve, engines) = bed(2, &[]);
+    // The router's default periodic check: this measures the build under
+    // test as a fleet would see it (KVROUTE_TEST_BIN: an older build).
+    let (_mocker, _serve_proc, serve, engines) = bed(2, &[], &[]);
     let mut all: Vec<u64> = std::thread::scope(|s| {
         let runs: Vec<_> = engines
             .iter()

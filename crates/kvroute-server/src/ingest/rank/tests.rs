@@ -212,7 +212,10 @@ fn a_bursts_lost_last_batch_is_looked_for_once_soon_after_the_stream_goes_quiet(
     s.replay_end(ReplayEnd::Complete);
     assert_eq!(residencies(&index), 3);
     let c = s.target().stats.counters();
-    assert_eq!((c.early_verifies, c.early_repairs, c.periodic_repairs), (1, 1, 0));
+    assert_eq!(
+        (c.early_verifies, c.early_repairs, c.periodic_repairs),
+        (1, 1, 0)
+    );
     // Once per quiet spell.
     assert!(!s.tick(now_ms() + early + 200));
     assert!(s.take_requests().is_empty());
