@@ -563,6 +563,44 @@ mod tests {
     }
 
     #[test]
+    fn cut_replays_send_their_batches_but_not_their_end_marker() {
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).expect("router");
+        router.bind("inproc://cut-replay").expect("bind");
+        let dealer = ctx.socket(zmq::DEALER).expect("dealer");
+        dealer.connect("inproc://cut-replay").expect("connect");
+        let mut s = sequencer(FaultConfig::default(), 10);
+        for _ in 0..3 {
+            s.publish(1.0, &[KvCacheEvent::AllBlocksCleared]);
+        }
+        let mut cut = 1;
+        for _ in 0..2 {
+            dealer
+                .send_multipart([&b""[..], &1u64.to_be_bytes()[..]], 0)
+                .expect("request");
+            assert!(matches!(router.poll(zmq::POLLIN, 30_000), Ok(1..)));
+            assert_eq!(
+                serve_replays_cut(&router, &s, ReplayFrames::Four, &mut cut),
+                1
+            );
+        }
+        assert_eq!(cut, 0);
+        // One connection keeps order: the first answer's end marker would
+        // come before the second answer's batches.
+        let mut seqs = Vec::new();
+        loop {
+            assert!(matches!(dealer.poll(zmq::POLLIN, 30_000), Ok(1..)));
+            let frames = dealer.recv_multipart(0).expect("reply");
+            let seq: [u8; 8] = frames[2].as_slice().try_into().expect("8 bytes");
+            if seq == END_SEQ {
+                break;
+            }
+            seqs.push(u64::from_be_bytes(seq));
+        }
+        assert_eq!(seqs, [1, 2, 1, 2]);
+    }
+
+    #[test]
     fn endpoints_use_a_wildcard_port_for_zero() {
         assert_eq!(
             endpoint("127.0.0.1".parse().expect("ip"), 0),
