@@ -19,7 +19,9 @@
 //! | a later seq | the ring no longer reaches back | apply; history incomplete |
 //!
 //! The shell asks for such a replay after every reconnect ([`StreamCursor::resync`]),
-//! every few seconds on a quiet stream ([`StreamCursor::verify`]), and the
+//! on a quiet stream ([`StreamCursor::verify`]: once soon after a burst's
+//! last batch, whose loss no later batch reveals, then every few seconds;
+//! [`quiet::QuietClock`] decides when), and the
 //! cursor asks for one itself when a live batch skips ahead (a gap) or when
 //! the first batch it ever sees is not seq 0 (a late join). While the link
 //! to the engine is down ([`StreamCursor::suspend`]) live batches wait, so a
@@ -37,7 +39,9 @@
 //! they are dropped, and the gap they leave is found and replayed later).
 //! A replay whose replies stop before the end marker, after bringing some
 //! batches, is asked again from the last one applied: a ring that sends
-//! faster than its reader reads may drop its tail. When history cannot be
+//! faster than its reader reads may drop its tail. Any replay that times out
+//! is over, its end marker taken as lost; [`ends::EndLedger`] keeps the
+//! shell from waiting for it, or taking it, late, for a later replay's. When history cannot be
 //! completed (the ring is too short, a replay failed while a gap was open,
 //! a batch could not be decoded), the cursor says so in
 //! [`StreamCursor::history`] and keeps going: the rank is *degraded*, and the
@@ -49,6 +53,12 @@
 //! counted as `invalid_seq` and dropped, so `seq + 1` never overflows.
 
 use std::collections::VecDeque;
+
+pub mod ends;
+pub mod quiet;
+
+pub use ends::EndLedger;
+pub use quiet::{QuietCheck, QuietClock};
 
 /// Why a rank's blocks were dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -319,6 +329,12 @@ impl<T> StreamCursor<T> {
     /// True while a replay request is out.
     pub fn is_replaying(&self) -> bool {
         self.replay.is_some_and(|r| r.sent)
+    }
+
+    /// True while a replay request is out and a reply (other than its end
+    /// marker) has arrived.
+    pub fn replay_answered(&self) -> bool {
+        self.replay.is_some_and(|r| r.sent && r.answered)
     }
 
     /// True while live batches wait for the link to come back.

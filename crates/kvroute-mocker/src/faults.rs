@@ -3,6 +3,7 @@
 //! | flag | effect |
 //! | --- | --- |
 //! | `--drop-every N` | live batch number N, 2N, … (seq N−1, 2N−1, …) is not sent on the PUB socket; its seq is used and it stays in the replay ring, so a subscriber sees a gap it can repair by replay |
+//! | `--cut-replay N` | the first N replay answers of each rank stop before their end marker (the batches are sent, the end marker is not), as a replay socket that dropped the tail of its answer |
 //! | `--bad-event-every N` | batch number N, 2N, … carries one extra malformed event in the middle of its events (valid msgpack, invalid event: a decoder must skip it and keep the rest) |
 //! | `--restart-every-secs S` | every S seconds each rank "restarts": in-flight requests fail with 503, the cache is emptied without events, the publisher's sockets are re-bound, seq starts again at 0 and the replay ring is emptied |
 //! | `--delay-ms MS` | every HTTP response is held back MS milliseconds |
@@ -19,6 +20,8 @@ use kvroute_core::rng::SplitMix64;
 pub struct FaultConfig {
     /// Skip every Nth live batch (`None`: never).
     pub drop_every: Option<u64>,
+    /// The first this many replay answers of each rank lack their end marker.
+    pub cut_replay: u64,
     /// Add a malformed event to every Nth batch (`None`: never).
     pub bad_event_every: Option<u64>,
     /// Restart the publisher and clear the cache this often.

@@ -276,6 +276,7 @@ impl PublisherHandle {
             ),
             events_endpoint: events_endpoint.clone(),
             replay_endpoint: replay_endpoint.clone(),
+            cuts_left: settings.faults.cut_replay,
             settings,
             stats: stats.clone(),
         };
@@ -350,6 +351,8 @@ struct Worker {
     events_endpoint: String,
     replay_endpoint: String,
     stats: Arc<PublisherStats>,
+    /// Replay answers still to be cut before their end marker.
+    cuts_left: u64,
 }
 
 impl Worker {
@@ -357,7 +360,10 @@ impl Worker {
         let mut sockets = Some(sockets);
         loop {
             if let Some(s) = &sockets {
-                self.serve_replays(&s.router);
+                let frames = self.settings.replay_frames;
+                let served =
+                    serve_replays_cut(&s.router, &self.sequencer, frames, &mut self.cuts_left);
+                self.stats.replays.fetch_add(served, Ordering::Relaxed);
             }
             match rx.recv_timeout(POLL_INTERVAL) {
                 Ok(Command::Batch { ts, events }) => {
@@ -412,12 +418,6 @@ impl Worker {
         }
         None
     }
-
-    /// Answers every replay request already waiting on the ROUTER.
-    fn serve_replays(&self, router: &zmq::Socket) {
-        let served = serve_replays(router, &self.sequencer, self.settings.replay_frames);
-        self.stats.replays.fetch_add(served, Ordering::Relaxed);
-    }
 }
 
 /// Sends one batch on the PUB socket as the engines do: `[topic, seq (8
@@ -435,6 +435,17 @@ pub fn send_live(publisher: &zmq::Socket, published: &Published, flags: i32) -> 
 /// another shape are logged and ignored. Never blocks on an empty socket.
 /// Returns the requests answered.
 pub fn serve_replays(router: &zmq::Socket, sequencer: &Sequencer, frames: ReplayFrames) -> u64 {
+    serve_replays_cut(router, sequencer, frames, &mut 0)
+}
+
+/// [`serve_replays`], except that while `cut` is above 0 an answer goes
+/// without its end marker, and `cut` goes down by one (`--cut-replay`).
+pub fn serve_replays_cut(
+    router: &zmq::Socket,
+    sequencer: &Sequencer,
+    frames: ReplayFrames,
+    cut: &mut u64,
+) -> u64 {
     let mut served = 0;
     while let Ok(n) = router.poll(zmq::POLLIN, 0) {
         if n == 0 {
@@ -465,6 +476,15 @@ pub fn serve_replays(router: &zmq::Socket, sequencer: &Sequencer, frames: Replay
         let identity = &request[0];
         for (seq, payload) in sequencer.replay_from(start) {
             reply(router, frames, identity, &seq.to_be_bytes(), payload);
+        }
+        if *cut > 0 {
+            *cut -= 1;
+            tracing::info!(
+                start,
+                left = *cut,
+                "replay answer cut before its end marker"
+            );
+            continue;
         }
         reply(router, frames, identity, &END_SEQ, &[]);
     }
@@ -540,6 +560,44 @@ mod tests {
         assert_eq!(skipped, [(1, SkipReason::InvalidField)]);
         let clean = decode_batch(&out[0].payload, &DecoderConfig::default()).expect("envelope");
         assert_eq!(clean.skipped().count(), 0);
+    }
+
+    #[test]
+    fn cut_replays_send_their_batches_but_not_their_end_marker() {
+        let ctx = zmq::Context::new();
+        let router = ctx.socket(zmq::ROUTER).expect("router");
+        router.bind("inproc://cut-replay").expect("bind");
+        let dealer = ctx.socket(zmq::DEALER).expect("dealer");
+        dealer.connect("inproc://cut-replay").expect("connect");
+        let mut s = sequencer(FaultConfig::default(), 10);
+        for _ in 0..3 {
+            s.publish(1.0, &[KvCacheEvent::AllBlocksCleared]);
+        }
+        let mut cut = 1;
+        for _ in 0..2 {
+            dealer
+                .send_multipart([&b""[..], &1u64.to_be_bytes()[..]], 0)
+                .expect("request");
+            assert!(matches!(router.poll(zmq::POLLIN, 30_000), Ok(1..)));
+            assert_eq!(
+                serve_replays_cut(&router, &s, ReplayFrames::Four, &mut cut),
+                1
+            );
+        }
+        assert_eq!(cut, 0);
+        // One connection keeps order: the first answer's end marker would
+        // come before the second answer's batches.
+        let mut seqs = Vec::new();
+        loop {
+            assert!(matches!(dealer.poll(zmq::POLLIN, 30_000), Ok(1..)));
+            let frames = dealer.recv_multipart(0).expect("reply");
+            let seq: [u8; 8] = frames[2].as_slice().try_into().expect("8 bytes");
+            if seq == END_SEQ {
+                break;
+            }
+            seqs.push(u64::from_be_bytes(seq));
+        }
+        assert_eq!(seqs, [1, 2, 1, 2]);
     }
 
     #[test]

@@ -10,7 +10,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use kvroute_core::cursor::{Action, ClearReason, History, ReplayEnd, StreamCursor};
+use kvroute_core::cursor::{
+    Action, ClearReason, History, QuietCheck, QuietClock, ReplayEnd, StreamCursor,
+};
 use kvroute_core::event::KvEvent;
 use kvroute_core::index::{DpRank, SharedIndex, WorkerRank};
 use kvroute_core::wire::{DecodedBatch, DecoderConfig, SkipReason, StreamDecoder};
@@ -32,6 +34,9 @@ pub struct Timing {
     pub replay_timeout_ms: u64,
     /// How often a quiet stream proves its continuity.
     pub verify_ms: u64,
+    /// How long after a burst's last live batch the stream is checked once
+    /// for a lost tail (0: never).
+    pub early_verify_ms: u64,
     /// How long live batches may wait for a link that stays down.
     pub suspend_timeout_ms: u64,
 }
@@ -41,6 +46,7 @@ impl Default for Timing {
         Timing {
             replay_timeout_ms: 2_000,
             verify_ms: 5_000,
+            early_verify_ms: 500,
             suspend_timeout_ms: 10_000,
         }
     }
@@ -80,8 +86,11 @@ pub struct RankStream {
     /// Events declared another block size than the worker's: they are
     /// skipped (never hashed at the wrong size) and the rank is in error.
     conflict: Option<String>,
-    /// When a batch was last applied or continuity last checked (ms).
-    quiet_since_ms: u64,
+    /// When a quiet stream's continuity is checked next.
+    quiet: QuietClock,
+    /// The quiet-stream check whose replay is out, and the last seq applied
+    /// when it was asked (a later one when it ends: it repaired a loss).
+    check: Option<(QuietCheck, Option<u64>)>,
     /// When the outstanding replay was asked for, or last answered (ms).
     replay_active_ms: Option<u64>,
     /// When live batches started waiting for the link (ms).
@@ -146,7 +155,8 @@ impl RankStream {
             connected: false,
             error: None,
             conflict: None,
-            quiet_since_ms: now_ms(),
+            quiet: QuietClock::new(timing.early_verify_ms, timing.verify_ms, now_ms()),
+            check: None,
             replay_active_ms: None,
             suspended_ms: None,
             requests: Vec::new(),
@@ -182,6 +192,9 @@ impl RankStream {
     /// rest, end marker included: vLLM's replay socket keeps at most 1,000
     /// messages queued for a slow reader). The next request's replies are
     /// then its own, not an older request's.
+    /// Any replay that timed out counts here: its end marker is presumed
+    /// lost, so later replays do not wait for it (the shell still guards
+    /// against it arriving late, see `EndLedger`).
     pub fn take_lost_ends(&mut self) -> u32 {
         std::mem::take(&mut self.lost_ends)
     }
@@ -191,9 +204,16 @@ impl RankStream {
         self.cursor.is_replaying()
     }
 
+    /// True while a replay request is out and a reply other than its end
+    /// marker has arrived.
+    pub fn replay_answered(&self) -> bool {
+        self.cursor.replay_answered()
+    }
+
     /// A batch from the live subscription.
     pub fn live(&mut self, seq: u64, payload: Vec<u8>) {
         self.target.stats.batches.fetch_add(1, Ordering::Relaxed);
+        self.quiet.live(now_ms());
         let mut out = Vec::new();
         self.cursor.live(seq, payload, &mut out);
         if self.cursor.is_suspended() && self.suspended_ms.is_none() && self.cursor.buffered() > 0 {
@@ -222,8 +242,28 @@ impl RankStream {
         }
         let mut out = Vec::new();
         self.cursor.replay_finished(end, &mut out);
-        self.quiet_since_ms = now_ms();
+        self.quiet.replay_ended(now_ms());
+        self.count_repair();
         self.run(out);
+    }
+
+    /// A quiet-stream check's replay ended: counted as a repair when it
+    /// brought batches the stream had lost.
+    fn count_repair(&mut self) {
+        let Some((check, before)) = self.check.take() else {
+            return;
+        };
+        let after = self.cursor.last_seq();
+        if after.is_none() || after <= before {
+            return;
+        }
+        let stats = &self.target.stats;
+        let counter = match check {
+            QuietCheck::Early => &stats.early_repairs,
+            QuietCheck::Periodic => &stats.periodic_repairs,
+        };
+        counter.fetch_add(1, Ordering::Relaxed);
+        info!(worker = %self.target.worker, rank = %self.target.key.rank, check = check.as_str(), ?before, ?after, "a quiet-stream check found lost batches");
     }
 
     /// The link to the engine is up (again): prove what was applied still
@@ -272,12 +312,10 @@ impl RankStream {
     pub fn tick(&mut self, now: u64) -> bool {
         if let Some(since) = self.replay_active_ms {
             if now.saturating_sub(since) >= self.timing.replay_timeout_ms {
-                let asked = self.requests.len();
                 self.replay_end(ReplayEnd::TimedOut);
-                if self.requests.len() > asked {
-                    // Cut short and asked again: the cut one's end is lost.
-                    self.lost_ends += 1;
-                }
+                // The replay is over, whether or not it was asked again:
+                // its end marker is presumed lost.
+                self.lost_ends += 1;
             }
         } else if let Some(since) = self.suspended_ms {
             if now.saturating_sub(since) >= self.timing.suspend_timeout_ms {
@@ -291,14 +329,41 @@ impl RankStream {
             self.cursor.history_reset();
             self.publish();
         }
-        let quiet = now.saturating_sub(self.quiet_since_ms) >= self.timing.verify_ms;
-        if quiet && self.connected && self.has_replay() && self.requests.is_empty() {
-            self.quiet_since_ms = now;
-            let mut out = Vec::new();
-            self.cursor.verify(&mut out);
-            self.run(out);
-        }
+        self.quiet_check(now);
         !self.requests.is_empty()
+    }
+
+    /// Asks the replay ring for what follows the last batch applied when
+    /// the quiet clock says so and nothing else is out.
+    fn quiet_check(&mut self, now: u64) {
+        let Some(check) = self.quiet.due(now) else {
+            return;
+        };
+        if !self.connected || !self.has_replay() {
+            // Nothing to ask; a reconnect resyncs anyway.
+            self.quiet.disarm();
+            return;
+        }
+        if !self.requests.is_empty() || self.cursor.is_replaying() || self.cursor.is_suspended() {
+            // A replay is out: its end pushes the early check back.
+            return;
+        }
+        self.quiet.started(check, now);
+        let before = self.cursor.last_seq();
+        let mut out = Vec::new();
+        self.cursor.verify(&mut out);
+        if out.is_empty() {
+            return;
+        }
+        if check == QuietCheck::Early {
+            self.target
+                .stats
+                .early_verifies
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        debug!(worker = %self.target.worker, rank = %self.target.key.rank, check = check.as_str(), ?before, "quiet-stream check");
+        self.check = Some((check, before));
+        self.run(out);
     }
 
     fn degraded(&self) -> bool {
@@ -366,7 +431,7 @@ impl RankStream {
     }
 
     fn apply(&mut self, seq: u64, payload: &[u8]) {
-        self.quiet_since_ms = now_ms();
+        self.quiet.applied(now_ms());
         let stats = self.target.stats.clone();
         if self.decoder.block_size().is_none() {
             self.decoder.set_block_size(known(&self.target.block_size));

@@ -21,7 +21,7 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
 
-use kvroute_core::cursor::ReplayEnd;
+use kvroute_core::cursor::{EndLedger, ReplayEnd};
 use kvroute_core::index::WorkerRank;
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Token, Waker};
@@ -70,8 +70,9 @@ struct Slot {
     alias: Vec<u8>,
     /// The ROUTER connection's endpoint as the monitor reports it.
     router_endpoint: Option<String>,
-    /// Requests sent whose end marker has not arrived.
-    pending_ends: u32,
+    /// Requests sent whose end marker has not arrived, and given-up ones
+    /// whose end marker may still come late.
+    ends: EndLedger,
     /// Requests waiting for the connection to accept them.
     unsent: VecDeque<u64>,
     retry_at_ms: u64,
@@ -309,9 +310,10 @@ impl Reactor {
                 continue;
             }
             let queued = slot.stream.tick(now);
-            // Before the next request counts: a cut-short replay's end is lost.
-            let lost = slot.stream.take_lost_ends();
-            slot.pending_ends = slot.pending_ends.saturating_sub(lost);
+            // Before the next request counts: a timed-out replay is over.
+            for _ in 0..slot.stream.take_lost_ends() {
+                slot.ends.given_up();
+            }
             if queued || !slot.unsent.is_empty() {
                 self.send_requests(n);
             }
@@ -331,7 +333,7 @@ impl Reactor {
             sub_monitor: None,
             alias: alias.clone(),
             router_endpoint: None,
-            pending_ends: 0,
+            ends: EndLedger::default(),
             unsent: VecDeque::new(),
             retry_at_ms: 0,
             retry_ms: RETRY_MS,
@@ -512,11 +514,11 @@ impl Reactor {
                     continue;
                 };
                 if code == zmq::SocketEvent::HANDSHAKE_SUCCEEDED as u16 {
-                    slot.pending_ends = 0;
+                    slot.ends.reset();
                     slot.stream.link_up();
                     self.send_requests(n);
                 } else if code == zmq::SocketEvent::DISCONNECTED as u16 {
-                    slot.pending_ends = 0;
+                    slot.ends.reset();
                     slot.unsent.clear();
                     slot.stream.link_down();
                 }
@@ -544,14 +546,17 @@ impl Reactor {
                 continue;
             };
             match reply {
-                // Replies to an older, given-up request come before the current one's.
-                Replayed::Batch(seq, payload) if slot.pending_ends == 1 => {
+                // Only while one request is out. A given-up request's late
+                // replies would come first: the same engine's batches, from
+                // no later a seq than the current request's, so the cursor
+                // takes them as the current answer's or as stale.
+                Replayed::Batch(seq, payload) if slot.ends.current() => {
                     slot.stream.replayed(seq, payload)
                 }
                 Replayed::Batch(..) => {}
                 Replayed::End => {
-                    slot.pending_ends = slot.pending_ends.saturating_sub(1);
-                    if slot.pending_ends == 0 && slot.stream.is_replaying() {
+                    let answered = slot.stream.replay_answered();
+                    if slot.ends.end(answered) && slot.stream.is_replaying() {
                         slot.stream.replay_end(ReplayEnd::Complete);
                     }
                 }
@@ -578,7 +583,7 @@ impl Reactor {
             match self.router.send_multipart(request, zmq::DONTWAIT) {
                 Ok(()) => {
                     slot.unsent.pop_front();
-                    slot.pending_ends += 1;
+                    slot.ends.sent();
                 }
                 // Not connected yet (EHOSTUNREACH) or its queue is full (EAGAIN).
                 Err(_) => break,

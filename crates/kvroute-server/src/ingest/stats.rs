@@ -103,6 +103,13 @@ pub struct RankStats {
     pub bad_frames: AtomicU64,
     /// Batches for a DP rank the worker does not have, dropped.
     pub foreign_rank_batches: AtomicU64,
+    /// Early checks of a quiet stream (once per quiet spell, soon after
+    /// its last live batch).
+    pub early_verifies: AtomicU64,
+    /// Early checks that found batches the stream had lost.
+    pub early_repairs: AtomicU64,
+    /// Periodic checks of a quiet stream that found batches it had lost.
+    pub periodic_repairs: AtomicU64,
     cursor: Mutex<CursorStats>,
     resume: Mutex<Option<ResumePoint>>,
     state: AtomicU8,
@@ -147,6 +154,12 @@ pub struct RankCounters {
     pub verifies: u64,
     /// Batches for a DP rank the worker does not have, dropped.
     pub foreign_rank_batches: u64,
+    /// Early checks of a quiet stream.
+    pub early_verifies: u64,
+    /// Early checks that found lost batches.
+    pub early_repairs: u64,
+    /// Periodic checks that found lost batches.
+    pub periodic_repairs: u64,
 }
 
 impl RankStats {
@@ -171,6 +184,9 @@ impl RankStats {
             stale: cursor.stale,
             verifies: cursor.verifies,
             foreign_rank_batches: get(&self.foreign_rank_batches),
+            early_verifies: get(&self.early_verifies),
+            early_repairs: get(&self.early_repairs),
+            periodic_repairs: get(&self.periodic_repairs),
         }
     }
 

@@ -57,6 +57,9 @@ catalogue! {
     INGEST_VERIFIES:              kvroute_ingest_verifies_total                Counter   RANK "Continuity checks that proved the stream continuous.";
     INGEST_REPLAY_TIMEOUTS:       kvroute_ingest_replay_timeouts_total         Counter   RANK "Replays that got no end marker in time.";
     INGEST_FOREIGN_RANK_BATCHES:  kvroute_ingest_foreign_rank_batches_total    Counter   RANK "Batches for a DP rank the worker does not have, dropped.";
+    INGEST_EARLY_VERIFIES:        kvroute_ingest_early_verifies_total          Counter   RANK "Early checks of a quiet stream, once per quiet spell soon after its last live batch.";
+    INGEST_EARLY_REPAIRS:         kvroute_ingest_early_repairs_total           Counter   RANK "Early checks that found batches the stream had lost (a burst's lost tail).";
+    INGEST_PERIODIC_REPAIRS:      kvroute_ingest_periodic_repairs_total        Counter   RANK "Periodic checks of a quiet stream that found batches it had lost.";
     INGEST_CONNECTED:             kvroute_ingest_connected                     Gauge     RANK "Whether the rank's engine is reachable.";
     INGEST_RANK_STATE:            kvroute_ingest_rank_state                    Gauge     RANK_STATE "1 for the rank's current state (live, replaying, unverified, degraded, disconnected, error).";
     INGEST_RANKS:                 kvroute_ingest_ranks                         Gauge     STATE "Ranks in each state.";

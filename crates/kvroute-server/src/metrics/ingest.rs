@@ -32,7 +32,7 @@ impl IngestCollector {
 
 type CounterField = fn(&RankCounters) -> u64;
 
-const RANK_COUNTERS: [(MetricInfo, CounterField); 15] = [
+const RANK_COUNTERS: [(MetricInfo, CounterField); 18] = [
     (INGEST_BATCHES, |c| c.batches),
     (INGEST_EVENTS, |c| c.events),
     (INGEST_DECODE_ERRORS, |c| c.decode_errors),
@@ -48,6 +48,9 @@ const RANK_COUNTERS: [(MetricInfo, CounterField); 15] = [
     (INGEST_VERIFIES, |c| c.verifies),
     (INGEST_REPLAY_TIMEOUTS, |c| c.replay_timeouts),
     (INGEST_FOREIGN_RANK_BATCHES, |c| c.foreign_rank_batches),
+    (INGEST_EARLY_VERIFIES, |c| c.early_verifies),
+    (INGEST_EARLY_REPAIRS, |c| c.early_repairs),
+    (INGEST_PERIODIC_REPAIRS, |c| c.periodic_repairs),
 ];
 
 impl Collector for IngestCollector {

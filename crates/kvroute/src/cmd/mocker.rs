@@ -93,6 +93,9 @@ pub struct MockerArgs {
     /// Do not send every Nth live batch (it stays in the replay ring).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     drop_every: Option<u64>,
+    /// The first N replay answers of each rank stop before their end marker.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    cut_replay: u64,
     /// Add one malformed event to every Nth batch.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     bad_event_every: Option<u64>,
@@ -180,6 +183,7 @@ impl MockerArgs {
             lora_adapters: self.lora_adapters.clone(),
             faults: FaultConfig {
                 drop_every: self.drop_every,
+                cut_replay: self.cut_replay,
                 bad_event_every: self.bad_event_every,
                 restart_every,
                 delay: Duration::from_millis(self.delay_ms),

@@ -23,6 +23,7 @@ mod models;
 mod multimodal;
 mod priority;
 mod proxy;
+mod quiet;
 mod replay_cut;
 mod replicas;
 mod restarts;

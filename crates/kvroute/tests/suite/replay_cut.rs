@@ -2,16 +2,17 @@
 //! socket does to a reader slower than its send loop (it queues at most
 //! 1,000 messages per reader and drops the rest) — is asked for again from
 //! where it stopped, by a real `kvroute serve` against an engine played by
-//! the test over real ZeroMQ.
+//! the test over real ZeroMQ; and an end marker that comes late, after
+//! its replay timed out, does not end the replay asked for since.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use kvroute_core::wire::write as mp;
 
 use crate::support::http::request;
-use crate::support::{eventually, spawn_serve};
+use crate::support::{eventually, spawn_serve, spawn_serve_with_env};
 
 /// Tokens per block of the played engine.
 const BS: u64 = 4;
@@ -138,4 +139,94 @@ fn support_publish(publisher: &zmq::Socket, message: &[&[u8]], serve: &str) {
         publisher.send_multipart(message, 0).expect("publish");
         rank(serve)["batches"].as_u64() > Some(0)
     });
+}
+
+/// The played engine's replay socket for the late end marker: answer 2 (the
+/// router's first check after its resync) is held until the next request
+/// comes, then only its end marker is sent, before that request's whole
+/// answer; other answers are whole. Answers hold the batches published so far.
+fn late_end_replayer(router: zmq::Socket, published: Arc<AtomicU64>, stop: Arc<AtomicBool>) {
+    let mut answers = 0;
+    let end = |id: &[u8]| {
+        let reply = [id, b"", b"", &(-1i64).to_be_bytes()[..], b""];
+        router.send_multipart(reply, 0).expect("end");
+    };
+    while !stop.load(Ordering::Relaxed) {
+        if !matches!(router.poll(zmq::POLLIN, 50), Ok(n) if n > 0) {
+            continue;
+        }
+        let Ok(req) = router.recv_multipart(0) else {
+            continue;
+        };
+        let [id, _, start] = req.as_slice() else {
+            continue;
+        };
+        let start = u64::from_be_bytes(start.as_slice().try_into().expect("8 bytes"));
+        answers += 1;
+        if answers == 2 {
+            continue;
+        }
+        if answers == 3 {
+            end(id);
+        }
+        for seq in start..published.load(Ordering::Relaxed) {
+            let reply = [&id[..], b"", b"", &seq.to_be_bytes()[..], &batch(seq)[..]];
+            router.send_multipart(reply, 0).expect("reply");
+        }
+        end(id);
+    }
+}
+
+#[test]
+fn a_late_end_marker_of_a_timed_out_replay_does_not_end_the_next_one() {
+    let ctx = zmq::Context::new();
+    let publisher = ctx.socket(zmq::PUB).expect("pub");
+    publisher.bind("tcp://127.0.0.1:*").expect("bind");
+    let events = publisher.get_last_endpoint().expect("ep").expect("utf-8");
+    let router = ctx.socket(zmq::ROUTER).expect("router");
+    router.bind("tcp://127.0.0.1:*").expect("bind");
+    let replay = router.get_last_endpoint().expect("ep").expect("utf-8");
+    let published = Arc::new(AtomicU64::new(0));
+    let stop = Arc::new(AtomicBool::new(false));
+    let thread = {
+        let (published, stop) = (published.clone(), stop.clone());
+        std::thread::spawn(move || late_end_replayer(router, published, stop))
+    };
+    let line =
+        format!("name=w0,url=http://127.0.0.1:9,events={events},replay={replay},block_size={BS}");
+    // No periodic check during the test: the router's requests are its
+    // resync, the early check after batch 0, and the gap's replay.
+    let env = [("KVROUTE_VERIFY_SECS", "3600")];
+    let (_serve, serve) = spawn_serve_with_env(&[line], &[], &env);
+    eventually("the resync completes", || {
+        let r = rank(&serve);
+        r["connected"] == true && r["replays_ok"].as_u64() >= Some(1)
+    });
+    published.store(1, Ordering::Relaxed);
+    let live = |seq: u64| [b"".to_vec(), seq.to_be_bytes().to_vec(), batch(seq)];
+    let first = live(0);
+    let frames: Vec<&[u8]> = first.iter().map(Vec::as_slice).collect();
+    support_publish(&publisher, &frames, &serve);
+    // The early check's answer is held: it times out.
+    eventually("the early check's replay times out", || {
+        rank(&serve)["replay_timeouts"].as_u64() >= Some(1)
+    });
+    // Batch 1 is lost live; batch 2 shows the gap. The replay it asks for
+    // gets the held answer's end marker first, then its own answer.
+    published.store(3, Ordering::Relaxed);
+    eventually("the gap is replayed", || {
+        publisher.send_multipart(live(2), 0).expect("publish");
+        let r = rank(&serve);
+        r["last_seq"] == 2 && r["state"] == "live"
+    });
+    let r = rank(&serve);
+    assert_eq!(
+        r["engine_restarts"], 0,
+        "the late end marker ended the replay: {r}"
+    );
+    assert_eq!(r["clears"], 0, "{r}");
+    assert_eq!(r["replay_timeouts"], 1, "{r}");
+    assert_eq!(r["blocks"]["device"], 3, "{r}");
+    stop.store(true, Ordering::Relaxed);
+    let _ = thread.join();
 }

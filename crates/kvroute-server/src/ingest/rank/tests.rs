@@ -194,3 +194,44 @@ fn a_rank_takes_up_the_block_size_another_rank_learned() {
     assert_eq!(second.state().0, RankState::Error);
     assert_eq!(first.state().0, RankState::Live);
 }
+
+#[test]
+fn a_bursts_lost_last_batch_is_looked_for_once_soon_after_the_stream_goes_quiet() {
+    let (mut s, index) = stream(true, 1);
+    connect_fresh(&mut s);
+    s.live(0, stored(1, 0));
+    s.live(1, stored(2, 0));
+    // Batch 2 was published and lost: nothing shows it.
+    let base = now_ms();
+    let early = Timing::default().early_verify_ms;
+    assert!(!s.tick(base), "not while the burst may go on");
+    assert!(s.tick(base + early + 200), "the early check is due");
+    assert_eq!(s.take_requests(), [1]);
+    s.replayed(1, stored(2, 0));
+    s.replayed(2, stored(3, 0));
+    s.replay_end(ReplayEnd::Complete);
+    assert_eq!(residencies(&index), 3);
+    let c = s.target().stats.counters();
+    assert_eq!(
+        (c.early_verifies, c.early_repairs, c.periodic_repairs),
+        (1, 1, 0)
+    );
+    // Once per quiet spell.
+    assert!(!s.tick(now_ms() + early + 200));
+    assert!(s.take_requests().is_empty());
+}
+
+#[test]
+fn a_replay_that_times_out_without_replies_is_over() {
+    let (mut s, _index) = stream(true, 1);
+    connect_fresh(&mut s);
+    s.live(0, stored(1, 0));
+    let base = now_ms() + Timing::default().early_verify_ms + 200;
+    assert!(s.tick(base));
+    assert_eq!(s.take_requests(), [0]);
+    assert_eq!(s.take_lost_ends(), 0);
+    s.tick(base + Timing::default().replay_timeout_ms + 200);
+    assert_eq!(s.take_lost_ends(), 1, "its end marker is presumed lost");
+    assert!(!s.is_replaying());
+    assert_eq!(s.target().stats.counters().replay_timeouts, 1);
+}
