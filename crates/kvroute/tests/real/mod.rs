@@ -6,6 +6,7 @@ mod demo;
 mod discovery;
 mod images;
 mod ingest;
+mod migration;
 mod predictions;
 mod restarts;
 mod routing;

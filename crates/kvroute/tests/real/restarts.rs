@@ -53,7 +53,7 @@ fn session(sid: i32) -> Vec<i32> {
 
 /// SIGKILL to every process of `engine`, as a crash or an OOM kill of its
 /// container would; returns when none is left.
-fn kill(bed: &Bed, engine: &Engine) {
+pub(super) fn kill(bed: &Bed, engine: &Engine) {
     let sid = pid(bed, engine);
     let procs = session(sid);
     assert!(
@@ -74,7 +74,7 @@ fn kill(bed: &Bed, engine: &Engine) {
 
 /// `scripts/real-engines restart NAME --dir DIR`: the same command on the
 /// same ports; returns once the engine answers /health.
-fn restart(bed: &Bed, engine: &Engine) {
+pub(super) fn restart(bed: &Bed, engine: &Engine) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../scripts/real-engines");
     let out = Command::new(script)
         .args(["restart", &engine.name, "--dir"])
