@@ -132,8 +132,8 @@ impl Killed {
         let finish = self
             .events
             .iter()
-            .filter_map(|e| e["choices"][0]["finish_reason"].as_str())
-            .last();
+            .rev()
+            .find_map(|e| e["choices"][0]["finish_reason"].as_str());
         assert_eq!(finish, Some("length"));
     }
 }
