@@ -10,8 +10,19 @@ use serde_json::{json, Value};
 
 use crate::support::http::{self, count, dechunk, metric};
 use crate::support::{
-    eventually, eventually_within, polled_until, start_mocker_with, start_serve, Proc,
+    eventually, eventually_within, polled_until, spawn_this_builds_mocker, start_serve, Proc,
 };
+
+/// `workers` mock engines with `extra` flags, run by this build's binary
+/// whatever `KVROUTE_TEST_BIN` says (the router is under test; the
+/// engines' `--cut-streams` and `continue_final_message` are this build's).
+fn engines_with(workers: usize, extra: &[&str]) -> (Proc, Vec<String>) {
+    let n = workers.to_string();
+    let mut args = vec!["--workers", &n, "--port", "0"];
+    args.extend_from_slice(&["--kv-events-port", "0", "--replay-port", "0"]);
+    args.extend_from_slice(extra);
+    spawn_this_builds_mocker(&args, workers)
+}
 
 /// Tokens each request asks for.
 const MAX_TOKENS: u64 = 64;
@@ -101,7 +112,7 @@ fn four_engines() -> (Vec<Option<Proc>>, Vec<String>) {
     let mut procs = Vec::new();
     let mut lines = Vec::new();
     for k in 0..4 {
-        let (proc, line) = start_mocker_with(1, &["--speedup", "10"]);
+        let (proc, line) = engines_with(1, &["--speedup", "10"]);
         procs.push(Some(proc));
         // Every process names its one engine `w0`; the router needs four names.
         lines.push(line[0].replacen("name=w0,", &format!("name=w{k},"), 1));
@@ -235,7 +246,7 @@ fn a_client_that_opts_out_gets_the_error_instead() {
 #[test]
 fn a_long_answer_that_runs_out_of_time_does_not_open_its_breaker() {
     // One slow engine: 2 000 tokens take far longer than the 2 s allowed.
-    let (_engine, lines) = start_mocker_with(1, &["--speedup", "1"]);
+    let (_engine, lines) = engines_with(1, &["--speedup", "1"]);
     let (_serve_proc, serve) = start_serve(&lines, &["--request-timeout-secs", "2"]);
     let long = json!({"model": "mock-model", "prompt": "a long story", "max_tokens": 2000, "stream": true});
     let reply = http::request(&serve, "POST", "/v1/completions", &long.to_string());
@@ -274,8 +285,8 @@ fn streams_cut_by_an_engine_are_finished_elsewhere() {
     // One engine cuts every streamed answer half-way (its connection closes
     // mid-body, as when it dies) and stays up, so its breaker's half-open
     // probes are cut too; three engines are healthy.
-    let (_cutter, cutter) = start_mocker_with(1, &["--speedup", "10", "--cut-streams", "1"]);
-    let (_healthy, mut lines) = start_mocker_with(3, &["--speedup", "10"]);
+    let (_cutter, cutter) = engines_with(1, &["--speedup", "10", "--cut-streams", "1"]);
+    let (_healthy, mut lines) = engines_with(3, &["--speedup", "10"]);
     lines.push(cutter[0].replacen("name=w0,", "name=cutter,", 1));
     let (_serve_proc, serve) = start_serve(&lines, &[]);
     let next = Arc::new(AtomicUsize::new(0));

@@ -4,37 +4,23 @@
 //! (the early check); and a replay answer that never gets its end marker
 //! is over when it times out, so the rank's next replays are not stalled.
 
-use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use kvroute_core::rng::SplitMix64;
 
 use crate::support::engine::{counter, prompt, rank, send_to_engine};
 use crate::support::http::metric;
-use crate::support::{eventually, lines_of, start_serve_with_env, Proc};
+use crate::support::{eventually, spawn_this_builds_mocker, start_serve_with_env, Proc};
 
 /// `engines` mock engines on ephemeral ports with `flags`, run by this
 /// build's binary whatever `KVROUTE_TEST_BIN` says: the router is under
 /// test, and its engines' faults (`--cut-replay`) are this build's.
 fn start_engines(engines: usize, flags: &[&str]) -> (Proc, Vec<String>) {
     let n = engines.to_string();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvroute"))
-        .args(["mocker", "--workers", &n, "--port", "0"])
-        .args(["--kv-events-port", "0", "--replay-port", "0"])
-        .args(flags)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("kvroute mocker runs");
-    let rx = lines_of(child.stdout.take().expect("stdout"));
-    let child = Proc(child);
-    let lines = (0..engines)
-        .map(|_| {
-            rx.recv_timeout(Duration::from_secs(30))
-                .expect("a worker line")
-        })
-        .collect();
-    (child, lines)
+    let mut args = vec!["--workers", &n, "--port", "0"];
+    args.extend_from_slice(&["--kv-events-port", "0", "--replay-port", "0"]);
+    args.extend_from_slice(flags);
+    spawn_this_builds_mocker(&args, engines)
 }
 
 /// A `--worker` line's `key=` field.

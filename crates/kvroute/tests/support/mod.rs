@@ -145,7 +145,17 @@ pub fn lines_of(out: impl Read + Send + 'static) -> mpsc::Receiver<String> {
 
 /// Runs `kvroute mocker ARGS` and returns it with its first `engines` `--worker` lines.
 pub fn spawn_mocker(args: &[&str], engines: usize) -> (Proc, Vec<String>) {
-    let mut child = kvroute()
+    spawn_mocker_of(kvroute(), args, engines)
+}
+
+/// [`spawn_mocker`] run by this build's binary whatever `KVROUTE_TEST_BIN`
+/// says: for a test of the router whose engines need this build's faults.
+pub fn spawn_this_builds_mocker(args: &[&str], engines: usize) -> (Proc, Vec<String>) {
+    spawn_mocker_of(Command::new(env!("CARGO_BIN_EXE_kvroute")), args, engines)
+}
+
+fn spawn_mocker_of(mut command: Command, args: &[&str], engines: usize) -> (Proc, Vec<String>) {
+    let mut child = command
         .arg("mocker")
         .args(args)
         .stdout(Stdio::piped())
