@@ -27,7 +27,7 @@ const RUN_LIMIT: Duration = Duration::from_secs(180);
 /// A split completion of a prompt of its own (`seed`), streamed every
 /// other time, 8 tokens.
 fn split_request(serve: &str, seed: u32) -> Reply {
-    let stream = seed % 2 == 0;
+    let stream = seed.is_multiple_of(2);
     let body = json!({"model": "mock-model", "prompt": prompt(seed), "max_tokens": 8,
         "stream": stream});
     request(serve, "POST", "/v1/completions", &body.to_string())
