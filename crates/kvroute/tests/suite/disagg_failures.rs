@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use super::disagg::{engine, prompt, start_serve};
-use crate::support::http::{count, dechunk, request, Reply};
+use super::disagg::{auth, engine, prompt, start_serve};
+use crate::support::http::{count, dechunk, request, request_with, Reply};
 use crate::support::Proc;
 
 /// Refused attempts the dead worker must have cost before a run ends: the
@@ -76,11 +76,15 @@ fn requests_until_refused(serve: &str, seed: u32) -> Run {
         if refused >= REFUSALS {
             return run;
         }
-        assert!(
-            started.elapsed() < RUN_LIMIT,
-            "only {refused} refused attempts after {} requests in {RUN_LIMIT:?}",
-            run.sent
-        );
+        if started.elapsed() >= RUN_LIMIT {
+            panic!(
+                "only {refused} refused attempts after {} requests in {RUN_LIMIT:?}; \
+                 first lost {:?}; workers: {}",
+                run.sent,
+                run.lost.first(),
+                workers(serve)
+            );
+        }
         let reply = split_request(serve, seed + run.sent);
         run.sent += 1;
         if served(&reply) {
@@ -90,6 +94,11 @@ fn requests_until_refused(serve: &str, seed: u32) -> Run {
             run.lost.push((reply.status, reply.body));
         }
     }
+}
+
+/// The router's `/workers`, for a failure's message.
+fn workers(serve: &str) -> String {
+    request_with(serve, "GET", "/workers", &[("Authorization", &auth())], "").body
 }
 
 /// Ends a mock engine's process (SIGKILL): every connection to it is
