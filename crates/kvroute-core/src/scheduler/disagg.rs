@@ -159,6 +159,36 @@ pub fn pick_decode(
     pick(&costs, 0.0, random).map(|p| eligible[p])
 }
 
+/// The decode ranks a split request's decode leg may go to, in the order to
+/// try them: the `placed` rank first, then every other rank `decodes`
+/// allows on another worker (a worker that refused the leg refuses it on
+/// every rank), the ones under their busy thresholds first, each group by
+/// its [`DecodeCost`] with no local prefill. A leg refused before any work
+/// moves down this list; what the prefill computed is not lost.
+pub fn decode_order(
+    scored: &[Scored],
+    decodes: impl Fn(&Scored) -> bool,
+    placed: usize,
+    request_tokens: u64,
+) -> Vec<usize> {
+    let Some(first) = scored.get(placed) else {
+        return Vec::new();
+    };
+    let mut rest: Vec<(bool, f64, usize)> = scored
+        .iter()
+        .enumerate()
+        .filter(|&(i, s)| i != placed && s.worker != first.worker && decodes(s))
+        .map(|(i, s)| {
+            let cost = DecodeCost::of(s, request_tokens, &LocalPrefillRule::NEVER);
+            (s.overloaded, cost.total, i)
+        })
+        .collect();
+    rest.sort_by(|a, b| a.0.cmp(&b.0).then(a.1.total_cmp(&b.1)).then(a.2.cmp(&b.2)));
+    std::iter::once(placed)
+        .chain(rest.into_iter().map(|(_, _, i)| i))
+        .collect()
+}
+
 /// The candidates `prefills` allows, in the order `order` gives for them
 /// (a policy's order over that subset), as positions in `scored`.
 pub fn prefill_order(
@@ -272,6 +302,30 @@ mod tests {
         busy[0].overloaded = true;
         busy[1].overloaded = true;
         assert_eq!(pick_decode(&busy, |_| true, 1_024, &rule, 0.5), None);
+    }
+
+    #[test]
+    fn a_refused_decode_leg_moves_to_the_cheapest_decode_rank_of_another_worker() {
+        // Worker 0 ranks 0 and 1 (the placed one and its twin), then
+        // workers 1, 2 and 3, one rank each; worker 3 only prefills.
+        let mut scored = vec![
+            rank(0, 0, 0),
+            rank(1, 0, 0),
+            rank(0, 0, 30),
+            rank(0, 0, 10),
+            rank(0, 0, 0),
+        ];
+        for (i, s) in scored.iter_mut().enumerate().skip(1) {
+            s.worker = i.saturating_sub(1);
+        }
+        let decodes = |s: &Scored| s.worker != 3;
+        // The placed rank first; its worker's other rank never; the rest
+        // by cost.
+        assert_eq!(decode_order(&scored, decodes, 0, 1_024), vec![0, 3, 2]);
+        // A busy rank comes after every free one, whatever its cost.
+        scored[3].overloaded = true;
+        assert_eq!(decode_order(&scored, decodes, 0, 1_024), vec![0, 2, 3]);
+        assert!(decode_order(&scored, decodes, 9, 1_024).is_empty());
     }
 
     #[test]

@@ -8,15 +8,25 @@
 //! since its cache is what saves work. The legs follow the decode worker's
 //! engine (`super::handoff`):
 //! * vLLM: the prefill leg first, retried on the next prefill worker under
-//!   the retry rule (`super::outcome`); then the decode leg with
-//!   the prefill's `kv_transfer_params`, its answer relayed to the client;
-//! * SGLang: both legs at once with one bootstrap room; if either fails
-//!   before the decode answers, the other is dropped (cancelled) too.
+//!   the retry rule (`super::outcome`); then the decode leg with the
+//!   prefill's `kv_transfer_params`, its answer relayed to the client;
+//! * SGLang ([`sglang`]): both legs at once with one bootstrap room; if
+//!   either fails before the decode answers, the other is dropped
+//!   (cancelled) too.
 //!
-//! A request is sent to one decode worker at most: a decode leg that fails
-//! is the client's error, never retried elsewhere. Workers with
-//! `role=both` in such a fleet decode like decode workers and always
-//! prefill their own requests.
+//! Every leg goes through its worker's circuit breaker and under the retry
+//! rule: a leg refused before any work (no connection, 503, 429) moves on
+//! to the next worker of its pool, a half-open probe included, so a dead
+//! worker costs no client its request. vLLM's decode leg goes to the next
+//! decode worker with the same `kv_transfer_params`; SGLang's two legs are
+//! sent again, in a new room, with the refusing side's next worker. A leg
+//! that a worker took and then failed is the client's error, never sent
+//! elsewhere. A prefill leg with no answer within `--prefill-timeout-secs`
+//! is such a failure: the client gets a 502 and the worker's breaker
+//! opens. Workers with `role=both` in such a fleet decode like decode
+//! workers and always prefill their own requests.
+
+mod sglang;
 
 use std::sync::Arc;
 
@@ -25,10 +35,12 @@ use axum::response::Response;
 use kvroute_core::event::WorkerFlavor;
 use serde_json::Value;
 
+use kvroute_core::scheduler::disagg::decode_order;
+use kvroute_core::scheduler::WorkerRole;
+
 use super::answer::{self, AnswerError};
 use super::attempt::{self, open_candidate, outgoing, send, Outgoing, Request, Sent};
-use super::handoff::{self, Bootstrap};
-use super::merge;
+use super::handoff;
 use super::outcome::{self, Ending};
 use super::Proxy;
 use crate::api::{ErrorKind, ProxyError};
@@ -61,7 +73,7 @@ pub async fn route(
     let flavor = candidates.scored[placed.decode].flavor;
     match flavor {
         WorkerFlavor::Vllm => vllm(proxy, &candidates, placed, request).await,
-        WorkerFlavor::Sglang => sglang(proxy, &candidates, placed, request).await,
+        WorkerFlavor::Sglang => sglang::route(proxy, &candidates, placed, request).await,
         // Worker specs refuse prefill and decode roles on TensorRT-LLM workers.
         WorkerFlavor::Trtllm => Err(ProxyError::NoWorkers),
     }
@@ -120,19 +132,66 @@ async fn vllm(
         Prefilled::Params(params) => params,
         Prefilled::Answer(response) => return Ok(response),
     };
-    let out = leg(proxy, candidates, decode, &request, move |body| {
-        handoff::vllm_decode_body(body, params.as_ref())
-    })
-    .await?;
+    let decodes = decode_ranks(candidates, decode, &request);
     relay_decode(
         proxy,
         candidates,
-        (decode, decode_guard),
-        out,
+        (&decodes, (decode, decode_guard)),
+        params,
         &request,
         why,
     )
     .await
+}
+
+/// The decode ranks to try a split request's decode leg on, placed rank
+/// first: decode workers of the placed one's engine (the legs' protocol).
+fn decode_ranks(candidates: &Candidates, placed: usize, request: &Request<'_>) -> Vec<usize> {
+    let flavor = candidates.scored[placed].flavor;
+    let decodes = |s: &kvroute_core::scheduler::Scored| {
+        s.flavor == flavor
+            && candidates
+                .targets
+                .get(s.worker)
+                .is_some_and(|t| t.role == WorkerRole::Decode)
+    };
+    let tokens = request
+        .req
+        .body
+        .tokens
+        .as_ref()
+        .map_or(0, |t| t.len() as u64);
+    decode_order(&candidates.scored, decodes, placed, tokens)
+}
+
+/// The next of `ranks` (from position `*next`) whose worker is known and
+/// not `tried`, and whose breaker lets an attempt through (begun), with its
+/// target and place in the load: `first`'s guard when it is that rank,
+/// else charged now (as a decode rank when `decode`).
+fn next_leg<'c>(
+    proxy: &Arc<Proxy>,
+    candidates: &'c Candidates,
+    (ranks, next): (&[usize], &mut usize),
+    first: &mut Option<(usize, ActiveGuard)>,
+    (request, decode): (&Request<'_>, bool),
+) -> Option<(usize, &'c Target, ActiveGuard)> {
+    while let Some(&i) = ranks.get(*next) {
+        *next += 1;
+        let Some((_, target)) = open_candidate(proxy, candidates, i) else {
+            continue;
+        };
+        let guard = match first.take() {
+            Some((charged, guard)) if charged == i => Some(guard),
+            _ if decode => {
+                admission::charge_decode_later(&proxy.router, candidates, request.req, i)
+            }
+            _ => admission::charge_later(&proxy.router, candidates, request.req, i),
+        };
+        if let Some(guard) = guard {
+            return Some((i, target, guard));
+        }
+    }
+    None
 }
 
 /// Tries the prefill leg on each prefill candidate in turn, as the retry
@@ -274,57 +333,89 @@ async fn read_whole(
     }
 }
 
-/// Sends the decode leg to decode rank `decode` (once: never to another
-/// decode worker) and relays its answer to the client.
+/// Sends the decode leg, with the prefill's `kv_transfer_params`, to the
+/// first of `decodes` that takes it (a refused leg moves on, as the retry
+/// rule allows) and relays its answer to the client.
 async fn relay_decode(
     proxy: &Arc<Proxy>,
     candidates: &Candidates,
-    (decode, guard): (usize, ActiveGuard),
-    out: Outgoing,
+    (decodes, placed): (&[usize], (usize, ActiveGuard)),
+    params: Option<Value>,
     request: &Request<'_>,
     why: String,
 ) -> Result<Response, ProxyError> {
-    let s = &candidates.scored[decode];
-    let target = candidates
-        .targets
-        .get(s.worker)
-        .ok_or(ProxyError::NoWorkers)?;
-    let added_usage = out.added_usage;
-    let resp = match send(
-        proxy,
-        target,
-        request.endpoint,
-        out,
-        request.headers,
-        request.request_id,
+    let mut last_error = String::from("no decode worker available");
+    let (mut next, mut first) = (0, Some(placed));
+    let max_attempts = proxy.router.config().max_attempts.max(1);
+    for attempt in 0..max_attempts {
+        let leg_at = (decodes, &mut next);
+        let Some((decode, target, guard)) =
+            next_leg(proxy, candidates, leg_at, &mut first, (request, true))
+        else {
+            break;
+        };
+        if attempt > 0 {
+            proxy.router.metrics.retries.inc();
+        }
+        let params = params.clone();
+        let out = leg(proxy, candidates, decode, request, move |body| {
+            handoff::vllm_decode_body(body, params.as_ref())
+        })
+        .await?;
+        let added_usage = out.added_usage;
+        let (endpoint, headers, id) = (request.endpoint, request.headers, request.request_id);
+        let resp = match send(proxy, target, endpoint, out, headers, id).await {
+            Sent::Answer(resp) => resp,
+            Sent::Refused(message) => {
+                last_error = message;
+                continue;
+            }
+            Sent::Failed(error) => return Err(error),
+        };
+        let why = moved_on(&why, candidates, decode, attempt);
+        record(proxy, candidates, (decode, attempt), request, why);
+        let relay = attempt::Relay {
+            guard,
+            added_usage,
+            request_id: request.request_id,
+            locals: &[],
+            arrived: request.arrived,
+            predict: false,
+            endpoint: request.endpoint,
+            migration: None,
+        };
+        let s = &candidates.scored[decode];
+        return attempt::respond(proxy, request.req, s, target, resp, relay)
+            .await?
+            .answer();
+    }
+    Err(ProxyError::UpstreamUnreachable(last_error))
+}
+
+/// The decision's reason, naming the decode rank the leg went to when it
+/// is not the placed one (`refused` legs before it were refused).
+fn moved_on(why: &str, candidates: &Candidates, decode: usize, refused: usize) -> String {
+    if refused == 0 {
+        return why.to_owned();
+    }
+    format!(
+        "{why}; decode on {} after {refused} refused",
+        rank_name(candidates, decode)
     )
-    .await
-    {
-        Sent::Answer(resp) => resp,
-        Sent::Refused(message) => return Err(ProxyError::UpstreamUnreachable(message)),
-        Sent::Failed(error) => return Err(error),
-    };
-    record(proxy, candidates, decode, request, why);
-    let relay = attempt::Relay {
-        guard,
-        added_usage,
-        request_id: request.request_id,
-        locals: &[],
-        arrived: request.arrived,
-        predict: false,
-        endpoint: request.endpoint,
-        migration: None,
-    };
-    attempt::respond(proxy, request.req, s, target, resp, relay)
-        .await?
-        .answer()
+}
+
+/// A rank's name in decisions: `worker/rank`.
+fn rank_name(candidates: &Candidates, i: usize) -> String {
+    let s = &candidates.scored[i];
+    let worker = candidates.targets.get(s.worker).map_or("?", |t| &t.name);
+    format!("{worker}/{}", s.key.rank)
 }
 
 /// Puts the decision in the dashboard's ring.
 fn record(
     proxy: &Proxy,
     candidates: &Candidates,
-    decode: usize,
+    (decode, retries): (usize, usize),
     request: &Request<'_>,
     why: String,
 ) {
@@ -335,7 +426,7 @@ fn record(
         candidates,
         ordered: &[decode],
         index: decode,
-        retries: 0,
+        retries,
     };
     let mut decision = admission::decision(
         &proxy.router,
@@ -346,216 +437,6 @@ fn record(
     );
     decision.disagg = Some(why);
     proxy.router.observed.routed(decision);
-}
-
-/// The most prompts one request may carry to SGLang: one bootstrap room each.
-const MAX_BATCH: usize = 4_096;
-
-/// SGLang: both legs at once, in one bootstrap room; the decode's answer
-/// relayed, the prefill's read to its end in the background.
-async fn sglang(
-    proxy: &Arc<Proxy>,
-    candidates: &Candidates,
-    placed: Placed,
-    request: Request<'_>,
-) -> Result<Response, ProxyError> {
-    let Placed {
-        decode,
-        decode_guard,
-        prefill,
-        first_prefill,
-        why,
-        ..
-    } = placed;
-    // Both legs go at once, so a prefill refusal cannot be retried
-    // elsewhere without sending the decode leg twice: one prefill worker.
-    let (p, prefill_guard) = match first_prefill {
-        Some(first) => first,
-        None => {
-            return Err(ProxyError::UpstreamUnreachable(
-                "no prefill worker available".into(),
-            ))
-        }
-    };
-    debug_assert_eq!(prefill.first(), Some(&p));
-    let prefill_target = in_rotation(proxy, candidates, p)?;
-    let (bootstrap, batch) = sglang_bootstrap(proxy, prefill_target, request.body)?;
-    let legs = |i: usize| {
-        let bootstrap = bootstrap.clone();
-        leg(proxy, candidates, i, &request, move |body| {
-            handoff::sglang_body(body, &bootstrap, batch)
-        })
-    };
-    let (prefill_out, decode_out) = (legs(p).await?, legs(decode).await?);
-    let decode_target = candidates
-        .targets
-        .get(candidates.scored[decode].worker)
-        .ok_or(ProxyError::NoWorkers)?;
-    let added_usage = decode_out.added_usage;
-    let (prefill_resp, decode_resp) = both(
-        send(
-            proxy,
-            prefill_target,
-            request.endpoint,
-            prefill_out,
-            request.headers,
-            request.request_id,
-        ),
-        send(
-            proxy,
-            decode_target,
-            request.endpoint,
-            decode_out,
-            request.headers,
-            request.request_id,
-        ),
-    )
-    .await?;
-    record(proxy, candidates, decode, &request, why);
-    if request.req.body.input_logprobs && !request.req.body.stream {
-        let rank = candidates.scored[decode].key.rank.0;
-        let prefill = merge::LegAnswer {
-            target: prefill_target,
-            resp: prefill_resp,
-            guard: prefill_guard,
-        };
-        let decode = merge::LegAnswer {
-            target: decode_target,
-            resp: decode_resp,
-            guard: decode_guard,
-        };
-        let answer = merge::respond(proxy, prefill, decode, (rank, request.request_id)).await;
-        proxy.router.timed(request.arrived, None);
-        return answer;
-    }
-    drain_prefill(
-        proxy,
-        prefill_target.name.clone(),
-        prefill_resp,
-        prefill_guard,
-        request.request_id,
-    );
-    let relay = attempt::Relay {
-        guard: decode_guard,
-        added_usage,
-        request_id: request.request_id,
-        locals: &[],
-        arrived: request.arrived,
-        predict: false,
-        endpoint: request.endpoint,
-        migration: None,
-    };
-    let s = &candidates.scored[decode];
-    attempt::respond(proxy, request.req, s, decode_target, decode_resp, relay)
-        .await?
-        .answer()
-}
-
-/// The target of candidate `p`, its attempt begun: an error when its
-/// breaker has it out of rotation (the SGLang prefill worker, which has no
-/// second try).
-fn in_rotation<'a>(
-    proxy: &Proxy,
-    candidates: &'a Candidates,
-    p: usize,
-) -> Result<&'a Target, ProxyError> {
-    let target = candidates
-        .targets
-        .get(candidates.scored[p].worker)
-        .ok_or(ProxyError::NoWorkers)?;
-    if !proxy.router.breakers().begin_attempt(&target.route.name) {
-        return Err(ProxyError::UpstreamUnreachable(format!(
-            "prefill worker `{}` is out of rotation",
-            target.name
-        )));
-    }
-    Ok(target)
-}
-
-/// The bootstrap both SGLang legs name: the prefill worker's host and
-/// bootstrap port, and one fresh room per prompt of the body (at most
-/// [`MAX_BATCH`]); with the body's prompt count when it is a batch.
-fn sglang_bootstrap(
-    proxy: &Proxy,
-    prefill_target: &Target,
-    body: &[u8],
-) -> Result<(Bootstrap, Option<usize>), ProxyError> {
-    let batch = handoff::batch_size(body).map_err(|e| ProxyError::bad_request(e.to_string()))?;
-    if batch.is_some_and(|n| n > MAX_BATCH) {
-        return Err(ProxyError::bad_request(format!(
-            "at most {MAX_BATCH} prompts per disaggregated request"
-        )));
-    }
-    let bootstrap = Bootstrap {
-        host: host_of(&prefill_target.url),
-        port: Some(
-            prefill_target
-                .bootstrap_port
-                .unwrap_or(handoff::DEFAULT_BOOTSTRAP_PORT),
-        ),
-        rooms: (0..batch.unwrap_or(1))
-            .map(|_| Bootstrap::room(proxy.router.random_u64()))
-            .collect(),
-    };
-    Ok((bootstrap, batch))
-}
-
-/// Sends both SGLang legs at once and waits for both heads; the first leg
-/// to fail drops (cancels) the other, which would otherwise wait for a
-/// bootstrap room that never fills.
-async fn both(
-    prefill: impl std::future::Future<Output = Sent>,
-    decode: impl std::future::Future<Output = Sent>,
-) -> Result<(reqwest::Response, reqwest::Response), ProxyError> {
-    tokio::pin!(prefill);
-    tokio::pin!(decode);
-    let (mut p, mut d) = (None, None);
-    loop {
-        tokio::select! {
-            sent = &mut prefill, if p.is_none() => p = Some(answered(sent, true)?),
-            sent = &mut decode, if d.is_none() => d = Some(answered(sent, false)?),
-        }
-        if p.is_some() && d.is_some() {
-            if let (Some(p), Some(d)) = (p.take(), d.take()) {
-                return Ok((p, d));
-            }
-        }
-    }
-}
-
-/// A leg's answer, or the error the request ends with. A prefill leg must
-/// succeed: its decode twin cannot finish without it.
-fn answered(sent: Sent, prefill: bool) -> Result<reqwest::Response, ProxyError> {
-    match sent {
-        Sent::Answer(resp) if prefill && !resp.status().is_success() => Err(
-            ProxyError::UpstreamUnreachable(format!("the prefill leg answered {}", resp.status())),
-        ),
-        Sent::Answer(resp) => Ok(resp),
-        Sent::Refused(message) => Err(ProxyError::UpstreamUnreachable(message)),
-        Sent::Failed(error) => Err(error),
-    }
-}
-
-/// Reads an SGLang prefill leg's answer to its end in the background, then
-/// settles the worker's breaker and frees its prefill load.
-fn drain_prefill(
-    proxy: &Arc<Proxy>,
-    worker: Arc<str>,
-    resp: reqwest::Response,
-    guard: ActiveGuard,
-    request_id: &str,
-) {
-    let (proxy, request_id) = (proxy.clone(), request_id.to_owned());
-    let timeout = proxy.router.config().prefill_timeout;
-    tokio::spawn(async move {
-        let status = resp.status();
-        let ending = match tokio::time::timeout(timeout, answer::drain(resp)).await {
-            Ok(Ok(())) => Ending::Complete(status),
-            Ok(Err(_)) | Err(_) => Ending::CutOff,
-        };
-        outcome::settle(&proxy.router, &worker, ending, &request_id);
-        drop(guard);
-    });
 }
 
 /// The host of a worker's URL, as its peers reach it (IPv6 without brackets).

@@ -32,6 +32,14 @@
 //! and `data: [DONE]`. An answer the client stopped reading (it
 //! disconnected) records nothing; a half-open probe lost that way expires
 //! after the breaker period.
+//!
+//! Each leg of a disaggregated request is an attempt under this rule
+//! (`super::disagg`), through its worker's breaker: a refused leg moves on
+//! to the next worker of its pool (vLLM's decode leg with the prefill's
+//! `kv_transfer_params`; SGLang's two legs together, in new rooms), so a
+//! refused half-open probe costs no client its request; a prefill leg with
+//! no answer within `--prefill-timeout-secs` was sent and lost before an
+//! answer (502 `upstream_failed`, the breaker opens).
 
 use axum::http::StatusCode;
 use tracing::{debug, warn};

@@ -226,6 +226,23 @@ pub(crate) fn charge_later(
     charge(router, &mut router.active.lock(), candidates, req, i)
 }
 
+/// [`charge_later`] for a split request's decode rank tried after the first
+/// (the first refused the decode leg): no prefill load, as the prefill ran
+/// on a prefill worker.
+pub(crate) fn charge_decode_later(
+    router: &Arc<Router>,
+    candidates: &Candidates,
+    req: &RoutedRequest,
+    i: usize,
+) -> Option<ActiveGuard> {
+    charge_as(
+        router,
+        &mut router.active.lock(),
+        (candidates, req, i),
+        false,
+    )
+}
+
 /// [`charge`], with the prompt's uncached tokens in the rank's prefill load
 /// only when it `prefills` (a decode rank of a split request does not).
 pub(crate) fn charge_as(

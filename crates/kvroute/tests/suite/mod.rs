@@ -10,6 +10,7 @@ mod demo;
 mod deploy;
 mod differential;
 mod disagg;
+mod disagg_failures;
 mod discovery;
 mod engine_load;
 mod epp;
