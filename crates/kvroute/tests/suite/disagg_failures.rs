@@ -57,6 +57,20 @@ struct Run {
     answered_by: Vec<String>,
 }
 
+impl Run {
+    /// Prints what was lost after `what` and asserts that nothing was.
+    fn assert_none_lost(&self, what: &str) {
+        let lost = self.lost.len();
+        eprintln!("{what}: {lost} of {} requests lost", self.sent);
+        assert!(
+            self.lost.is_empty(),
+            "lost {lost} of {}: {:?}",
+            self.sent,
+            self.lost
+        );
+    }
+}
+
 /// Sends split requests one after another (prompts from `seed` on) until
 /// the router has counted [`REFUSALS`] upstream errors, that is until the
 /// dead worker has refused its first attempt and its breaker's half-open
@@ -136,18 +150,7 @@ fn a_dead_vllm_decode_worker_costs_no_request_and_its_probes_none() {
     }
     kill(&mut d1);
     let run = requests_until_refused(&serve, 200);
-    eprintln!(
-        "dead vLLM decode worker: {} of {} requests lost",
-        run.lost.len(),
-        run.sent
-    );
-    assert!(
-        run.lost.is_empty(),
-        "lost {} of {}: {:?}",
-        run.lost.len(),
-        run.sent,
-        run.lost
-    );
+    run.assert_none_lost("dead vLLM decode worker");
     assert!(
         run.answered_by.iter().all(|w| w == "d0"),
         "{:?}",
@@ -167,18 +170,7 @@ fn a_dead_sglang_decode_worker_costs_no_request() {
     let (_serve, serve) = start_serve(&[p_line, d0_line, d1_line], &PROBING, &["p0", "d0", "d1"]);
     kill(&mut d1);
     let run = requests_until_refused(&serve, 300);
-    eprintln!(
-        "dead SGLang decode worker: {} of {} requests lost",
-        run.lost.len(),
-        run.sent
-    );
-    assert!(
-        run.lost.is_empty(),
-        "lost {} of {}: {:?}",
-        run.lost.len(),
-        run.sent,
-        run.lost
-    );
+    run.assert_none_lost("dead SGLang decode worker");
     assert!(
         run.answered_by.iter().all(|w| w == "d0"),
         "{:?}",
@@ -201,18 +193,7 @@ fn a_refused_sglang_prefill_sends_both_legs_to_the_next_prefill_worker() {
     }
     kill(&mut p0);
     let run = requests_until_refused(&serve, 500);
-    eprintln!(
-        "dead SGLang prefill worker: {} of {} requests lost",
-        run.lost.len(),
-        run.sent
-    );
-    assert!(
-        run.lost.is_empty(),
-        "lost {} of {}: {:?}",
-        run.lost.len(),
-        run.sent,
-        run.lost
-    );
+    run.assert_none_lost("dead SGLang prefill worker");
     assert!(count(&serve, "kvroute_proxy_retries_total") >= REFUSALS);
 }
 
