@@ -374,22 +374,37 @@ async fn relay_decode(
         };
         let why = moved_on(&why, candidates, decode, attempt);
         record(proxy, candidates, (decode, attempt), request, why);
-        let relay = attempt::Relay {
-            guard,
-            added_usage,
-            request_id: request.request_id,
-            locals: &[],
-            arrived: request.arrived,
-            predict: false,
-            endpoint: request.endpoint,
-            migration: None,
-        };
-        let s = &candidates.scored[decode];
-        return attempt::respond(proxy, request.req, s, target, resp, relay)
-            .await?
-            .answer();
+        let answer = (resp, guard, added_usage);
+        return respond_decode(proxy, candidates, (decode, target), answer, request).await;
     }
     Err(ProxyError::UpstreamUnreachable(last_error))
+}
+
+/// The client's response from decode rank `decode`'s answer (with the
+/// leg's load guard and whether the usage chunk was asked for on the
+/// client's behalf), relayed as an aggregated answer is, but predicting
+/// nothing (the decode worker received the prompt's KV) and never migrated.
+async fn respond_decode(
+    proxy: &Proxy,
+    candidates: &Candidates,
+    (decode, target): (usize, &Target),
+    (resp, guard, added_usage): (reqwest::Response, ActiveGuard, bool),
+    request: &Request<'_>,
+) -> Result<Response, ProxyError> {
+    let relay = attempt::Relay {
+        guard,
+        added_usage,
+        request_id: request.request_id,
+        locals: &[],
+        arrived: request.arrived,
+        predict: false,
+        endpoint: request.endpoint,
+        migration: None,
+    };
+    let s = &candidates.scored[decode];
+    attempt::respond(proxy, request.req, s, target, resp, relay)
+        .await?
+        .answer()
 }
 
 /// The decision's reason, naming the decode rank the leg went to when it

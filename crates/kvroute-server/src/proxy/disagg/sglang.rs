@@ -18,10 +18,12 @@ use std::sync::Arc;
 use axum::response::Response;
 use tokio::time::error::Elapsed;
 
-use super::{decode_ranks, host_of, leg, next_leg, prefill_timed_out, rank_name, record};
+use super::{
+    decode_ranks, host_of, leg, next_leg, prefill_timed_out, rank_name, record, respond_decode,
+};
 use crate::api::ProxyError;
 use crate::proxy::answer;
-use crate::proxy::attempt::{self, send, Request, Sent};
+use crate::proxy::attempt::{send, Request, Sent};
 use crate::proxy::handoff::{self, Bootstrap};
 use crate::proxy::merge;
 use crate::proxy::outcome::{self, Ending};
@@ -230,20 +232,8 @@ async fn respond(
         prefill_guard,
         request.request_id,
     );
-    let relay = attempt::Relay {
-        guard: decode_guard,
-        added_usage,
-        request_id: request.request_id,
-        locals: &[],
-        arrived: request.arrived,
-        predict: false,
-        endpoint: request.endpoint,
-        migration: None,
-    };
-    let s = &candidates.scored[d];
-    attempt::respond(proxy, request.req, s, decode_target, decode_resp, relay)
-        .await?
-        .answer()
+    let answer = (decode_resp, decode_guard, added_usage);
+    respond_decode(proxy, candidates, (d, decode_target), answer, &request).await
 }
 
 /// The bootstrap both SGLang legs name: the prefill worker's host and
