@@ -45,6 +45,35 @@ fn batch(seq: u64) -> Vec<u8> {
     out
 }
 
+/// The next replay request on the played engine's ROUTER socket: the
+/// asker's identity and the first seq it asks for (`None` after 50 ms of
+/// nothing, or for a frame that is not a request).
+fn next_request(router: &zmq::Socket) -> Option<(Vec<u8>, u64)> {
+    if !matches!(router.poll(zmq::POLLIN, 50), Ok(n) if n > 0) {
+        return None;
+    }
+    let req = router.recv_multipart(0).ok()?;
+    let [id, _, start] = req.as_slice() else {
+        return None;
+    };
+    let start = u64::from_be_bytes(start.as_slice().try_into().expect("8 bytes"));
+    Some((id.clone(), start))
+}
+
+/// Answers `id` with batches `seqs`.
+fn send_batches(router: &zmq::Socket, id: &[u8], seqs: std::ops::Range<u64>) {
+    for seq in seqs {
+        let reply = [id, b"", b"", &seq.to_be_bytes()[..], &batch(seq)[..]];
+        router.send_multipart(reply, 0).expect("reply");
+    }
+}
+
+/// Sends `id` a replay's end marker.
+fn send_end(router: &zmq::Socket, id: &[u8]) {
+    let reply = [id, b"", b"", &(-1i64).to_be_bytes()[..], b""];
+    router.send_multipart(reply, 0).expect("end");
+}
+
 /// The played engine's replay socket: its first answer stops after
 /// batch `CUT - 1` with no end marker; later ones are whole.
 struct Replayer {
@@ -59,25 +88,14 @@ impl Replayer {
         let thread = std::thread::spawn(move || {
             let mut answers = 0;
             while !flag.load(Ordering::Relaxed) {
-                if !matches!(router.poll(zmq::POLLIN, 50), Ok(n) if n > 0) {
-                    continue;
-                }
-                let Ok(req) = router.recv_multipart(0) else {
+                let Some((id, start)) = next_request(&router) else {
                     continue;
                 };
-                let [id, _, start] = req.as_slice() else {
-                    continue;
-                };
-                let start = u64::from_be_bytes(start.as_slice().try_into().expect("8 bytes"));
                 answers += 1;
                 let end = if answers == 1 { CUT.max(start) } else { ring };
-                for seq in start..end {
-                    let reply = [&id[..], b"", b"", &seq.to_be_bytes()[..], &batch(seq)[..]];
-                    router.send_multipart(reply, 0).expect("reply");
-                }
+                send_batches(&router, &id, start..end);
                 if answers > 1 {
-                    let reply = [&id[..], b"", b"", &(-1i64).to_be_bytes()[..], b""];
-                    router.send_multipart(reply, 0).expect("end");
+                    send_end(&router, &id);
                 }
             }
         });
@@ -147,33 +165,19 @@ fn support_publish(publisher: &zmq::Socket, message: &[&[u8]], serve: &str) {
 /// answer; other answers are whole. Answers hold the batches published so far.
 fn late_end_replayer(router: zmq::Socket, published: Arc<AtomicU64>, stop: Arc<AtomicBool>) {
     let mut answers = 0;
-    let end = |id: &[u8]| {
-        let reply = [id, b"", b"", &(-1i64).to_be_bytes()[..], b""];
-        router.send_multipart(reply, 0).expect("end");
-    };
     while !stop.load(Ordering::Relaxed) {
-        if !matches!(router.poll(zmq::POLLIN, 50), Ok(n) if n > 0) {
-            continue;
-        }
-        let Ok(req) = router.recv_multipart(0) else {
+        let Some((id, start)) = next_request(&router) else {
             continue;
         };
-        let [id, _, start] = req.as_slice() else {
-            continue;
-        };
-        let start = u64::from_be_bytes(start.as_slice().try_into().expect("8 bytes"));
         answers += 1;
         if answers == 2 {
             continue;
         }
         if answers == 3 {
-            end(id);
+            send_end(&router, &id);
         }
-        for seq in start..published.load(Ordering::Relaxed) {
-            let reply = [&id[..], b"", b"", &seq.to_be_bytes()[..], &batch(seq)[..]];
-            router.send_multipart(reply, 0).expect("reply");
-        }
-        end(id);
+        send_batches(&router, &id, start..published.load(Ordering::Relaxed));
+        send_end(&router, &id);
     }
 }
 
