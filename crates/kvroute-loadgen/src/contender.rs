@@ -94,7 +94,7 @@ pub struct Routing {
     pub stickiness: f64,
     /// Per-rank caps on requests in flight, learned from time to first
     /// token against this target in ms
-    /// ([`crate::sim::caps`]; `None`: no caps, the default;
+    /// (`kvroute_sim::caps`; `None`: no caps, the default;
     /// simulator only).
     pub cap_ttft_ms: Option<f64>,
 }

@@ -114,16 +114,24 @@ pub enum Endpoint {
     },
 }
 
-/// One finished request.
+/// One finished request (the simulator builds these on its virtual clock
+/// and summarises them as the driver does).
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub(crate) struct Sample {
-    pub(crate) start_s: f64,
-    pub(crate) ttft_ms: f64,
-    pub(crate) latency_ms: f64,
-    pub(crate) prompt_tokens: u64,
-    pub(crate) cached_tokens: u64,
-    pub(crate) output_tokens: u64,
-    pub(crate) label: RepeatLabel,
+pub struct Sample {
+    /// When it was sent, in seconds from the run's start.
+    pub start_s: f64,
+    /// Time to its first token, in milliseconds.
+    pub ttft_ms: f64,
+    /// Time to its last token, in milliseconds.
+    pub latency_ms: f64,
+    /// Its prompt's tokens.
+    pub prompt_tokens: u64,
+    /// Of those, the tokens the engine found in its cache.
+    pub cached_tokens: u64,
+    /// The tokens it generated.
+    pub output_tokens: u64,
+    /// Which kind of repeat the workload made it (for the per-kind hit rates).
+    pub label: RepeatLabel,
 }
 
 #[derive(Debug)]
@@ -458,7 +466,7 @@ async fn send(
 }
 
 /// The per-policy summary of a run's samples (the simulator's too).
-pub(crate) fn summarize(
+pub fn summarize(
     samples: &[Sample],
     requests: u64,
     failed: u64,

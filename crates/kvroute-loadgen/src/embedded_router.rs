@@ -26,7 +26,7 @@ pub type RouterTokenizer = Arc<Renderer>;
 /// workers with every rank's event stream connected and past its first
 /// replay (not `replaying`): until then the router does not know what the
 /// engines hold (a real engine's long history takes seconds to replay).
-pub(crate) async fn wait_until_connected(
+pub async fn wait_until_connected(
     client: &reqwest::Client,
     base_url: &str,
     within: Duration,
@@ -58,7 +58,7 @@ pub(crate) async fn wait_until_connected(
 }
 
 /// A router started for one policy; dropping it shuts the router down.
-pub(crate) struct RunningRouter {
+pub struct RunningRouter {
     /// `http://127.0.0.1:PORT`.
     pub url: String,
     stop: Option<oneshot::Sender<()>>,

@@ -14,7 +14,7 @@ use crate::metrics;
 use crate::preset::PdLayout;
 
 /// The engines a demo or a benchmark drives, started in this process.
-pub(crate) struct Engines {
+pub struct Engines {
     /// One fleet per role: `[all]`, or `[prefill, decode]`.
     fleets: Vec<(Fleet, WorkerRole)>,
 }
@@ -22,7 +22,7 @@ pub(crate) struct Engines {
 impl Engines {
     /// Starts `mocker.workers` aggregated engines, or with `layout` its
     /// prefill engines then its decode engines (`mocker.workers` ignored).
-    pub(crate) async fn start(mocker: MockerConfig, layout: Option<PdLayout>) -> Result<Engines> {
+    pub async fn start(mocker: MockerConfig, layout: Option<PdLayout>) -> Result<Engines> {
         let Some(layout) = layout else {
             let fleet = Fleet::start(mocker).await?;
             return Ok(Engines {
@@ -73,20 +73,20 @@ impl Engines {
 
     /// Every engine as `kvroute serve --worker` takes it, by the name
     /// [`Engines::specs`] gives it.
-    pub(crate) fn worker_args(&self) -> Vec<String> {
+    pub fn worker_args(&self) -> Vec<String> {
         self.named()
             .map(|(name, w)| w.worker_arg_as(&name))
             .collect()
     }
 
     /// Every engine's base URL.
-    pub(crate) fn urls(&self) -> Vec<String> {
+    pub fn urls(&self) -> Vec<String> {
         self.named().map(|(_, w)| w.url()).collect()
     }
 
     /// The engines as the router's workers, served as `disagg` says:
     /// [`Disagg::Aggregated`] registers every engine with `role=both`.
-    pub(crate) fn specs(&self, block_size: u32, disagg: Disagg) -> Result<Vec<WorkerSpec>> {
+    pub fn specs(&self, block_size: u32, disagg: Disagg) -> Result<Vec<WorkerSpec>> {
         let mut specs = Vec::new();
         for (name, w) in self.named() {
             let mut spec = WorkerSpec::parse(&w.worker_arg_as(&name), Some(block_size))?;
@@ -99,12 +99,12 @@ impl Engines {
     }
 
     /// Whether prefill and decode run on different engines.
-    pub(crate) fn disaggregated(&self) -> bool {
+    pub fn disaggregated(&self) -> bool {
         self.fleets.len() > 1
     }
 
     /// Stops every engine.
-    pub(crate) async fn shutdown(self) {
+    pub async fn shutdown(self) {
         for (fleet, _) in self.fleets {
             fleet.shutdown().await;
         }
@@ -115,7 +115,7 @@ impl Engines {
 /// prefill engine, summed over the fleet (vLLM's prefix-cache counters and
 /// the mock engine's transfer counter).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct PromptWork {
+pub struct PromptWork {
     queries: u64,
     hits: u64,
     received: u64,
@@ -124,7 +124,7 @@ pub(crate) struct PromptWork {
 impl PromptWork {
     /// The fleet's counters now; `None` for SGLang engines, which count no
     /// prefix-cache hits in tokens.
-    pub(crate) async fn read(
+    pub async fn read(
         client: &reqwest::Client,
         urls: &[String],
         flavor: WorkerFlavor,
@@ -145,7 +145,7 @@ impl PromptWork {
     /// Of `prompt_tokens` sent between `self` and `later`, the fraction no
     /// engine computed: cached where it was prefilled. KV a decode engine
     /// received is not a hit: its prefill engine computed it.
-    pub(crate) fn hit_rate_until(self, later: PromptWork, prompt_tokens: u64) -> Result<f64> {
+    pub fn hit_rate_until(self, later: PromptWork, prompt_tokens: u64) -> Result<f64> {
         let delta = |a: u64, b: u64| b.checked_sub(a);
         let computed = delta(self.queries, later.queries)
             .zip(delta(self.hits, later.hits))

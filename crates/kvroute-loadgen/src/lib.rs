@@ -1,21 +1,24 @@
-//! kvroute's load generation and measurement, used by `kvroute bench` and
-//! `kvroute demo`: seeded workloads sent at any OpenAI-compatible endpoint,
-//! or through the oracle, in open or closed loop, summarised per routing
-//! policy; the demo that compares policies on a mock fleet; and the
-//! benchmarks of kvroute's own parts.
+//! kvroute's load generation and measurement, used by `kvroute load`,
+//! `kvroute bench` and the crates built on it: seeded workloads sent at any
+//! OpenAI-compatible endpoint, or through the oracle, in open or closed
+//! loop, summarised per routing policy.
 //!
 //! | entry point | what it runs |
 //! | --- | --- |
 //! | [`measure`] / [`run`] | one workload against one endpoint ([`driver`]) |
-//! | [`demo::run`] | a mock fleet, a router per policy and the oracle |
-//! | [`bench::index::run`], [`bench::ingest::run`], [`bench::proxy::run`] | the index alone; a router process ingesting thousands of ranks; the latency a router process adds |
-//! | [`bench::replicas::run`] | one router, two synced replicas, two unsynced routers, a replica killed under load |
+//! | [`engines`] / [`embedded_router`] | a fleet of mock engines and a router with a given policy ([`contender`]), in this process, to measure against |
+//! | [`nats`] | a NATS server with JetStream for router replicas, as a child process |
 //!
-//! Inside: [`workload`] (the traffic, [`image`] for its PNGs), [`driver`]
-//! (arrivals, bounds, samples), the oracle, [`stats`] (every percentile),
-//! [`report`] and [`plot`], [`trace`] (the index bench's synthetic events),
-//! [`nats`] (a NATS server with JetStream for router replicas, as a child
-//! process).
+//! Inside: [`workload`] (the traffic, [`image`] for its PNGs, [`mooncake`]
+//! for traces), [`driver`] (arrivals, bounds, samples), the oracle
+//! ([`oracle`], [`event_oracle`]), [`stats`] (every percentile), [`report`]
+//! and [`plot`], [`preset`] (the named workloads and their fleets),
+//! [`metrics`] (counters read from a router's or an engine's `/metrics`).
+//!
+//! Built on it, one crate per concern: `kvroute-sim` (the discrete-event
+//! simulator, `kvroute bench sim`), `kvroute-bench` (the benchmarks of
+//! kvroute's own parts) and `kvroute-demo` (`kvroute demo`).
+//!
 //! No clap: the binary turns its flags into these config structs.
 //!
 //! ```ignore
@@ -35,28 +38,23 @@
 //! See `docs/bench.md` for the workloads' sizes, arrival modes and fields.
 
 mod balancer;
-pub mod bench;
 pub mod contender;
-pub mod demo;
 pub mod driver;
-mod embedded_router;
-mod engines;
+pub mod embedded_router;
+pub mod engines;
 pub mod error;
 pub mod event_oracle;
 mod exchange;
 pub mod image;
-mod metrics;
+pub mod metrics;
 pub mod mooncake;
 pub mod nats;
-mod oracle;
+pub mod oracle;
 pub mod plot;
 pub mod preset;
 mod progress;
-pub mod real_engines;
 pub mod report;
-pub mod sim;
 pub mod stats;
-pub mod trace;
 pub mod workload;
 
 pub use driver::{measure, run, Arrival, Endpoint, LoadOptions};

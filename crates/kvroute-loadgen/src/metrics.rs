@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 
 /// The router's accuracy counters (comparisons, exact agreements) from its
 /// `/metrics`; `None` when the target is not kvroute or does not answer.
-pub(crate) async fn accuracy_counters(client: &reqwest::Client, base: &str) -> Option<(u64, u64)> {
+pub async fn accuracy_counters(client: &reqwest::Client, base: &str) -> Option<(u64, u64)> {
     let resp = client
         .get(format!("{base}/metrics"))
         .timeout(Duration::from_secs(5))
@@ -25,10 +25,7 @@ pub(crate) async fn accuracy_counters(client: &reqwest::Client, base: &str) -> O
 
 /// [`accuracy_counters`] summed over several routers (replicas behind a
 /// balancer); `None` when there is none or any of them has no counters.
-pub(crate) async fn accuracy_total(
-    client: &reqwest::Client,
-    bases: &[String],
-) -> Option<(u64, u64)> {
+pub async fn accuracy_total(client: &reqwest::Client, bases: &[String]) -> Option<(u64, u64)> {
     if bases.is_empty() {
         return None;
     }
@@ -59,7 +56,7 @@ fn parse_accuracy(metrics: &str) -> Option<(u64, u64)> {
 
 /// The sum of every sample of the metric `name` in `text`, whatever its
 /// labels; `None` when `text` has no sample of it.
-pub(crate) fn total(text: &str, name: &str) -> Option<u64> {
+pub fn total(text: &str, name: &str) -> Option<u64> {
     samples(text)
         .filter(|s| s.name == name)
         .fold(None, |sum: Option<f64>, s| {
@@ -71,7 +68,7 @@ pub(crate) fn total(text: &str, name: &str) -> Option<u64> {
 /// The samples of the metric `name` in `text` summed per value of their
 /// label `label` (e.g. `kvroute_proxy_routed_total` per `worker`, over its
 /// `dp_rank`s); samples without that label are left out.
-pub(crate) fn by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, u64> {
+pub fn by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
     for s in samples(text).filter(|s| s.name == name) {
         if let Some(v) = s.label(label) {
@@ -82,19 +79,19 @@ pub(crate) fn by_label(text: &str, name: &str, label: &str) -> BTreeMap<String, 
 }
 
 /// [`total`], 0 when there is no sample.
-pub(crate) fn sum(text: &str, name: &str) -> u64 {
+pub fn sum(text: &str, name: &str) -> u64 {
     total(text, name).unwrap_or(0)
 }
 
 /// Exact agreements per comparison between two readings of the counters.
-pub(crate) fn accuracy_between(before: (u64, u64), after: (u64, u64)) -> Option<f64> {
+pub fn accuracy_between(before: (u64, u64), after: (u64, u64)) -> Option<f64> {
     let compared = after.0.checked_sub(before.0)?;
     let exact = after.1.checked_sub(before.1)?;
     (compared > 0).then(|| exact as f64 / compared as f64)
 }
 
 /// GETs `base` + `path` and returns the body as text.
-pub(crate) async fn get_text(client: &reqwest::Client, base: &str, path: &str) -> Result<String> {
+pub async fn get_text(client: &reqwest::Client, base: &str, path: &str) -> Result<String> {
     let url = format!("{base}{path}");
     let resp = client
         .get(&url)

@@ -115,7 +115,7 @@ async fn pick(
 /// (worker, rank)'s requests in flight: the most matched tokens, then the
 /// fewest in flight, then `rng`'s coin among what is left. `None` when
 /// there is no candidate. `kvroute bench sim` routes its oracle by it too.
-pub(crate) fn choose(
+pub fn choose(
     candidates: &[(usize, u32, u64)],
     in_flight: impl Fn(usize, u32) -> usize,
     rng: &mut SplitMix64,

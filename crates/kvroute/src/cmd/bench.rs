@@ -12,8 +12,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
+use kvroute_bench::{self as bench, fairness, index, ingest, proxy, replicas, restore};
 use kvroute_loadgen as load;
-use kvroute_loadgen::bench::{self, fairness, index, ingest, proxy, replicas, restore};
 
 /// Arguments of `kvroute bench`.
 #[derive(Debug, Args)]

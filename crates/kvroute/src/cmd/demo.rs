@@ -1,4 +1,4 @@
-//! `kvroute demo`: the win, shown in one command (see `kvroute_loadgen::demo`).
+//! `kvroute demo`: the win, shown in one command (see `kvroute_demo`).
 //!
 //! Turns the flags into a [`DemoConfig`], runs it until the end or Ctrl-C /
 //! SIGTERM (exit 130), then prints the table and writes `demo-report.json`
@@ -11,8 +11,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use kvroute_core::event::WorkerFlavor;
-use kvroute_loadgen::demo::{self, Contender, DemoConfig, MM_TOKENS_PER_IMAGE};
-use kvroute_loadgen::real_engines::RealEngines;
+use kvroute_demo::real_engines::RealEngines;
+use kvroute_demo::{self as demo, Contender, DemoConfig, MM_TOKENS_PER_IMAGE};
 use kvroute_loadgen::{Arrival, LoadOptions, PdLayout, Preset, WorkloadKind, WorkloadSpec};
 use kvroute_prompt::Tokenizer;
 

@@ -24,8 +24,8 @@ use kvroute_core::hash::{local_block_hashes, sequence_hashes, HASH_SEED};
 use kvroute_core::rng::SplitMix64;
 use kvroute_core::scheduler::{Policy, WorkerRole};
 use kvroute_loadgen::contender::Disagg;
-use kvroute_loadgen::sim::routing::placer_seed;
-use kvroute_loadgen::sim::{Contender, Placement, Routing, SimRouter};
+use kvroute_sim::routing::placer_seed;
+use kvroute_sim::{Contender, Placement, Routing, SimRouter};
 
 use crate::support::held::{HeldFleet, Leg};
 use crate::support::publisher::{batch, removed, stored, Publisher};

@@ -1,5 +1,5 @@
 //! `kvroute bench sim`: the fleet, the router and the clients on a virtual
-//! clock (see `kvroute_loadgen::sim`), for each named policy, each seed and
+//! clock (see `kvroute_sim`), for each named policy, each seed and
 //! each combination of the cost weights given as lists: a sweep. With a
 //! prefill/decode layout (`--pd P:D`, or `--preset pd`), the fleet's first
 //! P engines prefill and the rest decode.
@@ -13,12 +13,10 @@ use kvroute_core::scheduler::{CostWeights, Policy, SpeedConfig};
 use kvroute_loadgen as load;
 use kvroute_loadgen::contender::Contender;
 use kvroute_loadgen::mooncake::Trace;
-use kvroute_loadgen::sim::bound::{search_pins, PinSearch, Targets};
-use kvroute_loadgen::sim::runs;
-use kvroute_loadgen::sim::{
-    simulate, Delays, SimConfig, SimLoad, SimReport, DEFAULT_TRANSFER_US_PER_BLOCK,
-};
 use kvroute_loadgen::PdLayout;
+use kvroute_sim::bound::{search_pins, PinSearch, Targets};
+use kvroute_sim::runs;
+use kvroute_sim::{simulate, Delays, SimConfig, SimLoad, SimReport, DEFAULT_TRANSFER_US_PER_BLOCK};
 use serde_json::json;
 
 mod sweep;
@@ -295,10 +293,8 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         }
     }
     let trace = a.trace.as_deref().map(Trace::read).transpose()?;
-    let engine = kvroute_loadgen::sim::engine_config(
-        a.gpu_blocks.or(a.preset.map(|p| p.gpu_blocks())),
-        a.speedup,
-    );
+    let engine =
+        kvroute_sim::engine_config(a.gpu_blocks.or(a.preset.map(|p| p.gpu_blocks())), a.speedup);
     let delays = Delays {
         client_us: a.client_us,
         engine_us: a.engine_us,
@@ -331,7 +327,7 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         return pin_search(a, evaluations, &config);
     }
     if a.frontier {
-        use kvroute_loadgen::sim::frontier::{command, Options};
+        use kvroute_sim::frontier::{command, Options};
         let kv: Contender = "kv".parse()?;
         let options = Options {
             preset: a.preset,

@@ -185,7 +185,7 @@ impl PhaseReport {
 pub struct ReplicasBenchReport {
     /// The settings it ran with.
     pub config: ReplicasBenchConfig,
-    /// The workload's description ([`crate::WorkloadSpec::describe`], streamed).
+    /// The workload's description ([`kvroute_loadgen::WorkloadSpec::describe`], streamed).
     pub workload: Value,
     /// Per phase, in the order they ran.
     pub phases: Vec<PhaseReport>,
@@ -451,7 +451,7 @@ impl fmt::Display for ReplicasBenchReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::replicas::Delay;
+    use crate::replicas::Delay;
 
     fn phase(kind: PhaseKind, hit_rate: f64, counts: [u64; 2]) -> PhaseReport {
         let delay = Delay {

@@ -217,7 +217,7 @@ impl fmt::Display for ProxyBenchReport {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::bench::proxy::TokenizerSource;
+    use crate::proxy::TokenizerSource;
 
     #[test]
     fn figures_name_the_max_and_leave_out_percentiles_too_few_requests_resolve() {

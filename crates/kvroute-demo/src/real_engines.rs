@@ -202,7 +202,7 @@ impl Fleet {
     /// Empties every engine's cache, so each policy starts cold.
     pub(crate) async fn reset(&self, client: &reqwest::Client) -> Result<()> {
         match self {
-            Fleet::Mock(_) => crate::demo::reset_caches(client, &self.urls()).await,
+            Fleet::Mock(_) => crate::reset_caches(client, &self.urls()).await,
             Fleet::Real(r) => r.reset(client).await,
         }
     }

@@ -34,6 +34,14 @@ pub mod frontier;
 pub mod routing;
 pub mod runs;
 
+mod plot;
+
+// The load generator's modules the simulator builds on, under their own
+// names: its clients, the policies, the presets, the reports.
+use kvroute_loadgen::{
+    contender, driver, error, mooncake, oracle, preset, report, stats, workload,
+};
+
 use kvroute_mocker::engine::EngineConfig;
 
 use crate::contender::Disagg;

@@ -3,7 +3,7 @@
 //! counting instructions, which stay the same from run to run:
 //!
 //! ```sh
-//! cargo build --release -p kvroute-loadgen --example lookup_depths
+//! cargo build --release -p kvroute-bench --example lookup_depths
 //! target/release/examples/lookup_depths 1000000        # 128 workers × 1 M residencies, timed
 //! valgrind --tool=callgrind --toggle-collect='kvroute_core::index::walk::find_matches*' \
 //!     target/release/examples/lookup_depths 100000 once  # 100 000 lookups, counted
@@ -16,9 +16,9 @@
 use std::collections::BTreeMap;
 use std::time::Instant;
 
+use kvroute_bench::trace::{TraceConfig, TraceGen};
 use kvroute_core::hash::sequence_hashes;
 use kvroute_core::index::{Index, IndexConfig};
-use kvroute_loadgen::trace::{TraceConfig, TraceGen};
 
 fn main() {
     let mut args = std::env::args().skip(1);

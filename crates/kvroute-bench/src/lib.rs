@@ -5,7 +5,9 @@
 //! ([`proxy`]), the time a router takes to be ready on a saved index
 //! ([`restore`]), what router replicas cost and buy ([`replicas`]), and
 //! how the overload queue shares a saturated fleet ([`fairness`]).
-//! All but the first run the router as a child process.
+//! All but the first run the router as a child process; [`trace`] makes
+//! the index bench's synthetic events. Built on `kvroute-loadgen` (its
+//! driver, workloads, in-process fleets and routers, statistics).
 
 mod child;
 pub mod fairness;
@@ -16,6 +18,13 @@ pub mod ingest;
 pub mod proxy;
 pub mod replicas;
 pub mod restore;
+pub mod trace;
+
+// The load generator's modules the benches build on, under their own names.
+use kvroute_loadgen::{
+    driver, embedded_router, engines, error, metrics, mooncake, nats, preset, report, stats,
+    workload, PolicyReport,
+};
 
 /// A flat JSON report as aligned `key  value` lines, keys right-aligned to
 /// `width` (how `kvroute bench index` and `bench ingest` print without `--json`).

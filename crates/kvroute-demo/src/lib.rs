@@ -24,10 +24,18 @@
 //! child process) and the client balances its requests round-robin over
 //! them, as a load balancer in front of router replicas would.
 
+pub mod real_engines;
+
 use std::fmt;
 use std::future::Future;
 use std::path::Path;
 use std::time::{Duration, Instant};
+
+// The load generator's modules the demo builds on, under their own names.
+use kvroute_loadgen::{
+    contender, driver, embedded_router, engines, error, event_oracle, nats, preset, report,
+    workload,
+};
 
 use crate::contender::{Disagg, Routing};
 use crate::engines::{Engines, PromptWork};
@@ -39,7 +47,7 @@ use kvroute_server::ingest::spec::WorkerSpec;
 use kvroute_server::replica::ReplicaConfig;
 use serde_json::{json, Map, Value};
 
-use crate::driver::{self, Endpoint, LoadOptions};
+use crate::driver::{Endpoint, LoadOptions};
 use crate::embedded_router::{RouterTokenizer, RunningRouter};
 use crate::error::{Error, Result};
 use crate::nats::NatsServer;
