@@ -31,6 +31,7 @@ pub mod bound;
 pub mod caps;
 mod clock;
 pub mod frontier;
+pub mod plan;
 pub mod routing;
 pub mod runs;
 

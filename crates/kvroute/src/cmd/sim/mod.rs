@@ -14,9 +14,10 @@ use kvroute_loadgen as load;
 use kvroute_loadgen::contender::Contender;
 use kvroute_loadgen::mooncake::Trace;
 use kvroute_loadgen::PdLayout;
-use kvroute_sim::bound::{search_pins, PinSearch, Targets};
+use kvroute_sim::bound::PinSearch;
+use kvroute_sim::plan::{self, PinOutcome, Traffic};
 use kvroute_sim::runs;
-use kvroute_sim::{simulate, Delays, SimConfig, SimLoad, SimReport, DEFAULT_TRANSFER_US_PER_BLOCK};
+use kvroute_sim::{Delays, SimConfig, SimReport, DEFAULT_TRANSFER_US_PER_BLOCK};
 use serde_json::json;
 
 mod sweep;
@@ -159,13 +160,6 @@ pub struct SimArgs {
     pin_temperature: f64,
 }
 
-/// The contenders compared when `--policies` is not given.
-const DEFAULT_POLICIES: [&str; 5] = ["kv", "dynamo", "least-loaded", "round-robin", "oracle"];
-
-/// The same on a prefill/decode fleet: conditional and forced
-/// disaggregation, a load-only baseline, and the engines without roles.
-const PD_POLICIES: [&str; 4] = ["kv", "kv-split", "round-robin", "aggregated"];
-
 impl SimArgs {
     /// The fleet's prefill/decode layout: `--pd`, else the preset's.
     fn layout(&self) -> Option<PdLayout> {
@@ -188,12 +182,10 @@ impl SimArgs {
         if !self.policies.is_empty() {
             return self.policies.clone();
         }
-        let names: &[&str] = if self.layout().is_some() {
-            &PD_POLICIES
-        } else {
-            &DEFAULT_POLICIES
-        };
-        names.iter().map(|n| n.to_string()).collect()
+        plan::default_policies(self.layout())
+            .iter()
+            .map(|n| n.to_string())
+            .collect()
     }
 }
 
@@ -238,44 +230,22 @@ fn contenders(a: &SimArgs) -> Result<Vec<(String, Contender)>> {
     Ok(out)
 }
 
-/// The traffic of one seed.
-fn sim_load(a: &SimArgs, seed: u64, trace: Option<&Trace>) -> SimLoad {
-    let concurrency = a
-        .concurrency
-        .or(a.preset.map(|p| p.concurrency()))
-        .unwrap_or(16);
-    let arrival = match (trace, a.rate) {
-        (Some(_), _) => load::Arrival::Trace,
-        (None, Some(rate)) => load::Arrival::Poisson { rate },
-        (None, None) => load::Arrival::Closed { concurrency },
-    };
-    let workload = match (a.preset, trace) {
-        (Some(p), _) => p.workload(seed),
-        (None, Some(t)) => load::WorkloadSpec {
-            kind: load::WorkloadKind::Trace,
-            trace: Some(t.clone()),
-            seed,
-            ..load::WorkloadSpec::default()
-        },
-        (None, None) => load::WorkloadSpec {
+/// Where the runs' requests come from.
+fn traffic<'a>(a: &SimArgs, trace: Option<&'a Trace>) -> Traffic<'a> {
+    Traffic {
+        preset: a.preset,
+        trace,
+        workload: load::WorkloadSpec {
             kind: a.workload,
-            seed,
             scale: a.scale,
             groups: a.groups,
             max_tokens: a.max_tokens,
             question_tokens: a.question_tokens,
             ..load::WorkloadSpec::default()
         },
-    };
-    let requests = a.requests.unwrap_or(match (a.preset, trace) {
-        (Some(p), _) => p.requests(),
-        (None, Some(_)) => 0,
-        (None, None) => 1_000,
-    });
-    SimLoad {
-        workload,
-        arrival,
-        requests,
+        requests: a.requests,
+        concurrency: a.concurrency,
+        rate: a.rate,
     }
 }
 
@@ -358,7 +328,7 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
                     pins: pins.clone(),
                     ..config(contender, seed)
                 },
-                sim_load(a, seed, trace.as_ref()),
+                traffic(a, trace.as_ref()).load(seed),
             ));
         }
     }
@@ -388,13 +358,7 @@ fn pin_search(
         );
     }
     for &seed in &a.seeds {
-        let load = sim_load(a, seed, None);
-        let mut baselines = Vec::new();
-        for name in ["least-loaded", "dynamo", "kv"] {
-            let contender: Contender = name.parse()?;
-            baselines.push((name, simulate(&config(contender, seed), &load)?));
-        }
-        let targets = Targets::better_of(baselines[..2].iter().map(|(_, r)| r));
+        let load = traffic(a, None).load(seed);
         let search = PinSearch {
             groups,
             evaluations,
@@ -402,10 +366,12 @@ fn pin_search(
             seed,
             temperature: a.pin_temperature,
         };
-        let started = std::time::Instant::now();
-        let kv = config("kv".parse()?, seed);
-        let bound = search_pins(&kv, &load, &targets, &search)?;
-        let cpu_ms = started.elapsed().as_secs_f64() * 1e3;
+        let PinOutcome {
+            baselines,
+            targets,
+            bound,
+            search_ms: cpu_ms,
+        } = plan::pin_outcome(config, &load, &search)?;
         let mut rows: Vec<(&str, &SimReport)> = baselines.iter().map(|(n, r)| (*n, r)).collect();
         rows.push(("pinned-best", &bound.report));
         for (name, r) in rows {
@@ -508,7 +474,7 @@ mod tests {
         let preset = args(&["--preset", "pd"]);
         assert_eq!(preset.layout(), Some(PdLayout::DEFAULT));
         assert_eq!(preset.engines().expect("valid"), 4);
-        assert_eq!(names(&preset), PD_POLICIES);
+        assert_eq!(names(&preset), plan::PD_POLICIES);
         let given = args(&["--workload", "multi-turn", "--pd", "1:3"]);
         assert_eq!(
             given.layout(),
@@ -527,7 +493,7 @@ mod tests {
         );
         let plain = args(&[]);
         assert_eq!((plain.layout(), plain.engines().expect("valid")), (None, 4));
-        assert_eq!(names(&plain), DEFAULT_POLICIES);
+        assert_eq!(names(&plain), plan::DEFAULT_POLICIES);
         assert!(args(&["--pd", "2:2", "--engines", "6"]).engines().is_err());
         assert_eq!(
             args(&["--pd", "2:2", "--engines", "4"]).engines().ok(),
