@@ -1,6 +1,7 @@
 //! What one `kvroute bench sim` run simulates, apart from its flags: the
-//! contenders compared by default, the traffic of each seed (a preset, a
-//! trace or a workload, and their defaults), and the pin search's
+//! contenders compared by default, the sweep's combinations of the `kv`
+//! policy's knobs, the traffic of each seed (a preset, a trace or a
+//! workload, and their defaults), and the pin search's
 //! experiment (the baselines, their better tail as the target, the best
 //! fixed placement found against it). The binary parses the flags into
 //! these and prints what comes back.
@@ -8,8 +9,9 @@
 use std::time::Instant;
 
 use crate::bound::{search_pins, PinBound, PinSearch, Targets};
+use crate::contender::Routing;
 use crate::driver::Arrival;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::mooncake::Trace;
 use crate::preset::{PdLayout, Preset};
 use crate::workload::{WorkloadKind, WorkloadSpec};
@@ -29,6 +31,38 @@ pub fn default_policies(layout: Option<PdLayout>) -> &'static [&'static str] {
     } else {
         &DEFAULT_POLICIES
     }
+}
+
+/// The most runs one command makes (policies × sweep points × seeds).
+pub const MAX_RUNS: usize = 100_000;
+
+/// One axis of a sweep: its short name (in each run's label), its values,
+/// and how a value sets a routing.
+pub type SweepAxis<'a> = (&'static str, &'a [f64], fn(&mut Routing, f64));
+
+/// Every combination of the axes' values applied to `base`, each labelled
+/// `name=value,…` (one unlabelled `base` without axes); an error past
+/// [`MAX_RUNS`] combinations.
+pub fn sweep(base: Routing, axes: &[SweepAxis<'_>]) -> Result<Vec<(String, Routing)>> {
+    let mut out = vec![(String::new(), base)];
+    for &(name, values, set) in axes {
+        if out.len().saturating_mul(values.len()) > MAX_RUNS {
+            return Err(Error::Invalid(format!(
+                "the sweep asks for more than {MAX_RUNS} runs; split it"
+            )));
+        }
+        let mut next = Vec::with_capacity(out.len() * values.len());
+        for (label, routing) in &out {
+            for &v in values {
+                let mut r = *routing;
+                set(&mut r, v);
+                let sep = if label.is_empty() { "" } else { "," };
+                next.push((format!("{label}{sep}{name}={v}"), r));
+            }
+        }
+        out = next;
+    }
+    Ok(out)
 }
 
 /// Where a run's requests come from: a preset, else a trace, else
@@ -182,6 +216,25 @@ mod tests {
             }
         );
         assert_eq!(load.workload.kind, preset.workload(3).kind);
+    }
+
+    #[test]
+    fn a_sweep_runs_every_combination_of_its_axes_labelled_in_order() {
+        let base = Routing::new(kvroute_core::scheduler::Policy::Kv);
+        assert_eq!(sweep(base, &[]).expect("no axes"), [(String::new(), base)]);
+        let axes: [SweepAxis<'_>; 2] = [
+            ("t", &[0.0, 0.5], |r, v| r.temperature = v),
+            ("stick", &[1.0, 1.5, 2.0], |r, v| r.stickiness = v),
+        ];
+        let runs = sweep(base, &axes).expect("six runs");
+        let labels: Vec<&str> = runs.iter().map(|(l, _)| l.as_str()).collect();
+        assert_eq!(labels.len(), 6);
+        assert_eq!(labels[0], "t=0,stick=1");
+        assert_eq!(labels[5], "t=0.5,stick=2");
+        assert_eq!((runs[5].1.temperature, runs[5].1.stickiness), (0.5, 2.0));
+        let many = vec![0.0; 1_000];
+        let huge: [SweepAxis<'_>; 2] = [("t", &many, |r, v| r.temperature = v); 2];
+        assert!(sweep(base, &huge).is_err());
     }
 
     #[test]

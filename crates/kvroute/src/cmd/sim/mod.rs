@@ -21,7 +21,8 @@ use kvroute_sim::{Delays, SimConfig, SimReport, DEFAULT_TRANSFER_US_PER_BLOCK};
 use serde_json::json;
 
 mod sweep;
-use sweep::{SweepArgs, MAX_RUNS};
+use kvroute_sim::plan::MAX_RUNS;
+use sweep::SweepArgs;
 
 /// Arguments of `kvroute bench sim`.
 #[derive(Debug, Args)]

@@ -1,9 +1,10 @@
 //! `kvroute bench sim`'s sweep: lists of the `kv` policy's knobs, every
 //! combination run.
 
-use anyhow::{bail, Result};
+use anyhow::Result;
 use clap::Args;
 use kvroute_loadgen::contender::{deal_from_value, Routing};
+use kvroute_sim::plan::{self, SweepAxis};
 
 /// The `kv` policy's weights; each takes a list, and every combination runs.
 #[derive(Debug, Args)]
@@ -60,7 +61,7 @@ fn parse_deal(value: &str) -> Result<f64, String> {
 }
 
 /// One axis of the sweep: its short name, its values, and how it sets a routing.
-type Axis<'a> = (&'static str, &'a [f64], fn(&mut Routing, f64));
+type Axis<'a> = SweepAxis<'a>;
 
 impl SweepArgs {
     pub(super) fn axes(&self) -> Vec<Axis<'_>> {
@@ -99,27 +100,8 @@ impl SweepArgs {
     }
 
     /// Every combination of the listed values applied to `base`, with a
-    /// label each; an error past [`MAX_RUNS`] combinations.
+    /// label each ([`plan::sweep`]).
     pub(super) fn expand(&self, base: Routing) -> Result<Vec<(String, Routing)>> {
-        let mut out = vec![(String::new(), base)];
-        for (name, values, set) in self.axes() {
-            if out.len().saturating_mul(values.len()) > MAX_RUNS {
-                bail!("the sweep asks for more than {MAX_RUNS} runs; split it");
-            }
-            let mut next = Vec::with_capacity(out.len() * values.len());
-            for (label, routing) in &out {
-                for &v in values {
-                    let mut r = *routing;
-                    set(&mut r, v);
-                    let sep = if label.is_empty() { "" } else { "," };
-                    next.push((format!("{label}{sep}{name}={v}"), r));
-                }
-            }
-            out = next;
-        }
-        Ok(out)
+        Ok(plan::sweep(base, &self.axes())?)
     }
 }
-
-/// The most runs one command makes (policies × sweep points × seeds).
-pub(super) const MAX_RUNS: usize = 100_000;
