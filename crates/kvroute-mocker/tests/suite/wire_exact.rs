@@ -45,6 +45,63 @@ fn opt_string(e: &Value, key: &str) -> Option<String> {
     e.get(key).and_then(Value::as_str).map(str::to_owned)
 }
 
+/// TensorRT-LLM's image keys of a stored event `e`: its `mm_keys` per block
+/// and the digest tokens standing where its image's token ids are.
+fn trtllm_images(e: &Value, keys: &Value) -> Box<TrtllmImages> {
+    let digest_tokens = e["token_ids"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .enumerate()
+        .filter_map(|(i, t)| t.as_str().map(|d| (i, d.to_owned())))
+        .collect();
+    let mm_keys = keys
+        .as_array()
+        .expect("mm_keys")
+        .iter()
+        .map(|block| {
+            block
+                .as_array()
+                .expect("block keys")
+                .iter()
+                .map(|k| MmKey {
+                    hash: k["hash"].as_str().expect("hash").to_owned(),
+                    start_offset: k["start_offset"].as_u64().expect("offset"),
+                    uuid: k.get("uuid").and_then(Value::as_str).map(str::to_owned),
+                })
+                .collect()
+        })
+        .collect();
+    Box::new(TrtllmImages {
+        mm_keys,
+        digest_tokens,
+    })
+}
+
+/// vLLM's `extra_keys` of a stored event: per block, nothing or a list of
+/// salts and `[identifier, offset]` image keys.
+fn extra_keys(keys: &Value) -> Vec<Option<Vec<ExtraKey>>> {
+    keys.as_array()
+        .expect("extra_keys")
+        .iter()
+        .map(|entry| {
+            entry.as_array().map(|items| {
+                items
+                    .iter()
+                    .map(|item| match item {
+                        Value::String(s) => ExtraKey::Str(s.clone()),
+                        Value::Array(pair) => ExtraKey::Mm {
+                            identifier: pair[0].as_str().expect("id").to_owned(),
+                            offset: pair[1].as_i64().expect("offset"),
+                        },
+                        other => panic!("unsupported extra key {other}"),
+                    })
+                    .collect()
+            })
+        })
+        .collect()
+}
+
 fn event_from_json(e: &Value) -> KvCacheEvent {
     let known = [
         "type",
@@ -86,61 +143,15 @@ fn event_from_json(e: &Value) -> KvCacheEvent {
                 .iter()
                 .map(|t| if t.is_string() { 0 } else { bits(t) })
                 .collect(),
-            trtllm_images: e.get("mm_keys").filter(|v| !v.is_null()).map(|keys| {
-                let digest_tokens = e["token_ids"]
-                    .as_array()
-                    .expect("tokens")
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(i, t)| t.as_str().map(|d| (i, d.to_owned())))
-                    .collect();
-                let mm_keys = keys
-                    .as_array()
-                    .expect("mm_keys")
-                    .iter()
-                    .map(|block| {
-                        block
-                            .as_array()
-                            .expect("block keys")
-                            .iter()
-                            .map(|k| MmKey {
-                                hash: k["hash"].as_str().expect("hash").to_owned(),
-                                start_offset: k["start_offset"].as_u64().expect("offset"),
-                                uuid: k.get("uuid").and_then(Value::as_str).map(str::to_owned),
-                            })
-                            .collect()
-                    })
-                    .collect();
-                Box::new(TrtllmImages {
-                    mm_keys,
-                    digest_tokens,
-                })
-            }),
+            trtllm_images: e
+                .get("mm_keys")
+                .filter(|v| !v.is_null())
+                .map(|keys| trtllm_images(e, keys)),
             block_size: e["block_size"].as_u64().expect("block size") as u32,
             lora_id: e.get("lora_id").and_then(Value::as_i64),
             medium: opt_string(e, "medium"),
             lora_name: opt_string(e, "lora_name"),
-            extra_keys: e.get("extra_keys").filter(|v| !v.is_null()).map(|keys| {
-                keys.as_array()
-                    .expect("extra_keys")
-                    .iter()
-                    .map(|entry| {
-                        entry.as_array().map(|items| {
-                            items
-                                .iter()
-                                .map(|item| match item {
-                                    Value::String(s) => ExtraKey::Str(s.clone()),
-                                    Value::Array(pair) => ExtraKey::Mm {
-                                        identifier: pair[0].as_str().expect("id").to_owned(),
-                                        offset: pair[1].as_i64().expect("offset"),
-                                    },
-                                    other => panic!("unsupported extra key {other}"),
-                                })
-                                .collect()
-                        })
-                    })
-                    .collect()
-            }),
+            extra_keys: e.get("extra_keys").filter(|v| !v.is_null()).map(extra_keys),
             cache_salt: opt_string(e, "cache_salt"),
             session_id: opt_string(e, "session_id"),
         }),

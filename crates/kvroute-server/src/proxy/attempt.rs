@@ -140,14 +140,8 @@ pub async fn forward(
             proxy.router.metrics.retries.inc();
         }
         let (locals, _) = admission::hashes_for(&candidates, req, s);
-        // The first candidate was charged when it was chosen; a candidate
-        // tried after it is charged now (and the first's charge dropped).
-        let guard = match first.take() {
-            Some((charged, guard)) if charged == i => guard,
-            _ => match admission::charge_later(&proxy.router, &candidates, req, i) {
-                Some(guard) => guard,
-                None => continue,
-            },
+        let Some(guard) = charge(proxy, &mut first, &candidates, req, i) else {
+            continue;
         };
         let rewritten = {
             let (req, s, body) = (req.clone(), s.clone(), body.clone());
@@ -184,9 +178,7 @@ pub async fn forward(
             index: i,
             retries: attempt,
         };
-        let mut decision = admission::decision(&proxy.router, req, request_id, target, chosen);
-        decision.disagg = disagg.map(str::to_owned);
-        proxy.router.observed.routed(decision);
+        record_routed(proxy, (req, request_id, target), chosen, disagg);
         let relay = Relay {
             guard,
             added_usage,
@@ -209,6 +201,35 @@ pub async fn forward(
         }
     }
     Err(ProxyError::UpstreamUnreachable(last_error))
+}
+
+/// The guard that charges candidate `i` with the request: the first
+/// candidate was charged when it was chosen; a candidate tried after it is
+/// charged now (and the first's charge dropped). `None`: it cannot be.
+fn charge(
+    proxy: &Proxy,
+    first: &mut Option<(usize, ActiveGuard)>,
+    candidates: &Candidates,
+    req: &RoutedRequest,
+    i: usize,
+) -> Option<ActiveGuard> {
+    match first.take() {
+        Some((charged, guard)) if charged == i => Some(guard),
+        _ => admission::charge_later(&proxy.router, candidates, req, i),
+    }
+}
+
+/// Records the routing decision for `/query` and the decisions ring, with
+/// where each phase went in a disaggregated fleet (`disagg`).
+fn record_routed(
+    proxy: &Proxy,
+    (req, request_id, target): (&RoutedRequest, &str, &Target),
+    chosen: admission::Chosen<'_>,
+    disagg: Option<&str>,
+) {
+    let mut decision = admission::decision(&proxy.router, req, request_id, target, chosen);
+    decision.disagg = disagg.map(str::to_owned);
+    proxy.router.observed.routed(decision);
 }
 
 /// Candidate `i` and its worker, when the worker is still known and its
@@ -430,60 +451,113 @@ pub(super) async fn respond(
         }
         relayed_body(relayed, remember)
     } else {
-        let cap = proxy.router.config().max_answer_bytes;
-        let read = match answer::read_up_to(resp, cap).await {
-            Ok(UpTo::Over(read, rest)) => {
-                // Too long to hold: passed on as it comes, unread.
-                let head = futures_util::stream::once(async move { Ok(read) });
-                let stream: Upstream = Box::pin(head.chain(rest.bytes_stream()));
-                let relayed = Passthrough::new(stream, guard, None, false, (origin, arrived));
-                let built = builder.body(relayed_body(relayed, remember));
-                return built
-                    .map(Responded::Answer)
-                    .map_err(|e| ProxyError::internal(e.to_string()));
-            }
-            Ok(UpTo::Whole(bytes)) => Ok(bytes),
-            Err(e) => Err(e),
+        let whole = Whole {
+            proxy,
+            req,
+            s,
+            target,
+            request_id,
+            arrived,
+            prediction,
+            remember,
+            remembers,
         };
-        guard.prefill_done();
-        let ending = match &read {
-            Ok(_) => Ending::Complete(status),
-            Err(_) => Ending::CutOff,
-        };
-        let verdict = outcome::settle(&proxy.router, &target.name, ending, request_id);
-        let bytes = match read {
-            Ok(b) => b,
-            Err(e) => {
-                let kind = verdict
-                    .next
-                    .error()
-                    .unwrap_or(ErrorKind::UpstreamIncomplete);
-                let detail = format!("reading the answer: {}", error_chain(&e));
-                let error = ProxyError::lost(kind, &target.name, request_id, detail);
-                // A whole answer cut off is asked again whole elsewhere.
-                let Some(mut m) = migration else {
-                    return Err(error);
-                };
-                return match m.ask_again(&target.name, &error.to_string()) {
-                    Ok(()) => Ok(Responded::AskAgain {
-                        migration: Box::new(m),
-                        error,
-                    }),
-                    Err(_) => Err(error),
-                };
-            }
-        };
-        drop(guard);
-        let id = remembers.then(|| response_id_in_body(&bytes)).flatten();
-        if let Some(id) = id {
-            proxy.router.record_response(&id, &req.owner, s.key);
-        }
-        if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
-            p.settle(&proxy.router, reported);
-        }
-        proxy.router.timed(arrived, None);
-        Body::from(bytes)
+        return respond_whole(whole, resp, builder, (guard, origin), migration).await;
     };
+    built(builder, body)
+}
+
+/// What answering with a whole (non-streamed) body needs to know of the
+/// request and of the worker it went to.
+struct Whole<'a> {
+    proxy: &'a Proxy,
+    req: &'a RoutedRequest,
+    s: &'a Scored,
+    target: &'a Target,
+    request_id: &'a str,
+    arrived: Instant,
+    prediction: Option<crate::router::accuracy::Prediction>,
+    remember: Option<(WorkerRank, [u8; 32])>,
+    remembers: bool,
+}
+
+/// [`respond`] for an answer read whole: read up to the answer cap (one
+/// longer is passed on unread), settled with the retry rule, its
+/// `cached_tokens` compared with the prediction; a cut-off answer is asked
+/// again whole elsewhere when `migration` allows.
+async fn respond_whole(
+    whole: Whole<'_>,
+    resp: reqwest::Response,
+    builder: axum::http::response::Builder,
+    (guard, origin): (ActiveGuard, StreamOrigin),
+    migration: Option<Migration>,
+) -> Result<Responded, ProxyError> {
+    let Whole {
+        proxy,
+        req,
+        s,
+        target,
+        request_id,
+        arrived,
+        prediction,
+        remember,
+        remembers,
+    } = whole;
+    let status = origin.status;
+    let cap = proxy.router.config().max_answer_bytes;
+    let read = match answer::read_up_to(resp, cap).await {
+        Ok(UpTo::Over(read, rest)) => {
+            // Too long to hold: passed on as it comes, unread.
+            let head = futures_util::stream::once(async move { Ok(read) });
+            let stream: Upstream = Box::pin(head.chain(rest.bytes_stream()));
+            let relayed = Passthrough::new(stream, guard, None, false, (origin, arrived));
+            return built(builder, relayed_body(relayed, remember));
+        }
+        Ok(UpTo::Whole(bytes)) => Ok(bytes),
+        Err(e) => Err(e),
+    };
+    guard.prefill_done();
+    let ending = match &read {
+        Ok(_) => Ending::Complete(status),
+        Err(_) => Ending::CutOff,
+    };
+    let verdict = outcome::settle(&proxy.router, &target.name, ending, request_id);
+    let bytes = match read {
+        Ok(b) => b,
+        Err(e) => {
+            let kind = verdict
+                .next
+                .error()
+                .unwrap_or(ErrorKind::UpstreamIncomplete);
+            let detail = format!("reading the answer: {}", error_chain(&e));
+            let error = ProxyError::lost(kind, &target.name, request_id, detail);
+            // A whole answer cut off is asked again whole elsewhere.
+            let Some(mut m) = migration else {
+                return Err(error);
+            };
+            return match m.ask_again(&target.name, &error.to_string()) {
+                Ok(()) => Ok(Responded::AskAgain {
+                    migration: Box::new(m),
+                    error,
+                }),
+                Err(_) => Err(error),
+            };
+        }
+    };
+    drop(guard);
+    let id = remembers.then(|| response_id_in_body(&bytes)).flatten();
+    if let Some(id) = id {
+        proxy.router.record_response(&id, &req.owner, s.key);
+    }
+    if let (Some(p), Some(reported)) = (prediction, reported_cached_tokens(&bytes)) {
+        p.settle(&proxy.router, reported);
+    }
+    proxy.router.timed(arrived, None);
+    built(builder, Body::from(bytes))
+}
+
+/// The client's response with `body`.
+fn built(builder: axum::http::response::Builder, body: Body) -> Result<Responded, ProxyError> {
     builder
         .body(body)
         .map(Responded::Answer)

@@ -192,10 +192,33 @@ fn the_picker_routes_a_chunked_body_on_the_index_and_echoes_it_byte_for_byte() {
     let bare = process(&picker, &ids, &["--subset", "127.0.0.1"]);
     assert_eq!(routed_to(&bare), first);
 
+    refusals_and_health(&picker, &ids);
+
+    // The same metrics as serve's, and the picker's own.
+    let http = &picker.http;
+    assert_eq!(count(http, "kvroute_epp_picks_total"), 7);
+    assert_eq!(count(http, "kvroute_epp_streams_total"), 10);
+    assert_eq!(metric(http, "kvroute_epp_streams_open"), Some(0.0));
+    let refused = |label| metric_where(http, "kvroute_epp_immediate_responses_total", label);
+    assert_eq!(refused("status=\"503\""), Some(2.0));
+    let mode = metric_where(http, "kvroute_epp_refused_streams_total", "processing_mode");
+    assert_eq!(mode, Some(1.0));
+    assert_eq!(count(http, "kvroute_proxy_routed_total"), 7);
+    assert_eq!(count(http, "kvroute_accuracy_comparisons_total"), 2);
+    assert_eq!(count(http, "kvroute_epp_decision_seconds_count"), 7);
+    eventually("no request left in flight", || {
+        metric(http, "kvroute_active_requests") == Some(0.0)
+    });
+}
+
+/// What the picker answers itself: 503 when no endpoint is eligible (an
+/// address no worker has, or an empty hint), a refusal for a body mode that
+/// would deadlock, and health as GIE's pickers answer it on both ports.
+fn refusals_and_health(picker: &Picker, ids: &BodyFile) {
     // No eligible endpoint (an address no worker has, or an empty hint):
     // the picker answers 503 itself.
     for hint in ["10.255.0.1:8000", ""] {
-        let refused = process(&picker, &ids, &["--subset", hint]);
+        let refused = process(picker, ids, &["--subset", hint]);
         assert_eq!(refused["kind"], "immediate", "{refused}");
         assert_eq!(refused["status"], 503, "{refused}");
         let error: Value = serde_json::from_str(refused["body"].as_str().unwrap_or_default())
@@ -210,7 +233,7 @@ fn the_picker_routes_a_chunked_body_on_the_index_and_echoes_it_byte_for_byte() {
     }
 
     // Envoy in another body mode would deadlock: refused at once.
-    let buffered = process(&picker, &ids, &["--mode", "buffered"]);
+    let buffered = process(picker, ids, &["--mode", "buffered"]);
     assert_eq!(buffered["kind"], "grpc_error", "{buffered}");
     assert_eq!(buffered["code"], "FAILED_PRECONDITION", "{buffered}");
     assert!(
@@ -239,22 +262,6 @@ fn the_picker_routes_a_chunked_body_on_the_index_and_echoes_it_byte_for_byte() {
     assert_eq!(statuses["other"], "NOT_FOUND", "{statuses}");
     args[2] = picker.ext_proc.as_str();
     assert_eq!(client(&args)[names[3]], "SERVING");
-
-    // The same metrics as serve's, and the picker's own.
-    let http = &picker.http;
-    assert_eq!(count(http, "kvroute_epp_picks_total"), 7);
-    assert_eq!(count(http, "kvroute_epp_streams_total"), 10);
-    assert_eq!(metric(http, "kvroute_epp_streams_open"), Some(0.0));
-    let refused = |label| metric_where(http, "kvroute_epp_immediate_responses_total", label);
-    assert_eq!(refused("status=\"503\""), Some(2.0));
-    let mode = metric_where(http, "kvroute_epp_refused_streams_total", "processing_mode");
-    assert_eq!(mode, Some(1.0));
-    assert_eq!(count(http, "kvroute_proxy_routed_total"), 7);
-    assert_eq!(count(http, "kvroute_accuracy_comparisons_total"), 2);
-    assert_eq!(count(http, "kvroute_epp_decision_seconds_count"), 7);
-    eventually("no request left in flight", || {
-        metric(http, "kvroute_active_requests") == Some(0.0)
-    });
 }
 
 #[test]

@@ -36,3 +36,4 @@ mod sessions;
 mod tenants;
 mod tokenizers;
 mod warm_restart;
+mod worker_faults;

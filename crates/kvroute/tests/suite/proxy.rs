@@ -422,9 +422,11 @@ fn approx_routing_learns_from_its_own_decisions_without_events() {
     }
 }
 
+/// A model folder with a word-level tokenizer (`t0` … `t299` are ids 1 …
+/// 300) and a chat template with role markers `t290`/`t291` and a generation
+/// prompt `t292`: the folder and its `tokenizer.json`.
 #[cfg(feature = "hf-tokenizer")]
-#[test]
-fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
+fn word_level_model_folder() -> (std::path::PathBuf, std::path::PathBuf) {
     let mut vocab = serde_json::Map::new();
     vocab.insert("[UNK]".into(), 0.into());
     for i in 0..300u32 {
@@ -447,6 +449,13 @@ fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
         json!({"chat_template": template}).to_string(),
     )
     .expect("write the config");
+    (dir, path)
+}
+
+#[cfg(feature = "hf-tokenizer")]
+#[test]
+fn text_prompts_are_tokenized_with_a_hugging_face_tokenizer() {
+    let (dir, path) = word_level_model_folder();
     let path_arg = path.to_str().expect("utf-8 path").to_owned();
     let (_mocker, lines) = start_mocker_with(2, &["--tokenizer", &path_arg, "--speedup", "100"]);
     let (_serve, serve) = start_serve(&lines, &["--tokenizer", &path_arg]);

@@ -78,10 +78,8 @@ fn serve_ingests_mocker_events_and_manages_workers() {
 
     let (status, metrics) = request(&serve, "GET", "/metrics", None, None);
     assert_eq!(status, 200);
-    assert!(
-        metrics.contains("kvroute_ingest_events_total{worker=\"w0\",dp_rank=\"0\"}"),
-        "{metrics}"
-    );
+    let per_rank = "kvroute_ingest_events_total{worker=\"w0\",dp_rank=\"0\"}";
+    assert!(metrics.contains(per_rank), "{metrics}");
 
     // Admin endpoints: token required, clear errors, blocks leave with the worker.
     let (status, _) = request(
@@ -126,21 +124,7 @@ fn serve_ingests_mocker_events_and_manages_workers() {
     assert_eq!(status, 404);
 
     // Registering w0 again over HTTP brings its ingestion back.
-    let mut fields: serde_json::Map<String, Value> = lines[0]
-        .split(',')
-        .filter_map(|kv| kv.split_once('='))
-        .map(|(k, v)| {
-            (
-                k.to_owned(),
-                v.parse::<u64>()
-                    .map_or(Value::String(v.to_owned()), Value::from),
-            )
-        })
-        .collect();
-    fields.insert(
-        "url".into(),
-        Value::String(format!("http://{}", url_of(&lines[0]))),
-    );
+    let fields = registration_of(&lines[0]);
     let (status, body) = request(
         &serve,
         "POST",
@@ -160,6 +144,27 @@ fn serve_ingests_mocker_events_and_manages_workers() {
     eventually("w0's new blocks in the index", || {
         device_blocks(&serve, "w0") >= 4
     });
+}
+
+/// The registration body for the worker a mocker `line` describes: its
+/// `key=value` fields (numbers as numbers) and its HTTP url.
+fn registration_of(line: &str) -> serde_json::Map<String, Value> {
+    let mut fields: serde_json::Map<String, Value> = line
+        .split(',')
+        .filter_map(|kv| kv.split_once('='))
+        .map(|(k, v)| {
+            (
+                k.to_owned(),
+                v.parse::<u64>()
+                    .map_or(Value::String(v.to_owned()), Value::from),
+            )
+        })
+        .collect();
+    fields.insert(
+        "url".into(),
+        Value::String(format!("http://{}", url_of(line))),
+    );
+    fields
 }
 
 fn body_with_prompt(first: u32) -> String {
