@@ -94,6 +94,9 @@ impl StreamDecoder {
         let mut lookahead = u32::from(bigram);
         let mut position = 0usize;
         let mut item_cursor = 0usize;
+        // Checked once per event: a text event has neither, and the calls
+        // per block would cost the plain path its speed.
+        let has_items = !self.scratch.items.is_empty();
         for (b, block) in blocks.iter_mut().take(kept).enumerate() {
             for j in 0..bs {
                 let field = || format!("token_ids[{position}]");
@@ -140,10 +143,14 @@ impl StreamDecoder {
                 }
                 position += 1;
             }
-            if let Some(width) = self.push_lookahead(&mut lookahead_reader, b)? {
-                lookahead = width;
+            if lookahead_reader.is_some() {
+                if let Some(width) = self.push_lookahead(&mut lookahead_reader, b)? {
+                    lookahead = width;
+                }
             }
-            self.push_block_items(b, &mut item_cursor, false);
+            if has_items {
+                self.push_block_items(b, &mut item_cursor, false);
+            }
             block.local = self.hasher.finish(t.seed);
         }
         Ok(Plain::Done((kept, lookahead, kept_tokens)))

@@ -83,21 +83,24 @@ const REMOVED_SLOTS: &[Slot] = &[
 /// Slots 1.. of a positional `AllBlocksCleared`.
 const CLEARED_SLOTS: &[Slot] = &[Slot::Ownership];
 
-/// Walks one event at the reader and leaves the reader after it.
+/// Walks one event at the reader into `fields` (overwritten whole) and leaves
+/// the reader after it.
 ///
 /// Fails only when the event's bytes are cut or corrupt, so its end cannot be
-/// found; every other problem is left for `normalize` to report.
-pub(super) fn gather<'a>(r: &mut Reader<'a>) -> Result<Fields<'a>, ReadError> {
-    let mut fields = Fields::default();
+/// found; every other problem is left for `normalize` to report. `fields` is
+/// the caller's, reused from event to event: [`Fields`] is a few hundred
+/// bytes, and returning it by value costs two copies of it per event.
+pub(super) fn gather<'a>(r: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<(), ReadError> {
+    *fields = Fields::default();
     match r.peek_kind()? {
-        Kind::Map => gather_map(r, &mut fields)?,
-        Kind::Array => gather_array(r, &mut fields)?,
+        Kind::Map => gather_map(r, fields),
+        Kind::Array => gather_array(r, fields),
         other => {
             r.skip_value()?;
             fields.not_an_event = Some(other);
+            Ok(())
         }
     }
-    Ok(fields)
 }
 
 fn gather_map<'a>(r: &mut Reader<'a>, fields: &mut Fields<'a>) -> Result<(), ReadError> {

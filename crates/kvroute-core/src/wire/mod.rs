@@ -388,10 +388,11 @@ impl StreamDecoder {
         let mut events = Vec::with_capacity(count.min(r.remaining()));
         let mut lost_events = 0;
         let mut cut = false;
+        let mut fields = event::Fields::default();
         for index in 0..count {
             let index = u32::try_from(index).unwrap_or(u32::MAX);
-            match event::gather(r) {
-                Ok(fields) => {
+            match event::gather(r, &mut fields) {
+                Ok(()) => {
                     let outcome = self.normalize(&fields);
                     events.push(DecodedEvent { index, outcome });
                 }
