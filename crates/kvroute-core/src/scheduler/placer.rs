@@ -17,6 +17,10 @@
 //!    ([`PrefixDealer`]), else the rank holding most of it keeps it within
 //!    the stickiness margin ([`keep_on_holder`]); under
 //!    `sglang-cache-aware`: its tree chooses ([`CacheAware::choose`]);
+//!    Then, under `kv` with [`PlacerConfig::fetch`] set, a request whose
+//!    prefix's holder costs more than moving the prefix goes to a cooler
+//!    rank that fetches the blocks from the holder ([`plan_fetch`]):
+//!    [`Ordered::fetch`] names the source, the blocks and the reason;
 //! 3. the session's rank first where its history pays for its queue
 //!    ([`prefer_session`]);
 //! 4. the rank that produced the continued response first, whatever it
@@ -40,6 +44,7 @@ pub use split::Plan;
 use super::candidates::Scored;
 use super::cost::CostWeights;
 use super::disagg::LocalPrefillRule;
+use super::fetch::{plan_fetch, Fetch, FetchConfig};
 use super::peers::{tenant_of, CacheAware, CacheAwareConfig};
 use super::policy::{keep_on_holder, order, order_from, DealBy, PrefixDealer, DEFAULT_STICKINESS};
 use super::session::{prefer_session, SessionEntry};
@@ -84,6 +89,10 @@ pub struct PlacerConfig {
     pub when_all_busy: WhenAllBusy,
     /// The seed of the placer's random draws.
     pub seed: u64,
+    /// Under `kv`: when a request runs on a cooler rank that fetches its
+    /// prefix from the holder (`None`: never, the default; the caller must
+    /// be able to execute the hand-off).
+    pub fetch: Option<FetchConfig>,
 }
 
 impl PlacerConfig {
@@ -99,6 +108,7 @@ impl PlacerConfig {
             tree: CacheAwareConfig::default(),
             when_all_busy: WhenAllBusy::Wait,
             seed: 0,
+            fetch: None,
         }
     }
 }
@@ -177,6 +187,9 @@ pub struct Ordered {
     pub session: Preference,
     /// How the continued response's rank fared.
     pub continuation: Preference,
+    /// The first runs the request with a prefix fetched from another rank
+    /// (`None`: it computes what it does not hold).
+    pub fetch: Option<Fetch>,
 }
 
 /// The placement state of one router (see the module docs).
@@ -245,13 +258,25 @@ impl Placer {
         if let Some(kept) = &kept {
             order = order.into_iter().map(|j| kept[j]).collect();
         }
+        let fetch = self.fetch(scored, kept.as_deref(), &order, req.token_count());
+        if let Some(f) = &fetch {
+            order.retain(|&i| i != f.receiver);
+            order.insert(0, f.receiver);
+        }
         let mut ordered = Ordered {
             order,
             among: among.len(),
             dealt,
+            fetch,
             ..Ordered::default()
         };
         self.prefer(scored, req, &mut ordered);
+        if let Some(f) = ordered.fetch {
+            // A session or a continuation moved another rank first.
+            if ordered.order.first() != Some(&f.receiver) {
+                ordered.fetch = None;
+            }
+        }
         ordered
     }
 
@@ -277,6 +302,33 @@ impl Placer {
             Some(first) => order_from(scored, first),
             None => keep_on_holder(scored, ordered, c.stickiness),
         }
+    }
+
+    /// The fetch to make instead of the policy's first choice, if any
+    /// (`kv` with [`PlacerConfig::fetch`] only; `eligible`: the positions
+    /// allowed, `None`: all).
+    fn fetch(
+        &self,
+        scored: &[Scored],
+        eligible: Option<&[usize]>,
+        order: &[usize],
+        request_tokens: u64,
+    ) -> Option<Fetch> {
+        let config = self.config.fetch.as_ref()?;
+        let &first = order.first()?;
+        if self.config.policy != Policy::Kv || request_tokens == 0 {
+            return None;
+        }
+        let all: Vec<usize>;
+        let eligible = match eligible {
+            Some(e) => e,
+            None => {
+                all = (0..scored.len()).collect();
+                &all
+            }
+        };
+        let w = &self.config.weights;
+        plan_fetch(scored, eligible, first, request_tokens, (w, config))
     }
 
     /// The policy's order with its kept state's say (step 2 of the module
