@@ -9,6 +9,7 @@ use kvroute_mocker::config::EventFormat;
 use kvroute_mocker::encode::{encode_batch, EncodeOptions};
 use kvroute_mocker::engine::{Engine, Handoff, NewRequest, RequestId, StepOutcome, Update};
 
+mod fetch;
 mod legs;
 
 use super::routing::{Pins, Placement, SimRouter};
@@ -70,6 +71,9 @@ struct Request {
     /// The cached tokens its prefill engine reported (a split request).
     prefill_cached: Option<u64>,
     first_token_us: Option<u64>,
+    /// Prompt tokens it receives from another engine before it runs (a
+    /// fetch; 0: none).
+    received_tokens: usize,
 }
 
 /// The state of a simulation.
@@ -100,6 +104,11 @@ pub(super) struct Sim<'a> {
     /// prefilled, and their prompt tokens.
     prefill_hits: (u64, u64),
     transferred_blocks: u64,
+    /// Requests that fetched their prefix, and the blocks they fetched.
+    fetches: u64,
+    fetched_blocks: u64,
+    /// Fetches whose source no longer held more than the receiver.
+    fetch_misses: u64,
 }
 
 const US_PER_MS: u64 = 1_000;
@@ -137,6 +146,9 @@ impl<'a> Sim<'a> {
             splits: config.splits(),
             prefill_hits: (0, 0),
             transferred_blocks: 0,
+            fetches: 0,
+            fetched_blocks: 0,
+            fetch_misses: 0,
         };
         match load.arrival {
             Arrival::Closed { concurrency } => {
@@ -216,11 +228,24 @@ impl<'a> Sim<'a> {
                 s.prefix_cache_queries_total.saturating_sub(found)
             })
             .collect();
+        // An aggregated fleet receives KV only by fetches.
+        let fetched_tokens = if self.splits {
+            0
+        } else {
+            self.engines
+                .iter()
+                .map(|e| e.stats().kv_received_tokens_total)
+                .sum()
+        };
         Ok(SimReport {
             report,
             per_engine: self.per_engine,
             prefilled_tokens,
             transferred_blocks: self.transferred_blocks,
+            fetches: self.fetches,
+            fetched_blocks: self.fetched_blocks,
+            fetch_misses: self.fetch_misses,
+            fetched_tokens,
             steps: self.steps,
             skipped_events: self.skipped,
         })
@@ -238,7 +263,8 @@ impl<'a> Sim<'a> {
                     .route(&self.requests[n].tokens, now_ms, &self.engines);
                 self.per_engine[placement.engine] += 1;
                 self.requests[n].placement = Some(placement);
-                self.at(self.now + d.engine_us, Event::Submit(n));
+                let transfer = self.fetch_delay(n);
+                self.at(self.now + d.engine_us + transfer, Event::Submit(n));
             }
             Event::Submit(n) => self.submit(n),
             Event::SubmitPrefill(n) => self.submit_prefill(n),
@@ -301,6 +327,7 @@ impl<'a> Sim<'a> {
             prefill: None,
             prefill_cached: None,
             first_token_us: None,
+            received_tokens: 0,
         });
         if let Some(arrivals) = &mut self.arrivals {
             let next = seconds_to_us(arrivals.next_arrival());
@@ -325,7 +352,11 @@ impl<'a> Sim<'a> {
             lora_name: None,
         };
         let id = RequestId(n as u64);
-        self.enter(p.engine, (n, id), request, Handoff::default());
+        let received = Handoff {
+            received_tokens: r.received_tokens,
+            hold: false,
+        };
+        self.enter(p.engine, (n, id), request, received);
     }
 
     /// Queues a request, or one leg of request `n`, on engine `e`, which

@@ -166,6 +166,18 @@ pub struct SimReport {
     pub prefilled_tokens: Vec<u64>,
     /// KV blocks decode engines read from prefill engines.
     pub transferred_blocks: u64,
+    /// Requests that fetched their prefix from another engine before
+    /// running (an aggregated fleet with the fetch lever).
+    pub fetches: u64,
+    /// Blocks those fetches moved.
+    pub fetched_blocks: u64,
+    /// Requests placed with a fetch whose source no longer held more of
+    /// the prefix than the receiver when they arrived: recomputed there.
+    pub fetch_misses: u64,
+    /// Prompt tokens the engines received from fetches instead of
+    /// computing them: counted in `report`'s hit rate (the engines report
+    /// them as cached, and they were not recomputed), and apart here.
+    pub fetched_tokens: u64,
     /// Engine steps simulated.
     pub steps: u64,
     /// Events the router's decoder skipped (0 unless something is wrong).

@@ -479,3 +479,32 @@ fn caps_learned_from_a_tight_ttft_target_spread_requests_off_busy_holders() {
     assert_eq!(loose.per_engine, free.per_engine);
     assert_eq!(loose.report.hit_rate, free.report.hit_rate);
 }
+
+#[test]
+fn with_the_fetch_lever_busy_holders_hand_their_prefixes_to_cooler_engines() {
+    let load = preset_load(Preset::Long, 300);
+    let run = |routing: Routing| {
+        simulate(&config(Contender::Router(routing), 2_048), &load).expect("runs")
+    };
+    let (stay, fetch) = (run(Routing::new(Policy::Kv)), run(Routing::fetch()));
+    assert_eq!((fetch.report.requests, fetch.report.failed), (300, 0));
+    assert_eq!((stay.fetches, stay.fetched_tokens), (0, 0));
+    assert!(fetch.fetches > 0 && fetch.fetched_blocks > 0);
+    // What the engines received they did not compute, and report as cached.
+    assert!(fetch.fetched_tokens >= fetch.fetched_blocks * 16);
+    assert!(fetch.report.cached_tokens >= fetch.fetched_tokens);
+    // Moving the cache keeps the prefixes' hit rate (fetched counts as not
+    // recomputed), where moving the work would lose it.
+    assert!(
+        fetch.report.hit_rate > stay.report.hit_rate - 0.01,
+        "fetch {} stay {}",
+        fetch.report.hit_rate,
+        stay.report.hit_rate
+    );
+    let computed = |r: &SimReport| r.prefilled_tokens.iter().sum::<u64>();
+    assert_eq!(
+        computed(&fetch) + fetch.report.cached_tokens,
+        fetch.report.prompt_tokens
+    );
+    assert!(computed(&fetch) <= computed(&stay) + 300 * 16);
+}

@@ -106,7 +106,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = SpeedConfig::default().forget)]
     speed_forget: f64,
     /// What routes, in order: router policies (with the peers' `sglang-cache-aware`
-    /// and `dynamo`), `kv-tail` (kv set for the latency tail), `kv-dynamo-weights`
+    /// and `dynamo`), `kv-tail` (kv set for the latency tail), `kv-fetch` (kv moving busy holders' prefixes instead of their work), `kv-dynamo-weights`
     /// (kv with Dynamo's weights), `kv-split` and `aggregated` (kv always splitting,
     /// or ignoring the roles, on a P/D fleet) and `oracle` (not on a P/D
     /// fleet). Default: kv,dynamo,least-loaded,round-robin,oracle; on a
