@@ -3,7 +3,9 @@
 //! thing in `kvroute demo` (real time) and `kvroute bench sim` (virtual time).
 
 use kvroute_core::scheduler::policy::{DealBy, DEFAULT_STICKINESS};
-use kvroute_core::scheduler::{BusyThresholds, CostWeights, FetchConfig, LocalPrefillRule, Policy};
+use kvroute_core::scheduler::{
+    BusyThresholds, CostWeights, FetchConfig, LocalPrefillRule, Policy, ReplicaConfig,
+};
 
 use crate::error::Error;
 use crate::report::ORACLE;
@@ -106,6 +108,9 @@ pub struct Routing {
     /// instead of waiting or recomputing (`None`: never, the default;
     /// simulator only for now).
     pub fetch: Option<FetchConfig>,
+    /// Under `kv`: when a hot prefix is copied ahead of demand to a second
+    /// rank (`None`: never, the default; simulator only for now).
+    pub replicate: Option<ReplicaConfig>,
 }
 
 impl Routing {
@@ -121,6 +126,7 @@ impl Routing {
             stickiness: DEFAULT_STICKINESS,
             cap_ttft_ms: None,
             fetch: None,
+            replicate: None,
         }
     }
 }
@@ -162,6 +168,9 @@ impl Routing {
 }
 
 /// One side of a comparison.
+// `Copy` and passed by value a few times per run: boxing the settings
+// would cost more than the bytes the oracle's variant leaves unused.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Contender {
     /// A kvroute router with these settings.

@@ -75,10 +75,10 @@ impl RunningRouter {
         tokenizer: RouterTokenizer,
         replicas: Option<ReplicaConfig>,
     ) -> Result<Self> {
-        if routing.fetch.is_some() {
+        if routing.fetch.is_some() || routing.replicate.is_some() {
             return Err(Error::Invalid(
-                "the fetch lever (kv-fetch) is simulated only: `kvroute serve` does not hand \
-                 prefixes off between aggregated workers yet"
+                "the fetch and replication levers are simulated only: `kvroute serve` does not \
+                 hand prefixes off between aggregated workers yet"
                     .into(),
             ));
         }

@@ -4,7 +4,8 @@
 //! ([`fleet`]), the order they are tried in under each routing policy
 //! ([`policy`]), where a disaggregated fleet sends each phase
 //! ([`disagg`]), when a request fetches its prefix from a busy holder
-//! instead of waiting or recomputing ([`fetch`]), the whole decision for one request assembled from those
+//! instead of waiting or recomputing ([`fetch`]) and when a hot prefix is
+//! copied ahead of demand ([`replicate`]), the whole decision for one request assembled from those
 //! parts and the state policies keep ([`placer`]), the order requests wait
 //! in the overload queue ([`fair`]),
 //! the workers' speeds learned from their responses
@@ -23,6 +24,7 @@ pub mod fleet;
 pub mod peers;
 pub mod placer;
 pub mod policy;
+pub mod replicate;
 pub mod session;
 pub mod speed;
 
@@ -36,4 +38,5 @@ pub use fetch::{Fetch, FetchConfig, FetchReason};
 pub use fleet::{score, FleetView, MatchedHashes, RequestHashes, RouteTarget};
 pub use placer::{Ordered, PlaceRequest, Placer, PlacerConfig, Plan, WhenAllBusy};
 pub use policy::{deal_new_prefix, order, order_from, pick, Policy};
+pub use replicate::{ReplicaConfig, Replicate, Replicator};
 pub use speed::{SpeedConfig, SpeedLearner};

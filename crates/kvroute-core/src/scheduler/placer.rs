@@ -47,6 +47,7 @@ use super::disagg::LocalPrefillRule;
 use super::fetch::{plan_fetch, Fetch, FetchConfig};
 use super::peers::{tenant_of, CacheAware, CacheAwareConfig};
 use super::policy::{keep_on_holder, order, order_from, DealBy, PrefixDealer, DEFAULT_STICKINESS};
+use super::replicate::{prefix_key, ReplicaConfig, Replicate, Replicator};
 use super::session::{prefer_session, SessionEntry};
 use super::Policy;
 use crate::index::WorkerRank;
@@ -93,6 +94,11 @@ pub struct PlacerConfig {
     /// prefix from the holder (`None`: never, the default; the caller must
     /// be able to execute the hand-off).
     pub fetch: Option<FetchConfig>,
+    /// Under `kv`: when a hot prefix is copied ahead of demand to a second
+    /// rank (`None`: never, the default). Saturation is judged by the fetch
+    /// rule ([`PlacerConfig::fetch`]'s, or its defaults when that is off);
+    /// with fetches on, a fetch makes the copy itself and none is asked.
+    pub replicate: Option<ReplicaConfig>,
 }
 
 impl PlacerConfig {
@@ -109,6 +115,7 @@ impl PlacerConfig {
             when_all_busy: WhenAllBusy::Wait,
             seed: 0,
             fetch: None,
+            replicate: None,
         }
     }
 }
@@ -190,6 +197,9 @@ pub struct Ordered {
     /// The first runs the request with a prefix fetched from another rank
     /// (`None`: it computes what it does not hold).
     pub fetch: Option<Fetch>,
+    /// A copy of the request's prefix to make ahead of demand (see
+    /// [`PlacerConfig::replicate`]); the request itself goes first in `order`.
+    pub replicate: Option<Replicate>,
 }
 
 /// The placement state of one router (see the module docs).
@@ -200,6 +210,7 @@ pub struct Placer {
     tree: Option<CacheAware>,
     rng: SplitMix64,
     turn: u64,
+    replicator: Option<Replicator>,
 }
 
 impl Placer {
@@ -212,6 +223,7 @@ impl Placer {
         let tree =
             (config.policy == Policy::SglangCacheAware).then(|| CacheAware::new(config.tree));
         Placer {
+            replicator: config.replicate.map(Replicator::new),
             rng: SplitMix64::new(config.seed),
             config,
             dealer,
@@ -258,7 +270,15 @@ impl Placer {
         if let Some(kept) = &kept {
             order = order.into_iter().map(|j| kept[j]).collect();
         }
-        let fetch = self.fetch(scored, kept.as_deref(), &order, req.token_count());
+        let planned = self.fetch(scored, kept.as_deref(), &order, req.token_count());
+        let fetch = planned.filter(|_| self.config.fetch.is_some());
+        let replicate = match (&mut self.replicator, req.tokens, fetch) {
+            (Some(r), Some(tokens), None) => {
+                let bs = scored.first().map_or(16, |s| s.block_size);
+                r.observe(prefix_key(tokens, bs), scored, planned.as_ref(), req.now_ms)
+            }
+            _ => None,
+        };
         if let Some(f) = &fetch {
             order.retain(|&i| i != f.receiver);
             order.insert(0, f.receiver);
@@ -268,6 +288,7 @@ impl Placer {
             among: among.len(),
             dealt,
             fetch,
+            replicate,
             ..Ordered::default()
         };
         self.prefer(scored, req, &mut ordered);
@@ -304,8 +325,9 @@ impl Placer {
         }
     }
 
-    /// The fetch to make instead of the policy's first choice, if any
-    /// (`kv` with [`PlacerConfig::fetch`] only; `eligible`: the positions
+    /// The fetch the rule plans instead of the policy's first choice, if
+    /// any (`kv` with [`PlacerConfig::fetch`] or [`PlacerConfig::replicate`]
+    /// only, the fetch's defaults for the latter; `eligible`: the positions
     /// allowed, `None`: all).
     fn fetch(
         &self,
@@ -314,7 +336,11 @@ impl Placer {
         order: &[usize],
         request_tokens: u64,
     ) -> Option<Fetch> {
-        let config = self.config.fetch.as_ref()?;
+        let config = match (self.config.fetch, self.config.replicate) {
+            (Some(f), _) => f,
+            (None, Some(_)) => FetchConfig::default(),
+            (None, None) => return None,
+        };
         let &first = order.first()?;
         if self.config.policy != Policy::Kv || request_tokens == 0 {
             return None;
@@ -328,7 +354,7 @@ impl Placer {
             }
         };
         let w = &self.config.weights;
-        plan_fetch(scored, eligible, first, request_tokens, (w, config))
+        plan_fetch(scored, eligible, first, request_tokens, (w, &config))
     }
 
     /// The policy's order with its kept state's say (step 2 of the module

@@ -42,6 +42,9 @@ enum Event {
     Release(usize),
     /// Request `n`'s decode leg enters its decode engine, the KV read.
     SubmitDecode(usize),
+    /// The copy of request `n`'s prefix made ahead of demand reaches its
+    /// target, the blocks transferred.
+    ReplicaArrives(usize),
     /// Engine `e`'s step ends.
     StepEnd(usize),
     /// A published batch of engine `e` reaches the index.
@@ -109,6 +112,11 @@ pub(super) struct Sim<'a> {
     fetched_blocks: u64,
     /// Fetches whose source no longer held more than the receiver.
     fetch_misses: u64,
+    /// Copies made ahead of demand in flight: request → (target, prompt,
+    /// tokens the target lacked).
+    copies: std::collections::HashMap<usize, (usize, Vec<u64>, usize)>,
+    /// Copies made, their blocks, and the tokens their targets received.
+    replicas: (u64, u64, u64),
 }
 
 const US_PER_MS: u64 = 1_000;
@@ -149,6 +157,8 @@ impl<'a> Sim<'a> {
             fetches: 0,
             fetched_blocks: 0,
             fetch_misses: 0,
+            copies: std::collections::HashMap::new(),
+            replicas: (0, 0, 0),
         };
         match load.arrival {
             Arrival::Closed { concurrency } => {
@@ -228,14 +238,16 @@ impl<'a> Sim<'a> {
                 s.prefix_cache_queries_total.saturating_sub(found)
             })
             .collect();
-        // An aggregated fleet receives KV only by fetches.
+        // An aggregated fleet receives KV only by fetches and copies.
         let fetched_tokens = if self.splits {
             0
         } else {
-            self.engines
+            let received: u64 = self
+                .engines
                 .iter()
                 .map(|e| e.stats().kv_received_tokens_total)
-                .sum()
+                .sum();
+            received.saturating_sub(self.replicas.2)
         };
         Ok(SimReport {
             report,
@@ -245,6 +257,8 @@ impl<'a> Sim<'a> {
             fetches: self.fetches,
             fetched_blocks: self.fetched_blocks,
             fetch_misses: self.fetch_misses,
+            replicas: self.replicas.0,
+            replicated_blocks: self.replicas.1,
             fetched_tokens,
             steps: self.steps,
             skipped_events: self.skipped,
@@ -263,6 +277,7 @@ impl<'a> Sim<'a> {
                     .route(&self.requests[n].tokens, now_ms, &self.engines);
                 self.per_engine[placement.engine] += 1;
                 self.requests[n].placement = Some(placement);
+                self.start_copy(n);
                 let transfer = self.fetch_delay(n);
                 self.at(self.now + d.engine_us + transfer, Event::Submit(n));
             }
@@ -272,6 +287,7 @@ impl<'a> Sim<'a> {
             Event::DecodeLeg(n) => self.decode_leg(n),
             Event::Release(n) => self.release(n),
             Event::SubmitDecode(n) => self.submit_decode(n),
+            Event::ReplicaArrives(n) => self.copy_arrives(n),
             Event::StepEnd(e) => self.step_end(e),
             Event::Ingest(e, payload) => self.skipped += self.router.ingest(e, &payload),
             Event::FirstToken(n) => {
@@ -402,6 +418,9 @@ impl<'a> Sim<'a> {
             self.at(self.now + d.event_us, Event::Ingest(e, payload));
         }
         for out in step.outputs {
+            if fetch::is_copy(out.id) {
+                continue;
+            }
             let (n, prefill_leg) = legs::untag(out.id);
             if prefill_leg {
                 self.prefill_output(n, out.update);

@@ -174,6 +174,11 @@ pub struct SimReport {
     /// Requests placed with a fetch whose source no longer held more of
     /// the prefix than the receiver when they arrived: recomputed there.
     pub fetch_misses: u64,
+    /// Copies of hot prefixes made ahead of demand, and their blocks (each
+    /// computes one token on its target, counted in `prefilled_tokens`).
+    pub replicas: u64,
+    /// Blocks those copies moved.
+    pub replicated_blocks: u64,
     /// Prompt tokens the engines received from fetches instead of
     /// computing them: counted in `report`'s hit rate (the engines report
     /// them as cached, and they were not recomputed), and apart here.

@@ -51,6 +51,9 @@ pub struct Placement {
     /// The engine to fetch the prefix from first, and the leading blocks
     /// the router saw there (`None`: the engine computes what it lacks).
     pub fetch: Option<(usize, u32)>,
+    /// A copy of the prefix to make ahead of demand: from engine, to
+    /// engine, leading blocks (`None`: none).
+    pub replicate: Option<(usize, usize, u32)>,
 }
 
 /// Each request's send time (ms) and its rank's requests in flight then,
@@ -106,6 +109,7 @@ pub fn placer_config(routing: &Routing, seed: u64) -> PlacerConfig {
         when_all_busy: WhenAllBusy::PlaceAnyway,
         seed,
         fetch: routing.fetch,
+        replicate: routing.replicate,
     }
 }
 
@@ -278,6 +282,7 @@ impl SimRouter {
                 active_id: id,
                 predicted_cached: None,
                 fetch: None,
+                replicate: None,
             };
         }
         match self.policy {
@@ -329,6 +334,10 @@ impl SimRouter {
                 request_tokens,
             )),
             fetch: fetch.map(|f| (scored[f.source].worker, f.source_blocks)),
+            replicate: ordered.replicate.map(|c| {
+                let (from, to) = (scored[c.source].worker, scored[c.target].worker);
+                (from, to, scored[c.source].candidate.device_blocks)
+            }),
         }
     }
 
@@ -417,6 +426,7 @@ impl SimRouter {
             active_id: id,
             predicted_cached: None,
             fetch: None,
+            replicate: None,
         }
     }
 

@@ -26,6 +26,8 @@ pub fn row(name: &str, seed: u64, r: &SimReport, cpu_ms: f64) -> Value {
         "fetches": r.fetches,
         "fetched_blocks": r.fetched_blocks,
         "fetch_misses": r.fetch_misses,
+        "replicas": r.replicas,
+        "replicated_blocks": r.replicated_blocks,
         "fetched_rate": fetched_rate(r),
         "steps": r.steps,
         "skipped_events": r.skipped_events,

@@ -508,3 +508,20 @@ fn with_the_fetch_lever_busy_holders_hand_their_prefixes_to_cooler_engines() {
     );
     assert!(computed(&fetch) <= computed(&stay) + 300 * 16);
 }
+
+#[test]
+fn hot_prefixes_are_copied_ahead_of_demand_within_the_budget() {
+    let load = preset_load(Preset::Long, 300);
+    let routing = Routing {
+        replicate: Some(kvroute_core::scheduler::ReplicaConfig {
+            hot_for_ms: 200,
+            budget_blocks: 256,
+        }),
+        ..Routing::new(Policy::Kv)
+    };
+    let r = simulate(&config(Contender::Router(routing), 2_048), &load).expect("runs");
+    assert_eq!((r.report.requests, r.report.failed), (300, 0));
+    assert!(r.replicas > 0 && r.replicated_blocks > 0, "{r:?}");
+    // Copies are no client's fetch.
+    assert_eq!((r.fetches, r.fetched_tokens), (0, 0));
+}

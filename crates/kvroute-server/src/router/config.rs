@@ -147,6 +147,7 @@ impl ProxyConfig {
             seed,
             // `serve` does not hand prefixes off between aggregated workers yet.
             fetch: None,
+            replicate: None,
         }
     }
 }

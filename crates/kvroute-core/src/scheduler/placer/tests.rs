@@ -362,3 +362,31 @@ fn a_session_kept_on_the_holder_cancels_the_fetch() {
     let ordered = fetching().order(&scored, &req);
     assert_eq!((ordered.order[0], ordered.fetch), (0, None));
 }
+
+#[test]
+fn a_hot_prefix_is_copied_ahead_of_demand_when_fetches_are_off() {
+    let mut p = Placer::new(PlacerConfig {
+        replicate: Some(crate::scheduler::ReplicaConfig {
+            hot_for_ms: 100,
+            budget_blocks: 256,
+        }),
+        ..PlacerConfig::new(Policy::Kv)
+    });
+    let prompt = tokens(64 * 16);
+    let at = |now_ms| PlaceRequest {
+        tokens: Some(&prompt),
+        now_ms,
+        ..PlaceRequest::default()
+    };
+    let scored = [loaded(0, 60, 6), loaded(1, 0, 0)];
+    // The holder keeps its requests; it is saturated from the first.
+    let first = p.order(&scored, &at(0));
+    assert_eq!(
+        (first.order[0], first.fetch, first.replicate),
+        (0, None, None)
+    );
+    let later = p.order(&scored, &at(100));
+    assert_eq!((later.order[0], later.fetch), (0, None));
+    let copy = later.replicate.expect("a copy");
+    assert_eq!((copy.source, copy.target, copy.blocks), (0, 1, 60));
+}

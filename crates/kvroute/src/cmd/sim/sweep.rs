@@ -3,7 +3,7 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
-use kvroute_core::scheduler::FetchConfig;
+use kvroute_core::scheduler::{FetchConfig, ReplicaConfig};
 use kvroute_loadgen::contender::{deal_from_value, Routing};
 
 /// The `kv` policy's weights; each takes a list, and every combination runs.
@@ -52,6 +52,13 @@ pub(super) struct SweepArgs {
     /// the fetch (1: any cheaper fetch).
     #[arg(long, value_delimiter = ',')]
     fetch_margin: Vec<f64>,
+    /// Replication of hot prefixes: a prefix whose holder stays saturated
+    /// this many ms is copied ahead of demand to a second rank (0: off).
+    #[arg(long, value_delimiter = ',')]
+    replicate_hot_ms: Vec<f64>,
+    /// With replication: replicated blocks a rank may hold at once.
+    #[arg(long, value_delimiter = ',')]
+    replica_budget_blocks: Vec<f64>,
 }
 
 /// A `--deal-new-prefixes` value: `serve`'s names, as the sweep's numbers
@@ -73,7 +80,7 @@ type Axis<'a> = (&'static str, &'a [f64], fn(&mut Routing, f64));
 
 impl SweepArgs {
     pub(super) fn axes(&self) -> Vec<Axis<'_>> {
-        let all: [Axis<'_>; 13] = [
+        let all: [Axis<'_>; 15] = [
             ("pls", &self.prefill_load_scale, |r, v| {
                 r.weights.prefill_load_scale = v
             }),
@@ -112,6 +119,16 @@ impl SweepArgs {
             ("fm", &self.fetch_margin, |r, v| {
                 let fetch = r.fetch.get_or_insert_with(FetchConfig::default);
                 fetch.margin = v;
+            }),
+            ("rep", &self.replicate_hot_ms, |r, v| {
+                r.replicate = (v > 0.0).then(|| ReplicaConfig {
+                    hot_for_ms: v as u64,
+                    ..r.replicate.unwrap_or_default()
+                })
+            }),
+            ("rb", &self.replica_budget_blocks, |r, v| {
+                let replicate = r.replicate.get_or_insert_with(ReplicaConfig::default);
+                replicate.budget_blocks = v as u64;
             }),
         ];
         all.into_iter().filter(|a| !a.1.is_empty()).collect()
