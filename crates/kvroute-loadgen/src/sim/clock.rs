@@ -77,6 +77,8 @@ struct Request {
     /// Prompt tokens it receives from another engine before it runs (a
     /// fetch; 0: none).
     received_tokens: usize,
+    /// Its fetch runs as two legs ([`SimConfig::fetch_legs`]).
+    fetch_legs: bool,
 }
 
 /// The state of a simulation.
@@ -117,6 +119,8 @@ pub(super) struct Sim<'a> {
     copies: std::collections::HashMap<usize, (usize, Vec<u64>, usize)>,
     /// Copies made, their blocks, and the tokens their targets received.
     replicas: (u64, u64, u64),
+    /// Prompt tokens fetches by legs found cached on their sources.
+    leg_fetched: u64,
 }
 
 const US_PER_MS: u64 = 1_000;
@@ -159,6 +163,7 @@ impl<'a> Sim<'a> {
             fetch_misses: 0,
             copies: std::collections::HashMap::new(),
             replicas: (0, 0, 0),
+            leg_fetched: 0,
         };
         match load.arrival {
             Arrival::Closed { concurrency } => {
@@ -241,6 +246,8 @@ impl<'a> Sim<'a> {
         // An aggregated fleet receives KV only by fetches and copies.
         let fetched_tokens = if self.splits {
             0
+        } else if self.config.fetch_legs {
+            self.leg_fetched
         } else {
             let received: u64 = self
                 .engines
@@ -278,6 +285,9 @@ impl<'a> Sim<'a> {
                 self.per_engine[placement.engine] += 1;
                 self.requests[n].placement = Some(placement);
                 self.start_copy(n);
+                if self.fetch_by_legs(n) {
+                    return Ok(());
+                }
                 let transfer = self.fetch_delay(n);
                 self.at(self.now + d.engine_us + transfer, Event::Submit(n));
             }
@@ -344,6 +354,7 @@ impl<'a> Sim<'a> {
             prefill_cached: None,
             first_token_us: None,
             received_tokens: 0,
+            fetch_legs: false,
         });
         if let Some(arrivals) = &mut self.arrivals {
             let next = seconds_to_us(arrivals.next_arrival());
@@ -463,6 +474,13 @@ impl<'a> Sim<'a> {
         let found = r.prefill_cached.unwrap_or(cached).min(prompt_tokens);
         self.prefill_hits.0 += found;
         self.prefill_hits.1 += prompt_tokens;
+        // A fetch by legs recomputed on its source what the source lacked.
+        let cached = if r.fetch_legs {
+            self.leg_fetched += found;
+            found
+        } else {
+            cached
+        };
         self.samples.push(Sample {
             start_s: r.sent_us as f64 / 1e6,
             ttft_ms: (first - r.sent_us) as f64 / 1e3,

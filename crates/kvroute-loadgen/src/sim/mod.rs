@@ -126,6 +126,10 @@ pub struct SimConfig {
     /// prefill engine, divided by the engines' speedup as the mocker
     /// divides it ([`DEFAULT_TRANSFER_US_PER_BLOCK`]).
     pub transfer_us_per_block: u64,
+    /// A fetch runs as vLLM's two legs (the holder answers a one-token leg
+    /// in its own steps, then the receiver reads the blocks and decodes),
+    /// instead of a push of the blocks that takes no step of the holder's.
+    pub fetch_legs: bool,
 }
 
 impl SimConfig {

@@ -24,6 +24,7 @@ fn config(policy: Contender, gpu_blocks: usize) -> SimConfig {
         seed: 1,
         layout: None,
         transfer_us_per_block: DEFAULT_TRANSFER_US_PER_BLOCK,
+        fetch_legs: false,
     }
 }
 
@@ -524,4 +525,21 @@ fn hot_prefixes_are_copied_ahead_of_demand_within_the_budget() {
     assert!(r.replicas > 0 && r.replicated_blocks > 0, "{r:?}");
     // Copies are no client's fetch.
     assert_eq!((r.fetches, r.fetched_tokens), (0, 0));
+}
+
+#[test]
+fn a_fetch_by_legs_runs_its_one_token_leg_on_the_holder() {
+    let load = preset_load(Preset::Long, 300);
+    let config = SimConfig {
+        fetch_legs: true,
+        ..config(Contender::Router(Routing::fetch()), 2_048)
+    };
+    let r = simulate(&config, &load).expect("runs");
+    assert_eq!((r.report.requests, r.report.failed), (300, 0));
+    assert!(r.fetches > 0 && r.fetched_blocks > 0 && r.fetched_tokens > 0);
+    // Each fetched request counts on its holder (the leg) and its receiver.
+    assert_eq!(r.per_engine.iter().sum::<u64>(), 300 + r.fetches);
+    // The hit rate counts what the holder found, not what the receiver got.
+    assert!(r.report.cached_tokens >= r.fetched_tokens);
+    assert_eq!(r.transferred_blocks, 0);
 }

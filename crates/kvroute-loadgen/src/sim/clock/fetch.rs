@@ -21,6 +21,7 @@
 use kvroute_mocker::engine::{Handoff, NewRequest, RequestId};
 use kvroute_mocker::handoff::transfer_delay;
 
+use super::super::routing::Placement;
 use super::{Event, Sim};
 
 /// The bit that marks a copy's id on its target engine (a prefill leg's
@@ -150,5 +151,41 @@ impl Sim<'_> {
                 self.start_step(target);
             }
         }
+    }
+}
+
+impl Sim<'_> {
+    /// Request `n`, placed with a fetch on a fleet that runs fetches as
+    /// legs: its source gets the one-token leg (its uncached rest computed
+    /// there, in its own steps), and the receiver the decode leg after it
+    /// ([`super::legs`]). Returns whether it went that way.
+    pub(super) fn fetch_by_legs(&mut self, n: usize) -> bool {
+        let Some(Placement {
+            fetch: Some((source, _)),
+            ..
+        }) = self.requests[n].placement
+        else {
+            return false;
+        };
+        if !self.config.fetch_legs {
+            return false;
+        }
+        self.fetches += 1;
+        let r = &mut self.requests[n];
+        r.fetch_legs = true;
+        // The router charged the receiver; the source's leg is not charged.
+        r.prefill = Some(Placement {
+            engine: source,
+            active_id: u64::MAX,
+            predicted_cached: None,
+            fetch: None,
+            replicate: None,
+        });
+        self.per_engine[source] += 1;
+        self.at(
+            self.now + self.config.delays.engine_us,
+            Event::SubmitPrefill(n),
+        );
+        true
     }
 }

@@ -77,6 +77,12 @@ pub struct SimArgs {
     /// --transfer-us-per-block`).
     #[arg(long, default_value_t = DEFAULT_TRANSFER_US_PER_BLOCK)]
     transfer_us_per_block: u64,
+    /// A fetch runs as vLLM's two legs: the holder answers a one-token
+    /// leg in its own steps (the prompt's uncached rest computed there),
+    /// then the receiver reads the blocks and decodes. Without it, the
+    /// blocks are pushed to the receiver without a step of the holder's.
+    #[arg(long)]
+    fetch_legs: bool,
     /// KV-cache blocks per engine (a preset sets its own).
     #[arg(long)]
     gpu_blocks: Option<usize>,
@@ -326,6 +332,7 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         seed,
         layout,
         transfer_us_per_block: a.transfer_us_per_block,
+        fetch_legs: a.fetch_legs,
     };
     if let Some(evaluations) = a.pin_search {
         return pin_search(a, evaluations, &config);
