@@ -3,7 +3,9 @@
 //! thing in `kvroute demo` (real time) and `kvroute bench sim` (virtual time).
 
 use kvroute_core::scheduler::policy::{DealBy, DEFAULT_STICKINESS};
-use kvroute_core::scheduler::{BusyThresholds, CostWeights, LocalPrefillRule, Policy};
+use kvroute_core::scheduler::{
+    BusyThresholds, CostWeights, FetchConfig, LocalPrefillRule, Policy, ReplicaConfig,
+};
 
 use crate::error::Error;
 use crate::report::ORACLE;
@@ -19,6 +21,11 @@ pub const KV_DYNAMO_WEIGHTS: &str = "kv-dynamo-weights";
 /// The name of kvroute's `kv` policy set for the latency tail
 /// ([`Routing::tail`]): the documented setting that dominates `dynamo`.
 pub const KV_TAIL: &str = "kv-tail";
+
+/// The name of kvroute's `kv` policy with the fetch lever on
+/// ([`Routing::fetch`]): a busy holder's request runs on a cooler rank that
+/// fetches the prefix's blocks.
+pub const KV_FETCH: &str = "kv-fetch";
 
 /// The name of SGLang router's `cache_aware` re-implemented
 /// ([`Policy::SglangCacheAware`]).
@@ -97,6 +104,13 @@ pub struct Routing {
     /// (`kvroute_sim::caps`; `None`: no caps, the default;
     /// simulator only).
     pub cap_ttft_ms: Option<f64>,
+    /// Under `kv`: when a request fetches its prefix from a busy holder
+    /// instead of waiting or recomputing (`None`: never, the default;
+    /// simulator only for now).
+    pub fetch: Option<FetchConfig>,
+    /// Under `kv`: when a hot prefix is copied ahead of demand to a second
+    /// rank (`None`: never, the default; simulator only for now).
+    pub replicate: Option<ReplicaConfig>,
 }
 
 impl Routing {
@@ -111,6 +125,8 @@ impl Routing {
             deal_new_prefixes: Some(DealBy::Work),
             stickiness: DEFAULT_STICKINESS,
             cap_ttft_ms: None,
+            fetch: None,
+            replicate: None,
         }
     }
 }
@@ -131,7 +147,30 @@ impl Routing {
     }
 }
 
+impl Routing {
+    /// `kv` with the fetch lever at the mock engines' transfer cost (20 µs
+    /// per block) and the setting that met the most goals in the simulator
+    /// (docs/serving.md, "Moving the cache"): `--prefill-load-scale 24
+    /// --request-kv-weight 2 --fetch-us-per-block 20 --fetch-margin 1.6`.
+    /// Prefill priced high keeps prefixes on their holders; decode load
+    /// priced high makes a busy holder dear, and the fetch moves its
+    /// requests off it without recomputing their prefixes.
+    pub fn fetch() -> Self {
+        let mut r = Routing::new(Policy::Kv);
+        r.weights.prefill_load_scale = 24.0;
+        r.weights.request_kv_weight = 2.0;
+        r.fetch = Some(FetchConfig {
+            margin: 1.6,
+            ..FetchConfig::default()
+        });
+        r
+    }
+}
+
 /// One side of a comparison.
+// `Copy` and passed by value a few times per run: boxing the settings
+// would cost more than the bytes the oracle's variant leaves unused.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Contender {
     /// A kvroute router with these settings.
@@ -166,6 +205,9 @@ impl std::str::FromStr for Contender {
         if name == KV_TAIL {
             return Ok(Contender::Router(Routing::tail()));
         }
+        if name == KV_FETCH {
+            return Ok(Contender::Router(Routing::fetch()));
+        }
         if name == KV_DYNAMO_WEIGHTS {
             return Ok(Contender::Router(Routing {
                 weights: CostWeights::DYNAMO,
@@ -178,7 +220,7 @@ impl std::str::FromStr for Contender {
             .map(|p| Contender::Router(Routing::new(p)))
             .map_err(|e| {
                 Error::Invalid(format!(
-                    "{e}, kv-tail, kv-dynamo-weights, kv-split, aggregated or oracle"
+                    "{e}, kv-tail, kv-fetch, kv-dynamo-weights, kv-split, aggregated or oracle"
                 ))
             })
     }
@@ -202,6 +244,8 @@ mod tests {
             );
         }
         assert_eq!("oracle".parse::<Contender>().ok(), Some(Contender::Oracle));
+        let fetch: Contender = "kv-fetch".parse().expect("known");
+        assert_eq!(fetch, Contender::Router(Routing::fetch()));
         let tail: Contender = "kv-tail".parse().expect("known");
         assert_eq!(tail, Contender::Router(Routing::tail()));
         assert_eq!(

@@ -75,6 +75,13 @@ impl RunningRouter {
         tokenizer: RouterTokenizer,
         replicas: Option<ReplicaConfig>,
     ) -> Result<Self> {
+        if routing.fetch.is_some() || routing.replicate.is_some() {
+            return Err(Error::Invalid(
+                "the fetch and replication levers are simulated only: `kvroute serve` does not \
+                 hand prefixes off between aggregated workers yet"
+                    .into(),
+            ));
+        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(Error::io("binding the router's port"))?;

@@ -9,6 +9,7 @@ use kvroute_mocker::config::EventFormat;
 use kvroute_mocker::encode::{encode_batch, EncodeOptions};
 use kvroute_mocker::engine::{Engine, Handoff, NewRequest, RequestId, StepOutcome, Update};
 
+mod fetch;
 mod legs;
 
 use super::routing::{Pins, Placement, SimRouter};
@@ -41,6 +42,9 @@ enum Event {
     Release(usize),
     /// Request `n`'s decode leg enters its decode engine, the KV read.
     SubmitDecode(usize),
+    /// The copy of request `n`'s prefix made ahead of demand reaches its
+    /// target, the blocks transferred.
+    ReplicaArrives(usize),
     /// Engine `e`'s step ends.
     StepEnd(usize),
     /// A published batch of engine `e` reaches the index.
@@ -70,6 +74,11 @@ struct Request {
     /// The cached tokens its prefill engine reported (a split request).
     prefill_cached: Option<u64>,
     first_token_us: Option<u64>,
+    /// Prompt tokens it receives from another engine before it runs (a
+    /// fetch; 0: none).
+    received_tokens: usize,
+    /// Its fetch runs as two legs ([`SimConfig::fetch_legs`]).
+    fetch_legs: bool,
 }
 
 /// The state of a simulation.
@@ -100,6 +109,18 @@ pub(super) struct Sim<'a> {
     /// prefilled, and their prompt tokens.
     prefill_hits: (u64, u64),
     transferred_blocks: u64,
+    /// Requests that fetched their prefix, and the blocks they fetched.
+    fetches: u64,
+    fetched_blocks: u64,
+    /// Fetches whose source no longer held more than the receiver.
+    fetch_misses: u64,
+    /// Copies made ahead of demand in flight: request → (target, prompt,
+    /// tokens the target lacked).
+    copies: std::collections::HashMap<usize, (usize, Vec<u64>, usize)>,
+    /// Copies made, their blocks, and the tokens their targets received.
+    replicas: (u64, u64, u64),
+    /// Prompt tokens fetches by legs found cached on their sources.
+    leg_fetched: u64,
 }
 
 const US_PER_MS: u64 = 1_000;
@@ -137,6 +158,12 @@ impl<'a> Sim<'a> {
             splits: config.splits(),
             prefill_hits: (0, 0),
             transferred_blocks: 0,
+            fetches: 0,
+            fetched_blocks: 0,
+            fetch_misses: 0,
+            copies: std::collections::HashMap::new(),
+            replicas: (0, 0, 0),
+            leg_fetched: 0,
         };
         match load.arrival {
             Arrival::Closed { concurrency } => {
@@ -216,11 +243,30 @@ impl<'a> Sim<'a> {
                 s.prefix_cache_queries_total.saturating_sub(found)
             })
             .collect();
+        // An aggregated fleet receives KV only by fetches and copies.
+        let fetched_tokens = if self.splits {
+            0
+        } else if self.config.fetch_legs {
+            self.leg_fetched
+        } else {
+            let received: u64 = self
+                .engines
+                .iter()
+                .map(|e| e.stats().kv_received_tokens_total)
+                .sum();
+            received.saturating_sub(self.replicas.2)
+        };
         Ok(SimReport {
             report,
             per_engine: self.per_engine,
             prefilled_tokens,
             transferred_blocks: self.transferred_blocks,
+            fetches: self.fetches,
+            fetched_blocks: self.fetched_blocks,
+            fetch_misses: self.fetch_misses,
+            replicas: self.replicas.0,
+            replicated_blocks: self.replicas.1,
+            fetched_tokens,
             steps: self.steps,
             skipped_events: self.skipped,
         })
@@ -238,7 +284,12 @@ impl<'a> Sim<'a> {
                     .route(&self.requests[n].tokens, now_ms, &self.engines);
                 self.per_engine[placement.engine] += 1;
                 self.requests[n].placement = Some(placement);
-                self.at(self.now + d.engine_us, Event::Submit(n));
+                self.start_copy(n);
+                if self.fetch_by_legs(n) {
+                    return Ok(());
+                }
+                let transfer = self.fetch_delay(n);
+                self.at(self.now + d.engine_us + transfer, Event::Submit(n));
             }
             Event::Submit(n) => self.submit(n),
             Event::SubmitPrefill(n) => self.submit_prefill(n),
@@ -246,6 +297,7 @@ impl<'a> Sim<'a> {
             Event::DecodeLeg(n) => self.decode_leg(n),
             Event::Release(n) => self.release(n),
             Event::SubmitDecode(n) => self.submit_decode(n),
+            Event::ReplicaArrives(n) => self.copy_arrives(n),
             Event::StepEnd(e) => self.step_end(e),
             Event::Ingest(e, payload) => self.skipped += self.router.ingest(e, &payload),
             Event::FirstToken(n) => {
@@ -301,6 +353,8 @@ impl<'a> Sim<'a> {
             prefill: None,
             prefill_cached: None,
             first_token_us: None,
+            received_tokens: 0,
+            fetch_legs: false,
         });
         if let Some(arrivals) = &mut self.arrivals {
             let next = seconds_to_us(arrivals.next_arrival());
@@ -325,7 +379,11 @@ impl<'a> Sim<'a> {
             lora_name: None,
         };
         let id = RequestId(n as u64);
-        self.enter(p.engine, (n, id), request, Handoff::default());
+        let received = Handoff {
+            received_tokens: r.received_tokens,
+            hold: false,
+        };
+        self.enter(p.engine, (n, id), request, received);
     }
 
     /// Queues a request, or one leg of request `n`, on engine `e`, which
@@ -371,6 +429,9 @@ impl<'a> Sim<'a> {
             self.at(self.now + d.event_us, Event::Ingest(e, payload));
         }
         for out in step.outputs {
+            if fetch::is_copy(out.id) {
+                continue;
+            }
             let (n, prefill_leg) = legs::untag(out.id);
             if prefill_leg {
                 self.prefill_output(n, out.update);
@@ -413,6 +474,13 @@ impl<'a> Sim<'a> {
         let found = r.prefill_cached.unwrap_or(cached).min(prompt_tokens);
         self.prefill_hits.0 += found;
         self.prefill_hits.1 += prompt_tokens;
+        // A fetch by legs recomputed on its source what the source lacked.
+        let cached = if r.fetch_legs {
+            self.leg_fetched += found;
+            found
+        } else {
+            cached
+        };
         self.samples.push(Sample {
             start_s: r.sent_us as f64 / 1e6,
             ttft_ms: (first - r.sent_us) as f64 / 1e3,

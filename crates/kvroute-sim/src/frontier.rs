@@ -1,5 +1,5 @@
 //! `kvroute bench sim --frontier`: kvroute's `kv` policy over a grid of its
-//! knobs (cost weights, temperature, a busy threshold) on each case (a
+//! knobs (cost weights, temperature, a busy threshold, the fetch lever) on each case (a
 //! preset or a trace, one seed), the Pareto frontier of (hit rate ↑,
 //! TTFT p99 ↓, latency p99 ↓) among those settings, and the peers'
 //! baselines (`sglang-cache-aware`, `dynamo`) run on the same case beside
@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
 use kvroute_core::scheduler::policy::DEFAULT_STICKINESS;
-use kvroute_core::scheduler::Policy;
+use kvroute_core::scheduler::{FetchConfig, Policy};
 
 use super::{simulate, SimConfig, SimLoad, SimReport};
 use crate::contender::{deal_from_value, Contender, Routing};
@@ -264,7 +264,7 @@ pub fn pareto(points: &[Point]) -> Vec<usize> {
 type Axis = (&'static str, &'static [f64], fn(&mut Routing, f64));
 
 /// The knobs swept, each around kvroute's default (listed first).
-const AXES: [Axis; 7] = [
+const AXES: [Axis; 8] = [
     ("pls", &[12.0, 4.0, 24.0], |r, v| {
         r.weights.prefill_load_scale = v
     }),
@@ -282,6 +282,13 @@ const AXES: [Axis; 7] = [
         r.deal_new_prefixes = deal_from_value(v)
     }),
     ("stick", &[DEFAULT_STICKINESS, 0.0], |r, v| r.stickiness = v),
+    // The fetch lever: off, or on at this transfer cost (µs per block).
+    ("fetch", &[0.0, 20.0], |r, v| {
+        r.fetch = (v > 0.0).then_some(FetchConfig {
+            transfer_us_per_block: v,
+            ..FetchConfig::default()
+        })
+    }),
 ];
 
 /// kvroute's `kv` policy at every combination of the swept axes; the first is
@@ -569,7 +576,7 @@ mod tests {
     #[test]
     fn the_grid_starts_with_the_default_and_labels_what_differs() {
         let grid = kv_grid();
-        assert_eq!(grid.len(), 3 * 2 * 3 * 2 * 2 * 2 * 2);
+        assert_eq!(grid.len(), 3 * 2 * 3 * 2 * 2 * 2 * 2 * 2);
         assert_eq!(grid[0], ("kv".to_string(), Routing::new(Policy::Kv)));
         assert!(grid.iter().any(|(l, r)| l == "kv[kvw=1]"
             && r.weights.request_kv_weight == 1.0

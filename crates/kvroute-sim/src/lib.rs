@@ -135,6 +135,10 @@ pub struct SimConfig {
     /// prefill engine, divided by the engines' speedup as the mocker
     /// divides it ([`DEFAULT_TRANSFER_US_PER_BLOCK`]).
     pub transfer_us_per_block: u64,
+    /// A fetch runs as vLLM's two legs (the holder answers a one-token leg
+    /// in its own steps, then the receiver reads the blocks and decodes),
+    /// instead of a push of the blocks that takes no step of the holder's.
+    pub fetch_legs: bool,
 }
 
 impl SimConfig {
@@ -175,6 +179,23 @@ pub struct SimReport {
     pub prefilled_tokens: Vec<u64>,
     /// KV blocks decode engines read from prefill engines.
     pub transferred_blocks: u64,
+    /// Requests that fetched their prefix from another engine before
+    /// running (an aggregated fleet with the fetch lever).
+    pub fetches: u64,
+    /// Blocks those fetches moved.
+    pub fetched_blocks: u64,
+    /// Requests placed with a fetch whose source no longer held more of
+    /// the prefix than the receiver when they arrived: recomputed there.
+    pub fetch_misses: u64,
+    /// Copies of hot prefixes made ahead of demand, and their blocks (each
+    /// computes one token on its target, counted in `prefilled_tokens`).
+    pub replicas: u64,
+    /// Blocks those copies moved.
+    pub replicated_blocks: u64,
+    /// Prompt tokens the engines received from fetches instead of
+    /// computing them: counted in `report`'s hit rate (the engines report
+    /// them as cached, and they were not recomputed), and apart here.
+    pub fetched_tokens: u64,
     /// Engine steps simulated.
     pub steps: u64,
     /// Events the router's decoder skipped (0 unless something is wrong).

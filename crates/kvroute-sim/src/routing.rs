@@ -22,8 +22,9 @@ use kvroute_core::index::{DpRank, Index, IndexConfig, SharedIndex, WorkerId, Wor
 use kvroute_core::rng::SplitMix64;
 use kvroute_core::scheduler::peers::CacheAwareConfig;
 use kvroute_core::scheduler::{
-    score, ActiveSequences, FleetView, Load, PlaceRequest, Placer, PlacerConfig, Policy, Pricing,
-    RequestHashes, RouteTarget, Scored, SpeedConfig, SpeedLearner, WhenAllBusy, WorkerRole,
+    predicted_cached_tokens, score, ActiveSequences, FleetView, Load, PlaceRequest, Placer,
+    PlacerConfig, Policy, Pricing, RequestHashes, RouteTarget, Scored, SpeedConfig, SpeedLearner,
+    WhenAllBusy, WorkerRole,
 };
 use kvroute_core::wire::{DecoderConfig, StreamDecoder};
 use kvroute_mocker::engine::{Engine, NewRequest};
@@ -47,6 +48,12 @@ pub struct Placement {
     /// The cached tokens the router predicted (`None`: the oracle, which
     /// predicts nothing).
     pub predicted_cached: Option<u64>,
+    /// The engine to fetch the prefix from first, and the leading blocks
+    /// the router saw there (`None`: the engine computes what it lacks).
+    pub fetch: Option<(usize, u32)>,
+    /// A copy of the prefix to make ahead of demand: from engine, to
+    /// engine, leading blocks (`None`: none).
+    pub replicate: Option<(usize, usize, u32)>,
 }
 
 /// Each request's send time (ms) and its rank's requests in flight then,
@@ -101,6 +108,8 @@ pub fn placer_config(routing: &Routing, seed: u64) -> PlacerConfig {
         tree: CacheAwareConfig::default(),
         when_all_busy: WhenAllBusy::PlaceAnyway,
         seed,
+        fetch: routing.fetch,
+        replicate: routing.replicate,
     }
 }
 
@@ -272,6 +281,8 @@ impl SimRouter {
                 engine,
                 active_id: id,
                 predicted_cached: None,
+                fetch: None,
+                replicate: None,
             };
         }
         match self.policy {
@@ -298,22 +309,35 @@ impl SimRouter {
         let s = &scored[chosen];
         self.placer.record(&ordered, s, request_tokens);
         let in_flight = s.candidate.active_requests + 1;
-        let id = self.charge(
-            s,
-            &hashes,
-            s.uncached_prefill_tokens(request_tokens),
-            now_ms,
-        );
+        let fetch = ordered.fetch.filter(|f| f.receiver == chosen);
+        // A fetched prefix arrives computed: the rank prefills the rest.
+        let fetched_tokens =
+            fetch.map_or(0, |f| u64::from(f.source_blocks) * u64::from(s.block_size));
+        let prefill_tokens = s
+            .uncached_prefill_tokens(request_tokens)
+            .min(request_tokens.saturating_sub(fetched_tokens));
+        let id = self.charge(s, &hashes, prefill_tokens, now_ms);
         if routing.policy == Policy::Approx {
             self.record_decision(s, &hashes, now_ms);
         }
         if let Some((_, sent)) = &mut self.caps {
             sent.insert(id, (now_ms, in_flight));
         }
+        let blocks = fetch.map_or(0, |f| f.source_blocks);
+        let predicted_blocks = s.predicted_cached_blocks().max(blocks);
         Placement {
             engine: s.worker,
             active_id: id,
-            predicted_cached: Some(s.predicted_cached_tokens(request_tokens)),
+            predicted_cached: Some(predicted_cached_tokens(
+                predicted_blocks,
+                s.block_size,
+                request_tokens,
+            )),
+            fetch: fetch.map(|f| (scored[f.source].worker, f.source_blocks)),
+            replicate: ordered.replicate.map(|c| {
+                let (from, to) = (scored[c.source].worker, scored[c.target].worker);
+                (from, to, scored[c.source].candidate.device_blocks)
+            }),
         }
     }
 
@@ -401,6 +425,8 @@ impl SimRouter {
             engine,
             active_id: id,
             predicted_cached: None,
+            fetch: None,
+            replicate: None,
         }
     }
 

@@ -23,10 +23,25 @@ pub fn row(name: &str, seed: u64, r: &SimReport, cpu_ms: f64) -> Value {
         "per_engine": r.per_engine,
         "prefilled_tokens": r.prefilled_tokens,
         "transferred_blocks": r.transferred_blocks,
+        "fetches": r.fetches,
+        "fetched_blocks": r.fetched_blocks,
+        "fetch_misses": r.fetch_misses,
+        "replicas": r.replicas,
+        "replicated_blocks": r.replicated_blocks,
+        "fetched_rate": fetched_rate(r),
         "steps": r.steps,
         "skipped_events": r.skipped_events,
         "sim_cpu_ms": cpu_ms,
     })
+}
+
+/// The share of prompt tokens received by fetches (0 without any).
+fn fetched_rate(r: &SimReport) -> f64 {
+    let prompt = r.report.prompt_tokens;
+    if prompt == 0 {
+        return 0.0;
+    }
+    r.fetched_tokens as f64 / prompt as f64
 }
 
 /// Runs every job on every core; results in the jobs' order.
@@ -70,9 +85,13 @@ pub fn table(rows: &[Value], seeds: usize) -> String {
     let pd = rows
         .iter()
         .any(|r| r["report"]["prefill_hit_rate"].is_number());
+    let fetched = rows.iter().any(|r| r["fetches"].as_u64() > Some(0));
     let mut out = format!("{:<34}{:>6}{:>8}", "policy", "seed", "hit");
     if pd {
         let _ = write!(out, "{:>8}", "pf hit");
+    }
+    if fetched {
+        let _ = write!(out, "{:>8}", "fetched");
     }
     let _ = writeln!(
         out,
@@ -90,6 +109,9 @@ pub fn table(rows: &[Value], seeds: usize) -> String {
         );
         if pd {
             let _ = write!(out, "{:>8.4}", mean(&["report", "prefill_hit_rate"]));
+        }
+        if fetched {
+            let _ = write!(out, "{:>8.4}", mean(&["fetched_rate"]));
         }
         let _ = write!(
             out,
@@ -124,6 +146,9 @@ pub fn table(rows: &[Value], seeds: usize) -> String {
         }
     }
     out.push_str("times in ms; hit = the engines' cached_tokens / prompt tokens, as clients see them; tpot = time per output token\n");
+    if fetched {
+        out.push_str("fetched = prompt tokens received from another engine by fetches / prompt tokens (in hit: not recomputed)\n");
+    }
     if pd {
         out.push_str("pf hit = prompt tokens found cached on the engine that prefilled them / prompt tokens (a decode engine's received KV is no hit)\n");
     }

@@ -24,6 +24,7 @@ fn config(policy: Contender, gpu_blocks: usize) -> SimConfig {
         seed: 1,
         layout: None,
         transfer_us_per_block: DEFAULT_TRANSFER_US_PER_BLOCK,
+        fetch_legs: false,
     }
 }
 
@@ -478,4 +479,67 @@ fn caps_learned_from_a_tight_ttft_target_spread_requests_off_busy_holders() {
     let loose = run(Some(1e9));
     assert_eq!(loose.per_engine, free.per_engine);
     assert_eq!(loose.report.hit_rate, free.report.hit_rate);
+}
+
+#[test]
+fn with_the_fetch_lever_busy_holders_hand_their_prefixes_to_cooler_engines() {
+    let load = preset_load(Preset::Long, 300);
+    let run = |routing: Routing| {
+        simulate(&config(Contender::Router(routing), 2_048), &load).expect("runs")
+    };
+    let (stay, fetch) = (run(Routing::new(Policy::Kv)), run(Routing::fetch()));
+    assert_eq!((fetch.report.requests, fetch.report.failed), (300, 0));
+    assert_eq!((stay.fetches, stay.fetched_tokens), (0, 0));
+    assert!(fetch.fetches > 0 && fetch.fetched_blocks > 0);
+    // What the engines received they did not compute, and report as cached.
+    assert!(fetch.fetched_tokens >= fetch.fetched_blocks * 16);
+    assert!(fetch.report.cached_tokens >= fetch.fetched_tokens);
+    // Moving the cache keeps the prefixes' hit rate (fetched counts as not
+    // recomputed), where moving the work would lose it.
+    assert!(
+        fetch.report.hit_rate > stay.report.hit_rate - 0.01,
+        "fetch {} stay {}",
+        fetch.report.hit_rate,
+        stay.report.hit_rate
+    );
+    let computed = |r: &SimReport| r.prefilled_tokens.iter().sum::<u64>();
+    assert_eq!(
+        computed(&fetch) + fetch.report.cached_tokens,
+        fetch.report.prompt_tokens
+    );
+    assert!(computed(&fetch) <= computed(&stay) + 300 * 16);
+}
+
+#[test]
+fn hot_prefixes_are_copied_ahead_of_demand_within_the_budget() {
+    let load = preset_load(Preset::Long, 300);
+    let routing = Routing {
+        replicate: Some(kvroute_core::scheduler::ReplicaConfig {
+            hot_for_ms: 200,
+            budget_blocks: 256,
+        }),
+        ..Routing::new(Policy::Kv)
+    };
+    let r = simulate(&config(Contender::Router(routing), 2_048), &load).expect("runs");
+    assert_eq!((r.report.requests, r.report.failed), (300, 0));
+    assert!(r.replicas > 0 && r.replicated_blocks > 0, "{r:?}");
+    // Copies are no client's fetch.
+    assert_eq!((r.fetches, r.fetched_tokens), (0, 0));
+}
+
+#[test]
+fn a_fetch_by_legs_runs_its_one_token_leg_on_the_holder() {
+    let load = preset_load(Preset::Long, 300);
+    let config = SimConfig {
+        fetch_legs: true,
+        ..config(Contender::Router(Routing::fetch()), 2_048)
+    };
+    let r = simulate(&config, &load).expect("runs");
+    assert_eq!((r.report.requests, r.report.failed), (300, 0));
+    assert!(r.fetches > 0 && r.fetched_blocks > 0 && r.fetched_tokens > 0);
+    // Each fetched request counts on its holder (the leg) and its receiver.
+    assert_eq!(r.per_engine.iter().sum::<u64>(), 300 + r.fetches);
+    // The hit rate counts what the holder found, not what the receiver got.
+    assert!(r.report.cached_tokens >= r.fetched_tokens);
+    assert_eq!(r.transferred_blocks, 0);
 }

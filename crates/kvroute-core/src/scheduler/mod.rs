@@ -3,7 +3,9 @@
 //! ([`candidates`]), a request hashed and every rank of a fleet priced
 //! ([`fleet`]), the order they are tried in under each routing policy
 //! ([`policy`]), where a disaggregated fleet sends each phase
-//! ([`disagg`]), the whole decision for one request assembled from those
+//! ([`disagg`]), when a request fetches its prefix from a busy holder
+//! instead of waiting or recomputing ([`fetch`]) and when a hot prefix is
+//! copied ahead of demand ([`replicate`]), the whole decision for one request assembled from those
 //! parts and the state policies keep ([`placer`]), the order requests wait
 //! in the overload queue ([`fair`]),
 //! the workers' speeds learned from their responses
@@ -17,10 +19,12 @@ pub mod candidates;
 pub mod cost;
 pub mod disagg;
 pub mod fair;
+pub mod fetch;
 pub mod fleet;
 pub mod peers;
 pub mod placer;
 pub mod policy;
+pub mod replicate;
 pub mod session;
 pub mod speed;
 
@@ -30,7 +34,9 @@ pub use candidates::{
 };
 pub use cost::{Candidate, CostBreakdown, CostWeights};
 pub use disagg::{DecodeCost, LocalPrefillRule, WorkerRole};
+pub use fetch::{Fetch, FetchConfig, FetchReason};
 pub use fleet::{score, FleetView, MatchedHashes, RequestHashes, RouteTarget};
 pub use placer::{Ordered, PlaceRequest, Placer, PlacerConfig, Plan, WhenAllBusy};
 pub use policy::{deal_new_prefix, order, order_from, pick, Policy};
+pub use replicate::{ReplicaConfig, Replicate, Replicator};
 pub use speed::{SpeedConfig, SpeedLearner};

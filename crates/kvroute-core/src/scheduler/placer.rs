@@ -17,6 +17,10 @@
 //!    ([`PrefixDealer`]), else the rank holding most of it keeps it within
 //!    the stickiness margin ([`keep_on_holder`]); under
 //!    `sglang-cache-aware`: its tree chooses ([`CacheAware::choose`]);
+//!    Then, under `kv` with [`PlacerConfig::fetch`] set, a request whose
+//!    prefix's holder costs more than moving the prefix goes to a cooler
+//!    rank that fetches the blocks from the holder ([`plan_fetch`]):
+//!    [`Ordered::fetch`] names the source, the blocks and the reason;
 //! 3. the session's rank first where its history pays for its queue
 //!    ([`prefer_session`]);
 //! 4. the rank that produced the continued response first, whatever it
@@ -40,8 +44,10 @@ pub use split::Plan;
 use super::candidates::Scored;
 use super::cost::CostWeights;
 use super::disagg::LocalPrefillRule;
+use super::fetch::{plan_fetch, Fetch, FetchConfig};
 use super::peers::{tenant_of, CacheAware, CacheAwareConfig};
 use super::policy::{keep_on_holder, order, order_from, DealBy, PrefixDealer, DEFAULT_STICKINESS};
+use super::replicate::{prefix_key, ReplicaConfig, Replicate, Replicator};
 use super::session::{prefer_session, SessionEntry};
 use super::Policy;
 use crate::index::WorkerRank;
@@ -84,6 +90,15 @@ pub struct PlacerConfig {
     pub when_all_busy: WhenAllBusy,
     /// The seed of the placer's random draws.
     pub seed: u64,
+    /// Under `kv`: when a request runs on a cooler rank that fetches its
+    /// prefix from the holder (`None`: never, the default; the caller must
+    /// be able to execute the hand-off).
+    pub fetch: Option<FetchConfig>,
+    /// Under `kv`: when a hot prefix is copied ahead of demand to a second
+    /// rank (`None`: never, the default). Saturation is judged by the fetch
+    /// rule ([`PlacerConfig::fetch`]'s, or its defaults when that is off);
+    /// with fetches on, a fetch makes the copy itself and none is asked.
+    pub replicate: Option<ReplicaConfig>,
 }
 
 impl PlacerConfig {
@@ -99,6 +114,8 @@ impl PlacerConfig {
             tree: CacheAwareConfig::default(),
             when_all_busy: WhenAllBusy::Wait,
             seed: 0,
+            fetch: None,
+            replicate: None,
         }
     }
 }
@@ -177,6 +194,12 @@ pub struct Ordered {
     pub session: Preference,
     /// How the continued response's rank fared.
     pub continuation: Preference,
+    /// The first runs the request with a prefix fetched from another rank
+    /// (`None`: it computes what it does not hold).
+    pub fetch: Option<Fetch>,
+    /// A copy of the request's prefix to make ahead of demand (see
+    /// [`PlacerConfig::replicate`]); the request itself goes first in `order`.
+    pub replicate: Option<Replicate>,
 }
 
 /// The placement state of one router (see the module docs).
@@ -187,6 +210,7 @@ pub struct Placer {
     tree: Option<CacheAware>,
     rng: SplitMix64,
     turn: u64,
+    replicator: Option<Replicator>,
 }
 
 impl Placer {
@@ -199,6 +223,7 @@ impl Placer {
         let tree =
             (config.policy == Policy::SglangCacheAware).then(|| CacheAware::new(config.tree));
         Placer {
+            replicator: config.replicate.map(Replicator::new),
             rng: SplitMix64::new(config.seed),
             config,
             dealer,
@@ -245,13 +270,34 @@ impl Placer {
         if let Some(kept) = &kept {
             order = order.into_iter().map(|j| kept[j]).collect();
         }
+        let planned = self.fetch(scored, kept.as_deref(), &order, req.token_count());
+        let fetch = planned.filter(|_| self.config.fetch.is_some());
+        let replicate = match (&mut self.replicator, req.tokens, fetch) {
+            (Some(r), Some(tokens), None) => {
+                let bs = scored.first().map_or(16, |s| s.block_size);
+                r.observe(prefix_key(tokens, bs), scored, planned.as_ref(), req.now_ms)
+            }
+            _ => None,
+        };
+        if let Some(f) = &fetch {
+            order.retain(|&i| i != f.receiver);
+            order.insert(0, f.receiver);
+        }
         let mut ordered = Ordered {
             order,
             among: among.len(),
             dealt,
+            fetch,
+            replicate,
             ..Ordered::default()
         };
         self.prefer(scored, req, &mut ordered);
+        if let Some(f) = ordered.fetch {
+            // A session or a continuation moved another rank first.
+            if ordered.order.first() != Some(&f.receiver) {
+                ordered.fetch = None;
+            }
+        }
         ordered
     }
 
@@ -277,6 +323,38 @@ impl Placer {
             Some(first) => order_from(scored, first),
             None => keep_on_holder(scored, ordered, c.stickiness),
         }
+    }
+
+    /// The fetch the rule plans instead of the policy's first choice, if
+    /// any (`kv` with [`PlacerConfig::fetch`] or [`PlacerConfig::replicate`]
+    /// only, the fetch's defaults for the latter; `eligible`: the positions
+    /// allowed, `None`: all).
+    fn fetch(
+        &self,
+        scored: &[Scored],
+        eligible: Option<&[usize]>,
+        order: &[usize],
+        request_tokens: u64,
+    ) -> Option<Fetch> {
+        let config = match (self.config.fetch, self.config.replicate) {
+            (Some(f), _) => f,
+            (None, Some(_)) => FetchConfig::default(),
+            (None, None) => return None,
+        };
+        let &first = order.first()?;
+        if self.config.policy != Policy::Kv || request_tokens == 0 {
+            return None;
+        }
+        let all: Vec<usize>;
+        let eligible = match eligible {
+            Some(e) => e,
+            None => {
+                all = (0..scored.len()).collect();
+                &all
+            }
+        };
+        let w = &self.config.weights;
+        plan_fetch(scored, eligible, first, request_tokens, (w, &config))
     }
 
     /// The policy's order with its kept state's say (step 2 of the module

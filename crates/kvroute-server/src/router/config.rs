@@ -145,6 +145,9 @@ impl ProxyConfig {
             tree: CacheAwareConfig::default(),
             when_all_busy: WhenAllBusy::Wait,
             seed,
+            // `serve` does not hand prefixes off between aggregated workers yet.
+            fetch: None,
+            replicate: None,
         }
     }
 }

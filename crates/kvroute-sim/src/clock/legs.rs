@@ -118,7 +118,12 @@ impl Sim<'_> {
         let cached = self.engines[d.engine].cached_prefix_tokens(&probe);
         let bs = self.config.engine.block_size.max(1);
         let blocks = probe.prompt.len().div_ceil(bs).saturating_sub(cached / bs);
-        self.transferred_blocks += blocks as u64;
+        if self.splits {
+            self.transferred_blocks += blocks as u64;
+        } else {
+            // A fetch run as legs on an aggregated fleet.
+            self.fetched_blocks += blocks as u64;
+        }
         let (per_block, speedup) = (
             self.config.transfer_us_per_block,
             self.config.engine.timing.speedup,

@@ -54,6 +54,8 @@ impl SimRouter {
             engine: d.worker,
             active_id: self.charge(d, &hashes, decode_prefill, now_ms),
             predicted_cached: local.then(|| d.predicted_cached_tokens(request_tokens)),
+            fetch: None,
+            replicate: None,
         };
         // Only a request forwarded whole (prefilled where it decodes) is
         // recorded by the `approx` policy, as in the proxy's `forward`.
@@ -67,6 +69,8 @@ impl SimRouter {
                 engine: s.worker,
                 active_id: self.charge(s, &hashes, uncached, now_ms),
                 predicted_cached: None,
+                fetch: None,
+                replicate: None,
             }
         });
         Some(Split { decode, prefill })

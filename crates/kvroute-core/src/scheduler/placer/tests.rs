@@ -293,3 +293,100 @@ fn an_sglang_decode_rank_without_a_free_prefill_worker_is_no_plan() {
     let plan = placer(Policy::Kv).plan_split(&scored, &vllm, Some(160));
     assert!(plan.expect("a plan").prefill.is_empty());
 }
+
+/// Rank `i` priced for real: `cached` of 64 blocks on device, `active`
+/// requests of 64 blocks decoding there.
+fn loaded(i: usize, cached: u32, active: u64) -> Scored {
+    let candidate = Candidate {
+        device_blocks: cached,
+        host_blocks: cached,
+        any_blocks: cached,
+        active_decode_blocks: active * 64,
+        new_active_blocks: 64,
+        active_requests: active,
+        active_request_blocks: active * 64,
+        request_blocks: 64,
+        ..Candidate::default()
+    };
+    Scored {
+        cost: candidate.cost(64 * 16, 16, &CostWeights::default()),
+        candidate,
+        ..rank(i, 0.0, cached, 64)
+    }
+}
+
+fn fetching() -> Placer {
+    Placer::new(PlacerConfig {
+        fetch: Some(crate::scheduler::FetchConfig::default()),
+        ..PlacerConfig::new(Policy::Kv)
+    })
+}
+
+#[test]
+fn under_kv_with_fetch_a_busy_holders_request_runs_cooler_with_its_blocks() {
+    let prompt = tokens(64 * 16);
+    let req = PlaceRequest {
+        tokens: Some(&prompt),
+        ..PlaceRequest::default()
+    };
+    // Rank 0 holds 60 blocks and decodes 6 requests, within the stickiness
+    // margin of idle rank 1: the holder keeps it without the fetch...
+    let scored = [loaded(0, 60, 6), loaded(1, 0, 0)];
+    let held = placer(Policy::Kv).order(&scored, &req);
+    assert_eq!((held.order[0], held.fetch), (0, None));
+    // ...and with it, rank 1 runs it, fetching the 60 blocks from rank 0.
+    let moved = fetching().order(&scored, &req);
+    assert_eq!(moved.order, [1, 0]);
+    let f = moved.fetch.expect("a fetch");
+    assert_eq!((f.source, f.source_key, f.blocks), (0, scored[0].key, 60));
+    // An idle holder keeps its request.
+    let idle = [loaded(0, 60, 0), loaded(1, 0, 0)];
+    assert_eq!(fetching().order(&idle, &req).fetch, None);
+    // Other policies never fetch.
+    let mut rr = Placer::new(PlacerConfig {
+        fetch: Some(crate::scheduler::FetchConfig::default()),
+        ..PlacerConfig::new(Policy::RoundRobin)
+    });
+    assert_eq!(rr.order(&scored, &req).fetch, None);
+}
+
+#[test]
+fn a_session_kept_on_the_holder_cancels_the_fetch() {
+    let prompt = tokens(64 * 16);
+    let scored = [loaded(0, 60, 6), loaded(1, 0, 0)];
+    let req = PlaceRequest {
+        tokens: Some(&prompt),
+        continuation: Some(scored[0].key),
+        ..PlaceRequest::default()
+    };
+    let ordered = fetching().order(&scored, &req);
+    assert_eq!((ordered.order[0], ordered.fetch), (0, None));
+}
+
+#[test]
+fn a_hot_prefix_is_copied_ahead_of_demand_when_fetches_are_off() {
+    let mut p = Placer::new(PlacerConfig {
+        replicate: Some(crate::scheduler::ReplicaConfig {
+            hot_for_ms: 100,
+            budget_blocks: 256,
+        }),
+        ..PlacerConfig::new(Policy::Kv)
+    });
+    let prompt = tokens(64 * 16);
+    let at = |now_ms| PlaceRequest {
+        tokens: Some(&prompt),
+        now_ms,
+        ..PlaceRequest::default()
+    };
+    let scored = [loaded(0, 60, 6), loaded(1, 0, 0)];
+    // The holder keeps its requests; it is saturated from the first.
+    let first = p.order(&scored, &at(0));
+    assert_eq!(
+        (first.order[0], first.fetch, first.replicate),
+        (0, None, None)
+    );
+    let later = p.order(&scored, &at(100));
+    assert_eq!((later.order[0], later.fetch), (0, None));
+    let copy = later.replicate.expect("a copy");
+    assert_eq!((copy.source, copy.target, copy.blocks), (0, 1, 60));
+}

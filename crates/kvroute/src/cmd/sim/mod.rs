@@ -77,6 +77,12 @@ pub struct SimArgs {
     /// --transfer-us-per-block`).
     #[arg(long, default_value_t = DEFAULT_TRANSFER_US_PER_BLOCK)]
     transfer_us_per_block: u64,
+    /// A fetch runs as vLLM's two legs: the holder answers a one-token
+    /// leg in its own steps (the prompt's uncached rest computed there),
+    /// then the receiver reads the blocks and decodes. Without it, the
+    /// blocks are pushed to the receiver without a step of the holder's.
+    #[arg(long)]
+    fetch_legs: bool,
     /// KV-cache blocks per engine (a preset sets its own).
     #[arg(long)]
     gpu_blocks: Option<usize>,
@@ -106,7 +112,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = SpeedConfig::default().forget)]
     speed_forget: f64,
     /// What routes, in order: router policies (with the peers' `sglang-cache-aware`
-    /// and `dynamo`), `kv-tail` (kv set for the latency tail), `kv-dynamo-weights`
+    /// and `dynamo`), `kv-tail` (kv set for the latency tail), `kv-fetch` (kv moving busy holders' prefixes instead of their work), `kv-dynamo-weights`
     /// (kv with Dynamo's weights), `kv-split` and `aggregated` (kv always splitting,
     /// or ignoring the roles, on a P/D fleet) and `oracle` (not on a P/D
     /// fleet). Default: kv,dynamo,least-loaded,round-robin,oracle; on a
@@ -293,6 +299,7 @@ pub fn run(a: &SimArgs) -> Result<ExitCode> {
         seed,
         layout,
         transfer_us_per_block: a.transfer_us_per_block,
+        fetch_legs: a.fetch_legs,
     };
     if let Some(evaluations) = a.pin_search {
         return pin_search(a, evaluations, &config);

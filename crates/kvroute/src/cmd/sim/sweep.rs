@@ -3,6 +3,7 @@
 
 use anyhow::Result;
 use clap::Args;
+use kvroute_core::scheduler::{FetchConfig, ReplicaConfig};
 use kvroute_loadgen::contender::{deal_from_value, Routing};
 use kvroute_sim::plan::{self, SweepAxis};
 
@@ -44,6 +45,21 @@ pub(super) struct SweepArgs {
     /// Per-rank caps on requests in flight learned against this time to first token, ms (0: off).
     #[arg(long, value_delimiter = ',')]
     cap_ttft_ms: Vec<f64>,
+    /// The fetch lever: a busy holder's request runs on a cooler rank that
+    /// fetches the prefix, priced at this many µs per block moved (0: off).
+    #[arg(long, value_delimiter = ',')]
+    fetch_us_per_block: Vec<f64>,
+    /// With the fetch lever: how much dearer the chosen rank must be than
+    /// the fetch (1: any cheaper fetch).
+    #[arg(long, value_delimiter = ',')]
+    fetch_margin: Vec<f64>,
+    /// Replication of hot prefixes: a prefix whose holder stays saturated
+    /// this many ms is copied ahead of demand to a second rank (0: off).
+    #[arg(long, value_delimiter = ',')]
+    replicate_hot_ms: Vec<f64>,
+    /// With replication: replicated blocks a rank may hold at once.
+    #[arg(long, value_delimiter = ',')]
+    replica_budget_blocks: Vec<f64>,
 }
 
 /// A `--deal-new-prefixes` value: `serve`'s names, as the sweep's numbers
@@ -65,7 +81,7 @@ type Axis<'a> = SweepAxis<'a>;
 
 impl SweepArgs {
     pub(super) fn axes(&self) -> Vec<Axis<'_>> {
-        let all: [Axis<'_>; 11] = [
+        let all: [Axis<'_>; 15] = [
             ("pls", &self.prefill_load_scale, |r, v| {
                 r.weights.prefill_load_scale = v
             }),
@@ -94,6 +110,26 @@ impl SweepArgs {
             ("stick", &self.holder_stickiness, |r, v| r.stickiness = v),
             ("cap", &self.cap_ttft_ms, |r, v| {
                 r.cap_ttft_ms = (v > 0.0).then_some(v)
+            }),
+            ("fetch", &self.fetch_us_per_block, |r, v| {
+                r.fetch = (v > 0.0).then(|| FetchConfig {
+                    transfer_us_per_block: v,
+                    ..r.fetch.unwrap_or_default()
+                })
+            }),
+            ("fm", &self.fetch_margin, |r, v| {
+                let fetch = r.fetch.get_or_insert_with(FetchConfig::default);
+                fetch.margin = v;
+            }),
+            ("rep", &self.replicate_hot_ms, |r, v| {
+                r.replicate = (v > 0.0).then(|| ReplicaConfig {
+                    hot_for_ms: v as u64,
+                    ..r.replicate.unwrap_or_default()
+                })
+            }),
+            ("rb", &self.replica_budget_blocks, |r, v| {
+                let replicate = r.replicate.get_or_insert_with(ReplicaConfig::default);
+                replicate.budget_blocks = v as u64;
             }),
         ];
         all.into_iter().filter(|a| !a.1.is_empty()).collect()
