@@ -39,9 +39,10 @@ use kvroute_core::scheduler::disagg::decode_order;
 use kvroute_core::scheduler::WorkerRole;
 
 use super::answer::{self, AnswerError};
-use super::attempt::{self, open_candidate, outgoing, send, Outgoing, Request, Sent};
+use super::attempt;
 use super::handoff;
 use super::outcome::{self, Ending};
+use super::send::{open_candidate, outgoing, send, Outgoing, Request, Sent};
 use super::Proxy;
 use crate::api::{ErrorKind, ProxyError};
 use crate::router::active::ActiveGuard;

@@ -28,6 +28,7 @@ pub mod migrate;
 pub mod outcome;
 pub mod relay;
 pub mod rewrite;
+pub mod send;
 
 use std::sync::Arc;
 use std::time::Instant;

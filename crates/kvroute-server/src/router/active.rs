@@ -4,9 +4,8 @@
 //! frees its place when dropped, whether the request ended, failed or the
 //! client went away.
 
-use std::collections::HashMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
 use kvroute_core::hash::SequenceHash;
@@ -16,6 +15,7 @@ use prometheus_client::collector::Collector;
 use prometheus_client::encoding::DescriptorEncoder;
 
 use super::candidates::Target;
+use super::load::ActiveRanks;
 use super::Router;
 use crate::metrics::{
     encode_rank_family, encode_rank_ratios, RankLabels, ACTIVE_DECODE_BLOCKS,
@@ -25,47 +25,6 @@ use crate::replica::message::RequestRef;
 use crate::replica::outbox::Outbox;
 use crate::replica::peers::tagged_id;
 use crate::replica::speeds::SpeedObservation;
-
-/// Each rank's active requests.
-pub type ActiveRanks = HashMap<WorkerRank, ActiveSequences>;
-
-/// The active requests of every rank, behind one lock: a request is scored
-/// against every rank's load and charged to its choice in one hold of it.
-#[derive(Debug, Default)]
-pub struct ActiveTable {
-    ranks: Mutex<ActiveRanks>,
-}
-
-impl ActiveTable {
-    pub(super) fn lock(&self) -> MutexGuard<'_, ActiveRanks> {
-        self.ranks.lock().unwrap_or_else(PoisonError::into_inner)
-    }
-
-    /// Drops requests started more than `max_ms` before `now_ms`.
-    pub fn expire(&self, now_ms: u64, max_ms: u64) {
-        for a in self.lock().values_mut() {
-            a.expire(now_ms, max_ms);
-        }
-    }
-
-    /// (rank, requests, prefill tokens, decode blocks) of every rank seen.
-    pub fn snapshot(&self) -> Vec<(WorkerRank, u64, u64, u64)> {
-        let mut rows: Vec<_> = self
-            .lock()
-            .iter()
-            .map(|(k, a)| {
-                (
-                    *k,
-                    a.active_requests(),
-                    a.active_prefill_tokens(),
-                    a.active_blocks(),
-                )
-            })
-            .collect();
-        rows.sort_unstable();
-        rows
-    }
-}
 
 /// A request's place in its rank's load, freed when dropped.
 #[derive(Debug)]

@@ -13,9 +13,10 @@ use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
 use kvroute_core::scheduler::{PlaceRequest, Policy, Scored};
 
 use super::accuracy::Prediction;
-use super::active::{ActiveGuard, ActiveRanks};
+use super::active::ActiveGuard;
 use super::candidates::{Candidates, Target};
 use super::intake::RoutedRequest;
+use super::load::ActiveRanks;
 use super::observe::{CandidateView, Decision, CANDIDATES_KEPT};
 use super::queue::QueueWait;
 use super::{on_cpu, unix_ms, Router};

@@ -36,6 +36,7 @@ pub mod config;
 pub(crate) mod continuations;
 pub(crate) mod endpoint;
 pub(crate) mod intake;
+pub(crate) mod load;
 pub(crate) mod models;
 pub(crate) mod observe;
 pub(crate) mod owners;
@@ -45,6 +46,7 @@ pub(crate) mod sessions;
 pub(crate) mod shared;
 pub(crate) mod speeds;
 pub(crate) mod split;
+pub(crate) mod target;
 pub(crate) mod tenants;
 pub(crate) mod tokens;
 
@@ -66,10 +68,10 @@ use crate::metrics::ProxyMetrics;
 use crate::replica::outbox::Outbox;
 use crate::replica::pins::{PinKeys, PinShare};
 use crate::replica::speeds::SpeedShare;
-use active::ActiveTable;
 use breaker::Breakers;
-use candidates::Target;
+use load::ActiveTable;
 use models::WorkerModels;
+use target::Target;
 
 /// The header naming a request in logs, upstream and in the answer.
 pub const REQUEST_ID: &str = "x-request-id";

@@ -23,10 +23,10 @@ use super::{
 };
 use crate::api::ProxyError;
 use crate::proxy::answer;
-use crate::proxy::attempt::{send, Request, Sent};
 use crate::proxy::handoff::{self, Bootstrap};
 use crate::proxy::merge;
 use crate::proxy::outcome::{self, Ending};
+use crate::proxy::send::{send, Request, Sent};
 use crate::proxy::Proxy;
 use crate::router::active::ActiveGuard;
 use crate::router::candidates::{Candidates, Target};

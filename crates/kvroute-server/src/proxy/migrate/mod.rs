@@ -41,7 +41,7 @@ use tracing::warn;
 pub use splice::{continuation, Continuation, Splicer};
 pub use transcript::{Generated, Transcript};
 
-use super::attempt::{open_candidate, outgoing, send_within, Request, Sent};
+use super::send::{forwarded_headers, open_candidate, outgoing, send_within, Request, Sent};
 use super::Proxy;
 use crate::router::active::ActiveGuard;
 use crate::router::admission;
@@ -111,7 +111,7 @@ impl Migration {
             proxy: proxy.clone(),
             req: request.req.clone(),
             body: request.body.clone(),
-            headers: super::attempt::forwarded_headers(request.headers),
+            headers: forwarded_headers(request.headers),
             endpoint: request.endpoint,
             request_id: request.request_id.to_owned(),
             arrived: request.arrived,
