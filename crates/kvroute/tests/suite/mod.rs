@@ -35,4 +35,5 @@ mod serve;
 mod sessions;
 mod tenants;
 mod tokenizers;
+mod tracing;
 mod warm_restart;
