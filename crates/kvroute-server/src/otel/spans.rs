@@ -69,16 +69,18 @@ pub fn requested(req: &RoutedRequest) {
     if tracer().is_none() {
         return;
     }
-    let cx = Context::current();
-    let span = cx.span();
-    if let Some(model) = &req.body.model {
-        span.set_attribute(KeyValue::new("gen_ai.request.model", model.clone()));
-    }
-    span.set_attribute(KeyValue::new("kvroute.tenant", req.tenant.clone()));
-    span.set_attribute(KeyValue::new("kvroute.priority", req.priority));
     let tokens = i64::try_from(req.token_count()).unwrap_or(i64::MAX);
-    span.set_attribute(KeyValue::new("kvroute.prompt_tokens", tokens));
-    span.set_attribute(KeyValue::new("kvroute.stream", req.body.stream));
+    let mut attributes = vec![
+        KeyValue::new("kvroute.tenant", req.tenant.clone()),
+        KeyValue::new("kvroute.priority", req.priority),
+        KeyValue::new("kvroute.prompt_tokens", tokens),
+        KeyValue::new("kvroute.stream", req.body.stream),
+    ];
+    if let Some(model) = &req.body.model {
+        attributes.push(KeyValue::new("gen_ai.request.model", model.clone()));
+    }
+    // One lock of the span for all of them.
+    Context::current().span().set_attributes(attributes);
 }
 
 /// How long admission held the request (the overload queue's wait).
@@ -98,23 +100,27 @@ pub fn decided(d: &Decision) {
     if tracer().is_none() {
         return;
     }
-    let cx = Context::current();
-    let span = cx.span();
-    span.set_attribute(KeyValue::new("kvroute.policy", d.policy));
     let attempts = i64::try_from(d.retries)
         .unwrap_or(i64::MAX)
         .saturating_add(1);
-    span.set_attribute(KeyValue::new("kvroute.attempts", attempts));
+    let mut attributes = vec![
+        KeyValue::new("kvroute.policy", d.policy),
+        KeyValue::new("kvroute.attempts", attempts),
+    ];
     if let Some(why) = &d.load_only {
-        span.set_attribute(KeyValue::new("kvroute.load_only", why.clone()));
+        attributes.push(KeyValue::new("kvroute.load_only", why.clone()));
     }
     if let Some(c) = d.candidates.get(d.chosen) {
-        span.set_attribute(KeyValue::new("kvroute.worker", c.worker.to_string()));
-        span.set_attribute(KeyValue::new("kvroute.rank", i64::from(c.dp_rank.0)));
         let cached = i64::try_from(c.matched_tokens).unwrap_or(i64::MAX);
-        span.set_attribute(KeyValue::new("kvroute.predicted_cached_tokens", cached));
-        span.set_attribute(KeyValue::new("kvroute.cost", c.total));
+        attributes.extend([
+            KeyValue::new("kvroute.worker", c.worker.to_string()),
+            KeyValue::new("kvroute.rank", i64::from(c.dp_rank.0)),
+            KeyValue::new("kvroute.predicted_cached_tokens", cached),
+            KeyValue::new("kvroute.cost", c.total),
+        ]);
     }
+    // One lock of the span for all of them.
+    Context::current().span().set_attributes(attributes);
 }
 
 /// A child span of the current one for a phase of the request's work
@@ -161,13 +167,10 @@ impl Attempt {
         let tracer = tracer()?;
         let parent = Context::current();
         let mut attributes = vec![KeyValue::new("kvroute.worker", worker.to_owned())];
-        if let Ok(url) = url::Url::parse(url) {
-            if let Some(host) = url.host_str() {
-                attributes.push(KeyValue::new("server.address", host.to_owned()));
-            }
-            if let Some(port) = url.port_or_known_default() {
-                attributes.push(KeyValue::new("server.port", i64::from(port)));
-            }
+        let (host, port) = host_port(url);
+        attributes.push(KeyValue::new("server.address", host.to_owned()));
+        if let Some(port) = port {
+            attributes.push(KeyValue::new("server.port", i64::from(port)));
         }
         if let Some(rank) = rank {
             attributes.push(KeyValue::new("kvroute.rank", i64::from(rank)));
@@ -199,5 +202,33 @@ impl Attempt {
             Err(why) => span.set_status(Status::error(why.to_owned())),
         }
         span.end();
+    }
+}
+
+/// The host and port of a worker's URL (`http://host:port/...`), read
+/// without a full parse (once per attempt while tracing); an IPv6
+/// address's brackets kept off the host.
+fn host_port(url: &str) -> (&str, Option<u16>) {
+    let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+    let authority = rest.split(['/', '?']).next().unwrap_or(rest);
+    let authority = authority.rsplit_once('@').map_or(authority, |(_, a)| a);
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((host, port)) if !port.contains(']') => (host, port.parse().ok()),
+        _ => (authority, None),
+    };
+    (host.trim_start_matches('[').trim_end_matches(']'), port)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::host_port;
+
+    #[test]
+    fn a_workers_url_gives_its_host_and_port() {
+        assert_eq!(host_port("http://10.0.0.1:8100"), ("10.0.0.1", Some(8100)));
+        assert_eq!(host_port("http://w0.ns:80/v1"), ("w0.ns", Some(80)));
+        assert_eq!(host_port("http://[::1]:9000/"), ("::1", Some(9000)));
+        assert_eq!(host_port("http://[::1]"), ("::1", None));
+        assert_eq!(host_port("http://engine"), ("engine", None));
     }
 }
