@@ -33,6 +33,7 @@ pub mod ingest;
 pub mod listen;
 pub mod metrics;
 pub mod model_list;
+pub mod otel;
 pub mod prom_text;
 pub mod proxy;
 pub mod query;

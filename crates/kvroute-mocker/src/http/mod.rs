@@ -31,6 +31,7 @@ pub mod openai;
 pub mod response_store;
 pub mod responses;
 mod tokenize;
+pub mod traces;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -225,6 +226,8 @@ pub struct EngineState {
 
 /// The router of one engine.
 pub fn app(state: Arc<EngineState>) -> Router {
+    let log = Arc::new(traces::TraceLog::default());
+    let seen = log.clone();
     let mut router = Router::new();
     if state.flavor == WorkerFlavor::Vllm && state.pd.role != crate::config::Role::Both {
         router = router.route("/internal/nixl/read", post(handoff::nixl_read));
@@ -249,9 +252,14 @@ pub fn app(state: Arc<EngineState>) -> Router {
         .route("/server_info", get(server_info))
         .route("/get_server_info", get(server_info))
         .route("/internal/cache_match", post(cache_match))
+        .route(
+            "/internal/traceparents",
+            get(move || async move { traces::answer(&seen) }),
+        )
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::from_fn_with_state(state.clone(), delay))
+        .layer(middleware::from_fn_with_state(log, traces::record))
         .layer(DefaultBodyLimit::max(BODY_LIMIT))
         .with_state(state)
 }

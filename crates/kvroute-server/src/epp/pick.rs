@@ -67,6 +67,7 @@ pub async fn pick(
         endpoint,
     };
     let (req, body_share) = intake::prepare(router, arrival, share).await?;
+    crate::otel::spans::requested(&req);
     let req = Arc::new(req);
     let eligible: Eligible = head.subset.clone().map(|subset| {
         let keep = move |t: &Target| Endpoint::of_url(&t.url).is_some_and(|e| subset.admits(&e));

@@ -203,11 +203,17 @@ impl Picker {
             has_body,
             trailers,
         } = whole;
+        let traced = crate::otel::spans::arrived("kvroute.pick", &head.headers, &head.path);
+        let picking = pick(&self.router, &head, (&body, share), has_body, arrived);
         let picked = tokio::select! {
             biased;
             () = out.closed() => return None,
-            picked = pick(&self.router, &head, (&body, share), has_body, arrived) => picked,
+            picked = crate::otel::within(traced.clone(), picking) => picked,
         };
+        crate::otel::spans::picked(
+            traced,
+            picked.as_ref().err().map(|e| e.message()).as_deref(),
+        );
         let picked = match picked {
             Ok(picked) => picked,
             Err(e) => {

@@ -129,20 +129,22 @@ async fn vllm(
         why,
         ..
     } = placed;
-    let params = match vllm_prefill(proxy, candidates, &prefill, first_prefill, &request).await? {
+    let prefilling = vllm_prefill(proxy, candidates, &prefill, first_prefill, &request);
+    let prefill_span = crate::otel::spans::phase("kvroute.prefill");
+    let params = match crate::otel::within(prefill_span, prefilling).await? {
         Prefilled::Params(params) => params,
         Prefilled::Answer(response) => return Ok(response),
     };
     let decodes = decode_ranks(candidates, decode, &request);
-    relay_decode(
+    let decoding = relay_decode(
         proxy,
         candidates,
         (&decodes, (decode, decode_guard)),
         params,
         &request,
         why,
-    )
-    .await
+    );
+    crate::otel::within(crate::otel::spans::phase("kvroute.decode"), decoding).await
 }
 
 /// The decode ranks to try a split request's decode leg on, placed rank

@@ -122,10 +122,12 @@ async fn handle(
     let arrived = Instant::now();
     proxy.router.metrics.requests.inc();
     let request_id = proxy.router.request_id(&headers);
+    let traced = crate::otel::spans::arrived("kvroute.request", &headers, endpoint.path());
     let routed = match body {
         Ok(Body(body, share)) => {
             let request = (request_id.as_str(), arrived);
-            route(&proxy, &headers, (&body, share), endpoint, request).await
+            let routing = route(&proxy, &headers, (&body, share), endpoint, request);
+            crate::otel::within(traced.clone(), routing).await
         }
         Err(e) => Err(e),
     };
@@ -149,6 +151,7 @@ async fn handle(
     if let Ok(id) = HeaderValue::from_str(&request_id) {
         response.headers_mut().insert(REQUEST_ID, id);
     }
+    crate::otel::spans::answered(traced, response.status().as_u16());
     response
 }
 
@@ -165,6 +168,7 @@ async fn route(
         endpoint: Some(endpoint),
     };
     let (req, _share) = intake::prepare(&proxy.router, arrival, share).await?;
+    crate::otel::spans::requested(&req);
     let req = Arc::new(req);
     let large = body.len() > LARGE_BODY;
     let request = attempt::Request {

@@ -18,6 +18,8 @@ use super::outcome::{self, Ending, Next};
 use super::rewrite::{inject_dp_rank, inject_include_usage, inject_mm_hashes};
 use super::Proxy;
 use crate::api::{error_chain, ErrorKind, ProxyError};
+use crate::otel::headers::is_trace_header;
+use crate::otel::spans::Attempt;
 use crate::router::candidates::{Candidates, Target};
 use crate::router::intake::RoutedRequest;
 use crate::router::{Endpoint, REQUEST_ID};
@@ -31,6 +33,8 @@ pub(super) struct Outgoing {
     pub rank_header: Option<u32>,
     /// The proxy asked for the usage chunk on the client's behalf.
     pub added_usage: bool,
+    /// The rank it goes to (the attempt's trace span names it).
+    pub rank: u32,
 }
 
 /// The body for candidate `s` of a worker with `ranks` ranks, with the
@@ -64,6 +68,7 @@ pub(super) fn outgoing(
         payload,
         rank_header: (multi_rank && !rank_in_body).then_some(s.key.rank.0),
         added_usage,
+        rank: s.key.rank.0,
     })
 }
 
@@ -116,13 +121,16 @@ pub(super) enum Sent {
 }
 
 /// The client's headers passed on to the worker: its credentials (OpenAI's
-/// bearer token, Anthropic's `x-api-key`) and the Anthropic API version
-/// and betas the engine may check.
-const FORWARDED_HEADERS: [&str; 4] = [
+/// bearer token, Anthropic's `x-api-key`), the Anthropic API version and
+/// betas the engine may check, and the W3C trace context (replaced by the
+/// attempt's own while kvroute traces: [`crate::otel`]).
+const FORWARDED_HEADERS: [&str; 6] = [
     "authorization",
     "x-api-key",
     "anthropic-version",
     "anthropic-beta",
+    "traceparent",
+    "tracestate",
 ];
 
 /// Sends one attempt and sorts out how it ended (see the module docs).
@@ -168,12 +176,29 @@ pub(super) async fn send_within(
     if let Some(rank) = out.rank_header {
         upstream = upstream.header("X-data-parallel-rank", rank.to_string());
     }
+    let traced = Attempt::start(&target.name, &target.url, Some(out.rank));
     for name in FORWARDED_HEADERS {
+        if traced.is_some() && is_trace_header(name) {
+            continue;
+        }
         if let Some(value) = headers.get(name) {
             upstream = upstream.header(name, value.clone());
         }
     }
+    if let Some(attempt) = &traced {
+        upstream = upstream.headers(attempt.headers());
+    }
     let sent = upstream.send().await;
+    if let Some(attempt) = traced {
+        attempt.ended(match &sent {
+            Ok(resp) => Ok(resp.status().as_u16()),
+            Err(e) => Err(if e.is_connect() {
+                "no connection"
+            } else {
+                "no answer"
+            }),
+        });
+    }
     let ending = match &sent {
         Err(e) if e.is_connect() => Ending::NotConnected,
         Err(e) if e.is_timeout() => Ending::OutOfTime { flowing: false },

@@ -76,6 +76,7 @@ pub(crate) async fn admit_among(
 ) -> Result<Admitted, ProxyError> {
     let mut wait = QueueWait::new(router, req);
     let mut count = 0;
+    let since = crate::otel::enabled().then(std::time::Instant::now);
     loop {
         if wait.may_try() {
             let (admitted, ranks) = {
@@ -86,6 +87,9 @@ pub(crate) async fn admit_among(
                 return Err(ProxyError::NoWorkers);
             }
             if !admitted.ordered.is_empty() {
+                if let Some(since) = since {
+                    crate::otel::spans::queued(since.elapsed());
+                }
                 return Ok(admitted);
             }
             count = ranks;
@@ -309,7 +313,8 @@ pub(crate) struct Chosen<'a> {
 }
 
 /// The routing decision as the dashboard shows it: the first candidates in
-/// the order they would be tried (and the chosen one), and why it won.
+/// the order they would be tried (and the chosen one), and why it won;
+/// also set on the current trace span (a no-op while tracing is off).
 pub(crate) fn decision(
     router: &Router,
     req: &RoutedRequest,
@@ -360,7 +365,7 @@ pub(crate) fn decision(
     } else {
         None
     };
-    Decision {
+    let decision = Decision {
         at_ms: unix_ms(),
         request_id: request_id.to_owned(),
         prompt_tokens,
@@ -371,5 +376,7 @@ pub(crate) fn decision(
         candidates: views,
         disagg: None,
         migrated: None,
-    }
+    };
+    crate::otel::spans::decided(&decision);
+    decision
 }

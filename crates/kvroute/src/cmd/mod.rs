@@ -9,6 +9,7 @@ pub mod epp;
 pub mod inspect;
 pub mod load;
 pub mod mocker;
+pub mod otlp;
 pub mod serve;
 pub mod sim;
 pub mod tenancy;

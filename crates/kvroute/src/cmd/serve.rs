@@ -323,6 +323,8 @@ pub struct ServeArgs {
     bounds: super::bounds::BoundsArgs,
     #[command(flatten)]
     tokenizers: super::tokenizers::TokenizerArgs,
+    #[command(flatten)]
+    otlp: super::otlp::OtlpArgs,
 }
 
 /// Builds the runtime and serves until Ctrl-C or SIGTERM.
@@ -382,7 +384,13 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
         );
         let picker = args.epp.bind(&args.host).await?;
         let config = serve_config(args, workers, fd_limit, addr.port())?;
-        serve_with_epp(config, listener, picker, stop).await?;
+        let traces = args.otlp.install()?;
+        let served = serve_with_epp(config, listener, picker, stop).await;
+        if let Some(traces) = traces {
+            // The last spans, flushed before the runtime stops.
+            let _ = tokio::task::spawn_blocking(move || traces.shutdown()).await;
+        }
+        served?;
         Ok(())
     })?;
     Ok(ExitCode::SUCCESS)

@@ -136,6 +136,9 @@ def request_phase(stream, args, body):
     pairs = [(":method", "POST"), (":path", args.path), ("content-type", "application/json")]
     if args.request_id:
         pairs.append(("x-request-id", args.request_id))
+    for header in args.header:
+        name, _, value = header.partition(":")
+        pairs.append((name.strip().lower(), value.strip()))
     stream.send(
         ep.ProcessingRequest(
             request_headers=ep.HttpHeaders(headers=header_map(pairs), end_of_stream=False),
@@ -272,6 +275,7 @@ def main():
     p.add_argument("--served", help="the served endpoint to report (default: the one picked)")
     p.add_argument("--cached-tokens", type=int, default=0)
     p.add_argument("--request-id")
+    p.add_argument("--header", action="append", default=[], help="NAME: VALUE, another request header")
     p.add_argument("--hold-secs", type=float, default=0, help="keep the stream open this long")
     p.add_argument("--no-end", action="store_true", help="never end the request body (a stalled upload)")
     h = commands.add_parser("health")

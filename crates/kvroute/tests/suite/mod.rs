@@ -35,5 +35,6 @@ mod serve;
 mod sessions;
 mod tenants;
 mod tokenizers;
+mod tracing;
 mod warm_restart;
 mod worker_faults;

@@ -22,6 +22,8 @@ use super::{
     decode_ranks, host_of, leg, next_leg, prefill_timed_out, rank_name, record, respond_decode,
 };
 use crate::api::ProxyError;
+use crate::otel::spans::phase;
+use crate::otel::within;
 use crate::proxy::answer;
 use crate::proxy::handoff::{self, Bootstrap};
 use crate::proxy::merge;
@@ -134,11 +136,18 @@ async fn send_both(
     let (prefill_out, decode_out) = (legs(prefill.0).await?, legs(decode.0).await?);
     let added_usage = decode_out.added_usage;
     let (endpoint, headers, id) = (request.endpoint, request.headers, request.request_id);
+    let (prefill_span, decode_span) = (phase("kvroute.prefill"), phase("kvroute.decode"));
     let prefill_sent = tokio::time::timeout(
         proxy.router.config().prefill_timeout,
-        send(proxy, prefill.1, endpoint, prefill_out, headers, id),
+        within(
+            prefill_span,
+            send(proxy, prefill.1, endpoint, prefill_out, headers, id),
+        ),
     );
-    let decode_sent = send(proxy, decode.1, endpoint, decode_out, headers, id);
+    let decode_sent = within(
+        decode_span,
+        send(proxy, decode.1, endpoint, decode_out, headers, id),
+    );
     match both(prefill_sent, decode_sent).await {
         Both::Heads(heads) => Ok(Legs::Answered(Box::new((heads.0, heads.1, added_usage)))),
         Both::PrefillRefused(message) => Ok(Legs::PrefillRefused(message)),

@@ -85,6 +85,9 @@ pub struct Migration {
     pub transcript: Transcript,
     /// Rewrites the leg being relayed when it is a continuation.
     pub splicer: Option<Splicer>,
+    /// The request's trace span, the parent of its migrations' (`None`
+    /// while tracing is off).
+    trace: Option<opentelemetry::Context>,
 }
 
 /// What to do after the leg being relayed failed.
@@ -120,6 +123,7 @@ impl Migration {
             failed: Vec::new(),
             transcript: Transcript::new(proxy.router.config().max_answer_bytes),
             splicer: None,
+            trace: crate::otel::spans::current(),
         })
     }
 
@@ -238,7 +242,14 @@ impl Migration {
             left,
             note,
         };
-        Ok(Step::Resume(Box::pin(resume.run())))
+        let trace = self
+            .trace
+            .as_ref()
+            .map(|parent| crate::otel::spans::migration(parent, worker, generated.tokens(), cause));
+        Ok(Step::Resume(Box::pin(crate::otel::within(
+            trace,
+            resume.run(),
+        ))))
     }
 }
 
