@@ -323,6 +323,8 @@ pub struct ServeArgs {
     bounds: super::bounds::BoundsArgs,
     #[command(flatten)]
     tokenizers: super::tokenizers::TokenizerArgs,
+    #[command(flatten)]
+    fetch: super::fetch::FetchArgs,
 }
 
 /// Builds the runtime and serves until Ctrl-C or SIGTERM.
@@ -537,6 +539,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             ttl: Duration::from_secs(args.session_ttl_secs),
         },
         tenants: args.tenancy.config()?,
+        fetch: args.fetch.config(),
         renderer,
         model_renderers,
     })
