@@ -141,7 +141,8 @@ fn a_busy_holders_prefix_is_fetched_by_a_cooler_rank() {
     let tokens = prompt(7);
     let (_procs, serve) = fleet(&[], &tokens);
     // Long enough to keep the holder busy through the test.
-    let (plan, _loaders) = load_until_fetched(&serve, &tokens, 3_000);
+    let (plan, loaders) = load_until_fetched(&serve, &tokens, 3_000);
+    eprintln!("planned after {} loaders: {plan}", loaders.len());
     assert_eq!(plan["source"]["name"], "a", "{plan}");
     assert_eq!(plan["receiver"]["name"], "b", "{plan}");
     let reason = plan["reason"].as_str().unwrap_or_default();
