@@ -3,7 +3,7 @@
 //! Once the engine holding a prompt's prefix is loaded, the next request
 //! with that prefix runs on the other engine, which receives the prefix
 //! from the holder with the engines' own hand-off; a holder that dies
-//! during its leg costs no request (the receiver recomputes).
+//! or hangs during its leg costs no request (the receiver recomputes).
 
 use std::thread;
 
@@ -28,10 +28,9 @@ const FETCH: [&str; 8] = [
 /// Loaders sent at most before the holder is busy enough to fetch from.
 const MAX_LOADERS: u32 = 24;
 
-/// One aggregated vLLM mock engine named `name` (`extra` flags added) and
-/// its `--worker` line.
-fn engine(name: &str, extra: &[&str]) -> (Proc, String) {
-    let mut args = vec![
+/// One aggregated vLLM mock engine named `name` and its `--worker` line.
+fn engine(name: &str) -> (Proc, String) {
+    let args = [
         "--workers",
         "1",
         "--engine-flavor",
@@ -43,7 +42,6 @@ fn engine(name: &str, extra: &[&str]) -> (Proc, String) {
         "--replay-port",
         "0",
     ];
-    args.extend_from_slice(extra);
     let (child, mut lines) = spawn_this_builds_mocker(&args, 1);
     let line = lines.remove(0);
     let renamed = line
@@ -118,15 +116,25 @@ fn fetches(serve: &str, outcome: &str) -> u64 {
     metric_where(serve, "kvroute_proxy_fetches_total", &label).unwrap_or(0.0) as u64
 }
 
-/// The fleet: `a` (the holder-to-be, `a_extra` flags added) and `b`, the
-/// router in front, and `a` holding the prompt's prefix (warmed directly,
-/// in the background: its answer may be held back).
-fn fleet(a_extra: &[&str], tokens: &[u32]) -> (Vec<Proc>, String) {
-    let (a, a_line) = engine("a", a_extra);
-    let (b, b_line) = engine("b", &[]);
-    let (serve, addr) = start_serve(&[a_line.clone(), b_line], &FETCH, &["a", "b"]);
-    let (a_addr, body) = (addr_of(&a_line), completion(tokens, 1, false));
-    thread::spawn(move || request(&a_addr, "POST", "/v1/completions", &body));
+/// The fleet: `a` (the holder-to-be) and `b`, the router in front, and
+/// `a` holding the prompt's prefix (a request sent to it directly).
+fn fleet(tokens: &[u32]) -> (Vec<Proc>, String) {
+    fleet_with(tokens, &[])
+}
+
+/// [`fleet`] with `serve_extra` flags for the router besides [`FETCH`].
+fn fleet_with(tokens: &[u32], serve_extra: &[&str]) -> (Vec<Proc>, String) {
+    let (a, a_line) = engine("a");
+    let (b, b_line) = engine("b");
+    let flags: Vec<&str> = FETCH.iter().chain(serve_extra).copied().collect();
+    let (serve, addr) = start_serve(&[a_line.clone(), b_line], &flags, &["a", "b"]);
+    let warm = request(
+        &addr_of(&a_line),
+        "POST",
+        "/v1/completions",
+        &completion(tokens, 1, false),
+    );
+    assert_eq!(warm.status, 200, "{}", warm.body);
     eventually("the index learns a holds the prefix", || {
         held_by(&addr, tokens, "a") >= 19
     });
@@ -139,7 +147,7 @@ fn fleet(a_extra: &[&str], tokens: &[u32]) -> (Vec<Proc>, String) {
 #[test]
 fn a_busy_holders_prefix_is_fetched_by_a_cooler_rank() {
     let tokens = prompt(7);
-    let (_procs, serve) = fleet(&[], &tokens);
+    let (_procs, serve) = fleet(&tokens);
     // Long enough to keep the holder busy through the test.
     let (plan, loaders) = load_until_fetched(&serve, &tokens, 3_000);
     eprintln!("planned after {} loaders: {plan}", loaders.len());
@@ -186,7 +194,7 @@ fn a_busy_holders_prefix_is_fetched_by_a_cooler_rank() {
 #[test]
 fn a_holder_that_dies_mid_fetch_costs_no_request() {
     let tokens = prompt(8);
-    let (mut procs, serve) = fleet(&[], &tokens);
+    let (mut procs, serve) = fleet(&tokens);
     let (plan, loaders) = load_until_fetched(&serve, &tokens, 600);
     assert_eq!(plan["source"]["name"], "a", "{plan}");
     // Frozen with its load: the next request is placed as `/query` planned.
@@ -215,6 +223,30 @@ fn a_holder_that_dies_mid_fetch_costs_no_request() {
             "a loader: {events}"
         );
     }
+}
+
+/// A holder that hangs with its leg in flight (stopped, never answering)
+/// costs the request no more than `--prefill-timeout-secs`: it falls back
+/// to recomputing on the receiver, counted, and the holder's breaker opens.
+#[test]
+fn a_hung_holder_falls_back_within_the_prefill_timeout() {
+    let tokens = prompt(9);
+    let (mut procs, serve) = fleet_with(&tokens, &["--prefill-timeout-secs", "1"]);
+    let (plan, _loaders) = load_until_fetched(&serve, &tokens, 600);
+    assert_eq!(plan["source"]["name"], "a", "{plan}");
+    let holder = procs.remove(0);
+    signal("-STOP", holder.0.id());
+    let reply = request(
+        &serve,
+        "POST",
+        "/v1/completions",
+        &completion(&tokens, 4, false),
+    );
+    signal("-CONT", holder.0.id());
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-kvroute-worker").as_deref(), Some("b"));
+    assert_eq!(fetches(&serve, "fell_back"), 1, "the fallback counted");
+    assert_eq!(fetches(&serve, "handed_off"), 0);
 }
 
 fn signal(which: &str, pid: u32) {
