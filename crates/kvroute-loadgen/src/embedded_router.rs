@@ -75,10 +75,9 @@ impl RunningRouter {
         tokenizer: RouterTokenizer,
         replicas: Option<ReplicaConfig>,
     ) -> Result<Self> {
-        if routing.fetch.is_some() || routing.replicate.is_some() {
+        if routing.replicate.is_some() {
             return Err(Error::Invalid(
-                "the fetch and replication levers are simulated only: `kvroute serve` does not \
-                 hand prefixes off between aggregated workers yet"
+                "replication is simulated only: `kvroute serve` makes no copies ahead of demand"
                     .into(),
             ));
         }
@@ -97,6 +96,7 @@ impl RunningRouter {
             local_prefill: routing.disagg.local_prefill(),
             deal_new_prefixes: routing.deal_new_prefixes,
             holder_stickiness: routing.stickiness,
+            fetch: routing.fetch,
             renderer: Some(tokenizer),
             ..ProxyConfig::default()
         };

@@ -3,7 +3,8 @@
 //! shape of Dynamo's standalone indexer `/query` (worker → dp rank → matched
 //! device tokens); `workers` and `chosen` add the detail, and on a fleet of
 //! prefill and decode workers `disagg` says where each phase would go and
-//! why, as the router would place it.
+//! why, as the router would place it; with `--fetch-us-per-block`, `fetch`
+//! names the holder a request's prefix would move from, and why.
 
 use std::sync::Arc;
 
@@ -77,14 +78,31 @@ fn query_answer(
             })
         })
         .collect();
-    let ordered = router.placer().preview(scored, router.random());
-    let chosen = ordered.first().map_or(Value::Null, |&i| {
+    let (ordered, fetch) = {
+        let placer = router.placer();
+        let ordered = placer.preview(scored, router.random());
+        let fetch = placer.preview_fetch(scored, &ordered, tokens);
+        (ordered, fetch)
+    };
+    let rank = |i: usize| {
         let name = targets.get(scored[i].worker).map_or("", |t| &*t.name);
         json!({"name": name, "dp_rank": scored[i].key.rank})
-    });
+    };
+    let chosen = ordered.first().map_or(Value::Null, |&i| rank(i));
     let mut answer = json!({"scores": scores, "workers": workers, "chosen": chosen});
     if disagg::splits(targets) {
         answer["disagg"] = disagg_answer(router, &candidates, tokens);
+    } else if let Some(f) = fetch {
+        // The rank that runs it receives the prefix from its holder.
+        answer["chosen"] = rank(f.receiver);
+        answer["fetch"] = json!({
+            "source": rank(f.source),
+            "receiver": rank(f.receiver),
+            "blocks": f.blocks,
+            "cost": f.cost,
+            "instead": f.instead,
+            "reason": crate::proxy::fetch::explain(&candidates, &f),
+        });
     }
     answer
 }

@@ -325,6 +325,19 @@ impl Placer {
         }
     }
 
+    /// The fetch `/query` shows for a request of `request_tokens` tokens
+    /// whose candidates would be tried in `order` (a [`Placer::preview`]),
+    /// with [`PlacerConfig::fetch`] on; nothing recorded.
+    pub fn preview_fetch(
+        &self,
+        scored: &[Scored],
+        order: &[usize],
+        request_tokens: u64,
+    ) -> Option<Fetch> {
+        self.config.fetch?;
+        self.fetch(scored, None, order, request_tokens)
+    }
+
     /// The fetch the rule plans instead of the policy's first choice, if
     /// any (`kv` with [`PlacerConfig::fetch`] or [`PlacerConfig::replicate`]
     /// only, the fetch's defaults for the latter; `eligible`: the positions

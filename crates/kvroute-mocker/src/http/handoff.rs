@@ -17,7 +17,12 @@
 //!   server, the modelled transfer, tell the prefill it is done, and run
 //!   with the prompt arrived computed.
 //!
-//! A `both` engine has no legs: every transfer field is ignored.
+//! A vLLM `both` engine is both ends of its connector (vLLM's `kv_both`):
+//! it answers a `do_remote_decode` leg holding its blocks and reads a
+//! `do_remote_prefill` leg from another engine, which is how a router moves
+//! a prefix between two aggregated engines; a request without the field is
+//! an ordinary one. An SGLang `both` engine has no legs: its transfer
+//! fields are ignored.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -128,7 +133,7 @@ impl Leg {
     /// transfer fields. An SGLang prefill leg generates one token.
     pub(super) fn plan(state: &EngineState, parsed: &mut ParsedRequest) -> Result<Leg, ApiError> {
         let pd = &state.pd;
-        if pd.role == Role::Both {
+        if pd.role == Role::Both && state.flavor != WorkerFlavor::Vllm {
             return Ok(Leg::Local);
         }
         match state.flavor {

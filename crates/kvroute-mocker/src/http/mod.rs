@@ -12,7 +12,7 @@
 //! | `POST /reset_prefix_cache` (also SGLang's `/flush_cache`) | clear every rank's cache → `AllBlocksCleared` |
 //! | `GET /server_info` (SGLang flavour) | SGLang's `kv_events` descriptor |
 //! | `POST /internal/cache_match` | internal: cached prefix tokens of a request body on every rank (the bench's oracle) |
-//! | `POST /internal/nixl/read` (vLLM prefill and decode roles) | a decode engine read the blocks a finished prefill leg holds ([`handoff`]) |
+//! | `POST /internal/nixl/read` (vLLM engines) | a decode engine read the blocks a finished prefill leg holds ([`handoff`]) |
 //!
 //! A request goes to the rank named by the `X-data-parallel-rank` header or
 //! the body's `data_parallel_rank`, else (SGLang prefill and decode roles)
@@ -229,7 +229,7 @@ pub fn app(state: Arc<EngineState>) -> Router {
     let log = Arc::new(traces::TraceLog::default());
     let seen = log.clone();
     let mut router = Router::new();
-    if state.flavor == WorkerFlavor::Vllm && state.pd.role != crate::config::Role::Both {
+    if state.flavor == WorkerFlavor::Vllm {
         router = router.route("/internal/nixl/read", post(handoff::nixl_read));
     }
     if state.flavor == WorkerFlavor::Sglang {

@@ -337,16 +337,23 @@ fn malformed_kv_transfer_params_get_vllm_400s_on_prefill_and_decode_engines() {
             }
         }
     }
-    // A `both` engine has no connector: it ignores the field, as before.
+    // A vLLM `both` engine is both ends of its connector: it reads the
+    // field, answers a `do_remote_decode` leg with the params to read its
+    // blocks by, and serves its side channel; its `/metrics` are unchanged.
     let both = TestFleet::start(engine(WorkerFlavor::Vllm, Role::Both));
     let mut body = ids_prompt(&[1, 2, 3], 1);
     body["kv_transfer_params"] = json!("x");
+    assert_eq!(post(both.http(0), "/v1/completions", &body).status, 400);
+    body["kv_transfer_params"] = json!({"do_remote_decode": true});
     let r = post(both.http(0), "/v1/completions", &body);
     assert_eq!(r.status, 200);
-    assert!(r.json().get("kv_transfer_params").is_none());
-    assert_eq!(
-        post(both.http(0), "/internal/nixl/read", &json!({})).status,
-        404
-    );
+    let params = r.json()["kv_transfer_params"].clone();
+    assert_eq!(params["do_remote_prefill"], true, "{params}");
+    let read = json!({
+        "remote_engine_id": params["remote_engine_id"],
+        "remote_request_id": params["remote_request_id"],
+    });
+    assert_eq!(post(both.http(0), "/internal/nixl/read", &read).status, 200);
+    assert_eq!(post(both.http(0), "/internal/nixl/read", &read).status, 404);
     assert!(!get(both.http(0), "/metrics").text().contains("kv_transfer"));
 }

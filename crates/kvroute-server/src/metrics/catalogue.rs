@@ -14,6 +14,8 @@ const KIND: &[&str] = &["kind"];
 const WORKER_ROLE: &[&str] = &["worker", "role"];
 const STATUS: &[&str] = &["status"];
 const REASON: &[&str] = &["reason"];
+/// How a fetch of a request's prefix ended (`handed_off`, `fell_back`).
+const OUTCOME: &[&str] = &["outcome"];
 /// A tenant the flags name (`--tenant-weight`, `--tenant-key`,
 /// `--tenant-priority`), or `other`: bounded by the flags.
 const TENANT: &[&str] = &["tenant"];
@@ -96,6 +98,8 @@ catalogue! {
     PROXY_CONTINUATION_REFUSED:   kvroute_proxy_continuation_refused_total     Counter   NONE "Responses API continuations answered 404 by the router: no replica knows their previous response as one this client's owner made (unknown, expired, or another owner's).";
     PROXY_DISAGG_SPLIT:           kvroute_proxy_disagg_split_total             Counter   NONE "Disaggregated requests split: prefill on a prefill worker, decode on a decode worker.";
     PROXY_DISAGG_LOCAL:           kvroute_proxy_disagg_local_total             Counter   NONE "Disaggregated requests prefilled on their decode rank (conditional disaggregation, or no prefill worker).";
+    PROXY_FETCHES_STARTED:        kvroute_proxy_fetches_started_total          Counter   NONE "Requests the placer ran on a cooler rank with their prefix moved from its busy holder (--fetch-us-per-block): the holder's one-token leg sent.";
+    PROXY_FETCHES:                kvroute_proxy_fetches_total                  Counter   OUTCOME "Those fetches by how they ended: handed_off (the holder answered with kv_transfer_params, the receiver ran the request with them) or fell_back (the holder's leg failed, was refused or took over --prefill-timeout-secs: the receiver recomputed the prefix).";
     PROXY_MODEL_LISTS_REFUSED:    kvroute_proxy_model_lists_refused_total      Counter   NONE "Workers' /v1/models answers refused: over 4 MiB (read no further) or not a model list. Such a worker's models are unknown: it gets no request naming a model its spec does not name.";
     TENANT_REQUESTS:              kvroute_tenant_requests_total                Counter   TENANT "Completion requests that reached admission, by tenant (--tenant-header when trusted, else the tenant --tenant-key binds the API key to, else its fingerprint; a tenant the flags do not name counts as other).";
     TENANT_QUEUED:                kvroute_tenant_queued_total                  Counter   TENANT "Requests that waited in the overload queue, by tenant.";

@@ -32,6 +32,7 @@ use crate::listen::ConnectionMetrics;
 
 pub mod catalogue;
 pub mod epp;
+pub mod fetch;
 pub mod ingest;
 pub mod proxy;
 pub mod replicas;

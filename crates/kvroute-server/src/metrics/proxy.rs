@@ -77,6 +77,8 @@ pub struct ProxyMetrics {
     pub difference: Family<StateLabel, Histogram>,
     /// The overload queue's, by tenant and priority class.
     pub tenants: super::tenants::TenantMetrics,
+    /// Prefixes moved between aggregated workers.
+    pub fetch: super::fetch::FetchMetrics,
 }
 
 impl Default for ProxyMetrics {
@@ -117,6 +119,7 @@ impl Default for ProxyMetrics {
             exact: Family::default(),
             difference: Family::new_with_constructor(|| Histogram::new(ACCURACY_BUCKETS)),
             tenants: super::tenants::TenantMetrics::default(),
+            fetch: super::fetch::FetchMetrics::default(),
         }
     }
 }
@@ -198,5 +201,6 @@ impl ProxyMetrics {
             self.difference.clone(),
         );
         self.tenants.register(registry);
+        self.fetch.register(registry);
     }
 }

@@ -106,7 +106,7 @@ async fn leg(
 }
 
 /// How a vLLM prefill leg ended.
-enum Prefilled {
+pub(super) enum Prefilled {
     /// Its `kv_transfer_params` (none for a connector that hands KV over by
     /// the prompt), from the prefill candidate at this position.
     Params(Option<Value>),
@@ -199,7 +199,7 @@ fn next_leg<'c>(
 
 /// Tries the prefill leg on each prefill candidate in turn, as the retry
 /// rule allows, until one answers.
-async fn vllm_prefill(
+pub(super) async fn vllm_prefill(
     proxy: &Arc<Proxy>,
     candidates: &Candidates,
     prefill: &[usize],
@@ -339,7 +339,7 @@ async fn read_whole(
 /// Sends the decode leg, with the prefill's `kv_transfer_params`, to the
 /// first of `decodes` that takes it (a refused leg moves on, as the retry
 /// rule allows) and relays its answer to the client.
-async fn relay_decode(
+pub(super) async fn relay_decode(
     proxy: &Arc<Proxy>,
     candidates: &Candidates,
     (decodes, placed): (&[usize], (usize, ActiveGuard)),

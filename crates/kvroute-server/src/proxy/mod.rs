@@ -13,7 +13,8 @@
 //!    open; [`rewrite`] adds the rank, image hashes or `include_usage` to
 //!    the body on the way; a disaggregated fleet's two legs are
 //!    [`disagg`]'s ([`handoff`] for the engines' hand-off fields, [`merge`]
-//!    for SGLang's prompt log-probabilities);
+//!    for SGLang's prompt log-probabilities), and [`fetch`] runs the same
+//!    legs between two aggregated workers when the placer moves a prefix;
 //! 4. [`relay`] passes the answer back (streams chunk by chunk, whole
 //!    answers read within [`answer`]'s bound) and settles the prediction;
 //!    how the answer ends (whole, or cut off) is what the worker's breaker
@@ -22,6 +23,7 @@
 pub mod answer;
 pub mod attempt;
 pub mod disagg;
+pub mod fetch;
 pub mod handoff;
 pub mod merge;
 pub mod migrate;
@@ -189,7 +191,11 @@ async fn route(
         let decodes: admission::Eligible = Some(Arc::new(|t: &Target| t.route.role.decodes()));
         admission::admit_among(router, &req, large, decodes).await?
     } else {
-        admission::admit(router, &req, large).await?
+        let mut admitted = admission::admit(router, &req, large).await?;
+        if let Some(fetch) = admitted.take_fetch() {
+            return fetch::route(proxy, admitted, fetch, request).await;
+        }
+        admitted
     };
     attempt::forward(proxy, admitted, request).await
 }

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
-use kvroute_core::scheduler::{PlaceRequest, Policy, Scored};
+use kvroute_core::scheduler::{Fetch, PlaceRequest, Policy, Scored};
 
 use super::accuracy::Prediction;
 use super::active::ActiveGuard;
@@ -30,6 +30,8 @@ pub struct Admitted {
     ordered: Vec<usize>,
     /// The first candidate, already charged with the request.
     first: Option<(usize, ActiveGuard)>,
+    /// The first runs the request with its prefix moved from another rank.
+    fetch: Option<Fetch>,
 }
 
 impl Admitted {
@@ -48,7 +50,14 @@ impl Admitted {
             candidates,
             ordered,
             first,
+            fetch: None,
         }
+    }
+
+    /// The placer's fetch for the first candidate, taken out (`None`: it
+    /// computes what it does not hold).
+    pub(crate) fn take_fetch(&mut self) -> Option<Fetch> {
+        self.fetch.take()
     }
 }
 
@@ -108,7 +117,7 @@ fn place(
     req: &RoutedRequest,
     eligible: Option<&(dyn Fn(&Target) -> bool + Send + Sync)>,
 ) -> (Admitted, usize) {
-    let (candidates, (ordered, first, count)) =
+    let (candidates, (ordered, first, count, fetch)) =
         router.candidates_for(&req.body, |candidates, ranks| {
             let targets = &candidates.targets;
             let keep =
@@ -134,12 +143,14 @@ fn place(
                 router.record_session(req, candidates, *i);
                 placer.record(&ordered, &candidates.scored[*i], ask.token_count());
             }
-            (ordered.order, first, ordered.among)
+            let fetch = ordered.fetch.filter(|_| first.is_some());
+            (ordered.order, first, ordered.among, fetch)
         });
     let admitted = Admitted {
         candidates,
         ordered,
         first,
+        fetch,
     };
     (admitted, count)
 }
@@ -174,6 +185,7 @@ impl Admitted {
             candidates,
             ordered,
             first,
+            ..
         } = self;
         let (index, guard) = first.or_else(|| {
             let mut ranks = router.active.lock();

@@ -8,7 +8,8 @@ use std::time::Duration;
 use kvroute_core::scheduler::peers::CacheAwareConfig;
 use kvroute_core::scheduler::policy::{DealBy, DEFAULT_STICKINESS};
 use kvroute_core::scheduler::{
-    BusyThresholds, CostWeights, LocalPrefillRule, PlacerConfig, Policy, SpeedConfig, WhenAllBusy,
+    BusyThresholds, CostWeights, FetchConfig, LocalPrefillRule, PlacerConfig, Policy, SpeedConfig,
+    WhenAllBusy,
 };
 use kvroute_prompt::Renderer;
 
@@ -94,6 +95,11 @@ pub struct ProxyConfig {
     /// the same seed and the same requests give the same placements
     /// (`None`: a seed from the clock).
     pub routing_seed: Option<u64>,
+    /// Under `kv` on aggregated vLLM workers: when a request runs on a
+    /// cooler rank that first receives its prefix from the busy holder,
+    /// with the engines' own hand-off ([`crate::proxy::fetch`]; `None`:
+    /// never, the default).
+    pub fetch: Option<FetchConfig>,
 }
 
 impl Default for ProxyConfig {
@@ -128,6 +134,7 @@ impl Default for ProxyConfig {
             max_answer_bytes: 16 << 20,
             tokenizer_discovery: crate::tokenizers::DiscoveryConfig::default(),
             routing_seed: None,
+            fetch: None,
         }
     }
 }
@@ -145,8 +152,8 @@ impl ProxyConfig {
             tree: CacheAwareConfig::default(),
             when_all_busy: WhenAllBusy::Wait,
             seed,
-            // `serve` does not hand prefixes off between aggregated workers yet.
-            fetch: None,
+            fetch: self.fetch,
+            // Copies made ahead of demand are the simulator's only.
             replicate: None,
         }
     }

@@ -6,6 +6,7 @@ pub mod bounds;
 pub mod demo;
 pub mod endpoints;
 pub mod epp;
+pub mod fetch;
 pub mod inspect;
 pub mod load;
 pub mod mocker;

@@ -325,6 +325,8 @@ pub struct ServeArgs {
     tokenizers: super::tokenizers::TokenizerArgs,
     #[command(flatten)]
     otlp: super::otlp::OtlpArgs,
+    #[command(flatten)]
+    fetch: super::fetch::FetchArgs,
 }
 
 /// Builds the runtime and serves until Ctrl-C or SIGTERM.
@@ -545,6 +547,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
             ttl: Duration::from_secs(args.session_ttl_secs),
         },
         tenants: args.tenancy.config()?,
+        fetch: args.fetch.config(),
         renderer,
         model_renderers,
     })

@@ -14,6 +14,7 @@ mod disagg_failures;
 mod discovery;
 mod engine_load;
 mod epp;
+mod fetch;
 mod hostile;
 mod ingest;
 mod inspect;

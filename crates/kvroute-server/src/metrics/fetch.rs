@@ -1,0 +1,78 @@
+//! The counters of prefixes moved between aggregated workers
+//! ([`crate::proxy::fetch`]).
+
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+use super::catalogue::{PROXY_FETCHES, PROXY_FETCHES_STARTED};
+
+/// How a fetch ended: the `outcome` label of [`PROXY_FETCHES`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FetchOutcome {
+    /// The holder answered its leg with `kv_transfer_params`; the receiver
+    /// ran the request with them.
+    HandedOff,
+    /// The holder's leg failed, was refused or timed out; the receiver
+    /// recomputed the prefix.
+    FellBack,
+}
+
+impl FetchOutcome {
+    /// Every outcome, exported from the start at 0.
+    pub const ALL: [FetchOutcome; 2] = [FetchOutcome::HandedOff, FetchOutcome::FellBack];
+
+    /// The label's value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FetchOutcome::HandedOff => "handed_off",
+            FetchOutcome::FellBack => "fell_back",
+        }
+    }
+}
+
+impl prometheus_client::encoding::EncodeLabelSet for FetchOutcome {
+    fn encode(
+        &self,
+        encoder: &mut prometheus_client::encoding::LabelSetEncoder,
+    ) -> Result<(), std::fmt::Error> {
+        use prometheus_client::encoding::EncodeLabel as _;
+        ("outcome", self.as_str()).encode(encoder.encode_label())
+    }
+}
+
+/// [`PROXY_FETCHES_STARTED`] and [`PROXY_FETCHES`].
+#[derive(Debug)]
+pub struct FetchMetrics {
+    /// Holder legs sent.
+    pub started: Counter,
+    /// Fetches ended, by outcome.
+    pub ended: Family<FetchOutcome, Counter>,
+}
+
+impl Default for FetchMetrics {
+    fn default() -> Self {
+        let ended = Family::<FetchOutcome, Counter>::default();
+        for outcome in FetchOutcome::ALL {
+            let _ = ended.get_or_create(&outcome);
+        }
+        FetchMetrics {
+            started: Counter::default(),
+            ended,
+        }
+    }
+}
+
+impl FetchMetrics {
+    /// Counts a fetch that ended as `outcome`.
+    pub fn ended(&self, outcome: FetchOutcome) {
+        self.ended.get_or_create(&outcome).inc();
+    }
+
+    /// Registers both in `registry`.
+    pub(super) fn register(&self, registry: &mut Registry) {
+        let (s, e) = (PROXY_FETCHES_STARTED, PROXY_FETCHES);
+        registry.register(s.family(), s.help, self.started.clone());
+        registry.register(e.family(), e.help, self.ended.clone());
+    }
+}
