@@ -59,7 +59,9 @@ fn help_names_the_environment_variable_of_every_flag() {
     // kvroute's own variables, and OpenTelemetry's standard one for the
     // collector (an operator's existing OTEL_* settings apply as they are).
     let envs = help.matches("[env: KVROUTE_").count();
-    let standard = help.matches("[env: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").count();
+    let standard = help
+        .matches("[env: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+        .count();
     assert!(flags > 30, "{help}");
     // `-h, --help` is not counted among the flags and has no variable.
     assert_eq!(envs + standard, flags, "{help}");
