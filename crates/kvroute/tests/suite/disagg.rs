@@ -69,8 +69,9 @@ pub(super) fn auth() -> String {
 }
 
 /// `kvroute serve` with the admin token and `extra` flags in front of
-/// `lines`, once the workers named in `live` have every rank connected
-/// (the others may point at sockets no one publishes on).
+/// `lines`, once the workers named in `live` have every rank connected and
+/// their models learned (the others may point at sockets no one publishes
+/// on).
 pub(super) fn start_serve(lines: &[String], extra: &[&str], live: &[&str]) -> (Proc, String) {
     start_serve_with_env(lines, extra, &[], live)
 }
@@ -101,6 +102,9 @@ pub(super) fn start_serve_with_env(
                         && w["ranks"].as_array().is_some_and(|r| {
                             !r.is_empty() && r.iter().all(|r| r["connected"] == true)
                         })
+                        // Its models learned: a worker whose models are
+                        // unknown is not offered a request for a named model.
+                        && w["models"].is_array()
                 })
             })
     });
