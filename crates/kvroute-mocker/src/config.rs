@@ -126,8 +126,15 @@ pub struct MockerConfig {
     /// longest wait for its bootstrap room (default 30 s).
     pub kv_lease: Duration,
     /// Bootstrap port of SGLang prefill engine 0; engine k uses `+ k`
-    /// (default 8998; 0 = ephemeral). Bound only by SGLang prefill engines.
+    /// (default 8998; 0 = ephemeral). Bound only by SGLang prefill engines
+    /// and SGLang `both` engines with [`MockerConfig::kv_both`].
     pub bootstrap_port: u16,
+    /// SGLang `both` engines are both ends of a bootstrap hand-off
+    /// (`--kv-both`, as a vLLM `both` engine always is of its connector):
+    /// each serves bootstrap rooms, computes a leg whose bootstrap names
+    /// itself as the source and reads a leg naming another engine from it,
+    /// so a router can move a prefix between aggregated engines (default off).
+    pub kv_both: bool,
 }
 
 impl MockerConfig {
@@ -174,6 +181,7 @@ impl Default for MockerConfig {
             transfer_us_per_block: DEFAULT_TRANSFER_US_PER_BLOCK,
             kv_lease: DEFAULT_KV_LEASE,
             bootstrap_port: DEFAULT_BOOTSTRAP_PORT,
+            kv_both: false,
         }
     }
 }
@@ -233,6 +241,9 @@ pub enum ConfigError {
         /// The role given.
         role: Role,
     },
+    /// `--kv-both` on an engine that is not an SGLang `both` engine.
+    #[error("--kv-both is for SGLang engines in --role both (a vLLM both engine always is one)")]
+    KvBoth,
 }
 
 impl MockerConfig {
@@ -267,6 +278,9 @@ impl MockerConfig {
         }
         if self.flavor == WorkerFlavor::Trtllm && self.role != Role::Both {
             return Err(ConfigError::TrtllmRole { role: self.role });
+        }
+        if self.kv_both && (self.flavor != WorkerFlavor::Sglang || self.role != Role::Both) {
+            return Err(ConfigError::KvBoth);
         }
         if !(self.timing.speedup.is_finite() && self.timing.speedup > 0.0) {
             return Err(ConfigError::OutOfRange {
@@ -342,9 +356,11 @@ impl MockerConfig {
         self.num_gpu_blocks.saturating_mul(self.block_size)
     }
 
-    /// Whether each engine binds a bootstrap server (SGLang prefill engines).
+    /// Whether each engine binds a bootstrap server (SGLang prefill
+    /// engines, and `both` engines with [`MockerConfig::kv_both`]).
     pub fn serves_bootstrap(&self) -> bool {
-        self.flavor == WorkerFlavor::Sglang && self.role == Role::Prefill
+        self.flavor == WorkerFlavor::Sglang
+            && (self.role == Role::Prefill || (self.role == Role::Both && self.kv_both))
     }
 }
 

@@ -84,7 +84,8 @@ pub struct WorkerInfo {
     pub flavor: WorkerFlavor,
     /// The prefill/decode role (`role=` in the line unless `both`).
     pub role: Role,
-    /// The bootstrap server's port (SGLang prefill engines; `bootstrap_port=`).
+    /// The bootstrap server's port (SGLang prefill engines, and `both`
+    /// engines with `--kv-both`; `bootstrap_port=`).
     pub bootstrap_port: Option<u16>,
 }
 
@@ -98,7 +99,7 @@ impl WorkerInfo {
     /// `name=…,url=…,events=tcp://…,replay=tcp://…,flavor=…,dp=…,block_size=…`
     /// (events and replay of rank 0; rank r uses the next ports), then
     /// `,role=prefill|decode` for a disaggregated engine and
-    /// `,bootstrap_port=…` for an SGLang prefill engine.
+    /// `,bootstrap_port=…` for an SGLang engine serving bootstrap rooms.
     pub fn worker_arg(&self) -> String {
         self.worker_arg_as(&self.name)
     }
@@ -269,7 +270,12 @@ impl Fleet {
                 replay_port_base: replay.first().map_or(0, |e| port_of(e)),
             },
             counter: AtomicU64::new(0),
-            pd: pd_state(config, &name, &host, http_addr.port(), rooms.clone()),
+            pd: pd_state(
+                config,
+                &name,
+                (&host, http_addr.port()),
+                (rooms.clone(), bootstrap_port),
+            ),
             responses: http::ResponseStore::default(),
         });
         let bootstrap = match (bootstrap_listener, rooms) {
@@ -415,13 +421,13 @@ fn port_of_listener(listener: &tokio::net::TcpListener) -> Option<u16> {
     listener.local_addr().ok().map(|a| a.port())
 }
 
-/// What engine `name`, reached at `host:port`, needs for its role.
+/// What engine `name`, reached at `host:port`, needs for its role, with
+/// its bootstrap rooms and port when it serves them.
 fn pd_state(
     config: &MockerConfig,
     name: &str,
-    host: &str,
-    port: u16,
-    rooms: Option<Arc<RoomTable>>,
+    (host, port): (&str, u16),
+    (rooms, bootstrap_port): (Option<Arc<RoomTable>>, Option<u16>),
 ) -> PdState {
     PdState {
         role: config.role,
@@ -435,6 +441,7 @@ fn pd_state(
         speedup: config.timing.speedup,
         lease: config.kv_lease,
         rooms,
+        bootstrap_port,
         stats: Arc::new(HandoffStats::default()),
     }
 }

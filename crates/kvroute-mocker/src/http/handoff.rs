@@ -21,8 +21,11 @@
 //! it answers a `do_remote_decode` leg holding its blocks and reads a
 //! `do_remote_prefill` leg from another engine, which is how a router moves
 //! a prefix between two aggregated engines; a request without the field is
-//! an ordinary one. An SGLang `both` engine has no legs: its transfer
-//! fields are ignored.
+//! an ordinary one. An SGLang `both` engine ignores its transfer fields,
+//! unless it runs with `--kv-both`: then it serves bootstrap rooms too, a
+//! leg whose bootstrap names its own server is a prefill leg (it is the
+//! source), a leg naming another engine's is a decode leg (it reads the
+//! blocks it lacks from there), and a request without a room is ordinary.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -49,7 +52,8 @@ use kvroute_core::event::WorkerFlavor;
 /// How long a decode waits for a vLLM prefill's side channel to answer.
 const READ_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Disaggregation counters of one engine (on `/metrics` unless its role is `both`).
+/// Disaggregation counters of one engine (on `/metrics` unless its role is
+/// `both`, SGLang `--kv-both` engines excepted).
 #[derive(Debug, Default)]
 pub struct HandoffStats {
     /// Transfers handed to a decode: vLLM answers with `kv_transfer_params`, SGLang rooms filled.
@@ -89,8 +93,10 @@ pub struct PdState {
     pub speedup: f64,
     /// `--kv-lease-secs`: an SGLang decode's longest wait for its room.
     pub lease: Duration,
-    /// The bootstrap rooms (SGLang prefill engines).
+    /// The bootstrap rooms (SGLang prefill engines, `both` with `--kv-both`).
     pub rooms: Option<Arc<RoomTable>>,
+    /// The port they are served on, which names this engine as a source.
+    pub bootstrap_port: Option<u16>,
     /// Counters.
     pub stats: Arc<HandoffStats>,
 }
@@ -106,6 +112,12 @@ pub(super) enum Leg {
     SglangPrefill { room: u64 },
     /// SGLang decode engine.
     SglangDecode { host: String, port: u16, room: u64 },
+}
+
+/// Whether a leg's bootstrap names this engine's own bootstrap server:
+/// an SGLang `both` engine is then the source of the hand-off.
+fn names_this_engine(pd: &PdState, b: &Bootstrap) -> bool {
+    b.port.is_some() && b.port == pd.bootstrap_port && b.host.as_deref() == Some(&*pd.side_host)
 }
 
 /// A vLLM prefill to read from.
@@ -133,7 +145,7 @@ impl Leg {
     /// transfer fields. An SGLang prefill leg generates one token.
     pub(super) fn plan(state: &EngineState, parsed: &mut ParsedRequest) -> Result<Leg, ApiError> {
         let pd = &state.pd;
-        if pd.role == Role::Both && state.flavor != WorkerFlavor::Vllm {
+        if pd.role == Role::Both && state.flavor != WorkerFlavor::Vllm && pd.rooms.is_none() {
             return Ok(Leg::Local);
         }
         match state.flavor {
@@ -169,7 +181,12 @@ impl Leg {
             }
             WorkerFlavor::Sglang => {
                 let b = Bootstrap::parse(&parsed.transfer).map_err(sglang_error)?;
-                if pd.role == Role::Prefill {
+                if pd.role == Role::Both && b.room.is_none() {
+                    return Ok(Leg::Local);
+                }
+                let source = pd.role == Role::Prefill
+                    || (pd.role == Role::Both && names_this_engine(pd, &b));
+                if source {
                     parsed.max_tokens = 1;
                     Ok(Leg::SglangPrefill {
                         room: b.prefill_room().map_err(sglang_error)?,

@@ -360,7 +360,8 @@ impl Collector for EngineCollector {
                 }
             })
             .collect();
-        let pd = state.pd.role != Role::Both;
+        // Engines that hand KV off: disaggregated ones, SGLang `--kv-both` ones.
+        let pd = state.pd.role != Role::Both || state.pd.rooms.is_some();
         let own_pd: &[Metric] = if pd { OWN_PD } else { &[] };
         for m in engine_metrics.iter().chain(OWN).chain(own_pd) {
             let (kind, name) = match m.value {

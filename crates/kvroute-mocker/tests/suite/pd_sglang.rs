@@ -6,6 +6,7 @@ use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use kvroute_core::event::WorkerFlavor;
+use kvroute_mocker::config::ConfigError;
 use kvroute_mocker::{MockerConfig, ReplayFrames, Role};
 use serde_json::{json, Value};
 
@@ -234,4 +235,67 @@ fn malformed_or_missing_bootstrap_fields_get_sglang_400s() {
         &with("bootstrap_room", json!("abc")),
     );
     assert_eq!(r.status, 200);
+}
+
+/// SGLang `both` engines with `--kv-both` are both ends of a bootstrap
+/// hand-off: the engine whose own server the legs name is the source (one
+/// token, its blocks held), the other reads the blocks it lacks after the
+/// modelled transfer, publishes them as stored and reports them cached.
+#[test]
+fn sglang_both_engines_with_kv_both_hand_a_prefix_over() {
+    let both = || {
+        TestFleet::start(MockerConfig {
+            kv_both: true,
+            ..engine(WorkerFlavor::Sglang, Role::Both)
+        })
+    };
+    let (holder, receiver) = (both(), both());
+    let line = holder.worker(0).worker_arg();
+    assert!(!line.contains("role="), "{line}");
+    let port = bootstrap_port(&holder);
+    let (haddr, raddr) = (holder.http(0), receiver.http(0));
+    let prompt = prompt();
+    // Without a room a request is an ordinary one: the holder caches the prompt.
+    let plain = post(haddr, "/v1/completions", &ids_prompt(&prompt, 2));
+    assert_eq!(plain.json()["usage"]["completion_tokens"], 2);
+
+    let body = leg(&prompt, port, 9);
+    let receiver_body = body.clone();
+    let read = std::thread::spawn(move || post(raddr, "/v1/completions", &receiver_body));
+    let source = post(haddr, "/v1/completions", &body);
+    assert_eq!(source.status, 200, "{}", source.text());
+    let source = source.json();
+    assert_eq!(source["usage"]["completion_tokens"], 1, "the source leg");
+    assert_eq!(
+        cached_tokens(&source),
+        96,
+        "the holder had the prompt cached"
+    );
+    let r = read.join().expect("receiver thread");
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = r.json();
+    assert_eq!(cached_tokens(&v), 99, "the prompt arrived: {v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    let events = all_events(&replay(&receiver.replay(0, 0), 0, ReplayFrames::Four), 16);
+    let chain = engine_chain(WorkerFlavor::Sglang, &prompt, 16);
+    assert_eq!(stored_hashes(&events), chain[..6], "announced as stored");
+    let received = "kvroute_mocker_kv_transfers_received_total";
+    assert_eq!(metric(raddr, received), 1.0);
+    assert_eq!(
+        metric(raddr, "kvroute_mocker_kv_transfer_blocks_total"),
+        7.0
+    );
+    assert_eq!(metric(haddr, "kvroute_mocker_kv_transfers_sent_total"), 1.0);
+    assert_eq!(metric(haddr, "kvroute_mocker_bootstrap_rooms"), 0.0);
+    // Only SGLang `both` engines take the flag.
+    for (flavor, role) in [
+        (WorkerFlavor::Vllm, Role::Both),
+        (WorkerFlavor::Sglang, Role::Prefill),
+    ] {
+        let config = MockerConfig {
+            kv_both: true,
+            ..engine(flavor, role)
+        };
+        assert_eq!(config.validate(), Err(ConfigError::KvBoth));
+    }
 }

@@ -5,13 +5,14 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
-use super::catalogue::{PROXY_FETCHES, PROXY_FETCHES_STARTED};
+use super::catalogue::{PROXY_FETCHED_BLOCKS, PROXY_FETCHES, PROXY_FETCHES_STARTED};
 
 /// How a fetch ended: the `outcome` label of [`PROXY_FETCHES`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum FetchOutcome {
-    /// The holder answered its leg with `kv_transfer_params`; the receiver
-    /// ran the request with them.
+    /// The holder answered its leg (vLLM: with `kv_transfer_params`;
+    /// SGLang: as the bootstrap source) and the receiver ran the request
+    /// with the blocks it read.
     HandedOff,
     /// The holder's leg failed, was refused or timed out; the receiver
     /// recomputed the prefix.
@@ -41,13 +42,15 @@ impl prometheus_client::encoding::EncodeLabelSet for FetchOutcome {
     }
 }
 
-/// [`PROXY_FETCHES_STARTED`] and [`PROXY_FETCHES`].
+/// [`PROXY_FETCHES_STARTED`], [`PROXY_FETCHES`] and [`PROXY_FETCHED_BLOCKS`].
 #[derive(Debug)]
 pub struct FetchMetrics {
     /// Holder legs sent.
     pub started: Counter,
     /// Fetches ended, by outcome.
     pub ended: Family<FetchOutcome, Counter>,
+    /// Blocks the placer planned to move for the fetches handed off.
+    pub blocks: Counter,
 }
 
 impl Default for FetchMetrics {
@@ -59,6 +62,7 @@ impl Default for FetchMetrics {
         FetchMetrics {
             started: Counter::default(),
             ended,
+            blocks: Counter::default(),
         }
     }
 }
@@ -69,10 +73,17 @@ impl FetchMetrics {
         self.ended.get_or_create(&outcome).inc();
     }
 
-    /// Registers both in `registry`.
+    /// Counts a fetch handed off, which moved `blocks` blocks.
+    pub fn handed_off(&self, blocks: u32) {
+        self.ended(FetchOutcome::HandedOff);
+        self.blocks.inc_by(u64::from(blocks));
+    }
+
+    /// Registers the three in `registry`.
     pub(super) fn register(&self, registry: &mut Registry) {
-        let (s, e) = (PROXY_FETCHES_STARTED, PROXY_FETCHES);
+        let (s, e, b) = (PROXY_FETCHES_STARTED, PROXY_FETCHES, PROXY_FETCHED_BLOCKS);
         registry.register(s.family(), s.help, self.started.clone());
         registry.register(e.family(), e.help, self.ended.clone());
+        registry.register(b.family(), b.help, self.blocks.clone());
     }
 }

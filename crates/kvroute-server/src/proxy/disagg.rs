@@ -26,7 +26,7 @@
 //! opens. Workers with `role=both` in such a fleet decode like decode
 //! workers and always prefill their own requests.
 
-mod sglang;
+pub(super) mod sglang;
 
 use std::sync::Arc;
 

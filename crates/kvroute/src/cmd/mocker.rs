@@ -129,6 +129,11 @@ pub struct MockerArgs {
     /// Bootstrap port of SGLang prefill engine 0 (engine k: port + k; 0 = ephemeral).
     #[arg(long, default_value_t = DEFAULT_BOOTSTRAP_PORT)]
     bootstrap_port: u16,
+    /// SGLang `both` engines are both ends of a bootstrap hand-off: each serves
+    /// bootstrap rooms (on --bootstrap-port) and reads a leg naming another engine
+    /// from it, so a router can move a prefix between them (vLLM's always are).
+    #[arg(long)]
+    kv_both: bool,
 }
 
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -198,6 +203,7 @@ impl MockerArgs {
             transfer_us_per_block: self.transfer_us_per_block,
             kv_lease,
             bootstrap_port: self.bootstrap_port,
+            kv_both: self.kv_both,
         };
         config.validate()?;
         Ok(config)

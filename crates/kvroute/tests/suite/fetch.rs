@@ -14,7 +14,7 @@ use crate::support::http::{count, dechunk, metric_where, request, Reply};
 use crate::support::{eventually, spawn_this_builds_mocker, Proc};
 
 /// The router's flags: the simulator's `kv-fetch` contender.
-const FETCH: [&str; 8] = [
+pub(super) const FETCH: [&str; 8] = [
     "--fetch-us-per-block",
     "20",
     "--fetch-margin",
@@ -28,13 +28,12 @@ const FETCH: [&str; 8] = [
 /// Loaders sent at most before the holder is busy enough to fetch from.
 const MAX_LOADERS: u32 = 24;
 
-/// One aggregated vLLM mock engine named `name` and its `--worker` line.
-fn engine(name: &str) -> (Proc, String) {
+/// One aggregated mock engine named `name`, started with `engine_args`
+/// (its flavour and any more flags), and its `--worker` line.
+pub(super) fn engine_of(name: &str, engine_args: &[&str]) -> (Proc, String) {
     let args = [
         "--workers",
         "1",
-        "--engine-flavor",
-        "vllm",
         "--port",
         "0",
         "--kv-events-port",
@@ -42,6 +41,7 @@ fn engine(name: &str) -> (Proc, String) {
         "--replay-port",
         "0",
     ];
+    let args: Vec<&str> = args.iter().chain(engine_args).copied().collect();
     let (child, mut lines) = spawn_this_builds_mocker(&args, 1);
     let line = lines.remove(0);
     let renamed = line
@@ -64,14 +64,14 @@ fn addr_of(line: &str) -> String {
         .to_owned()
 }
 
-fn completion(tokens: &[u32], max_tokens: u32, stream: bool) -> String {
+pub(super) fn completion(tokens: &[u32], max_tokens: u32, stream: bool) -> String {
     json!({"model": "mock-model", "prompt": tokens, "max_tokens": max_tokens,
         "stream": stream})
     .to_string()
 }
 
 /// The leading blocks `/query` says worker `name` holds of `tokens`.
-fn held_by(serve: &str, tokens: &[u32], name: &str) -> u64 {
+pub(super) fn held_by(serve: &str, tokens: &[u32], name: &str) -> u64 {
     query(serve, tokens)["workers"]
         .as_array()
         .into_iter()
@@ -85,7 +85,7 @@ fn held_by(serve: &str, tokens: &[u32], name: &str) -> u64 {
 /// Sends streamed requests of `tokens` (`max_tokens` each) through the
 /// router, in the background, until `/query` plans a fetch for the next
 /// one; returns the plan and the loaders' threads (their replies).
-fn load_until_fetched(
+pub(super) fn load_until_fetched(
     serve: &str,
     tokens: &[u32],
     max_tokens: u32,
@@ -111,7 +111,7 @@ fn load_until_fetched(
     );
 }
 
-fn fetches(serve: &str, outcome: &str) -> u64 {
+pub(super) fn fetches(serve: &str, outcome: &str) -> u64 {
     let label = format!("outcome=\"{outcome}\"");
     metric_where(serve, "kvroute_proxy_fetches_total", &label).unwrap_or(0.0) as u64
 }
@@ -124,8 +124,17 @@ fn fleet(tokens: &[u32]) -> (Vec<Proc>, String) {
 
 /// [`fleet`] with `serve_extra` flags for the router besides [`FETCH`].
 fn fleet_with(tokens: &[u32], serve_extra: &[&str]) -> (Vec<Proc>, String) {
-    let (a, a_line) = engine("a");
-    let (b, b_line) = engine("b");
+    fleet_of(tokens, &["--engine-flavor", "vllm"], serve_extra)
+}
+
+/// [`fleet_with`] of engines started with `engine_args`.
+pub(super) fn fleet_of(
+    tokens: &[u32],
+    engine_args: &[&str],
+    serve_extra: &[&str],
+) -> (Vec<Proc>, String) {
+    let (a, a_line) = engine_of("a", engine_args);
+    let (b, b_line) = engine_of("b", engine_args);
     let flags: Vec<&str> = FETCH.iter().chain(serve_extra).copied().collect();
     let (serve, addr) = start_serve(&[a_line.clone(), b_line], &flags, &["a", "b"]);
     let warm = request(
@@ -249,7 +258,7 @@ fn a_hung_holder_falls_back_within_the_prefill_timeout() {
     assert_eq!(fetches(&serve, "handed_off"), 0);
 }
 
-fn signal(which: &str, pid: u32) {
+pub(super) fn signal(which: &str, pid: u32) {
     let status = std::process::Command::new("kill")
         .args([which, &pid.to_string()])
         .status()

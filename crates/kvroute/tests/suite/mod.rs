@@ -15,6 +15,7 @@ mod discovery;
 mod engine_load;
 mod epp;
 mod fetch;
+mod fetch_sglang;
 mod hostile;
 mod ingest;
 mod inspect;

@@ -11,6 +11,11 @@
 //! within `--prefill-timeout-secs` ends the request with a 502 and opens
 //! the prefill worker's breaker: it took the request, so no other worker
 //! gets it.
+//!
+//! [`hand_off`] sends the same two legs once between two given aggregated
+//! workers, for a fetch (`crate::proxy::fetch`): the holder as the
+//! bootstrap source, the receiver reading from it; a fetch that does not
+//! hand off leaves the request to its caller, which recomputes it.
 
 use std::future::Future;
 use std::sync::Arc;
@@ -28,6 +33,7 @@ use crate::proxy::answer;
 use crate::proxy::handoff::{self, Bootstrap};
 use crate::proxy::merge;
 use crate::proxy::outcome::{self, Ending};
+use crate::proxy::send::open_candidate;
 use crate::proxy::send::{send, Request, Sent};
 use crate::proxy::Proxy;
 use crate::router::active::ActiveGuard;
@@ -116,6 +122,57 @@ pub(super) async fn route(
         }
     }
     Err(ProxyError::UpstreamUnreachable(last_error))
+}
+
+/// How a bootstrap hand-off between two given workers ended ([`hand_off`]).
+pub(in crate::proxy) enum HandOff {
+    /// Both legs answered, the receiver's a success: the client's answer.
+    Answered(Result<Response, ProxyError>),
+    /// Nothing reached the client: why, and the receiver's candidate and
+    /// place in the load back, for a plain request.
+    NotHandedOff(String, (usize, ActiveGuard)),
+}
+
+/// Sends a request's two legs once: to `source` as the bootstrap source
+/// (its prefill leg computes or finds the prompt and holds its blocks) and
+/// to `receiver` (placed, with its place in the load), which reads the
+/// blocks it lacks from the source and runs the request. Only when both
+/// heads arrived and the receiver's is a success is the answer the
+/// client's; anything else (a leg refused, failed, the source's past
+/// `--prefill-timeout-secs`, the receiver's error answer) gives the
+/// receiver back unanswered, its leg dropped (cancelled).
+pub(in crate::proxy) async fn hand_off(
+    proxy: &Arc<Proxy>,
+    candidates: &Candidates,
+    (source, receiver): (usize, (usize, ActiveGuard)),
+    request: &Request<'_>,
+    why: String,
+) -> HandOff {
+    let (mut at, mut first) = (0, None);
+    let pool = (std::slice::from_ref(&source), &mut at);
+    let Some(source_leg) = next_leg(proxy, candidates, pool, &mut first, (request, false)) else {
+        let why = "the holder is unavailable (breaker open or unknown)".to_owned();
+        return HandOff::NotHandedOff(why, receiver);
+    };
+    let Some((_, target)) = open_candidate(proxy, candidates, receiver.0) else {
+        let why = "the receiver's breaker is open".to_owned();
+        return HandOff::NotHandedOff(why, receiver);
+    };
+    let receiver_leg = (receiver.0, target, receiver.1);
+    let legs = (&source_leg, &receiver_leg);
+    let detail = match send_both(proxy, candidates, legs, request).await {
+        Ok(Legs::Answered(answers)) if answers.1.status().is_success() => {
+            record(proxy, candidates, (receiver_leg.0, 0), request, why);
+            let legs = (source_leg, receiver_leg);
+            let answer = respond(proxy, candidates, legs, *answers, *request).await;
+            return HandOff::Answered(answer);
+        }
+        Ok(Legs::Answered(answers)) => format!("the receiver answered {}", answers.1.status()),
+        Ok(Legs::PrefillRefused(message)) => format!("the holder refused its leg: {message}"),
+        Ok(Legs::DecodeRefused(message)) => format!("the receiver refused its leg: {message}"),
+        Err(e) => e.message(),
+    };
+    HandOff::NotHandedOff(detail, (receiver_leg.0, receiver_leg.2))
 }
 
 /// Sends both legs at once, in fresh rooms of the prefill worker's
