@@ -51,7 +51,7 @@ use crate::driver::{Endpoint, LoadOptions};
 use crate::embedded_router::{RouterTokenizer, RunningRouter};
 use crate::error::{Error, Result};
 use crate::nats::NatsServer;
-use crate::report::{table, PolicyReport, Report, ORACLE};
+use crate::report::{table, Fetches, PolicyReport, Report, ORACLE};
 use crate::workload::WorkloadKind;
 
 /// Positions each image takes, for the engines and the router alike.
@@ -227,6 +227,32 @@ impl DemoReport {
         Ok(())
     }
 
+    /// What the fetch lever did, beside `kv` without it.
+    fn fetch_line(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = crate::contender::KV_FETCH;
+        let Some((fetching, Some(fetches))) = self.policy(name).map(|p| (p, p.fetches)) else {
+            return Ok(());
+        };
+        write!(
+            f,
+            "{name}: {} requests fetched their prefix from a busy holder ({} blocks moved, {} fell back to recomputing)",
+            fetches.handed_off, fetches.blocks, fetches.fell_back
+        )?;
+        match self.policy("kv") {
+            Some(kv) => writeln!(
+                f,
+                "; vs kv: hit rate {:.3} vs {:.3}, TTFT p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms.",
+                fetching.hit_rate,
+                kv.hit_rate,
+                fetching.ttft_ms.p50,
+                kv.ttft_ms.p50,
+                fetching.ttft_ms.p99,
+                kv.ttft_ms.p99,
+            ),
+            None => writeln!(f, "."),
+        }
+    }
+
     fn extra(&self, name: &str, key: &str) -> u64 {
         self.extras
             .iter()
@@ -268,6 +294,7 @@ impl fmt::Display for DemoReport {
             }
         }
         self.pd_lines(f)?;
+        self.fetch_line(f)?;
         let images = self.report.workload["name"] == WorkloadKind::Images.name();
         if let (Some(kv), true) = (self.policy("kv"), images) {
             writeln!(
@@ -354,18 +381,7 @@ pub async fn run(
     } else {
         None
     };
-    let mut mocker = MockerConfig {
-        flavor: config.flavor,
-        workers: config.workers,
-        port: 0,
-        kv_events_port: 0,
-        replay_port: 0,
-        num_gpu_blocks: config.gpu_blocks,
-        seed: config.seed,
-        mm_tokens_per_image: config.load.workload.mm_tokens_per_image,
-        ..MockerConfig::default()
-    };
-    mocker.timing.speedup = config.speedup;
+    let mocker = mocker_config(config);
     let block_size = match &config.real_engines {
         Some(real) => real.block_size,
         None => mocker.block_size as u32,
@@ -422,6 +438,35 @@ pub async fn run(
 }
 
 /// The engines of `config`: its real ones, or mock ones started with `mocker`.
+/// The mock engines' configuration: ephemeral ports, the demo's sizes,
+/// and, when a policy fetches prefixes between aggregated SGLang engines,
+/// engines that are both ends of a bootstrap hand-off.
+fn mocker_config(config: &DemoConfig) -> MockerConfig {
+    let mut mocker = MockerConfig {
+        flavor: config.flavor,
+        workers: config.workers,
+        port: 0,
+        kv_events_port: 0,
+        replay_port: 0,
+        num_gpu_blocks: config.gpu_blocks,
+        seed: config.seed,
+        mm_tokens_per_image: config.load.workload.mm_tokens_per_image,
+        ..MockerConfig::default()
+    };
+    mocker.timing.speedup = config.speedup;
+    let fetching = config
+        .contenders
+        .iter()
+        .any(|(_, c)| matches!(c, Contender::Router(r) if r.fetch.is_some()));
+    if fetching && config.flavor == WorkerFlavor::Sglang && config.layout.is_none() {
+        // Aggregated SGLang engines a fetch can move a prefix between,
+        // each serving its bootstrap rooms on a port of its own.
+        mocker.kv_both = true;
+        mocker.bootstrap_port = 0;
+    }
+    mocker
+}
+
 async fn start_fleet(config: &DemoConfig, mocker: MockerConfig) -> Result<Fleet> {
     match &config.real_engines {
         Some(real) if config.layout.is_some() || config.flavor != WorkerFlavor::Vllm => {
@@ -627,7 +672,17 @@ impl Routers<'_> {
                 base_urls: many.iter().map(|r| r.url.clone()).collect(),
             },
         };
-        let result = driver::run(client, &endpoint, options).await?;
+        let mut result = driver::run(client, &endpoint, options).await?;
+        if self.routing.fetch.is_some() {
+            let mut fetches = Fetches::default();
+            for router in &routers {
+                let f = router.fetches(client).await?;
+                fetches.handed_off += f.handed_off;
+                fetches.fell_back += f.fell_back;
+                fetches.blocks += f.blocks;
+            }
+            result.fetches = Some(fetches);
+        }
         let mut extra = match routers.first() {
             Some(first) => first.ingest_counts(client).await?,
             None => Map::new(),
@@ -651,75 +706,4 @@ impl Routers<'_> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use kvroute_core::scheduler::Policy;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn router_policies_run_through_two_replicas_sharing_a_nats_server() {
-        use crate::driver::Arrival;
-        use crate::workload::WorkloadSpec;
-        use kvroute_prompt::{ImageTokenRule, Renderer, Tokenizer};
-
-        assert!(NatsServer::available(), "{}", Error::NatsNotFound);
-        let config = DemoConfig {
-            flavor: WorkerFlavor::Vllm,
-            workers: 2,
-            layout: None,
-            gpu_blocks: 2048,
-            speedup: 200.0,
-            seed: 1,
-            contenders: vec![
-                ("kv".into(), Contender::Router(Routing::new(Policy::Kv))),
-                (
-                    "round-robin".into(),
-                    Contender::Router(Routing::new(Policy::RoundRobin)),
-                ),
-            ],
-            load: LoadOptions {
-                workload: WorkloadSpec {
-                    kind: WorkloadKind::SharedPrefix,
-                    scale: 0.05,
-                    groups: 3,
-                    max_tokens: 4,
-                    mm_tokens_per_image: MM_TOKENS_PER_IMAGE,
-                    ..WorkloadSpec::default()
-                },
-                arrival: Arrival::Closed { concurrency: 4 },
-                requests: 24,
-                max_duration: Some(Duration::from_secs(60)),
-                progress: false,
-                label: String::new(),
-            },
-            replicas: 2,
-            keep: false,
-            real_engines: None,
-        };
-        let tokenizer = std::sync::Arc::new(Renderer::new(
-            Tokenizer::builtin(),
-            ImageTokenRule::fixed(MM_TOKENS_PER_IMAGE),
-        ));
-        let done = run(&config, tokenizer, std::future::pending())
-            .await
-            .expect("the demo runs")
-            .map(|(report, _)| report)
-            .expect("not interrupted");
-        let doc = done.document().expect("a document");
-        for name in ["kv", "round-robin"] {
-            let p = done.report.get(name).expect("the policy ran");
-            assert_eq!((p.requests, p.failed, p.retried), (24, 0, 0), "{name}");
-            assert_eq!(doc["policies"][name]["replicas"], 2, "{name}");
-            assert!(
-                p.index_accuracy.is_some(),
-                "{name}: summed over both replicas"
-            );
-            let received = doc["policies"][name]["replica_messages_received"].as_u64();
-            assert!(received.is_some_and(|n| n > 0), "{name}: shared over NATS");
-        }
-        let text = done.to_string();
-        assert!(
-            text.contains("kv, round-robin ran through 2 router replicas each, sharing state over NATS at nats://127.0.0.1:"),
-            "{text}"
-        );
-    }
-}
+mod tests;

@@ -521,6 +521,7 @@ pub fn summarize(
         index_accuracy: None,
         prefill_hit_rate: None,
         hit_rate_vs_oracle: None,
+        fetches: None,
         timeline,
     }
 }

@@ -17,6 +17,7 @@ use tokio::sync::oneshot;
 
 use crate::error::{Error, Result};
 use crate::metrics;
+use crate::report::Fetches;
 
 /// How the router turns text and chat requests into tokens: the same
 /// rendering as the mock engines', so its predictions can be exact.
@@ -153,6 +154,20 @@ impl RunningRouter {
             ),
         );
         Ok(counts)
+    }
+
+    /// What this router's fetch lever did: fetches handed off and fallen
+    /// back, and blocks moved (`kvroute_proxy_fetches_total`,
+    /// `kvroute_proxy_fetched_blocks_total`).
+    pub async fn fetches(&self, client: &reqwest::Client) -> Result<Fetches> {
+        let text = self.metrics(client).await?;
+        let outcomes = metrics::by_label(&text, "kvroute_proxy_fetches_total", "outcome");
+        let outcome = |o: &str| outcomes.get(o).copied().unwrap_or(0);
+        Ok(Fetches {
+            handed_off: outcome("handed_off"),
+            fell_back: outcome("fell_back"),
+            blocks: metrics::sum(&text, "kvroute_proxy_fetched_blocks_total"),
+        })
     }
 
     /// Peer messages this replica received over NATS

@@ -63,5 +63,5 @@ pub use error::{Error, Result};
 pub use nats::NatsServer;
 pub use plot::write_svg_plot;
 pub use preset::{PdLayout, Preset};
-pub use report::{table, PolicyReport, Report, ORACLE};
+pub use report::{table, Fetches, PolicyReport, Report, ORACLE};
 pub use workload::{TextRenderer, WorkloadKind, WorkloadSpec};

@@ -61,9 +61,26 @@ pub struct PolicyReport {
     /// This hit rate / the oracle's, when the report has an `oracle` policy.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub hit_rate_vs_oracle: Option<f64>,
+    /// A router with the fetch lever on (`kv-fetch`): the prefixes it moved
+    /// from busy holders to cooler ranks during the run, from its counters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fetches: Option<Fetches>,
     /// (s since start, TTFT ms) of every successful request, by start time (for plots).
     #[serde(skip)]
     pub timeline: Vec<(f64, f64)>,
+}
+
+/// What a router's fetch lever did during a run (`kvroute_proxy_fetches_total`
+/// and `kvroute_proxy_fetched_blocks_total`, summed over its replicas).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Fetches {
+    /// Requests that ran on a cooler rank which read their prefix from its
+    /// busy holder (`handed_off`).
+    pub handed_off: u64,
+    /// Fetches whose hand-off failed: the receiver recomputed the prefix.
+    pub fell_back: u64,
+    /// Blocks the handed-off fetches moved (as the placer planned them).
+    pub blocks: u64,
 }
 
 /// The policy whose hit rate the others are compared with.
@@ -138,6 +155,7 @@ pub fn table(report: &Report) -> String {
         .policies
         .iter()
         .any(|(_, r)| r.prefill_hit_rate.is_some());
+    let fetched = report.policies.iter().any(|(_, r)| r.fetches.is_some());
     let _ = write!(out, "{:<14}", "policy");
     if disagg {
         let _ = write!(out, "{:>9}", "pf hit");
@@ -161,6 +179,13 @@ pub fn table(report: &Report) -> String {
     );
     if images {
         let _ = write!(out, "{:>9}{:>9}", "txt rep", "img rep");
+    }
+    if fetched {
+        let _ = write!(
+            out,
+            "{:>9}{:>10}{:>10}",
+            "fetched", "fetch blk", "fell back"
+        );
     }
     out.push('\n');
     for (name, r) in &report.policies {
@@ -193,11 +218,25 @@ pub fn table(report: &Report) -> String {
                 opt_pct(r.image_repeat_hit_rate)
             );
         }
+        if fetched {
+            let cell = |v: Option<u64>| v.map_or_else(|| "-".to_owned(), |v| v.to_string());
+            let f = r.fetches;
+            let _ = write!(
+                out,
+                "{:>9}{:>10}{:>10}",
+                cell(f.map(|f| f.handed_off)),
+                cell(f.map(|f| f.blocks)),
+                cell(f.map(|f| f.fell_back))
+            );
+        }
         out.push('\n');
     }
     out.push_str("times in ms; hit = cached / prompt tokens; vs orc = hit / the oracle's hit; tpot = time per output token\n");
     if disagg {
         out.push_str("pf hit = prompt tokens found cached where they were prefilled / prompt tokens (the engines' counters)\n");
+    }
+    if fetched {
+        out.push_str("fetched = requests whose prefix moved from a busy holder to a cooler rank, fetch blk = blocks moved, fell back = fetches recomputed instead (the router's counters)\n");
     }
     out
 }
@@ -252,6 +291,25 @@ pub(crate) mod tests {
         assert!(kv.get("timeline").is_none());
         assert!(kv.get("text_repeat_hit_rate").is_none());
         assert!(kv.get("index_accuracy").is_none());
+        assert!(kv.get("fetches").is_none());
+        assert!(!table(&r).contains("fetched"));
+        let mut fetching = policy(0.4);
+        fetching.fetches = Some(Fetches {
+            handed_off: 3,
+            fell_back: 1,
+            blocks: 57,
+        });
+        r.push("kv-fetch", fetching);
+        let v = serde_json::to_value(&r).expect("json");
+        let counts = json!({"handed_off": 3, "fell_back": 1, "blocks": 57});
+        assert_eq!(v["policies"]["kv-fetch"]["fetches"], counts);
+        let shown = table(&r);
+        let row = shown
+            .lines()
+            .find(|l| l.starts_with("kv-fetch"))
+            .expect("row");
+        assert!(row.trim_end().ends_with("3        57         1"), "{shown}");
+        r.policies.retain(|(n, _)| n != "kv-fetch");
         // Replacing a policy keeps its place.
         r.push("kv", policy(0.25));
         assert_eq!(r.policies[0].0, "kv");
