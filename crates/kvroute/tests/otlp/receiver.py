@@ -3,12 +3,15 @@
 official OpenTelemetry protos (PyPI's `opentelemetry-proto`) over `grpcio`,
 sharing no code with kvroute.
 
-    receiver.py --out FILE
+    receiver.py --out FILE [--port PORT]
 
-Listens on a free port of 127.0.0.1, prints `listening PORT` once ready,
-and appends every span it is sent to FILE as one JSON line: its service,
-name, kind, ids (lower-case hex; `parent_span_id` empty for a root) and
-attributes. Runs until killed.
+Listens on PORT of 127.0.0.1 (default: a free one), prints `listening PORT`
+once ready, and appends every span it is sent to FILE as one JSON line: its
+service, its resource's attributes, name, kind, ids (lower-case hex;
+`parent_span_id` empty for a root), attributes and status. Runs until
+killed. The tracing tests start one per test; `scripts/real-engines start`
+starts one for the real engines' spans (it runs in the engines' Python,
+whose OpenTelemetry exporter brings `grpcio` and `opentelemetry-proto`).
 """
 
 import argparse
@@ -43,6 +46,7 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
                 for span in scope_spans.spans:
                     lines.append(json.dumps({
                         "service": resource.get("service.name"),
+                        "resource": resource,
                         "name": span.name,
                         "kind": span.kind,
                         "trace_id": span.trace_id.hex(),
@@ -60,10 +64,13 @@ class Receiver(trace_service_pb2_grpc.TraceServiceServicer):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
+    p.add_argument("--port", type=int, default=0)
     args = p.parse_args()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     trace_service_pb2_grpc.add_TraceServiceServicer_to_server(Receiver(args.out), server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = server.add_insecure_port(f"127.0.0.1:{args.port}")
+    if port == 0:
+        sys.exit(f"receiver.py: cannot listen on 127.0.0.1:{args.port}")
     server.start()
     print(f"listening {port}", flush=True)
     server.wait_for_termination()

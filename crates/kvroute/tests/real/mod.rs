@@ -10,3 +10,4 @@ mod migration;
 mod predictions;
 mod restarts;
 mod routing;
+mod tracing;

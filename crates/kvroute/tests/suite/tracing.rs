@@ -19,9 +19,9 @@ use serde_json::{json, Value};
 
 use crate::support::http::{request, request_with};
 use crate::support::picker::{python as epp_python, script as epp_script, start_picker_with_env};
+use crate::support::spans::{self, children, named};
 use crate::support::{
-    eventually_within, polled_until, python_with, spawn_this_builds_mocker, start_serve_with_env,
-    Proc,
+    eventually_within, python_with, spawn_this_builds_mocker, start_serve_with_env, Proc,
 };
 
 /// The trace every test's client request belongs to, and its caller span.
@@ -75,27 +75,9 @@ impl Collector {
         }
     }
 
-    /// The spans received so far.
-    fn spans(&self) -> Vec<Value> {
-        let text = std::fs::read_to_string(&self.out).unwrap_or_default();
-        text.lines()
-            .filter_map(|l| serde_json::from_str(l).ok())
-            .collect()
-    }
-
     /// The spans of trace `trace`, once `done` holds of them (60 s at most).
     fn trace_until(&self, trace: &str, done: impl Fn(&[Value]) -> bool) -> Vec<Value> {
-        let mut spans = Vec::new();
-        let arrived = polled_until(Duration::from_secs(60), || {
-            spans = self
-                .spans()
-                .into_iter()
-                .filter(|s| s["trace_id"] == trace)
-                .collect();
-            done(&spans)
-        });
-        assert!(arrived, "the spans never arrived: {spans:#?}");
-        spans
+        spans::trace_until(&self.out, trace, Duration::from_secs(60), done)
     }
 }
 
@@ -103,17 +85,6 @@ impl Drop for Collector {
     fn drop(&mut self) {
         let _ = std::fs::remove_file(&self.out);
     }
-}
-
-fn named<'a>(spans: &'a [Value], name: &str) -> Vec<&'a Value> {
-    spans.iter().filter(|s| s["name"] == name).collect()
-}
-
-fn children<'a>(spans: &'a [Value], parent: &Value, name: &str) -> Vec<&'a Value> {
-    spans
-        .iter()
-        .filter(|s| s["name"] == name && s["parent_span_id"] == parent["span_id"])
-        .collect()
 }
 
 /// The `traceparent`s an engine received (`host:port`).

@@ -16,6 +16,7 @@ pub mod held;
 pub mod http;
 pub mod picker;
 pub mod publisher;
+pub mod spans;
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::{TcpListener, TcpStream};
