@@ -7,13 +7,19 @@
 //! the health port and on the ext_proc port, where Envoy's cluster health
 //! check asks for the ext_proc service.
 
+#[cfg(feature = "epp")]
 use std::sync::Arc;
+#[cfg(feature = "epp")]
 use std::time::Duration;
 
+#[cfg(feature = "epp")]
 use tokio::sync::watch;
+#[cfg(feature = "epp")]
 use tonic_health::server::HealthReporter;
+#[cfg(feature = "epp")]
 use tonic_health::ServingStatus;
 
+#[cfg(feature = "epp")]
 use crate::router::Router;
 
 /// The ext_proc service's name, which Envoy's health check asks for.
@@ -22,14 +28,17 @@ pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor"
 /// The names that follow readiness.
 pub const READY_NAMES: [&str; 3] = ["", "readiness", EXT_PROC_SERVICE];
 
+#[cfg(feature = "epp")]
 /// How often readiness is re-read from the workers.
 const EVERY: Duration = Duration::from_secs(1);
 
+#[cfg(feature = "epp")]
 /// Whether the picker can route: some worker is known.
 fn ready(router: &Router) -> bool {
     !router.targets().is_empty()
 }
 
+#[cfg(feature = "epp")]
 async fn set_ready(reporter: &HealthReporter, serving: bool) {
     let status = if serving {
         ServingStatus::Serving
@@ -41,6 +50,7 @@ async fn set_ready(reporter: &HealthReporter, serving: bool) {
     }
 }
 
+#[cfg(feature = "epp")]
 /// Keeps the statuses up to date until `stop` turns true, then reports
 /// NOT_SERVING for all but `liveness`.
 pub async fn keep_reporting(

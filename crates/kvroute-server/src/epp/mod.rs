@@ -24,31 +24,51 @@
 //!   accounting;
 //! * [`service`]: the gRPC service, one task per stream;
 //! * [`health`]: `grpc.health.v1` statuses; [`tls`]: the port's certificate.
+//!
+//! The service is built with the crate's feature `epp` (its protocol's
+//! generated code is the largest dependency of a first build); without it
+//! the settings below still parse and [`spawn`] answers
+//! [`EppError::NotBuilt`].
 
+#[cfg(feature = "epp")]
 pub mod body;
+#[cfg(feature = "epp")]
 pub mod exchange;
 pub mod health;
+#[cfg(feature = "epp")]
 pub mod mode;
+#[cfg(feature = "epp")]
 pub mod pick;
+#[cfg(feature = "epp")]
 pub mod reply;
+#[cfg(feature = "epp")]
 pub mod service;
+#[cfg(feature = "epp")]
 pub mod subset;
 pub mod tls;
+#[cfg(feature = "epp")]
 pub mod usage;
 
 use std::sync::Arc;
 
+#[cfg(feature = "epp")]
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::ExternalProcessorServer;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+#[cfg(feature = "epp")]
 use tonic::transport::server::TcpIncoming;
+#[cfg(feature = "epp")]
 use tonic::transport::{Server, ServerTlsConfig};
+#[cfg(feature = "epp")]
 use tracing::warn;
 
 use crate::metrics::epp::EppMetrics;
 use crate::router::Router;
 pub use tls::EppTls;
+
+/// Whether this build has the endpoint picker (the crate's feature `epp`).
+pub const BUILT: bool = cfg!(feature = "epp");
 
 /// GIE's port of the ext_proc service.
 pub const DEFAULT_PORT: u16 = 9002;
@@ -81,8 +101,12 @@ pub enum EppError {
     #[error("endpoint picker TLS: {0}")]
     Tls(#[from] tls::TlsError),
     /// tonic refused the TLS configuration.
+    #[cfg(feature = "epp")]
     #[error("endpoint picker TLS: {0}")]
     Transport(#[from] tonic::transport::Error),
+    /// This build has no endpoint picker.
+    #[error("this kvroute was built without the endpoint picker: build it with `--features epp` (or `full`)")]
+    NotBuilt,
 }
 
 /// What the picker shares with the rest of the router.
@@ -97,12 +121,14 @@ pub struct EppShared {
 }
 
 /// Resolves once `stop` turns true (or its sender is gone).
+#[cfg(feature = "epp")]
 async fn stopped(mut stop: watch::Receiver<bool>) {
     let _ = stop.wait_for(|s| *s).await;
 }
 
 /// Starts the ext_proc server, the health server and the readiness
 /// reports on `listeners`, until `stop` turns true.
+#[cfg(feature = "epp")]
 pub fn spawn(
     shared: EppShared,
     config: &EppConfig,
@@ -143,4 +169,15 @@ pub fn spawn(
         }),
         tokio::spawn(health::keep_reporting(reporter, router, stop)),
     ])
+}
+
+/// Without the feature `epp`: the picker cannot start.
+#[cfg(not(feature = "epp"))]
+pub fn spawn(
+    _shared: EppShared,
+    _config: &EppConfig,
+    _listeners: EppListeners,
+    _stop: watch::Receiver<bool>,
+) -> Result<Vec<JoinHandle<()>>, EppError> {
+    Err(EppError::NotBuilt)
 }

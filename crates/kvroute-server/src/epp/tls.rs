@@ -6,6 +6,7 @@
 
 use std::path::PathBuf;
 
+#[cfg(feature = "epp")]
 use tonic::transport::Identity;
 
 /// How the ext_proc port is secured.
@@ -38,6 +39,7 @@ pub enum TlsError {
         source: std::io::Error,
     },
     /// The self-signed certificate could not be made.
+    #[cfg(feature = "epp")]
     #[error("making a self-signed certificate: {0}")]
     SelfSigned(#[from] rcgen::Error),
 }
@@ -53,6 +55,7 @@ impl EppTls {
 
     /// The server's identity (`None`: plaintext); a self-signed one also
     /// names `host`.
+    #[cfg(feature = "epp")]
     pub fn identity(&self, host: &str) -> Result<Option<Identity>, TlsError> {
         match self {
             EppTls::Plaintext => Ok(None),
@@ -81,7 +84,7 @@ impl EppTls {
     }
 }
 
-#[cfg(test)]
+#[cfg(all(test, feature = "epp"))]
 mod tests {
     use super::*;
 

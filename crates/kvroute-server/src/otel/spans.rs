@@ -49,6 +49,7 @@ pub fn answered(cx: Option<Context>, status: u16) {
 }
 
 /// Ends the picker's span, with the error it answered, if any.
+#[cfg_attr(not(feature = "epp"), allow(dead_code))] // the endpoint picker's
 pub fn picked(cx: Option<Context>, error: Option<&str>) {
     let Some(cx) = cx else { return };
     let span = cx.span();

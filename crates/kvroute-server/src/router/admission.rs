@@ -158,6 +158,7 @@ fn place(
 /// The candidate the endpoint picker names for a request: charged with it
 /// (the guard holds its place in the rank's load until the answer ends),
 /// with what the answer's `cached_tokens` will be compared against.
+#[cfg_attr(not(feature = "epp"), allow(dead_code))] // the endpoint picker's
 pub(crate) struct Picked {
     /// Its worker.
     pub target: Target,
@@ -175,6 +176,7 @@ impl Admitted {
     /// as [`forward`] records a sent attempt (the dashboard's ring, the
     /// routed totals, the approximate index); `None` when every worker
     /// left meanwhile. Nothing is sent: the gateway sends the request.
+    #[cfg_attr(not(feature = "epp"), allow(dead_code))] // the endpoint picker's
     pub(crate) fn pick(
         self,
         router: &Arc<Router>,

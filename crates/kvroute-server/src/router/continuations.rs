@@ -136,6 +136,7 @@ impl ResponseIdScanner {
 /// `response.created` event, or a whole body's `id` (read up to
 /// `--max-answer-mib`), remembered as produced by `rank` for `owner`.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "epp"), allow(dead_code))] // the endpoint picker's
 pub struct ResponseWatch {
     rank: WorkerRank,
     owner: [u8; 32],
@@ -147,6 +148,7 @@ pub struct ResponseWatch {
     done: bool,
 }
 
+#[cfg_attr(not(feature = "epp"), allow(dead_code))] // the endpoint picker's
 impl ResponseWatch {
     /// A watch for an answer from `rank` to a request of `owner`'s.
     pub fn new(rank: WorkerRank, owner: [u8; 32]) -> Self {

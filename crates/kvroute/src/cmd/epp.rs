@@ -76,6 +76,9 @@ impl EppArgs {
         let (Some(port), Some(config)) = (self.epp_port, self.config(host)) else {
             return Ok(None);
         };
+        if !kvroute_server::epp::BUILT {
+            anyhow::bail!("--epp-port: {}", kvroute_server::epp::EppError::NotBuilt);
+        }
         let bind = |port: u16| async move {
             let addr = format!("{host}:{port}");
             tokio::net::TcpListener::bind(&addr)

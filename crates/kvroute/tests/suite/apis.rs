@@ -204,6 +204,7 @@ fn a_continuation_goes_back_to_the_engine_that_holds_its_response_over_http() {
 
 /// The picker reads each response's id off the answer as it passes (its
 /// response phase), as the proxy does.
+#[cfg(feature = "epp")]
 #[test]
 fn a_continuation_goes_back_to_the_engine_that_holds_its_response_through_the_picker() {
     a_continuation_goes_back_to_the_engine_that_holds_its_response(Door::Picker);

@@ -13,6 +13,7 @@ mod disagg;
 mod disagg_failures;
 mod discovery;
 mod engine_load;
+#[cfg(feature = "epp")]
 mod epp;
 mod fetch;
 mod fetch_sglang;

@@ -121,6 +121,7 @@ fn requests_reach_only_workers_that_serve_their_model_over_http() {
     requests_reach_only_workers_that_serve_their_model(Door::Http);
 }
 
+#[cfg(feature = "epp")]
 #[test]
 fn requests_reach_only_workers_that_serve_their_model_through_the_picker() {
     requests_reach_only_workers_that_serve_their_model(Door::Picker);

@@ -113,6 +113,7 @@ fn queued_requests_take_a_freed_rank_by_priority_then_arrival_over_http() {
     queued_requests_take_a_freed_rank_by_priority_then_arrival(Door::Http);
 }
 
+#[cfg(feature = "epp")]
 #[test]
 fn queued_requests_take_a_freed_rank_by_priority_then_arrival_through_the_picker() {
     queued_requests_take_a_freed_rank_by_priority_then_arrival(Door::Picker);
@@ -156,6 +157,7 @@ fn an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first_over_
     an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first(Door::Http);
 }
 
+#[cfg(feature = "epp")]
 #[test]
 fn an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first_through_the_picker() {
     an_untrusted_priority_is_clamped_and_a_key_granted_one_still_goes_first(Door::Picker);

@@ -68,6 +68,7 @@ fn a_sessions_turns_stay_on_its_rank_until_it_is_busy_over_http() {
     a_sessions_turns_stay_on_its_rank_until_it_is_busy(Door::Http);
 }
 
+#[cfg(feature = "epp")]
 #[test]
 fn a_sessions_turns_stay_on_its_rank_until_it_is_busy_through_the_picker() {
     a_sessions_turns_stay_on_its_rank_until_it_is_busy(Door::Picker);

@@ -114,6 +114,7 @@ fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_b
     a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_backlog(Door::Http);
 }
 
+#[cfg(feature = "epp")]
 #[test]
 fn a_small_tenant_at_a_full_queue_takes_the_big_ones_place_and_goes_before_its_backlog_through_the_picker(
 ) {
@@ -233,6 +234,7 @@ fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key_over_http() {
     made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key(Door::Http);
 }
 
+#[cfg(feature = "epp")]
 #[test]
 fn made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key_through_the_picker() {
     made_up_tenant_names_cannot_crowd_out_a_tenant_bound_to_its_key(Door::Picker);

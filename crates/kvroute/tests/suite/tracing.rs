@@ -18,6 +18,7 @@ use std::time::Duration;
 use serde_json::{json, Value};
 
 use crate::support::http::{request, request_with};
+#[cfg(feature = "epp")]
 use crate::support::picker::{python as epp_python, script as epp_script, start_picker_with_env};
 use crate::support::spans::{self, children, named};
 use crate::support::{
@@ -292,6 +293,7 @@ fn fresh() -> u32 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
+#[cfg(feature = "epp")]
 #[test]
 fn the_picker_continues_the_gateways_trace() {
     let collector = Collector::start("epp");

@@ -156,9 +156,9 @@ fn the_kustomization_lists_every_manifest_and_each_is_a_kubernetes_object() {
             "{kind}: the kustomization's `namespace` sets it"
         );
     }
-    // The image builds what --inference-pool needs.
+    // The image builds every feature (--inference-pool and --epp-port need theirs).
     let dockerfile = std::fs::read_to_string(dir().join("Dockerfile")).expect("the Dockerfile");
-    assert!(dockerfile.contains("--features kube") && dockerfile.contains("--locked"));
+    assert!(dockerfile.contains("--features full") && dockerfile.contains("--locked"));
 }
 
 #[test]
