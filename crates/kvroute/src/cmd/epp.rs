@@ -70,15 +70,21 @@ impl EppArgs {
         })
     }
 
+    /// Refuses `--epp-port` in a build without the picker (feature `epp`),
+    /// before anything listens.
+    pub fn check_built(&self) -> Result<()> {
+        if self.epp_port.is_some() && !kvroute_server::epp::BUILT {
+            anyhow::bail!("--epp-port: {}", kvroute_server::epp::EppError::NotBuilt);
+        }
+        Ok(())
+    }
+
     /// Binds the picker's ports on `host` and prints where they listen (so
     /// that a port 0 tells its caller the port); `None` when not asked for.
     pub async fn bind(&self, host: &str) -> Result<Option<EppListeners>> {
         let (Some(port), Some(config)) = (self.epp_port, self.config(host)) else {
             return Ok(None);
         };
-        if !kvroute_server::epp::BUILT {
-            anyhow::bail!("--epp-port: {}", kvroute_server::epp::EppError::NotBuilt);
-        }
         let bind = |port: u16| async move {
             let addr = format!("{host}:{port}");
             tokio::net::TcpListener::bind(&addr)

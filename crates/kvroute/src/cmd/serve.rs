@@ -372,6 +372,7 @@ pub fn run(args: &ServeArgs) -> Result<ExitCode> {
                 bail!("two workers are named `{}`", w.name);
             }
         }
+        args.epp.check_built()?;
         let addr = format!("{}:{}", args.host, args.port);
         // Before the address is printed: a SIGTERM from then on stops serve cleanly.
         let stop = super::shutdown_signal();
