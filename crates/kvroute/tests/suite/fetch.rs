@@ -203,14 +203,23 @@ fn a_busy_holders_prefix_is_fetched_by_a_cooler_rank() {
 #[test]
 fn a_holder_that_dies_mid_fetch_costs_no_request() {
     let tokens = prompt(8);
-    let (mut procs, serve) = fleet(&tokens);
-    let (plan, loaders) = load_until_fetched(&serve, &tokens, 600);
+    let (procs, serve) = fleet(&tokens);
+    a_holder_dies_mid_fetch(procs, &serve, &tokens);
+}
+
+/// A busy holder `a` (the first of `procs`) frozen once the placer plans a
+/// fetch off it, its leg sent, then killed: the fetched request falls back
+/// to recomputing on `b`, counted, and every request is answered whole
+/// (the engines' flavour is the caller's).
+pub(super) fn a_holder_dies_mid_fetch(mut procs: Vec<Proc>, serve: &str, tokens: &[u32]) {
+    let serve = serve.to_owned();
+    let (plan, loaders) = load_until_fetched(&serve, tokens, 600);
     assert_eq!(plan["source"]["name"], "a", "{plan}");
     // Frozen with its load: the next request is placed as `/query` planned.
     let mut holder = procs.remove(0);
     signal("-STOP", holder.0.id());
     let started = count(&serve, "kvroute_proxy_fetches_started_total");
-    let (serve_at, body) = (serve.clone(), completion(&tokens, 4, false));
+    let (serve_at, body) = (serve.clone(), completion(tokens, 4, false));
     let fetched = thread::spawn(move || request(&serve_at, "POST", "/v1/completions", &body));
     eventually("the holder's leg sent", || {
         count(&serve, "kvroute_proxy_fetches_started_total") > started

@@ -5,12 +5,12 @@
 //! is the bootstrap source, the cooler receiver reads the prefix from it;
 //! a holder that hangs or dies during its leg costs no request.
 
-use std::thread;
-
 use super::disagg::{auth, prompt};
-use super::fetch::{completion, fetches, fleet_of, held_by, load_until_fetched, signal};
+use super::fetch::{
+    a_holder_dies_mid_fetch, completion, fetches, fleet_of, held_by, load_until_fetched, signal,
+};
 use crate::support::eventually;
-use crate::support::http::{count, dechunk, metric_where, request, request_with};
+use crate::support::http::{metric_where, request, request_with};
 
 /// The engines' flags: SGLang, both ends of a hand-off, bootstrap rooms on
 /// an ephemeral port (named in their `--worker` lines).
@@ -74,34 +74,8 @@ fn a_busy_sglang_holders_prefix_is_fetched_by_a_cooler_rank() {
 #[test]
 fn an_sglang_holder_that_dies_mid_fetch_costs_no_request() {
     let tokens = prompt(18);
-    let (mut procs, serve) = fleet_of(&tokens, &SGLANG, &[]);
-    let (plan, loaders) = load_until_fetched(&serve, &tokens, 600);
-    assert_eq!(plan["source"]["name"], "a", "{plan}");
-    let mut holder = procs.remove(0);
-    signal("-STOP", holder.0.id());
-    let started = count(&serve, "kvroute_proxy_fetches_started_total");
-    let (serve_at, body) = (serve.clone(), completion(&tokens, 4, false));
-    let fetched = thread::spawn(move || request(&serve_at, "POST", "/v1/completions", &body));
-    eventually("the legs sent", || {
-        count(&serve, "kvroute_proxy_fetches_started_total") > started
-    });
-    let _ = holder.0.kill();
-    let _ = holder.0.wait();
-    let reply = fetched.join().expect("the fetched request");
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-kvroute-worker").as_deref(), Some("b"));
-    assert_eq!(fetches(&serve, "fell_back"), 1, "the fallback counted");
-    assert_eq!(fetches(&serve, "handed_off"), 0);
-    for loader in loaders {
-        let reply = loader.join().expect("a loader");
-        assert_eq!(reply.status, 200, "a loader: {}", reply.body);
-        let (events, _) = dechunk(reply.body.as_bytes());
-        let events = String::from_utf8_lossy(&events);
-        assert!(
-            events.trim_end().ends_with("data: [DONE]"),
-            "a loader: {events}"
-        );
-    }
+    let (procs, serve) = fleet_of(&tokens, &SGLANG, &[]);
+    a_holder_dies_mid_fetch(procs, &serve, &tokens);
 }
 
 /// A holder that hangs with its leg in flight costs the request no more
