@@ -105,11 +105,10 @@ pub struct Routing {
     /// simulator only).
     pub cap_ttft_ms: Option<f64>,
     /// Under `kv`: when a request fetches its prefix from a busy holder
-    /// instead of waiting or recomputing (`None`: never, the default;
-    /// simulator only for now).
+    /// instead of waiting or recomputing (`None`: never, the default).
     pub fetch: Option<FetchConfig>,
     /// Under `kv`: when a hot prefix is copied ahead of demand to a second
-    /// rank (`None`: never, the default; simulator only for now).
+    /// rank (`None`: never, the default).
     pub replicate: Option<ReplicaConfig>,
 }
 

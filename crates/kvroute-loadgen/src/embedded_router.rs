@@ -76,12 +76,6 @@ impl RunningRouter {
         tokenizer: RouterTokenizer,
         replicas: Option<ReplicaConfig>,
     ) -> Result<Self> {
-        if routing.replicate.is_some() {
-            return Err(Error::Invalid(
-                "replication is simulated only: `kvroute serve` makes no copies ahead of demand"
-                    .into(),
-            ));
-        }
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .map_err(Error::io("binding the router's port"))?;
@@ -98,6 +92,7 @@ impl RunningRouter {
             deal_new_prefixes: routing.deal_new_prefixes,
             holder_stickiness: routing.stickiness,
             fetch: routing.fetch,
+            replicate: routing.replicate,
             renderer: Some(tokenizer),
             ..ProxyConfig::default()
         };

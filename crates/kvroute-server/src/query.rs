@@ -4,7 +4,9 @@
 //! device tokens); `workers` and `chosen` add the detail, and on a fleet of
 //! prefill and decode workers `disagg` says where each phase would go and
 //! why, as the router would place it; with `--fetch-us-per-block`, `fetch`
-//! names the holder a request's prefix would move from, and why.
+//! names the holder a request's prefix would move from, and why; with
+//! `--replicate-hot-ms`, `replicate` the copy of its hot prefix the next
+//! such request would start.
 
 use std::sync::Arc;
 
@@ -22,12 +24,13 @@ use crate::router::Router;
 use kvroute_prompt::body::{parse_hash_query, parse_query, RoutingRequest};
 
 /// The `/query` answer for a request's local hashes at each block size and
-/// worker flavour (`flavor_matters`: the request has images).
+/// worker flavour (`flavor_matters`: the request has images), and its token
+/// ids when it gave them (`ids`: what a copy's prefix is keyed by).
 fn query_answer(
     router: &Router,
     locals_at: &mut dyn FnMut(u32, WorkerFlavor) -> Vec<LocalBlockHash>,
     request_tokens: &dyn Fn(u32) -> u64,
-    flavor_matters: bool,
+    (flavor_matters, ids): (bool, Option<&[u32]>),
 ) -> Value {
     let tokens = router
         .targets()
@@ -78,11 +81,13 @@ fn query_answer(
             })
         })
         .collect();
-    let (ordered, fetch) = {
+    let (ordered, fetch, copy) = {
         let placer = router.placer();
         let ordered = placer.preview(scored, router.random());
         let fetch = placer.preview_fetch(scored, &ordered, tokens);
-        (ordered, fetch)
+        let now = router.now_ms();
+        let copy = ids.and_then(|ids| placer.preview_replicate(scored, &ordered, (ids, now)));
+        (ordered, fetch, copy)
     };
     let rank = |i: usize| {
         let name = targets.get(scored[i].worker).map_or("", |t| &*t.name);
@@ -102,6 +107,13 @@ fn query_answer(
             "cost": f.cost,
             "instead": f.instead,
             "reason": crate::proxy::fetch::explain(&candidates, &f),
+        });
+    } else if let Some(c) = copy {
+        answer["replicate"] = json!({
+            "source": rank(c.source),
+            "target": rank(c.target),
+            "blocks": c.blocks,
+            "reason": crate::proxy::replicate::explain(&candidates, &c),
         });
     }
     answer
@@ -157,7 +169,7 @@ pub async fn query(
             &router,
             &mut |bs, flavor| req.local_hashes(bs, flavor),
             &|_| n,
-            !req.images.is_empty(),
+            (!req.images.is_empty(), Some(tokens)),
         )))
     })
     .await
@@ -175,7 +187,7 @@ pub async fn query_by_hash(
             &router,
             &mut |_, _| locals.clone(),
             &|bs| n * u64::from(bs),
-            false,
+            (false, None),
         )))
     })
     .await

@@ -338,6 +338,25 @@ impl Placer {
         self.fetch(scored, None, order, request_tokens)
     }
 
+    /// The copy ahead of demand `/query` shows for a request of `tokens`
+    /// whose candidates would be tried in `order` (a [`Placer::preview`]),
+    /// with [`PlacerConfig::replicate`] on and no fetch made instead;
+    /// nothing recorded.
+    pub fn preview_replicate(
+        &self,
+        scored: &[Scored],
+        order: &[usize],
+        (tokens, now_ms): (&[u32], u64),
+    ) -> Option<Replicate> {
+        let replicator = self.replicator.as_ref()?;
+        let planned = self.fetch(scored, None, order, tokens.len() as u64);
+        if self.config.fetch.is_some() && planned.is_some() {
+            return None;
+        }
+        let bs = scored.first().map_or(16, |s| s.block_size);
+        replicator.preview(prefix_key(tokens, bs), scored, planned.as_ref(), now_ms)
+    }
+
     /// The fetch the rule plans instead of the policy's first choice, if
     /// any (`kv` with [`PlacerConfig::fetch`] or [`PlacerConfig::replicate`]
     /// only, the fetch's defaults for the latter; `eligible`: the positions

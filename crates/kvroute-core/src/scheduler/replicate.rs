@@ -89,8 +89,8 @@ impl Replicator {
     }
 
     /// One request of prefix `key` at `now_ms`: `fetch` is what the fetch
-    /// rule planned off its holder (`None`: the holder is fine). Returns the copy to make, if the prefix has been hot long
-    /// enough and the target has budget left; replicas the ranks no longer
+    /// rule planned off its holder (`None`: the holder is fine). Returns the copy to make, if the
+    /// prefix has been hot long enough and the target has budget left; replicas the ranks no longer
     /// show are released first.
     pub fn observe(
         &mut self,
@@ -104,24 +104,44 @@ impl Replicator {
             self.hot_since.remove(&key);
             return None;
         };
-        let since = *self.hot_since.entry(key).or_insert(now_ms);
+        self.hot_since.entry(key).or_insert(now_ms);
+        let copy = self.due(key, scored, f, now_ms)?;
+        *self.spent.entry(copy.target_key).or_insert(0) += u64::from(copy.blocks);
+        self.replicas.insert((key, copy.target_key), copy.blocks);
+        // Hot again only if the two holders saturate in turn.
+        self.hot_since.remove(&key);
+        Some(copy)
+    }
+
+    /// The copy [`Replicator::observe`] would make for the same request,
+    /// nothing recorded (what `/query` shows).
+    pub fn preview(
+        &self,
+        key: u64,
+        scored: &[Scored],
+        fetch: Option<&Fetch>,
+        now_ms: u64,
+    ) -> Option<Replicate> {
+        self.due(key, scored, fetch?, now_ms)
+    }
+
+    /// The copy of `fetch`'s blocks due now: the prefix hot for long
+    /// enough (since now when it was not hot yet) and the target's budget
+    /// not spent.
+    fn due(&self, key: u64, scored: &[Scored], f: &Fetch, now_ms: u64) -> Option<Replicate> {
+        let since = self.hot_since.get(&key).copied().unwrap_or(now_ms);
         if now_ms.saturating_sub(since) < self.config.hot_for_ms {
             return None;
         }
         let target = scored.get(f.receiver)?;
-        let blocks = f.blocks;
-        if self.spent(target.key) + u64::from(blocks) > self.config.budget_blocks {
+        if self.spent(target.key) + u64::from(f.blocks) > self.config.budget_blocks {
             return None;
         }
-        *self.spent.entry(target.key).or_insert(0) += u64::from(blocks);
-        self.replicas.insert((key, target.key), blocks);
-        // Hot again only if the two holders saturate in turn.
-        self.hot_since.remove(&key);
         Some(Replicate {
             source: f.source,
             target: f.receiver,
             target_key: target.key,
-            blocks,
+            blocks: f.blocks,
         })
     }
 

@@ -14,7 +14,8 @@ const KIND: &[&str] = &["kind"];
 const WORKER_ROLE: &[&str] = &["worker", "role"];
 const STATUS: &[&str] = &["status"];
 const REASON: &[&str] = &["reason"];
-/// How a fetch of a request's prefix ended (`handed_off`, `fell_back`).
+/// How a fetch of a request's prefix ended (`handed_off`, `fell_back`),
+/// or a copy ahead of demand (`copied`, `failed`, `skipped`).
 const OUTCOME: &[&str] = &["outcome"];
 /// A tenant the flags name (`--tenant-weight`, `--tenant-key`,
 /// `--tenant-priority`), or `other`: bounded by the flags.
@@ -101,6 +102,9 @@ catalogue! {
     PROXY_FETCHES_STARTED:        kvroute_proxy_fetches_started_total          Counter   NONE "Requests the placer ran on a cooler rank with their prefix moved from its busy holder (--fetch-us-per-block): the holder's one-token leg sent.";
     PROXY_FETCHES:                kvroute_proxy_fetches_total                  Counter   OUTCOME "Those fetches by how they ended: handed_off (the holder answered its leg, with kv_transfer_params for vLLM or as the bootstrap source for SGLang, and the receiver ran the request with the blocks it read) or fell_back (the holder's leg failed, was refused or took over --prefill-timeout-secs, or an SGLang receiver's leg failed before answering: the receiver recomputed the prefix).";
     PROXY_FETCHED_BLOCKS:         kvroute_proxy_fetched_blocks_total           Counter   NONE "Blocks the placer planned to move for the fetches handed off (the prefix blocks the receiver lacked).";
+    PROXY_REPLICATIONS_STARTED:   kvroute_proxy_replications_started_total     Counter   NONE "Copies of a hot prefix the placer asked for ahead of demand (--replicate-hot-ms: its holder saturated that long), from the holder to a second rank, beside the request that found it hot.";
+    PROXY_REPLICATIONS:           kvroute_proxy_replications_total             Counter   OUTCOME "Those copies by how they ended: copied (the holder answered its one-token leg with kv_transfer_params and the second rank read the blocks), failed (a leg failed, was refused or took over --prefill-timeout-secs: nothing copied, no request affected) or skipped (not vLLM workers at both ends, or 4 copies already running).";
+    PROXY_REPLICATED_BLOCKS:      kvroute_proxy_replicated_blocks_total        Counter   NONE "Blocks the placer planned to copy for the copies made (charged to the second rank's --replica-budget-blocks until its cache evicts them).";
     PROXY_MODEL_LISTS_REFUSED:    kvroute_proxy_model_lists_refused_total      Counter   NONE "Workers' /v1/models answers refused: over 4 MiB (read no further) or not a model list. Such a worker's models are unknown: it gets no request naming a model its spec does not name.";
     TENANT_REQUESTS:              kvroute_tenant_requests_total                Counter   TENANT "Completion requests that reached admission, by tenant (--tenant-header when trusted, else the tenant --tenant-key binds the API key to, else its fingerprint; a tenant the flags do not name counts as other).";
     TENANT_QUEUED:                kvroute_tenant_queued_total                  Counter   TENANT "Requests that waited in the overload queue, by tenant.";

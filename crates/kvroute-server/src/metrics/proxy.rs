@@ -79,6 +79,8 @@ pub struct ProxyMetrics {
     pub tenants: super::tenants::TenantMetrics,
     /// Prefixes moved between aggregated workers.
     pub fetch: super::fetch::FetchMetrics,
+    /// Hot prefixes copied ahead of demand.
+    pub replicas: super::fetch::ReplicaMetrics,
 }
 
 impl Default for ProxyMetrics {
@@ -120,6 +122,7 @@ impl Default for ProxyMetrics {
             difference: Family::new_with_constructor(|| Histogram::new(ACCURACY_BUCKETS)),
             tenants: super::tenants::TenantMetrics::default(),
             fetch: super::fetch::FetchMetrics::default(),
+            replicas: super::fetch::ReplicaMetrics::default(),
         }
     }
 }
@@ -202,5 +205,6 @@ impl ProxyMetrics {
         );
         self.tenants.register(registry);
         self.fetch.register(registry);
+        self.replicas.register(registry);
     }
 }

@@ -82,7 +82,7 @@ pub async fn route(
 
 /// The body and rank header of one leg to candidate `i`, the leg's
 /// rewrite applied to the client's body as the aggregated path sends it.
-async fn leg(
+pub(super) async fn leg(
     proxy: &Proxy,
     candidates: &Candidates,
     i: usize,
@@ -422,11 +422,16 @@ fn moved_on(why: &str, candidates: &Candidates, decode: usize, refused: usize) -
     )
 }
 
-/// A rank's name in decisions: `worker/rank`.
-fn rank_name(candidates: &Candidates, i: usize) -> String {
-    let s = &candidates.scored[i];
-    let worker = candidates.targets.get(s.worker).map_or("?", |t| &t.name);
-    format!("{worker}/{}", s.key.rank)
+/// A rank's name in decisions: `worker/rank` (`?` for a position or
+/// worker no longer known).
+pub(super) fn rank_name(candidates: &Candidates, i: usize) -> String {
+    candidates.scored.get(i).map_or_else(
+        || "?".to_owned(),
+        |s| {
+            let worker = candidates.targets.get(s.worker).map_or("?", |t| &t.name);
+            format!("{worker}/{}", s.key.rank)
+        },
+    )
 }
 
 /// Puts the decision in the dashboard's ring.

@@ -135,15 +135,7 @@ async fn fall_back(
 /// The decision's reason: why the prefix moved, how many blocks from
 /// which rank, and the costs compared.
 pub fn explain(candidates: &Candidates, fetch: &Fetch) -> String {
-    let rank = |i: usize| {
-        candidates.scored.get(i).map_or_else(
-            || "?".to_owned(),
-            |s| {
-                let worker = candidates.targets.get(s.worker).map_or("?", |t| &t.name);
-                format!("{worker}/{}", s.key.rank)
-            },
-        )
-    };
+    let rank = |i: usize| disagg::rank_name(candidates, i);
     format!(
         "{}: {} blocks from {} to {} (cost {:.2} instead of {:.2})",
         fetch.reason.as_str(),

@@ -60,8 +60,20 @@ fn bytes(map: Map<String, Value>) -> Vec<u8> {
 /// `max_completion_tokens: 1` where the client used it), `stream: false`,
 /// and no `stream_options`, `min_tokens` or `min_completion_tokens`.
 pub fn vllm_prefill_body(body: &[u8]) -> Result<Vec<u8>, HandoffError> {
-    let mut map = object(body)?;
+    let mut map = one_token(object(body)?);
     map.insert("kv_transfer_params".into(), remote_decode_request());
+    Ok(bytes(map))
+}
+
+/// A copy ahead of demand's body ([`super::replicate`]): the client's
+/// request cut to one token, unstreamed, as [`vllm_prefill_body`] cuts it
+/// but asking for no hand-off (each leg adds its own).
+pub fn one_token_body(body: &[u8]) -> Result<Vec<u8>, HandoffError> {
+    Ok(bytes(one_token(object(body)?)))
+}
+
+/// `map` asking for one token, unstreamed.
+fn one_token(mut map: serde_json::Map<String, Value>) -> serde_json::Map<String, Value> {
     map.insert("max_tokens".into(), Value::from(1));
     if map.contains_key("max_completion_tokens") {
         map.insert("max_completion_tokens".into(), Value::from(1));
@@ -70,7 +82,7 @@ pub fn vllm_prefill_body(body: &[u8]) -> Result<Vec<u8>, HandoffError> {
     for dropped in ["stream_options", "min_tokens", "min_completion_tokens"] {
         map.remove(dropped);
     }
-    Ok(bytes(map))
+    map
 }
 
 /// The `kv_transfer_params` object of a vLLM prefill worker's answer;

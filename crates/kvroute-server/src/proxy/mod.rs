@@ -14,7 +14,8 @@
 //!    the body on the way; a disaggregated fleet's two legs are
 //!    [`disagg`]'s ([`handoff`] for the engines' hand-off fields, [`merge`]
 //!    for SGLang's prompt log-probabilities), and [`fetch`] runs the same
-//!    legs between two aggregated workers when the placer moves a prefix;
+//!    legs between two aggregated workers when the placer moves a prefix,
+//!    [`replicate`] beside the request when it copies a hot one;
 //! 4. [`relay`] passes the answer back (streams chunk by chunk, whole
 //!    answers read within [`answer`]'s bound) and settles the prediction;
 //!    how the answer ends (whole, or cut off) is what the worker's breaker
@@ -29,6 +30,7 @@ pub mod merge;
 pub mod migrate;
 pub mod outcome;
 pub mod relay;
+pub mod replicate;
 pub mod rewrite;
 pub mod send;
 
@@ -55,6 +57,8 @@ pub struct Proxy {
     /// The decision state, shared with the endpoint picker.
     pub router: Arc<Router>,
     client: reqwest::Client,
+    /// Places for copies ahead of demand ([`replicate::MAX_IN_FLIGHT`]).
+    copies: Arc<tokio::sync::Semaphore>,
 }
 
 impl Proxy {
@@ -64,7 +68,12 @@ impl Proxy {
             .connect_timeout(router.config().connect_timeout)
             .pool_max_idle_per_host(256)
             .build()?;
-        Ok(Proxy { router, client })
+        let copies = Arc::new(tokio::sync::Semaphore::new(replicate::MAX_IN_FLIGHT));
+        Ok(Proxy {
+            router,
+            client,
+            copies,
+        })
     }
 }
 
@@ -194,6 +203,15 @@ async fn route(
         let mut admitted = admission::admit(router, &req, large).await?;
         if let Some(fetch) = admitted.take_fetch() {
             return fetch::route(proxy, admitted, fetch, request).await;
+        }
+        if let Some((copy, candidates)) = admitted.take_replicate() {
+            replicate::spawn(proxy, copy, candidates, &request);
+            let why = replicate::explain(candidates, &copy);
+            let request = attempt::Request {
+                disagg: Some(&why),
+                ..request
+            };
+            return attempt::forward(proxy, admitted, request).await;
         }
         admitted
     };

@@ -10,7 +10,7 @@ use std::borrow::Cow;
 use std::sync::Arc;
 
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
-use kvroute_core::scheduler::{Fetch, PlaceRequest, Policy, Scored};
+use kvroute_core::scheduler::{Fetch, PlaceRequest, Policy, Replicate, Scored};
 
 use super::accuracy::Prediction;
 use super::active::ActiveGuard;
@@ -32,6 +32,8 @@ pub struct Admitted {
     first: Option<(usize, ActiveGuard)>,
     /// The first runs the request with its prefix moved from another rank.
     fetch: Option<Fetch>,
+    /// A copy of the request's hot prefix to make beside it.
+    replicate: Option<Replicate>,
 }
 
 impl Admitted {
@@ -51,6 +53,7 @@ impl Admitted {
             ordered,
             first,
             fetch: None,
+            replicate: None,
         }
     }
 
@@ -58,6 +61,12 @@ impl Admitted {
     /// computes what it does not hold).
     pub(crate) fn take_fetch(&mut self) -> Option<Fetch> {
         self.fetch.take()
+    }
+
+    /// The placer's copy ahead of demand, taken out (`None`: none due),
+    /// with the candidates its positions refer to.
+    pub(crate) fn take_replicate(&mut self) -> Option<(Replicate, &Candidates)> {
+        Some((self.replicate.take()?, &self.candidates))
     }
 }
 
@@ -117,7 +126,7 @@ fn place(
     req: &RoutedRequest,
     eligible: Option<&(dyn Fn(&Target) -> bool + Send + Sync)>,
 ) -> (Admitted, usize) {
-    let (candidates, (ordered, first, count, fetch)) =
+    let (candidates, (ordered, first, count, (fetch, replicate))) =
         router.candidates_for(&req.body, |candidates, ranks| {
             let targets = &candidates.targets;
             let keep =
@@ -144,13 +153,15 @@ fn place(
                 placer.record(&ordered, &candidates.scored[*i], ask.token_count());
             }
             let fetch = ordered.fetch.filter(|_| first.is_some());
-            (ordered.order, first, ordered.among, fetch)
+            let replicate = ordered.replicate.filter(|_| first.is_some());
+            (ordered.order, first, ordered.among, (fetch, replicate))
         });
     let admitted = Admitted {
         candidates,
         ordered,
         first,
         fetch,
+        replicate,
     };
     (admitted, count)
 }

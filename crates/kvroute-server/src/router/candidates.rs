@@ -18,7 +18,7 @@ use super::Router;
 use kvroute_prompt::body::RoutingRequest;
 
 /// A request's candidates, with the workers and hashes they came from.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct Candidates {
     /// The workers as they were when scoring started.
     pub targets: Arc<Vec<Target>>,

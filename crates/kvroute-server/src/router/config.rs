@@ -8,8 +8,8 @@ use std::time::Duration;
 use kvroute_core::scheduler::peers::CacheAwareConfig;
 use kvroute_core::scheduler::policy::{DealBy, DEFAULT_STICKINESS};
 use kvroute_core::scheduler::{
-    BusyThresholds, CostWeights, FetchConfig, LocalPrefillRule, PlacerConfig, Policy, SpeedConfig,
-    WhenAllBusy,
+    BusyThresholds, CostWeights, FetchConfig, LocalPrefillRule, PlacerConfig, Policy,
+    ReplicaConfig, SpeedConfig, WhenAllBusy,
 };
 use kvroute_prompt::Renderer;
 
@@ -100,6 +100,10 @@ pub struct ProxyConfig {
     /// with the engines' own hand-off ([`crate::proxy::fetch`]; `None`:
     /// never, the default).
     pub fetch: Option<FetchConfig>,
+    /// Under `kv` on aggregated vLLM workers: when a hot prefix is copied
+    /// ahead of demand to a second rank ([`crate::proxy::replicate`];
+    /// `None`: never, the default).
+    pub replicate: Option<ReplicaConfig>,
 }
 
 impl Default for ProxyConfig {
@@ -135,6 +139,7 @@ impl Default for ProxyConfig {
             tokenizer_discovery: crate::tokenizers::DiscoveryConfig::default(),
             routing_seed: None,
             fetch: None,
+            replicate: None,
         }
     }
 }
@@ -153,8 +158,7 @@ impl ProxyConfig {
             when_all_busy: WhenAllBusy::Wait,
             seed,
             fetch: self.fetch,
-            // Copies made ahead of demand are the simulator's only.
-            replicate: None,
+            replicate: self.replicate,
         }
     }
 }

@@ -1,8 +1,9 @@
 //! `serve`'s flags for moving the cache instead of the work: a request
 //! whose prefix's holder is busy runs on a cooler rank that receives the
-//! prefix from it (docs/serving.md, "Moving the cache").
+//! prefix from it, and a prefix hot for long is copied to a second rank
+//! ahead of demand (docs/serving.md, "Moving the cache").
 
-use kvroute_core::scheduler::FetchConfig;
+use kvroute_core::scheduler::{FetchConfig, ReplicaConfig};
 
 /// When a request fetches its prefix from a busy holder (vLLM `both`
 /// workers; off unless `--fetch-us-per-block` is given).
@@ -18,6 +19,16 @@ pub struct FetchArgs {
     /// prefix to move (1: any cheaper fetch).
     #[arg(long, value_name = "M", default_value_t = FetchConfig::default().margin, value_parser = parse_margin, env = "KVROUTE_FETCH_MARGIN")]
     fetch_margin: f64,
+    /// Copy a prefix whose holder has been saturated (a fetch off it would
+    /// be cheaper than running there) for this many milliseconds to a
+    /// second rank, ahead of demand, so later requests split between the
+    /// two (vLLM `both` workers). Off when unset (docs/serving.md)
+    #[arg(long, value_name = "MS", env = "KVROUTE_REPLICATE_HOT_MS")]
+    replicate_hot_ms: Option<u64>,
+    /// Copied blocks a rank may hold at once (released as its cache
+    /// evicts them): what copies may take from its own prefixes.
+    #[arg(long, value_name = "BLOCKS", default_value_t = ReplicaConfig::default().budget_blocks, env = "KVROUTE_REPLICA_BUDGET_BLOCKS")]
+    replica_budget_blocks: u64,
 }
 
 impl FetchArgs {
@@ -27,6 +38,14 @@ impl FetchArgs {
             transfer_us_per_block: us,
             margin: self.fetch_margin,
             ..FetchConfig::default()
+        })
+    }
+
+    /// The placer's copies ahead of demand, `None` when off.
+    pub fn replicate(&self) -> Option<ReplicaConfig> {
+        self.replicate_hot_ms.map(|hot_for_ms| ReplicaConfig {
+            hot_for_ms,
+            budget_blocks: self.replica_budget_blocks,
         })
     }
 }
@@ -65,6 +84,17 @@ mod tests {
         let c = on.fetch.config().expect("on");
         assert_eq!((c.transfer_us_per_block, c.margin), (20.0, 1.6));
         assert_eq!(c.min_blocks, FetchConfig::default().min_blocks);
+        assert_eq!(off.fetch.replicate(), None, "copies are off by default");
+        let copies = [
+            "x",
+            "--replicate-hot-ms",
+            "0",
+            "--replica-budget-blocks",
+            "64",
+        ];
+        let copies = Cli::try_parse_from(copies).expect("parses");
+        let r = copies.fetch.replicate().expect("on");
+        assert_eq!((r.hot_for_ms, r.budget_blocks), (0, 64));
         for bad in [["--fetch-margin", "0.5"], ["--fetch-us-per-block", "-1"]] {
             assert!(
                 Cli::try_parse_from(["x", bad[0], bad[1]]).is_err(),

@@ -549,6 +549,7 @@ fn router_config(args: &ServeArgs) -> Result<ProxyConfig> {
         },
         tenants: args.tenancy.config()?,
         fetch: args.fetch.config(),
+        replicate: args.fetch.replicate(),
         renderer,
         model_renderers,
     })

@@ -90,9 +90,20 @@ pub(super) fn load_until_fetched(
     tokens: &[u32],
     max_tokens: u32,
 ) -> (Value, Vec<thread::JoinHandle<Reply>>) {
+    load_until_planned(serve, tokens, max_tokens, "fetch")
+}
+
+/// [`load_until_fetched`] until `/query` shows a `plan` (`fetch` or
+/// `replicate`) for the next request.
+pub(super) fn load_until_planned(
+    serve: &str,
+    tokens: &[u32],
+    max_tokens: u32,
+    plan: &str,
+) -> (Value, Vec<thread::JoinHandle<Reply>>) {
     let mut loaders = Vec::new();
     for _ in 0..MAX_LOADERS {
-        let plan = query(serve, tokens)["fetch"].clone();
+        let plan = query(serve, tokens)[plan].clone();
         if plan.is_object() {
             return (plan, loaders);
         }
@@ -106,7 +117,7 @@ pub(super) fn load_until_fetched(
         });
     }
     panic!(
-        "no fetch planned after {MAX_LOADERS} loaders: {}",
+        "no {plan} planned after {MAX_LOADERS} loaders: {}",
         query(serve, tokens)
     );
 }
@@ -133,10 +144,19 @@ pub(super) fn fleet_of(
     engine_args: &[&str],
     serve_extra: &[&str],
 ) -> (Vec<Proc>, String) {
+    let flags: Vec<&str> = FETCH.iter().chain(serve_extra).copied().collect();
+    fleet_flagged(tokens, engine_args, &flags)
+}
+
+/// The fleet of [`fleet_of`], the router started with `flags` alone.
+pub(super) fn fleet_flagged(
+    tokens: &[u32],
+    engine_args: &[&str],
+    flags: &[&str],
+) -> (Vec<Proc>, String) {
     let (a, a_line) = engine_of("a", engine_args);
     let (b, b_line) = engine_of("b", engine_args);
-    let flags: Vec<&str> = FETCH.iter().chain(serve_extra).copied().collect();
-    let (serve, addr) = start_serve(&[a_line.clone(), b_line], &flags, &["a", "b"]);
+    let (serve, addr) = start_serve(&[a_line.clone(), b_line], flags, &["a", "b"]);
     let warm = request(
         &addr_of(&a_line),
         "POST",

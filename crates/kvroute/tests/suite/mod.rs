@@ -30,6 +30,7 @@ mod proxy;
 mod quiet;
 mod replay_cut;
 mod replicas;
+mod replicate;
 mod restarts;
 mod routing;
 mod safety;

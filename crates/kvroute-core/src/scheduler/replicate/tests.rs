@@ -115,3 +115,20 @@ fn the_prefix_key_is_the_first_blocks_tokens() {
     assert_ne!(prefix_key(&a, 16), prefix_key(&b, 16));
     assert_eq!(prefix_key(&[], 16), prefix_key(&[], 16));
 }
+
+#[test]
+fn the_preview_shows_the_copy_observe_would_make_and_records_nothing() {
+    let mut r = Replicator::new(config(1_000, 256));
+    let scored = [rank(0, 100), rank(1, 0)];
+    let f = fetch(1, 100);
+    assert_eq!(r.preview(7, &scored, Some(&f), 0), None, "not hot yet");
+    assert_eq!(r.observe(7, &scored, Some(&f), 0), None);
+    assert_eq!(r.preview(7, &scored, Some(&f), 999), None);
+    let shown = r.preview(7, &scored, Some(&f), 1_000).expect("due");
+    assert_eq!(r.spent(scored[1].key), 0, "the preview spent nothing");
+    assert_eq!(r.observe(7, &scored, Some(&f), 1_000), Some(shown));
+    assert_eq!(r.preview(7, &scored, None, 5_000), None, "a cool holder");
+    // With no bound, a saturated prefix is due at once.
+    let fresh = Replicator::new(config(0, 256));
+    assert!(fresh.preview(9, &scored, Some(&f), 0).is_some());
+}
