@@ -252,15 +252,19 @@ pub(super) fn a_holder_dies_mid_fetch(mut procs: Vec<Proc>, serve: &str, tokens:
     assert_eq!(fetches(&serve, "fell_back"), 1, "the fallback counted");
     assert_eq!(fetches(&serve, "handed_off"), 0);
     for loader in loaders {
-        let reply = loader.join().expect("a loader");
-        assert_eq!(reply.status, 200, "a loader: {}", reply.body);
-        let (events, _) = dechunk(reply.body.as_bytes());
-        let events = String::from_utf8_lossy(&events);
-        assert!(
-            events.trim_end().ends_with("data: [DONE]"),
-            "a loader: {events}"
-        );
+        assert_whole("a loader", &loader.join().expect("a loader"));
     }
+}
+
+/// A stream's reply ended whole (`[DONE]` last).
+pub(super) fn assert_whole(what: &str, reply: &Reply) {
+    assert_eq!(reply.status, 200, "{what}: {}", reply.body);
+    let (events, _) = dechunk(reply.body.as_bytes());
+    let events = String::from_utf8_lossy(&events);
+    assert!(
+        events.trim_end().ends_with("data: [DONE]"),
+        "{what}: {events}"
+    );
 }
 
 /// A holder that hangs with its leg in flight (stopped, never answering)

@@ -9,8 +9,8 @@
 use std::thread;
 
 use super::disagg::{auth, prompt};
-use super::fetch::{completion, fleet_flagged, held_by, load_until_planned, signal};
-use crate::support::http::{count, dechunk, metric_where, request, request_with, Reply};
+use super::fetch::{assert_whole, completion, fleet_flagged, held_by, load_until_planned, signal};
+use crate::support::http::{count, metric_where, request, request_with};
 use crate::support::{eventually, Proc};
 
 /// The router's flags: copies as soon as the holder is saturated (judged
@@ -34,17 +34,6 @@ fn copies(serve: &str, outcome: &str) -> u64 {
 /// front with [`REPLICATE`].
 fn fleet(tokens: &[u32]) -> (Vec<Proc>, String) {
     fleet_flagged(tokens, &["--engine-flavor", "vllm"], &REPLICATE)
-}
-
-/// A stream's reply ended whole (`[DONE]` last).
-fn assert_whole(what: &str, reply: &Reply) {
-    assert_eq!(reply.status, 200, "{what}: {}", reply.body);
-    let (events, _) = dechunk(reply.body.as_bytes());
-    let events = String::from_utf8_lossy(&events);
-    assert!(
-        events.trim_end().ends_with("data: [DONE]"),
-        "{what}: {events}"
-    );
 }
 
 /// The copy planned, made beside the request that found the prefix hot,
