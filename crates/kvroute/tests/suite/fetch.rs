@@ -185,19 +185,7 @@ fn a_busy_holders_prefix_is_fetched_by_a_cooler_rank() {
     let reason = plan["reason"].as_str().unwrap_or_default();
     assert!(reason.starts_with("fetch: holder busy"), "{plan}");
     let handed_off = fetches(&serve, "handed_off");
-    let reply = request(
-        &serve,
-        "POST",
-        "/v1/completions",
-        &completion(&tokens, 4, false),
-    );
-    assert_eq!(reply.status, 200, "{}", reply.body);
-    assert_eq!(reply.header("x-kvroute-worker").as_deref(), Some("b"));
-    let answer = reply.json();
-    let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap_or(0);
-    assert!(cached >= 19 * 16, "the prefix arrived cached: {answer}");
+    runs_cached_on(&serve, &tokens, "b");
     assert_eq!(fetches(&serve, "handed_off"), handed_off + 1);
     assert_eq!(fetches(&serve, "fell_back"), 0);
     eventually("the index learns b holds the prefix too", || {
@@ -254,6 +242,27 @@ pub(super) fn a_holder_dies_mid_fetch(mut procs: Vec<Proc>, serve: &str, tokens:
     for loader in loaders {
         assert_whole("a loader", &loader.join().expect("a loader"));
     }
+}
+
+/// Sends a 4-token request of `tokens` through the router: it runs on
+/// worker `name` with the prompt's first 19 blocks reported cached.
+pub(super) fn runs_cached_on(serve: &str, tokens: &[u32], name: &str) {
+    let reply = request(
+        serve,
+        "POST",
+        "/v1/completions",
+        &completion(tokens, 4, false),
+    );
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    assert_eq!(reply.header("x-kvroute-worker").as_deref(), Some(name));
+    let answer = reply.json();
+    let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    assert!(
+        cached >= 19 * 16,
+        "the prefix was cached on {name}: {answer}"
+    );
 }
 
 /// A stream's reply ended whole (`[DONE]` last).

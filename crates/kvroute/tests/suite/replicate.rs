@@ -9,7 +9,9 @@
 use std::thread;
 
 use super::disagg::{auth, prompt};
-use super::fetch::{assert_whole, completion, fleet_flagged, held_by, load_until_planned, signal};
+use super::fetch::{
+    assert_whole, completion, fleet_flagged, held_by, load_until_planned, runs_cached_on, signal,
+};
 use crate::support::http::{count, metric_where, request, request_with};
 use crate::support::{eventually, Proc};
 
@@ -73,19 +75,7 @@ fn a_hot_prefix_is_copied_to_a_second_rank_ahead_of_demand() {
     assert!(shown.contains("replicate: hot prefix"), "{shown}");
     // The copy serves: the prefix's next request runs on the cooler holder
     // with the copied blocks cached.
-    let next = request(
-        &serve,
-        "POST",
-        "/v1/completions",
-        &completion(&tokens, 4, false),
-    );
-    assert_eq!(next.status, 200, "{}", next.body);
-    assert_eq!(next.header("x-kvroute-worker").as_deref(), Some("b"));
-    let answer = next.json();
-    let cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
-        .as_u64()
-        .unwrap_or(0);
-    assert!(cached >= 19 * 16, "the copied prefix was cached: {answer}");
+    runs_cached_on(&serve, &tokens, "b");
 }
 
 /// The holder frozen once a copy is planned (its legs taken, nothing
