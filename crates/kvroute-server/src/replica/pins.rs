@@ -5,8 +5,9 @@
 //!
 //! The pins live in a JetStream key-value bucket (`{prefix}-pins`, in
 //! memory, every entry kept at most the bucket's age): a replica puts each
-//! pin it makes, watches the bucket for its peers' pins (applied to its own
-//! tables as they come), and asks the bucket for a pin it does not have —
+//! pin it makes, watches the bucket for its peers' pins (every key's last
+//! one when the watch opens, then each as it comes, applied to its own
+//! tables), and asks the bucket for a pin it does not have —
 //! one made before it started — before it places the turn. Best effort:
 //! with NATS down a replica pins from its own tables, and a lost pin costs
 //! a session's turn its cache (a continuation its answer: see below).
@@ -481,7 +482,10 @@ impl PinShare {
     async fn watch(&self, store: kv::Store, pins: Arc<dyn SharedPins>) {
         let mut failures = 0u64;
         loop {
-            let mut updates = match store.watch_all().await {
+            // Every key's last pin first, then each new one: a replica that
+            // starts late, or watches again after a reconnection or a
+            // remade bucket, has every pin its peers made meanwhile.
+            let mut updates = match store.watch_with_history(">").await {
                 Ok(w) => w,
                 Err(e) => {
                     if failures == 0 {

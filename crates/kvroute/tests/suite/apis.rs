@@ -219,8 +219,7 @@ fn replicas_share_sessions_and_responses() {
         let env = [("KVROUTE_NATS", url.as_str()), ("KVROUTE_REPLICA_ID", id)];
         spawn_serve_with_env(&lines, &["--policy", "round-robin"], &env)
     };
-    let ((_a, a), (_b, b)) = (replica("a"), replica("b"));
-    for serve in [&a, &b] {
+    let routes = |serve: &str| {
         eventually("the replica routes", || {
             post(
                 serve,
@@ -230,8 +229,16 @@ fn replicas_share_sessions_and_responses() {
             .status
                 == 200
         });
-    }
-    // Each pin A makes from here on is one more that B applies.
+    };
+    // A pins responses before B is started: B learns them when it opens
+    // its watch, as well as every pin A makes after.
+    let (_a, a) = replica("a");
+    routes(&a);
+    eventually("A put its first pin", || {
+        count(&a, "kvroute_replica_pins_sent_total") >= 1
+    });
+    let (_b, b) = replica("b");
+    routes(&b);
     let pins = || count(&b, "kvroute_replica_pins_received_total");
     let settled = || {
         eventually("B applied every pin A sent so far", || {
