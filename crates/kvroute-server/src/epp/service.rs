@@ -203,8 +203,8 @@ impl Picker {
             has_body,
             trailers,
         } = whole;
-        let traced = crate::otel::spans::arrived("kvroute.pick", &head.headers, &head.path);
-        let picking = pick(&self.router, &head, (&body, share), has_body, arrived);
+        let traced = crate::otel::spans::arrived("kvroute.pick", &head.headers, head.path.clone());
+        let picking = std::pin::pin!(pick(&self.router, &head, (&body, share), has_body, arrived));
         let picked = tokio::select! {
             biased;
             () = out.closed() => return None,

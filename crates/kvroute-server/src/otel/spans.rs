@@ -11,25 +11,36 @@ use std::time::Duration;
 
 use axum::http::HeaderMap;
 use opentelemetry::trace::{SpanKind, Status, TraceContextExt as _, Tracer as _};
-use opentelemetry::{Context, KeyValue};
+use opentelemetry::{Context, KeyValue, StringValue, Value};
 
 use super::{headers, tracer};
 use crate::router::intake::RoutedRequest;
 use crate::router::observe::Decision;
 
+/// Room for every attribute the request's span gets (the ones it starts
+/// with, [`requested`]'s, [`queued`]'s, [`decided`]'s and [`answered`]'s),
+/// so that the span's list is allocated once.
+const REQUEST_ATTRIBUTES: usize = 18;
+
 /// The span of one request arriving at a door (`name`: `kvroute.request`
 /// at the HTTP door, `kvroute.pick` at the endpoint picker), the child of
 /// the `traceparent` its headers carry; `None` while tracing is off.
-pub fn arrived(name: &'static str, headers: &HeaderMap, path: &str) -> Option<Context> {
+pub fn arrived(
+    name: &'static str,
+    headers: &HeaderMap,
+    path: impl Into<StringValue>,
+) -> Option<Context> {
     let tracer = tracer()?;
     let parent = headers::parent(headers);
+    let mut attributes = Vec::with_capacity(REQUEST_ATTRIBUTES);
+    attributes.extend([
+        KeyValue::new("http.request.method", "POST"),
+        KeyValue::new("url.path", Value::String(path.into())),
+    ]);
     let span = tracer
         .span_builder(name)
         .with_kind(SpanKind::Server)
-        .with_attributes([
-            KeyValue::new("http.request.method", "POST"),
-            KeyValue::new("url.path", path.to_owned()),
-        ])
+        .with_attributes(attributes)
         .start_with_context(tracer, &parent);
     Some(parent.with_span(span))
 }
@@ -114,7 +125,7 @@ pub fn decided(d: &Decision) {
     if let Some(c) = d.candidates.get(d.chosen) {
         let cached = i64::try_from(c.matched_tokens).unwrap_or(i64::MAX);
         attributes.extend([
-            KeyValue::new("kvroute.worker", c.worker.to_string()),
+            KeyValue::new("kvroute.worker", Value::String(c.worker.clone().into())),
             KeyValue::new("kvroute.rank", i64::from(c.dp_rank.0)),
             KeyValue::new("kvroute.predicted_cached_tokens", cached),
             KeyValue::new("kvroute.cost", c.total),
@@ -167,7 +178,8 @@ impl Attempt {
     pub fn start(worker: &str, url: &str, rank: Option<u32>) -> Option<Attempt> {
         let tracer = tracer()?;
         let parent = Context::current();
-        let mut attributes = vec![KeyValue::new("kvroute.worker", worker.to_owned())];
+        let mut attributes = Vec::with_capacity(6);
+        attributes.push(KeyValue::new("kvroute.worker", worker.to_owned()));
         let (host, port) = host_port(url);
         attributes.push(KeyValue::new("server.address", host.to_owned()));
         if let Some(port) = port {

@@ -129,21 +129,27 @@ async fn vllm(
         why,
         ..
     } = placed;
-    let prefilling = vllm_prefill(proxy, candidates, &prefill, first_prefill, &request);
+    let prefilling = std::pin::pin!(vllm_prefill(
+        proxy,
+        candidates,
+        &prefill,
+        first_prefill,
+        &request
+    ));
     let prefill_span = crate::otel::spans::phase("kvroute.prefill");
     let params = match crate::otel::within(prefill_span, prefilling).await? {
         Prefilled::Params(params) => params,
         Prefilled::Answer(response) => return Ok(response),
     };
     let decodes = decode_ranks(candidates, decode, &request);
-    let decoding = relay_decode(
+    let decoding = std::pin::pin!(relay_decode(
         proxy,
         candidates,
         (&decodes, (decode, decode_guard)),
         params,
         &request,
         why,
-    );
+    ));
     crate::otel::within(crate::otel::spans::phase("kvroute.decode"), decoding).await
 }
 

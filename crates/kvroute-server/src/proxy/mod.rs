@@ -137,7 +137,10 @@ async fn handle(
     let routed = match body {
         Ok(Body(body, share)) => {
             let request = (request_id.as_str(), arrived);
-            let routing = route(&proxy, &headers, (&body, share), endpoint, request);
+            // Pinned where it is made: `within` then holds a pointer to
+            // it, not a moved copy of this large future.
+            let routing =
+                std::pin::pin!(route(&proxy, &headers, (&body, share), endpoint, request));
             crate::otel::within(traced.clone(), routing).await
         }
         Err(e) => Err(e),
