@@ -25,6 +25,7 @@
 //! them, as a load balancer in front of router replicas would.
 
 pub mod real_engines;
+pub mod rounds;
 
 use std::fmt;
 use std::future::Future;
@@ -227,30 +228,40 @@ impl DemoReport {
         Ok(())
     }
 
-    /// What the fetch lever did, beside `kv` without it.
+    /// What the fetch lever (and the copies of hot prefixes) did, beside
+    /// `kv` without it.
     fn fetch_line(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let name = crate::contender::KV_FETCH;
-        let Some((fetching, Some(fetches))) = self.policy(name).map(|p| (p, p.fetches)) else {
-            return Ok(());
-        };
-        write!(
-            f,
-            "{name}: {} requests fetched their prefix from a busy holder ({} blocks moved, {} fell back to recomputing)",
-            fetches.handed_off, fetches.blocks, fetches.fell_back
-        )?;
-        match self.policy("kv") {
-            Some(kv) => writeln!(
+        for name in [crate::contender::KV_FETCH, crate::contender::KV_REPLICATE] {
+            let Some((fetching, Some(fetches))) = self.policy(name).map(|p| (p, p.fetches)) else {
+                continue;
+            };
+            write!(
                 f,
-                "; vs kv: hit rate {:.3} vs {:.3}, TTFT p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms.",
-                fetching.hit_rate,
-                kv.hit_rate,
-                fetching.ttft_ms.p50,
-                kv.ttft_ms.p50,
-                fetching.ttft_ms.p99,
-                kv.ttft_ms.p99,
-            ),
-            None => writeln!(f, "."),
+                "{name}: {} requests fetched their prefix from a busy holder ({} blocks moved, {} fell back to recomputing)",
+                fetches.handed_off, fetches.blocks, fetches.fell_back
+            )?;
+            if name == crate::contender::KV_REPLICATE {
+                write!(
+                    f,
+                    "; {} hot prefixes copied ahead of demand ({} blocks)",
+                    fetches.copies, fetches.copied_blocks
+                )?;
+            }
+            match self.policy("kv") {
+                Some(kv) => writeln!(
+                    f,
+                    "; vs kv: hit rate {:.3} vs {:.3}, TTFT p50 {:.1} vs {:.1} ms, p99 {:.1} vs {:.1} ms.",
+                    fetching.hit_rate,
+                    kv.hit_rate,
+                    fetching.ttft_ms.p50,
+                    kv.ttft_ms.p50,
+                    fetching.ttft_ms.p99,
+                    kv.ttft_ms.p99,
+                )?,
+                None => writeln!(f, ".")?,
+            }
         }
+        Ok(())
     }
 
     fn extra(&self, name: &str, key: &str) -> u64 {
@@ -680,6 +691,8 @@ impl Routers<'_> {
                 fetches.handed_off += f.handed_off;
                 fetches.fell_back += f.fell_back;
                 fetches.blocks += f.blocks;
+                fetches.copies += f.copies;
+                fetches.copied_blocks += f.copied_blocks;
             }
             result.fetches = Some(fetches);
         }

@@ -115,3 +115,97 @@ async fn the_fetch_policy_reports_what_it_moved() {
     let line = format!("{fetch}: {} requests fetched", counts["handed_off"]);
     assert!(text.contains(&line), "{text}");
 }
+
+/// `--rounds`: every round runs every policy, the second in the reverse
+/// order, and the summary gives each figure's median and spread and each
+/// policy's comparison with `dynamo` and `sglang-cache-aware` round by
+/// round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rounds_alternate_the_order_and_sum_up_by_medians() {
+    use crate::contender::{DYNAMO, SGLANG};
+    use kvroute_prompt::{ImageTokenRule, Renderer, Tokenizer};
+    let names = ["kv", DYNAMO, SGLANG];
+    let contenders = names
+        .iter()
+        .map(|n| (n.to_string(), n.parse::<Contender>().expect("known")))
+        .collect();
+    let config = small_run(WorkerFlavor::Vllm, contenders, 1);
+    let tokenizer = std::sync::Arc::new(Renderer::new(
+        Tokenizer::builtin(),
+        ImageTokenRule::fixed(MM_TOKENS_PER_IMAGE),
+    ));
+    let rounds = rounds::run_rounds(&config, tokenizer, 2, std::future::pending())
+        .await
+        .expect("the rounds run")
+        .expect("not interrupted");
+    let order = |i: usize| -> Vec<String> {
+        rounds.reports()[i]
+            .report
+            .policies
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
+    };
+    assert_eq!(order(0), names);
+    assert_eq!(order(1), [SGLANG, DYNAMO, "kv"]);
+    let summary = rounds.summary();
+    assert_eq!(summary["rounds"], 2);
+    let kv = &summary["policies"]["kv"];
+    let hits: Vec<f64> = (0..2)
+        .map(|i| rounds.reports()[i].report.get("kv").expect("ran").hit_rate)
+        .collect();
+    assert_eq!(
+        kv["hit rate"]["median"],
+        (hits[0] + hits[1]) / 2.0,
+        "{summary}"
+    );
+    assert_eq!(kv["hit rate"]["min"], hits[0].min(hits[1]), "{summary}");
+    let ratio = |i: usize| {
+        let r = &rounds.reports()[i].report;
+        r.get("kv").expect("ran").latency_ms.p99 / r.get(DYNAMO).expect("ran").latency_ms.p99
+    };
+    let ratios = [ratio(0), ratio(1)];
+    assert_eq!(
+        kv["latency p99 / dynamo's"]["max"],
+        ratios[0].max(ratios[1]),
+        "{summary}"
+    );
+    assert!(
+        kv.get("hit rate − sglang-cache-aware's").is_some(),
+        "{summary}"
+    );
+    assert!(summary["policies"][DYNAMO]
+        .get("latency p99 / dynamo's")
+        .is_none());
+    let text = rounds.to_string();
+    assert!(text.contains("medians of 2 rounds"), "{text}");
+    assert!(text.contains("kv: latency p99 / dynamo's "), "{text}");
+    let doc = rounds.document().expect("a document");
+    assert_eq!(doc["rounds"].as_array().map(Vec::len), Some(2));
+    let too_many = rounds::run_rounds(
+        &config,
+        std::sync::Arc::new(Renderer::new(
+            Tokenizer::builtin(),
+            ImageTokenRule::fixed(MM_TOKENS_PER_IMAGE),
+        )),
+        rounds::MAX_ROUNDS + 1,
+        std::future::pending(),
+    );
+    assert!(too_many.await.is_err());
+}
+
+/// `kv-replicate` runs in the demo, its copies counted beside its fetches.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replicating_policy_runs_and_reports_its_copies() {
+    let name = crate::contender::KV_REPLICATE;
+    let contenders = vec![(name.to_owned(), Contender::Router(Routing::replicate()))];
+    let done = report_of(&small_run(WorkerFlavor::Vllm, contenders, 1)).await;
+    let p = done.report.get(name).expect("the policy ran");
+    assert_eq!((p.requests, p.failed), (24, 0));
+    assert!(p.fetches.is_some(), "its counters were read");
+    let text = done.to_string();
+    assert!(
+        text.contains("hot prefixes copied ahead of demand"),
+        "{text}"
+    );
+}

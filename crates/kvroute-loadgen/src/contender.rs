@@ -27,6 +27,11 @@ pub const KV_TAIL: &str = "kv-tail";
 /// fetches the prefix's blocks.
 pub const KV_FETCH: &str = "kv-fetch";
 
+/// The name of `kv-fetch` that also copies a hot prefix ahead of demand
+/// ([`Routing::replicate`]): a holder saturated for 2 s has the prefix
+/// copied to a second rank, up to 256 blocks per rank.
+pub const KV_REPLICATE: &str = "kv-replicate";
+
 /// The name of SGLang router's `cache_aware` re-implemented
 /// ([`Policy::SglangCacheAware`]).
 pub const SGLANG: &str = "sglang-cache-aware";
@@ -166,6 +171,18 @@ impl Routing {
     }
 }
 
+impl Routing {
+    /// [`Routing::fetch`] with hot prefixes copied ahead of demand
+    /// ([`ReplicaConfig::default`]: saturated for 2 s, 256 blocks per
+    /// rank), as `serve --replicate-hot-ms 2000` does.
+    pub fn replicate() -> Self {
+        Routing {
+            replicate: Some(ReplicaConfig::default()),
+            ..Routing::fetch()
+        }
+    }
+}
+
 /// One side of a comparison.
 // `Copy` and passed by value a few times per run: boxing the settings
 // would cost more than the bytes the oracle's variant leaves unused.
@@ -207,6 +224,9 @@ impl std::str::FromStr for Contender {
         if name == KV_FETCH {
             return Ok(Contender::Router(Routing::fetch()));
         }
+        if name == KV_REPLICATE {
+            return Ok(Contender::Router(Routing::replicate()));
+        }
         if name == KV_DYNAMO_WEIGHTS {
             return Ok(Contender::Router(Routing {
                 weights: CostWeights::DYNAMO,
@@ -219,7 +239,7 @@ impl std::str::FromStr for Contender {
             .map(|p| Contender::Router(Routing::new(p)))
             .map_err(|e| {
                 Error::Invalid(format!(
-                    "{e}, kv-tail, kv-fetch, kv-dynamo-weights, kv-split, aggregated or oracle"
+                    "{e}, kv-tail, kv-fetch, kv-replicate, kv-dynamo-weights, kv-split, aggregated or oracle"
                 ))
             })
     }
@@ -245,6 +265,14 @@ mod tests {
         assert_eq!("oracle".parse::<Contender>().ok(), Some(Contender::Oracle));
         let fetch: Contender = "kv-fetch".parse().expect("known");
         assert_eq!(fetch, Contender::Router(Routing::fetch()));
+        let replicate: Contender = "kv-replicate".parse().expect("known");
+        let Contender::Router(r) = replicate else {
+            panic!("a router");
+        };
+        assert_eq!(
+            (r.fetch, r.replicate),
+            (Routing::fetch().fetch, Some(ReplicaConfig::default()))
+        );
         let tail: Contender = "kv-tail".parse().expect("known");
         assert_eq!(tail, Contender::Router(Routing::tail()));
         assert_eq!(

@@ -158,10 +158,13 @@ impl RunningRouter {
         let text = self.metrics(client).await?;
         let outcomes = metrics::by_label(&text, "kvroute_proxy_fetches_total", "outcome");
         let outcome = |o: &str| outcomes.get(o).copied().unwrap_or(0);
+        let copies = metrics::by_label(&text, "kvroute_proxy_replications_total", "outcome");
         Ok(Fetches {
             handed_off: outcome("handed_off"),
             fell_back: outcome("fell_back"),
             blocks: metrics::sum(&text, "kvroute_proxy_fetched_blocks_total"),
+            copies: copies.get("copied").copied().unwrap_or(0),
+            copied_blocks: metrics::sum(&text, "kvroute_proxy_replicated_blocks_total"),
         })
     }
 

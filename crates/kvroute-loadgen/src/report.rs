@@ -81,6 +81,18 @@ pub struct Fetches {
     pub fell_back: u64,
     /// Blocks the handed-off fetches moved (as the placer planned them).
     pub blocks: u64,
+    /// Hot prefixes copied ahead of demand to a second rank
+    /// (`kvroute_proxy_replications_total{outcome="copied"}`; 0 unless
+    /// the router replicates).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub copies: u64,
+    /// Blocks those copies moved (`kvroute_proxy_replicated_blocks_total`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub copied_blocks: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// The policy whose hit rate the others are compared with.
@@ -298,6 +310,7 @@ pub(crate) mod tests {
             handed_off: 3,
             fell_back: 1,
             blocks: 57,
+            ..Fetches::default()
         });
         r.push("kv-fetch", fetching);
         let v = serde_json::to_value(&r).expect("json");

@@ -93,8 +93,15 @@ pub struct DemoArgs {
     trace: Option<PathBuf>,
     /// Keep the engines and the first router policy's router up after the
     /// run, print its dashboard's URL, and stop on Ctrl-C.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "rounds")]
     keep: bool,
+    /// Run the comparison this many times, the policies' order reversed
+    /// every other round, and print each figure's median with its spread
+    /// (lowest–highest round), and each policy's latency p99 over
+    /// dynamo's and hit rate less sglang-cache-aware's, taken round by
+    /// round. One run on a shared machine cannot rank two routers.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..=9))]
+    rounds: u16,
     /// Where the JSON report goes.
     #[arg(long, default_value = "demo-report.json")]
     report: PathBuf,
@@ -330,6 +337,9 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     };
     let tokenizer = renderer(tokenizer, MM_TOKENS_PER_IMAGE);
     let runtime = super::runtime()?;
+    if args.rounds > 1 {
+        return run_rounds(args, &config, tokenizer, &runtime);
+    }
     let outcome = runtime
         .block_on(async { demo::run(&config, tokenizer, super::shutdown_signal()).await })?;
     let Some((done, kept)) = outcome else {
@@ -364,6 +374,45 @@ pub fn run(args: &DemoArgs) -> Result<ExitCode> {
     } else if args.keep {
         println!("\n--keep: no router policy ran, so there is no dashboard to keep");
     }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `--rounds N` (N ≥ 2): every round's table, then the medians; the report
+/// holds every round's document and the summary, the plot the last
+/// round's.
+fn run_rounds(
+    args: &DemoArgs,
+    config: &DemoConfig,
+    tokenizer: kvroute_loadgen::embedded_router::RouterTokenizer,
+    runtime: &tokio::runtime::Runtime,
+) -> Result<ExitCode> {
+    let rounds = usize::from(args.rounds);
+    let outcome = runtime.block_on(async {
+        demo::rounds::run_rounds(config, tokenizer, rounds, super::shutdown_signal()).await
+    })?;
+    let Some(done) = outcome else {
+        eprintln!("kvroute demo: interrupted; the routers and the engines are stopped");
+        return Ok(ExitCode::from(130));
+    };
+    for (i, round) in done.reports().iter().enumerate() {
+        println!("\nround {} of {rounds}:", i + 1);
+        print!("{round}");
+    }
+    println!();
+    print!("{done}");
+    let text = serde_json::to_string_pretty(&done.document()?)?;
+    std::fs::write(&args.report, text + "\n")
+        .with_context(|| format!("--report {}", args.report.display()))?;
+    if let Some(last) = done.reports().last() {
+        kvroute_loadgen::write_svg_plot(&args.plot, &last.report)
+            .with_context(|| format!("--plot {}", args.plot.display()))?;
+    }
+    println!(
+        "\nwrote {} (every round and the medians) and {} (the last round), {} requests per policy per round",
+        args.report.display(),
+        args.plot.display(),
+        config.load.requests
+    );
     Ok(ExitCode::SUCCESS)
 }
 
