@@ -684,7 +684,7 @@ impl Routers<'_> {
             },
         };
         let mut result = driver::run(client, &endpoint, options).await?;
-        if self.routing.fetch.is_some() {
+        if self.routing.fetch.is_some() || self.routing.replicate.is_some() {
             let mut fetches = Fetches::default();
             for router in &routers {
                 let f = router.fetches(client).await?;

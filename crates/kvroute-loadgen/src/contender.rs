@@ -27,9 +27,9 @@ pub const KV_TAIL: &str = "kv-tail";
 /// fetches the prefix's blocks.
 pub const KV_FETCH: &str = "kv-fetch";
 
-/// The name of `kv-fetch` that also copies a hot prefix ahead of demand
+/// The name of `kv` copying hot prefixes ahead of demand, without fetches
 /// ([`Routing::replicate`]): a holder saturated for 2 s has the prefix
-/// copied to a second rank, up to 256 blocks per rank.
+/// copied to a second rank, up to 1,024 blocks per rank.
 pub const KV_REPLICATE: &str = "kv-replicate";
 
 /// The name of SGLang router's `cache_aware` re-implemented
@@ -172,13 +172,18 @@ impl Routing {
 }
 
 impl Routing {
-    /// [`Routing::fetch`] with hot prefixes copied ahead of demand
-    /// ([`ReplicaConfig::default`]: saturated for 2 s, 256 blocks per
-    /// rank), as `serve --replicate-hot-ms 2000` does.
+    /// `kv` with hot prefixes copied ahead of demand and no fetch (with
+    /// fetches on, a fetch makes the copy and none is asked): saturated
+    /// for 2 s, 1,024 blocks per rank, the simulator's best alone
+    /// (docs/serving.md, "Replication of hot prefixes"), as `serve
+    /// --replicate-hot-ms 2000 --replica-budget-blocks 1024` does.
     pub fn replicate() -> Self {
         Routing {
-            replicate: Some(ReplicaConfig::default()),
-            ..Routing::fetch()
+            replicate: Some(ReplicaConfig {
+                hot_for_ms: 2_000,
+                budget_blocks: 1_024,
+            }),
+            ..Routing::new(Policy::Kv)
         }
     }
 }
@@ -269,10 +274,8 @@ mod tests {
         let Contender::Router(r) = replicate else {
             panic!("a router");
         };
-        assert_eq!(
-            (r.fetch, r.replicate),
-            (Routing::fetch().fetch, Some(ReplicaConfig::default()))
-        );
+        assert_eq!(r.fetch, None, "a fetch would make the copy itself");
+        assert_eq!(r.replicate.map(|c| c.budget_blocks), Some(1_024));
         let tail: Contender = "kv-tail".parse().expect("known");
         assert_eq!(tail, Contender::Router(Routing::tail()));
         assert_eq!(
