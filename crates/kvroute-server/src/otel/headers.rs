@@ -61,8 +61,8 @@ pub fn of(cx: &Context) -> HeaderMap {
         headers.insert(HeaderName::from_static("traceparent"), value);
     }
     let state = context.trace_state().header();
-    if let Ok(value) = HeaderValue::from_str(&state) {
-        if !state.is_empty() {
+    if !state.is_empty() {
+        if let Ok(value) = HeaderValue::from_str(&state) {
             headers.insert(HeaderName::from_static("tracestate"), value);
         }
     }
