@@ -176,8 +176,7 @@ impl DemoReport {
 
     /// Writes [`DemoReport::document`] as pretty JSON to `path`.
     pub fn write_json(&self, path: &Path) -> Result<()> {
-        let text = serde_json::to_string_pretty(&self.document()?)?;
-        std::fs::write(path, text + "\n").map_err(Error::io(format!("writing {}", path.display())))
+        write_pretty_json(path, &self.document()?)
     }
 
     fn policy(&self, name: &str) -> Option<&PolicyReport> {
@@ -336,6 +335,13 @@ impl fmt::Display for DemoReport {
         }
         Ok(())
     }
+}
+
+/// Writes `doc` as pretty JSON, with a final newline, to `path` (a run's
+/// report and the rounds' alike).
+pub(crate) fn write_pretty_json(path: &Path, doc: &Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(doc)?;
+    std::fs::write(path, text + "\n").map_err(Error::io(format!("writing {}", path.display())))
 }
 
 /// Empties every mock engine's prefix cache, so each policy starts cold.

@@ -214,6 +214,11 @@ impl Rounds {
         let rounds: Result<Vec<Value>> = self.rounds.iter().map(DemoReport::document).collect();
         Ok(json!({"rounds": rounds?, "summary": self.summary()}))
     }
+
+    /// Writes [`Rounds::document`] as pretty JSON to `path`.
+    pub fn write_json(&self, path: &std::path::Path) -> Result<()> {
+        crate::write_pretty_json(path, &self.document()?)
+    }
 }
 
 /// Each figure's median (lowest–highest) per policy, then the comparisons.

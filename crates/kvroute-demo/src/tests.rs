@@ -180,8 +180,15 @@ async fn rounds_alternate_the_order_and_sum_up_by_medians() {
     let text = rounds.to_string();
     assert!(text.contains("medians of 2 rounds"), "{text}");
     assert!(text.contains("kv: latency p99 / dynamo's "), "{text}");
-    let doc = rounds.document().expect("a document");
+    let file = std::env::temp_dir().join(format!("kvroute-rounds-{}.json", std::process::id()));
+    rounds.write_json(&file).expect("written");
+    let written = std::fs::read_to_string(&file).expect("read");
+    let _ = std::fs::remove_file(&file);
+    let doc: Value = serde_json::from_str(&written).expect("JSON");
     assert_eq!(doc["rounds"].as_array().map(Vec::len), Some(2));
+    // (Floats read back from text may differ in their last digit.)
+    assert_eq!(doc["summary"]["rounds"], 2);
+    assert!(doc["summary"]["policies"]["kv"]["latency p99 / dynamo's"]["median"].is_f64());
     let too_many = rounds::run_rounds(
         &config,
         std::sync::Arc::new(Renderer::new(

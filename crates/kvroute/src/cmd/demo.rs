@@ -400,8 +400,7 @@ fn run_rounds(
     }
     println!();
     print!("{done}");
-    let text = serde_json::to_string_pretty(&done.document()?)?;
-    std::fs::write(&args.report, text + "\n")
+    done.write_json(&args.report)
         .with_context(|| format!("--report {}", args.report.display()))?;
     if let Some(last) = done.reports().last() {
         kvroute_loadgen::write_svg_plot(&args.plot, &last.report)
