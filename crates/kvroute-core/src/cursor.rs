@@ -27,6 +27,14 @@
 //! to the engine is down ([`StreamCursor::suspend`]) live batches wait, so a
 //! restarted engine's batch can never become the anchor.
 //!
+//! From the moment the link drops (or a rank is resumed from a snapshot)
+//! until a replay has ended or the rank was cleared, the rank's blocks are
+//! **in doubt** ([`StreamCursor::in_doubt`]): they may be a dead engine's,
+//! whose restarted successor on the same ports holds nothing. They stay in
+//! the index (a blip of the link loses no cache), but routing must not
+//! count on them, or its first request to a restarted engine is predicted
+//! as a hit the engine no longer has.
+//!
 //! | live batch | meaning | actions |
 //! | --- | --- | --- |
 //! | `seq == last + 1` | contiguous | apply |
@@ -236,6 +244,8 @@ pub struct StreamCursor<T> {
     history: History,
     fingerprint: fn(&T) -> u64,
     stats: CursorStats,
+    /// The applied blocks may be a previous engine's (see [`StreamCursor::in_doubt`]).
+    doubt: bool,
 }
 
 /// Replayed batches remembered for duplicate detection, at most.
@@ -313,7 +323,21 @@ impl<T> StreamCursor<T> {
             history: History::Exact,
             fingerprint,
             stats: CursorStats::default(),
+            doubt: false,
         }
+    }
+
+    /// True from the link's drop (or a resume from a snapshot) until a
+    /// replay has ended or the rank was cleared: until then nothing proves
+    /// the engine behind the applied blocks is the one now on its ports.
+    pub fn in_doubt(&self) -> bool {
+        self.doubt
+    }
+
+    /// The link dropped on a stream with no replay ring: the blocks are in
+    /// doubt until [`StreamCursor::reconnected_unverifiable`] starts over.
+    pub fn distrust(&mut self) {
+        self.doubt = true;
     }
 
     /// The next expected sequence number, once anything was applied.
@@ -376,6 +400,7 @@ impl<T> StreamCursor<T> {
     /// (and replays what followed) or shows it restarted (and clears).
     pub fn resume(&mut self, seq: u64, fingerprint: u64, exact: bool) {
         self.last = Some(Anchor { seq, fingerprint });
+        self.doubt = true;
         self.history = if exact {
             History::Exact
         } else {
@@ -405,6 +430,7 @@ impl<T> StreamCursor<T> {
 
     fn clear(&mut self, reason: ClearReason, out: &mut Vec<Action<T>>) {
         self.stats.clears += 1;
+        self.doubt = false;
         self.last = None;
         self.seen = Seen::default();
         self.history = History::Exact;
@@ -559,6 +585,9 @@ impl<T> StreamCursor<T> {
             return;
         }
         let complete = end == ReplayEnd::Complete && replay.sent;
+        // Whatever the replay showed (continuity, a restart, a short ring),
+        // the rank's blocks are what the cursor now knows of this engine.
+        self.doubt &= !complete;
         if complete && !replay.answered && replay.anchor.is_some() {
             // The ring holds nothing at or after a batch this engine published:
             // it is not that engine any more.
@@ -615,6 +644,7 @@ impl<T> StreamCursor<T> {
     /// that happens to carry the next seq would be applied, and become the
     /// anchor later checks compare against.
     pub fn suspend(&mut self) {
+        self.doubt = true;
         if self.replay.is_none() {
             self.replay = Some(self.new_replay(false));
         }
@@ -650,6 +680,7 @@ impl<T> StreamCursor<T> {
     /// engine is the same, so the rank starts over.
     pub fn reconnected_unverifiable(&mut self, out: &mut Vec<Action<T>>) {
         self.replay = None;
+        self.doubt = false;
         if self.last.is_some() || self.history != History::Exact {
             self.clear(ClearReason::Unverifiable, out);
         }

@@ -368,6 +368,7 @@ impl SimRouter {
                 load: &|k, seqs| Load::of(active.get(&k), seqs),
                 available: &|_| true,
                 learned_speed: &|k| learner.as_ref()?.speed(k),
+                trusted: &|_| true,
             },
         );
         Scoring { scored, hashes }

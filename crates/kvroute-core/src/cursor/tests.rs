@@ -458,6 +458,14 @@ proptest! {
                 Step::Verify => c.verify(&mut out),
             }
             run(&mut c, &engine, out, &mut state);
+            // What routing counts on is never a dead engine's: blocks of an
+            // earlier generation are only ever held in doubt.
+            if !c.in_doubt() && c.history() == History::Exact {
+                prop_assert!(
+                    state.iter().all(|p| p.1 == engine.generation),
+                    "trusted blocks of a restarted engine's predecessor"
+                );
+            }
         }
         // The link comes back, or the shell verifies a quiet stream:
         // afterwards the state must match.
@@ -557,4 +565,51 @@ fn a_replay_cut_short_without_its_end_marker_is_asked_again_from_where_it_stoppe
     // A replay that brings nothing before timing out is not asked again.
     c.verify(&mut Vec::new());
     assert!(finished(&mut c, ReplayEnd::TimedOut).is_empty());
+}
+
+/// From the link's drop until a replay has ended, the blocks are in doubt:
+/// whether the same engine comes back (continuity proven) or a restarted
+/// one (the rank cleared), or no proof comes at all (the replay timed out).
+#[test]
+fn blocks_are_in_doubt_from_the_links_drop_until_a_replay_ends() {
+    let mut c = cursor();
+    for seq in 0..3 {
+        live(&mut c, seq, 0);
+    }
+    assert!(!c.in_doubt(), "a live stream is trusted");
+    c.suspend();
+    assert!(c.in_doubt(), "the link dropped");
+    resync(&mut c);
+    assert!(replayed(&mut c, 2, 0).is_empty(), "the same engine");
+    assert!(c.in_doubt(), "until its replay ends");
+    assert!(finished(&mut c, ReplayEnd::Complete).is_empty());
+    assert!(!c.in_doubt(), "continuity proven");
+    // A restarted engine: the end marker alone clears the rank.
+    c.suspend();
+    resync(&mut c);
+    assert_eq!(finished(&mut c, ReplayEnd::Complete), [RESTART, replay(0)]);
+    assert!(!c.in_doubt(), "cleared: nothing left to doubt");
+    finished(&mut c, ReplayEnd::Complete);
+    // No proof: a replay that timed out leaves the doubt.
+    live(&mut c, 0, 1);
+    c.suspend();
+    resync(&mut c);
+    finished(&mut c, ReplayEnd::TimedOut);
+    assert!(c.in_doubt(), "nothing proved the engine the same");
+    // A verify later proves it.
+    c.verify(&mut Vec::new());
+    replayed(&mut c, 0, 1);
+    finished(&mut c, ReplayEnd::Complete);
+    assert!(!c.in_doubt());
+    // Resumed from a snapshot: in doubt until the first resync's replay ends.
+    let mut c = cursor();
+    c.resume(7, 7, true);
+    assert!(c.in_doubt());
+    // Without a replay ring, a reconnection starts over.
+    let mut c = cursor();
+    live(&mut c, 0, 0);
+    c.distrust();
+    assert!(c.in_doubt());
+    c.reconnected_unverifiable(&mut Vec::new());
+    assert!(!c.in_doubt());
 }

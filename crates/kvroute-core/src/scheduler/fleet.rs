@@ -137,6 +137,10 @@ pub struct FleetView<'a> {
     pub available: &'a dyn Fn(&str) -> bool,
     /// A rank's learned speed, which stands in for its worker's declared one.
     pub learned_speed: &'a dyn Fn(WorkerRank) -> Option<f64>,
+    /// Whether a rank's indexed blocks count: not while they may be a dead
+    /// engine's, whose restarted successor on the same ports holds none
+    /// (a rank scored as holding nothing is predicted a miss).
+    pub trusted: &'a dyn Fn(WorkerRank) -> bool,
 }
 
 /// One scored candidate per rank of every worker in `targets` that is
@@ -157,7 +161,11 @@ pub fn score<T: AsRef<RouteTarget>>(
         };
         for &rank in &t.ranks {
             let key = WorkerRank { worker: t.id, rank };
-            let matched = set.matches.iter().find(|m| m.worker_rank == key);
+            let matched = set
+                .matches
+                .iter()
+                .find(|m| m.worker_rank == key)
+                .filter(|_| (view.trusted)(key));
             let load = (view.load)(key, &set.seqs);
             let speed = (view.learned_speed)(key).unwrap_or(t.speed);
             out.push(Scored::rank(
@@ -360,6 +368,7 @@ mod tests {
             load,
             available,
             learned_speed: &|_| None,
+            trusted: &|_| true,
         }
     }
 }

@@ -288,6 +288,8 @@ impl RankStream {
                 self.replay_end(ReplayEnd::Unavailable);
             }
             self.cursor.suspend();
+        } else {
+            self.cursor.distrust();
         }
         self.publish();
     }
@@ -529,6 +531,9 @@ impl RankStream {
             exact,
         });
         stats.set_cursor(self.cursor.stats(), self.cursor.next_seq(), at);
+        stats
+            .in_doubt
+            .store(self.cursor.in_doubt(), Ordering::Relaxed);
         let (state, reason) = self.state();
         let old = stats.state();
         if stats.set_state(state, reason.clone()) {

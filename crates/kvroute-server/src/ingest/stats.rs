@@ -114,6 +114,11 @@ pub struct RankStats {
     resume: Mutex<Option<ResumePoint>>,
     state: AtomicU8,
     reason: Mutex<Option<String>>,
+    /// The rank's blocks may be a dead engine's, whose restarted successor
+    /// holds none (the link dropped, or they were restored from a snapshot,
+    /// and no replay has proven the stream since): routing does not count
+    /// them until it has.
+    pub in_doubt: AtomicBool,
     /// Consecutive requests whose prediction matched the engine's report,
     /// while degraded; enough of them make the rank live again.
     pub exact_streak: AtomicU32,

@@ -7,6 +7,7 @@
 //! first (`Admitted::pick`).
 
 use std::borrow::Cow;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use kvroute_core::hash::{sequence_hashes, LocalBlockHash, SequenceHash};
@@ -371,14 +372,19 @@ pub(crate) fn decision(
     let chosen_at = shown.iter().position(|&i| i == index).unwrap_or(0);
     let policy = router.config().policy;
     let s = &candidates.scored[index];
-    let state = target
-        .stats_of(s.key.rank)
-        .map_or(RankState::Live, |st| st.state());
+    let stats = target.stats_of(s.key.rank);
+    let state = stats.map_or(RankState::Live, |st| st.state());
+    let doubted = stats.is_some_and(|st| st.in_doubt.load(Ordering::Relaxed));
     let prompt_tokens = req.body.tokens.as_ref().map_or(0, |t| t.len() as u64);
     let load_only = if req.body.tokens.is_none() {
         Some("no tokens: no tokenizer for this request".to_owned())
     } else if !matches!(policy, Policy::Kv | Policy::Approx) {
         Some(format!("policy {}", policy.as_str()))
+    } else if doubted {
+        Some(format!(
+            "rank {}: its engine may have restarted since its blocks were indexed",
+            state.as_str()
+        ))
     } else if matches!(
         state,
         RankState::Degraded | RankState::Disconnected | RankState::Error

@@ -5,6 +5,7 @@
 //! server's own: the workers' addresses and ingest state beside what
 //! routing sees of them, and the request's hashes from its parsed body.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use kvroute_core::event::WorkerFlavor;
@@ -80,6 +81,7 @@ impl Router {
         // Index walks first, outside the active-sequence lock.
         let hashes = RequestHashes::compute(&targets, &self.index, locals_at, flavor_matters);
         let learned = self.learned_speeds();
+        let doubted = in_doubt(&targets);
         // Reports older than three scrapes are the engine's past, not its load.
         let reports = self
             .config
@@ -103,6 +105,7 @@ impl Router {
                 load: &|key, seqs| Load::of(ranks.get(&key), seqs).with_report(report(&key)),
                 available: &|name| !elsewhere.contains(&name) && self.breakers.available(name),
                 learned_speed: &|key| learned.as_ref()?.get(&key).copied(),
+                trusted: &|key| !doubted.contains(&key),
             },
         );
         let candidates = Candidates {
@@ -113,4 +116,21 @@ impl Router {
         let r = then(&candidates, &mut ranks);
         (candidates, r)
     }
+}
+
+/// The ranks whose blocks are in doubt now (their engine may have restarted
+/// since: see `RankStats::in_doubt`); almost always none.
+fn in_doubt(targets: &[Target]) -> Vec<WorkerRank> {
+    let mut out = Vec::new();
+    for t in targets {
+        for (rank, stats) in &t.rank_stats {
+            if stats.in_doubt.load(Ordering::Relaxed) {
+                out.push(WorkerRank {
+                    worker: t.route.id,
+                    rank: *rank,
+                });
+            }
+        }
+    }
+    out
 }

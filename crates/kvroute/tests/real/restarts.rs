@@ -144,10 +144,17 @@ fn a_killed_and_restarted_engine_leaves_no_ghost_blocks_and_no_misprediction() {
         let restarts = rank_counter(&serve, &victim.name, "engine_restarts");
 
         kill(&bed, &victim);
+        // The kernel closes the dead engine's sockets: the router hears its
+        // link drop, and from then on holds the victim's blocks in doubt.
+        eventually(
+            &format!("trial {trial}: the router sees {}'s link drop", victim.name),
+            || worker(&workers(&serve), &victim.name)["ranks"][0]["connected"] == false,
+        );
         restart(&bed, &victim);
         bed.restarted(&victim);
         // At once, the first request after the engine is back: whatever
-        // the router knows by now, its prediction must hold.
+        // the router knows by now (its replay may not have proven anything
+        // yet), its prediction must hold.
         let first_back = ask(&serve, "/v1/completions", &body);
         // Then the router hears the restart from the stream …
         eventually(
