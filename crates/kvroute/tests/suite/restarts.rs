@@ -15,7 +15,7 @@ use crate::support::engine::*;
 use crate::support::http::count;
 use crate::support::*;
 
-/// An engine after its restart, the router in front of it, its address and
+/// An engine (killed, or restarted), the router in front of it, its address and
 /// every prompt sent to the engine, by name.
 type Restarted = (Engine, Proc, String, Vec<(String, Vec<u32>)>);
 
@@ -110,9 +110,9 @@ fn an_engine_restarted_between_reconnects_is_detected_and_reindexed() {
     panic!("in 5 tries the router was back before the restarted engine had published");
 }
 
-/// One try of the scenario above: the engine, the router and every prompt
-/// sent, or `None` when the router was back before the engine published.
-fn restarted_while_the_router_is_away() -> Option<Restarted> {
+/// An engine with three prompts cached and predicted (the router's
+/// `last_seq` 2), then killed, once the router has seen its link drop.
+fn cached_then_killed() -> Restarted {
     let mut engine = Engine::start(1, &[]);
     let (router, serve) = router_for(&engine, &[]);
     let old = three_old_prompts(&serve, &engine);
@@ -124,6 +124,13 @@ fn restarted_while_the_router_is_away() -> Option<Restarted> {
         |c| *c == false,
     );
     assert_eq!(down, false, "the router never saw the engine go away");
+    (engine, router, serve, old)
+}
+
+/// One try of the scenario above: the engine, the router and every prompt
+/// sent, or `None` when the router was back before the engine published.
+fn restarted_while_the_router_is_away() -> Option<Restarted> {
+    let (mut engine, router, serve, old) = cached_then_killed();
     // Time, not an event: ZeroMQ's reconnect interval doubles from 100 ms
     // to its 2 s cap, its attempts falling 0.1, 0.3, 0.7, 1.5 and 3.1 s
     // after the disconnection, then 5.1 s: a restart just after 3.1 s
@@ -243,16 +250,7 @@ fn a_replay_from_a_wrapped_ring_is_incomplete_and_degraded() {
 /// engine's blocks, and the comparison was a miss.
 #[test]
 fn the_first_request_to_an_engine_back_before_the_router_proved_it_is_predicted_exactly() {
-    let mut engine = Engine::start(1, &[]);
-    let (_router, serve) = router_for(&engine, &[]);
-    let old = three_old_prompts(&serve, &engine);
-    engine.kill();
-    let down = settle(
-        10,
-        || rank(&serve, "w0", 0)["connected"].clone(),
-        |c| *c == false,
-    );
-    assert_eq!(down, false, "the router never saw the engine go away");
+    let (mut engine, _router, serve, old) = cached_then_killed();
     engine.replay = free_port();
     engine.restart();
     let (name, tokens) = &old[0];
