@@ -597,6 +597,10 @@ pub struct RankView {
     pub state: RankState,
     /// Why it is in that state (always set for `error` and `degraded`).
     pub state_reason: Option<String>,
+    /// Its blocks may be a dead engine's (the link dropped, or they were
+    /// restored, and no replay has proven the stream since): kept, but not
+    /// counted by routing.
+    pub in_doubt: bool,
     /// The stream's counters.
     #[serde(flatten)]
     pub counters: RankCounters,
@@ -634,6 +638,7 @@ fn rank_view(endpoints: &RankEndpoints, stats: &Arc<RankStats>, tiers: [u64; 4])
         },
         state: stats.state(),
         state_reason: stats.reason(),
+        in_doubt: stats.in_doubt.load(Ordering::Relaxed),
         counters: stats.counters(),
         stats: stats.clone(),
     }

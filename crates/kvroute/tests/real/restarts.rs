@@ -114,6 +114,8 @@ fn a_killed_and_restarted_engine_leaves_no_ghost_blocks_and_no_misprediction() {
     let (_router, serve) = bed.router_with_tokenizer(&[]);
     let mut prompts: Vec<Vec<u32>> = Vec::new();
     let mut after_restart = (0, 0);
+    // Restarts whose first request came before the router had proven anything.
+    let mut in_doubt = 0;
     for trial in 0..TRIALS {
         // A prompt of its own, cached and predicted somewhere.
         let prompt = tokens(1_000 + trial as u32 * 2_000, 1_000);
@@ -155,6 +157,8 @@ fn a_killed_and_restarted_engine_leaves_no_ghost_blocks_and_no_misprediction() {
         // At once, the first request after the engine is back: whatever
         // the router knows by now (its replay may not have proven anything
         // yet), its prediction must hold.
+        let doubted = worker(&workers(&serve), &victim.name)["ranks"][0]["in_doubt"] == true;
+        in_doubt += usize::from(doubted);
         let first_back = ask(&serve, "/v1/completions", &body);
         // Then the router hears the restart from the stream …
         eventually(
@@ -198,12 +202,15 @@ fn a_killed_and_restarted_engine_leaves_no_ghost_blocks_and_no_misprediction() {
             );
         }
         eprintln!(
-            "trial {trial}: {} killed and restarted; first request after it on {} cached {}, predicted exactly; 0 ghost blocks; same hashes",
-            victim.name, first_back.worker, first_back.cached
+            "trial {trial}: {} killed and restarted; first request after it (the victim {}) on {} cached {}, predicted exactly; 0 ghost blocks; same hashes",
+            victim.name,
+            if doubted { "in doubt" } else { "proven" },
+            first_back.worker,
+            first_back.cached
         );
     }
     eprintln!(
-        "{TRIALS} restarts: 0 ghost blocks, predictions exact on {} of {} requests after the restarts",
+        "{TRIALS} restarts ({in_doubt} with the first request while the victim was in doubt): 0 ghost blocks, predictions exact on {} of {} requests after the restarts",
         after_restart.1, after_restart.0
     );
 }

@@ -278,6 +278,8 @@ fn the_first_request_to_an_engine_back_before_the_router_proved_it_is_predicted_
         exact + 1,
         "{name}: the first request after the restart was mispredicted"
     );
-    // The blocks are kept, not dropped: /workers still counts them.
-    assert!(counter(&rank(&serve, "w0", 0)["blocks"], "device") > 0);
+    // The blocks are kept, not dropped: /workers still counts them, in doubt.
+    let r = rank(&serve, "w0", 0);
+    assert!(counter(&r["blocks"], "device") > 0, "{r}");
+    assert_eq!(r["in_doubt"], true, "{r}");
 }
