@@ -89,11 +89,14 @@ pub(super) fn restart(bed: &Bed, engine: &Engine) {
     );
 }
 
+/// `name`'s rank as the router's `/workers` shows it.
+fn rank_of(serve: &str, name: &str) -> Value {
+    worker(&workers(serve), name)["ranks"][0].clone()
+}
+
 /// The router's stream counter `key` of `name`'s rank.
 fn rank_counter(serve: &str, name: &str, key: &str) -> u64 {
-    worker(&workers(serve), name)["ranks"][0][key]
-        .as_u64()
-        .unwrap_or(0)
+    rank_of(serve, name)[key].as_u64().unwrap_or(0)
 }
 
 /// The router's `/query` match of `prompt` on `name`.
@@ -150,14 +153,14 @@ fn a_killed_and_restarted_engine_leaves_no_ghost_blocks_and_no_misprediction() {
         // link drop, and from then on holds the victim's blocks in doubt.
         eventually(
             &format!("trial {trial}: the router sees {}'s link drop", victim.name),
-            || worker(&workers(&serve), &victim.name)["ranks"][0]["connected"] == false,
+            || rank_of(&serve, &victim.name)["connected"] == false,
         );
         restart(&bed, &victim);
         bed.restarted(&victim);
         // At once, the first request after the engine is back: whatever
         // the router knows by now (its replay may not have proven anything
         // yet), its prediction must hold.
-        let doubted = worker(&workers(&serve), &victim.name)["ranks"][0]["in_doubt"] == true;
+        let doubted = rank_of(&serve, &victim.name)["in_doubt"] == true;
         in_doubt += usize::from(doubted);
         let first_back = ask(&serve, "/v1/completions", &body);
         // Then the router hears the restart from the stream …
